@@ -1,0 +1,231 @@
+"""Canonical JSON: the exact bytes that are hashed into a key and sent as the body.
+
+Two profiles:
+
+``python`` (default)
+    Byte-identical to ``json.dumps(v, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=True, allow_nan=False)``: what a Python tool server computes
+    from the parsed body.
+``jcs``
+    RFC 8785, the JSON Canonicalization Scheme, for servers in other languages.
+
+Before serialising, arguments become plain JSON values (:func:`to_jsonable`).
+Anything that cannot be carried exactly raises :class:`InvalidArguments`
+naming its path, such as ``args.items[2].price``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import hashlib
+import json
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal, TypeAlias
+
+from pydantic import BaseModel
+
+from ._exceptions import ConfigurationError, InvalidArguments
+
+__all__ = [
+    "JSONObject",
+    "Profile",
+    "args_hash",
+    "canonical_json",
+    "check_profile",
+    "to_jsonable",
+]
+
+Profile: TypeAlias = Literal["python", "jcs"]
+JSONObject: TypeAlias = dict[str, Any]
+
+_PROFILES = ("python", "jcs")
+# RFC 8785 numbers are IEEE 754 doubles: integers beyond 2**53 cannot be exact.
+_JCS_MAX_SAFE_INT = 2**53
+
+
+def check_profile(profile: object) -> Profile:
+    if profile not in _PROFILES:
+        raise ConfigurationError(
+            f"unknown canonical JSON profile {profile!r}; use 'python' or 'jcs'"
+        )
+    return profile  # type: ignore[return-value]
+
+
+def to_jsonable(args: object, *, root: str = "args") -> JSONObject:
+    """Convert tool arguments to a plain JSON object (dict with str keys).
+
+    Pydantic models dump in JSON mode, datetimes become ISO 8601 strings,
+    UUIDs strings, enums their values and tuples lists. Sets, NaN, infinities,
+    non-string keys and other values JSON cannot carry raise
+    :class:`InvalidArguments` with the path of the offending value.
+    """
+    if isinstance(args, BaseModel):
+        args = args.model_dump(mode="json")
+    if not isinstance(args, Mapping):
+        raise InvalidArguments(
+            f"tool arguments must be a JSON object (a mapping with string keys), "
+            f"got {type(args).__name__}; wrap the value, e.g. {{'value': ...}}",
+            path=root,
+        )
+    return _convert_mapping(args, root)
+
+
+def _convert_mapping(value: Mapping[Any, Any], path: str) -> JSONObject:
+    out: JSONObject = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidArguments(
+                f"object keys must be strings, got {type(key).__name__} key {key!r}; "
+                "convert the key to a string explicitly",
+                path=path,
+            )
+        child = f"{path}.{key}" if key.isidentifier() else f"{path}[{key!r}]"
+        out[key] = _convert(item, child)
+    return out
+
+
+def _convert(value: object, path: str) -> Any:
+    # Order matters: bool is an int, IntEnum is an int, StrEnum is a str.
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, enum.Enum):
+        return _convert(value.value, path)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArguments(
+                f"{value!r} is not valid JSON; send null or a string instead", path=path
+            )
+        return float(value)
+    if isinstance(value, BaseModel):
+        return _convert(value.model_dump(mode="json"), path)
+    if isinstance(value, Mapping):
+        return _convert_mapping(value, path)
+    if isinstance(value, (list, tuple)):
+        return [_convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        raise InvalidArguments(
+            "sets have no order and no JSON form; pass a sorted list instead", path=path
+        )
+    raise InvalidArguments(
+        f"a {type(value).__name__} cannot be carried by JSON exactly; convert it to "
+        "a string, number, list or object first",
+        path=path,
+    )
+
+
+def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
+    """Return the canonical JSON bytes of ``args`` under ``profile``.
+
+    These bytes are both the request body and the input of :func:`args_hash`.
+    """
+    checked = check_profile(profile)
+    value = to_jsonable(args)
+    if checked == "python":
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode("ascii")
+    return _jcs(value, "args").encode("utf-8")
+
+
+def args_hash(args: object, *, profile: Profile = "python") -> str:
+    """SHA-256 of the canonical JSON of ``args``, as 64 lowercase hex digits."""
+    return hashlib.sha256(canonical_json(args, profile=profile)).hexdigest()
+
+
+# --- RFC 8785 ---------------------------------------------------------------
+
+_JCS_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+}
+
+
+def _jcs_string(value: str, path: str) -> str:
+    parts = ['"']
+    for ch in value:
+        code = ord(ch)
+        if ch in _JCS_ESCAPES:
+            parts.append(_JCS_ESCAPES[ch])
+        elif code < 0x20:
+            parts.append(f"\\u{code:04x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise InvalidArguments(
+                "lone UTF-16 surrogates cannot be canonicalised by RFC 8785", path=path
+            )
+        else:
+            parts.append(ch)
+    parts.append('"')
+    return "".join(parts)
+
+
+def _jcs_number(value: int | float, path: str) -> str:
+    if isinstance(value, int):
+        if abs(value) > _JCS_MAX_SAFE_INT:
+            raise InvalidArguments(
+                f"integer {value} is beyond 2**53 and cannot be exact in RFC 8785 JSON; "
+                "send it as a string or use the 'python' profile",
+                path=path,
+            )
+        return str(value)
+    if value == 0:
+        return "0"  # also -0.0
+    # repr gives the shortest digits that round-trip, as ECMAScript requires;
+    # only the layout differs. Write |value| as 0.<digits> * 10**exponent.
+    mantissa, _, exp_text = repr(abs(value)).partition("e")
+    int_part, _, frac_part = mantissa.partition(".")
+    all_digits = int_part + frac_part
+    leading = len(all_digits) - len(all_digits.lstrip("0"))
+    digits = all_digits[leading:].rstrip("0")
+    exponent = len(int_part) + (int(exp_text) if exp_text else 0) - leading
+    k = len(digits)
+    sign = "-" if value < 0 else ""
+    if k <= exponent <= 21:
+        text = digits + "0" * (exponent - k)
+    elif 0 < exponent <= 21:
+        text = f"{digits[:exponent]}.{digits[exponent:]}"
+    elif -6 < exponent <= 0:
+        text = "0." + "0" * (-exponent) + digits
+    else:
+        e = exponent - 1
+        mant = digits if k == 1 else f"{digits[0]}.{digits[1:]}"
+        text = f"{mant}e{'+' if e >= 0 else '-'}{abs(e)}"
+    return sign + text
+
+
+def _utf16_key(key: str) -> bytes:
+    return key.encode("utf-16-be", "surrogatepass")
+
+
+def _jcs(value: Any, path: str) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return _jcs_string(value, path)
+    if isinstance(value, (int, float)):
+        return _jcs_number(value, path)
+    if isinstance(value, list):
+        return "[" + ",".join(_jcs(v, f"{path}[{i}]") for i, v in enumerate(value)) + "]"
+    items = sorted(value.items(), key=lambda kv: _utf16_key(kv[0]))
+    return (
+        "{" + ",".join(f"{_jcs_string(k, path)}:{_jcs(v, f'{path}.{k}')}" for k, v in items) + "}"
+    )

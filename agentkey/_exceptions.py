@@ -1,0 +1,213 @@
+"""Every error agentkey raises, in one tree.
+
+```
+AgentKeyError                      root: catch this to catch everything agentkey raises
+├── ConfigurationError (ValueError)  an option or call argument is wrong; fix the code
+│   └── MissingExtra (ImportError)     an optional extra is not installed
+├── InvalidArguments (ValueError)    tool arguments cannot become canonical JSON
+├── InvalidKey (ValueError)          a plan id, step index or Idempotency-Key is malformed
+├── InvokeError                      a tool call did not give a usable result
+│   ├── ToolError                      the tool answered with a final error
+│   │   ├── KeyRejected                  400: the server rejected the key
+│   │   └── PayloadMismatch              422: the body does not match args_hash
+│   ├── StepInProgress                 409 until the retry budget ran out
+│   ├── OutcomeUnknown                 budget ran out after an ambiguous failure
+│   ├── StepFailed                     an asynchronous operation reported failure
+│   ├── PollTimeout                    the poll deadline passed; resume later
+│   └── UnsafeRedirect                 a redirect or status URL leads to another origin
+├── AuthError                        credentials could not be obtained or were refused
+│   ├── AuthenticationError            the tool refused a freshly refreshed token
+│   ├── TokenError                     the token endpoint answered with an error
+│   │   └── DelegationExpired            the user's delegation cannot be renewed
+│   └── InsecureTransport              a bearer token would travel over plain http
+└── StoreError                       server side: the idempotency store failed
+    └── StoreUnavailable               the store cannot be reached
+```
+
+Every message says what happened, which key or step it concerns, and what
+to do next. No message, ``str`` or ``repr`` ever contains a secret or token.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentKeyError",
+    "AuthError",
+    "AuthenticationError",
+    "ConfigurationError",
+    "DelegationExpired",
+    "InsecureTransport",
+    "InvalidArguments",
+    "InvalidKey",
+    "InvokeError",
+    "KeyRejected",
+    "MissingExtra",
+    "OutcomeUnknown",
+    "PayloadMismatch",
+    "PollTimeout",
+    "StepFailed",
+    "StepInProgress",
+    "StoreError",
+    "StoreUnavailable",
+    "TokenError",
+    "ToolError",
+    "UnsafeRedirect",
+]
+
+
+class AgentKeyError(Exception):
+    """Root of every error agentkey raises."""
+
+
+class ConfigurationError(AgentKeyError, ValueError):
+    """An option or argument given to agentkey is invalid."""
+
+
+class MissingExtra(ConfigurationError, ImportError):
+    """An optional extra is needed but not installed."""
+
+    def __init__(self, extra: str, module: str) -> None:
+        self.extra = extra
+        self.module = module
+        super().__init__(
+            f"this feature needs the {module!r} package, which is not installed; "
+            f"install it with: pip install 'agentkey[{extra}]'"
+        )
+
+
+class InvalidArguments(AgentKeyError, ValueError):
+    """Tool arguments cannot be turned into canonical JSON.
+
+    ``path`` names the offending value, for example ``args.items[2].price``.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}")
+
+
+class InvalidKey(AgentKeyError, ValueError):
+    """A plan session id, step index or Idempotency-Key is malformed."""
+
+
+class InvokeError(AgentKeyError):
+    """A tool call did not produce a usable result.
+
+    Carries what a caller needs to decide what to do next: the
+    ``idempotency_key`` and ``step`` it concerns, how many ``attempts`` were
+    made, the last HTTP ``status_code`` seen (if any) and the parsed ``body``
+    of the last answer (if any).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+        attempts: int = 0,
+        status_code: int | None = None,
+        body: object = None,
+    ) -> None:
+        self.idempotency_key = idempotency_key
+        self.step = step
+        self.attempts = attempts
+        self.status_code = status_code
+        self.body = body
+        super().__init__(message)
+
+
+class ToolError(InvokeError):
+    """The tool answered with a final error (a 4xx, or a replayed error)."""
+
+
+class KeyRejected(ToolError):
+    """The server answered 400: it considers the Idempotency-Key malformed."""
+
+
+class PayloadMismatch(ToolError):
+    """The server answered 422: the body does not hash to the key's args_hash."""
+
+
+class StepInProgress(InvokeError):
+    """The server kept answering 409 (same key in flight) until the budget ran out."""
+
+
+class OutcomeUnknown(InvokeError):
+    """The budget ran out after an ambiguous failure: the call may have run.
+
+    Resending later with the same ``idempotency_key`` is safe: the server
+    replays the stored outcome instead of running the step twice.
+    """
+
+
+class StepFailed(InvokeError):
+    """An asynchronous (202) operation reported that it failed."""
+
+
+class PollTimeout(InvokeError):
+    """The poll deadline passed before the operation finished.
+
+    ``status_url`` lets a caller resume polling later without re-sending
+    the step.
+    """
+
+    def __init__(self, message: str, *, status_url: str, **kwargs: object) -> None:
+        self.status_url = status_url
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+
+
+class UnsafeRedirect(InvokeError):
+    """A redirect or status URL points at an origin that is not allowed."""
+
+    def __init__(self, message: str, *, url: str, **kwargs: object) -> None:
+        self.url = url
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+
+
+class AuthError(AgentKeyError):
+    """Credentials could not be obtained, or the tool refused them."""
+
+
+class AuthenticationError(AuthError, InvokeError):
+    """The tool answered 401 again after a token refresh."""
+
+
+class TokenError(AuthError):
+    """The token endpoint answered with an OAuth error.
+
+    ``error`` and ``error_description`` are the endpoint's own words (RFC 6749
+    section 5.2); they never contain a secret.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error: str | None = None,
+        error_description: str | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        self.error = error
+        self.error_description = error_description
+        self.status_code = status_code
+        super().__init__(message)
+
+
+class DelegationExpired(TokenError):
+    """The user's delegated token expired and nothing can renew it.
+
+    The user has to authorise the agent again.
+    """
+
+
+class InsecureTransport(AuthError, ConfigurationError):
+    """A bearer token would be sent over plain http to a non-loopback host."""
+
+
+class StoreError(AgentKeyError):
+    """The server-side idempotency store failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The idempotency store cannot be reached; requests are refused, not run."""

@@ -1,0 +1,228 @@
+"""Step keys: the one place that knows the ``Idempotency-Key`` format.
+
+```
+<plan_session_id>:<step>:<args_hash>
+  plan_session_id  1-64 chars of [A-Za-z0-9._~-]
+  step             step_003, sub-steps step_003.001 (each index >= 0, 3+ digits)
+  args_hash        64 lowercase hex: sha256 of the canonical JSON of the arguments
+```
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from ._canonical import Profile, args_hash
+from ._exceptions import ConfigurationError, InvalidKey
+
+__all__ = [
+    "AGENTKEY_NAMESPACE",
+    "HeaderStyle",
+    "StepIndex",
+    "StepKey",
+    "format_step",
+    "normalize_step",
+    "plan_id_from_external",
+    "step_key",
+    "validate_plan_session_id",
+]
+
+HeaderStyle: TypeAlias = Literal["raw", "sf-string"]
+StepIndex: TypeAlias = "int | Sequence[int]"
+
+#: Namespace for UUIDv5 plan ids derived from external ids that are not valid as is.
+AGENTKEY_NAMESPACE = uuid.UUID("6f1c3d2e-8b4a-5c7d-9e0f-a1b2c3d4e5f6")
+
+MAX_KEY_LENGTH = 255
+MAX_PLAN_ID_LENGTH = 64
+_PLAN_ID = re.compile(r"[A-Za-z0-9._~-]{1,64}")
+_STEP = re.compile(r"step_(\d{3,})((?:\.\d{3,})*)")
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def validate_plan_session_id(plan_session_id: object) -> str:
+    """Return ``plan_session_id`` if it is a valid plan id, else raise :class:`InvalidKey`."""
+    if not isinstance(plan_session_id, str):
+        raise InvalidKey(f"plan session id must be a str, got {type(plan_session_id).__name__}")
+    if not _PLAN_ID.fullmatch(plan_session_id):
+        shown = plan_session_id if len(plan_session_id) <= 80 else plan_session_id[:77] + "..."
+        raise InvalidKey(
+            f"invalid plan session id {shown!r}: it must be 1-{MAX_PLAN_ID_LENGTH} characters "
+            "from [A-Za-z0-9._~-] (no ':'); use PlanSession.from_external_id() to map "
+            "any other id to a valid one"
+        )
+    return plan_session_id
+
+
+def plan_id_from_external(external_id: str) -> str:
+    """Use ``external_id`` as a plan id when valid, else map it to a UUIDv5."""
+    if not isinstance(external_id, str) or not external_id:
+        raise InvalidKey("external id must be a non-empty str")
+    if _PLAN_ID.fullmatch(external_id):
+        return external_id
+    return str(uuid.uuid5(AGENTKEY_NAMESPACE, external_id))
+
+
+def normalize_step(step: object) -> tuple[int, ...]:
+    """Turn an int or a sequence of ints into a validated step index tuple."""
+    parts: Sequence[object]
+    if isinstance(step, int) and not isinstance(step, bool):
+        parts = (step,)
+    elif isinstance(step, Sequence) and not isinstance(step, (str, bytes)):
+        parts = step
+    else:
+        raise InvalidKey(
+            f"step index must be an int or a sequence of ints, got {type(step).__name__}"
+        )
+    if not parts:
+        raise InvalidKey("step index must not be empty")
+    out: list[int] = []
+    for part in parts:
+        if isinstance(part, bool) or not isinstance(part, int):
+            raise InvalidKey(f"step index parts must be ints, got {part!r} in {step!r}")
+        if part < 0:
+            raise InvalidKey(f"step indexes must be >= 0, got {part} in {step!r}")
+        out.append(int(part))
+    return tuple(out)
+
+
+def format_step(step: int | Sequence[int]) -> str:
+    """Format a step index as the key's step label: ``step_003`` or ``step_003.001``."""
+    return "step_" + ".".join(f"{i:03d}" for i in normalize_step(step))
+
+
+def _parse_step(label: str, whole: str) -> tuple[int, ...]:
+    match = _STEP.fullmatch(label)
+    if match is None:
+        raise InvalidKey(
+            f"invalid step {label!r} in key {whole!r}: expected step_NNN or step_NNN.NNN"
+        )
+    parts = tuple(int(p) for p in label[len("step_") :].split("."))
+    if format_step(parts) != label:
+        raise InvalidKey(
+            f"non-canonical step {label!r} in key {whole!r}: indexes are zero-padded "
+            f"to exactly three digits, e.g. {format_step(parts)!r}"
+        )
+    return parts
+
+
+def _parse_sf_string(value: str) -> str:
+    """Decode an RFC 8941 sf-string (``"..."``), strictly."""
+    if len(value) < 2 or not value.startswith('"') or not value.endswith('"'):
+        raise InvalidKey(f"invalid sf-string header value {value[:80]!r}: missing quotes")
+    out: list[str] = []
+    body = value[1:-1]
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            if i + 1 >= len(body) or body[i + 1] not in '"\\':
+                raise InvalidKey(
+                    f'invalid sf-string header value {value[:80]!r}: only \\" and \\\\ '
+                    "escapes are allowed"
+                )
+            out.append(body[i + 1])
+            i += 2
+            continue
+        if ch == '"' or not (0x20 <= ord(ch) <= 0x7E):
+            raise InvalidKey(
+                f"invalid sf-string header value {value[:80]!r}: unescaped quote or "
+                "non-printable character"
+            )
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class StepKey:
+    """A parsed, validated ``Idempotency-Key``.
+
+    ``str(key)`` gives the raw form; :meth:`header_value` gives the header in
+    either style; :meth:`parse` accepts both.
+    """
+
+    plan_session_id: str
+    step: tuple[int, ...]
+    args_hash: str
+
+    def __post_init__(self) -> None:
+        validate_plan_session_id(self.plan_session_id)
+        object.__setattr__(self, "step", normalize_step(self.step))
+        if not isinstance(self.args_hash, str) or not _HASH.fullmatch(self.args_hash):
+            raise InvalidKey(
+                f"invalid args_hash {self.args_hash!r}: expected 64 lowercase hex digits "
+                "(sha256 of the canonical JSON of the arguments)"
+            )
+        if len(self.format()) > MAX_KEY_LENGTH:
+            raise InvalidKey(
+                f"key for step {self.step_label} is longer than {MAX_KEY_LENGTH} "
+                "characters; use a shorter plan session id or fewer sub-step levels"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        plan_session_id: str,
+        step: int | Sequence[int],
+        args: object,
+        *,
+        profile: Profile = "python",
+    ) -> StepKey:
+        """Compute the key of ``args`` at ``step`` of plan ``plan_session_id``."""
+        validate_plan_session_id(plan_session_id)
+        return cls(plan_session_id, normalize_step(step), args_hash(args, profile=profile))
+
+    @classmethod
+    def parse(cls, value: str) -> StepKey:
+        """Parse a header value in ``raw`` or ``sf-string`` style."""
+        if not isinstance(value, str):
+            raise InvalidKey(f"Idempotency-Key must be a str, got {type(value).__name__}")
+        if len(value) > MAX_KEY_LENGTH + 2:
+            raise InvalidKey(
+                f"Idempotency-Key is {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed"
+            )
+        raw = _parse_sf_string(value) if value.startswith('"') else value
+        fields = raw.split(":")
+        if len(fields) != 3:
+            raise InvalidKey(
+                f"invalid Idempotency-Key {raw[:80]!r}: expected "
+                "<plan_session_id>:<step>:<args_hash>"
+            )
+        plan, label, digest = fields
+        return cls(plan, _parse_step(label, raw), digest)
+
+    @property
+    def step_label(self) -> str:
+        """The step as it appears in the key, e.g. ``step_003.001``."""
+        return format_step(self.step)
+
+    def format(self) -> str:
+        """The raw key: ``<plan_session_id>:<step>:<args_hash>``."""
+        return f"{self.plan_session_id}:{self.step_label}:{self.args_hash}"
+
+    def header_value(self, style: HeaderStyle = "raw") -> str:
+        """The ``Idempotency-Key`` header value in ``raw`` or ``sf-string`` style."""
+        if style == "raw":
+            return self.format()
+        if style == "sf-string":
+            return f'"{self.format()}"'  # the key's alphabet needs no escaping
+        raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def step_key(
+    plan_session_id: str,
+    step: int | Sequence[int],
+    args: object,
+    *,
+    profile: Profile = "python",
+) -> str:
+    """Return the raw ``Idempotency-Key`` for ``args`` at ``step`` of a plan."""
+    return StepKey.build(plan_session_id, step, args, profile=profile).format()

@@ -1,0 +1,88 @@
+"""The ``agentkey`` command: ``key`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ._exceptions import AgentKeyError
+from ._keys import StepKey
+from ._plan import PlanSession
+from ._version import __version__
+
+__all__ = ["main"]
+
+
+def _step_index(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid step {text!r}: use an index such as 3, or 3.1 for a sub-step"
+        ) from None
+
+
+def _cmd_key(ns: argparse.Namespace) -> int:
+    try:
+        args = json.loads(ns.args)
+    except json.JSONDecodeError as exc:
+        print(f"agentkey: --args is not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
+    step = plan.step(ns.step, ns.tool, args)
+    print(step.key.header_value(ns.style))
+    return 0
+
+
+def _cmd_demo(ns: argparse.Namespace) -> int:
+    plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
+    first = plan.step(0, "provision_vm", {"region": "ap-southeast-1", "size": "m5.large"})
+    again = plan.step(0, "provision_vm", {"size": "m5.large", "region": "ap-southeast-1"})
+    replanned = plan.step(0, "provision_vm", {"region": "us-east-1", "size": "m5.large"})
+    print(f"plan session      {plan.id}")
+    print(f"step 0            {first.idempotency_key}")
+    print(f"same args again   {again.idempotency_key}  (same key: the server replays)")
+    print(f"args changed      {replanned.idempotency_key}  (new key: a new operation)")
+    assert first.idempotency_key == again.idempotency_key != replanned.idempotency_key
+    parsed = StepKey.parse(first.key.header_value("sf-string"))
+    print(f"sf-string header  {first.key.header_value('sf-string')} -> {parsed.step_label}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkey",
+        description="Deterministic idempotency keys for the tool calls of AI agents.",
+    )
+    parser.add_argument("--version", action="version", version=f"agentkey {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    key = sub.add_parser("key", help="print the Idempotency-Key of one step")
+    key.add_argument("--plan", help="plan session id (default: a new random one)")
+    key.add_argument("--step", type=_step_index, required=True, help="step index, e.g. 3 or 3.1")
+    key.add_argument("--tool", default="tool", help="tool name (not part of the key)")
+    key.add_argument("--args", required=True, help="the arguments as a JSON object")
+    key.add_argument("--style", choices=("raw", "sf-string"), default="raw")
+    key.set_defaults(func=_cmd_key)
+
+    demo = sub.add_parser("demo", help="show the key contract on embedded defaults")
+    demo.add_argument("--plan", help="plan session id (default: a new random one)")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    ns = _parser().parse_args(argv)
+    try:
+        code: int = ns.func(ns)
+    except AgentKeyError as exc:
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

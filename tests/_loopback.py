@@ -1,0 +1,118 @@
+"""Real servers on loopback for the tests: uvicorn in a thread, redis-server in a subprocess."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+__all__ = ["RedisServer", "free_port", "redis_server", "serve"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve(app: Any, *, timeout_keep_alive: int = 5) -> Iterator[str]:
+    """Run an ASGI ``app`` under uvicorn on 127.0.0.1 in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=timeout_keep_alive,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start on loopback within 10 s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    """A private redis-server started for the test session."""
+
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+
+@contextmanager
+def redis_server() -> Iterator[RedisServer]:
+    """Start a throwaway redis-server on a free loopback port (no persistence)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not on PATH; the tests need a real Redis. "
+            "On Debian: apt-get install redis-server (.ci/run does this)"
+        )
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="agentkey-redis-") as workdir:
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                        conn.sendall(b"PING\r\n")
+                        if conn.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {port}")
+                time.sleep(0.05)
+            yield RedisServer("127.0.0.1", port, proc)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)

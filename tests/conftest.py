@@ -1,0 +1,25 @@
+"""Shared fixtures. Servers run on loopback only; nothing leaves this machine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import settings
+
+from tests._loopback import RedisServer, redis_server
+
+
+@pytest.fixture(scope="session")
+def redis_proc() -> Iterator[RedisServer]:
+    """A real redis-server for the whole session; a missing binary fails, never skips."""
+    try:
+        with redis_server() as server:
+            yield server
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+
+
+# No per-example deadline: CI machines are slow and shared; correctness is the point.
+settings.register_profile("agentkey", deadline=None, max_examples=200)
+settings.load_profile("agentkey")
