@@ -42,8 +42,8 @@ Profile: TypeAlias = Literal["python", "jcs"]
 JSONObject: TypeAlias = dict[str, Any]
 
 _PROFILES = ("python", "jcs")
-# RFC 8785 numbers are IEEE 754 doubles: integers beyond 2**53 cannot be exact.
-_JCS_MAX_SAFE_INT = 2**53
+# RFC 8785 numbers are IEEE 754 doubles: only "safe" integers are exact.
+_JCS_MAX_SAFE_INT = 2**53 - 1  # Number.MAX_SAFE_INTEGER
 
 
 def check_profile(profile: object) -> Profile:
@@ -178,7 +178,7 @@ def _jcs_number(value: int | float, path: str) -> str:
     if isinstance(value, int):
         if abs(value) > _JCS_MAX_SAFE_INT:
             raise InvalidArguments(
-                f"integer {value} is beyond 2**53 and cannot be exact in RFC 8785 JSON; "
+                f"integer {value} is beyond 2**53 - 1 and cannot be exact in RFC 8785 JSON; "
                 "send it as a string or use the 'python' profile",
                 path=path,
             )

@@ -1,0 +1,273 @@
+"""Canonical JSON: golden vectors, RFC 8785 examples and properties."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import json
+import math
+import struct
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import pytest
+import rfc8785
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from agentkey import ConfigurationError, InvalidArguments, args_hash, canonical_json
+
+
+def dumps(value: Any) -> bytes:
+    """The expression a Python tool server uses; the ``python`` profile must match it."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+GOLDEN: list[tuple[str, dict[str, Any], bytes]] = [
+    ("empty", {}, b"{}"),
+    ("key order", {"b": 1, "a": 2, "c": {"z": 0, "y": []}}, b'{"a":2,"b":1,"c":{"y":[],"z":0}}'),
+    ("unicode", {"name": "café"}, b'{"name":"caf\\u00e9"}'),
+    ("emoji", {"e": "\U0001f600"}, b'{"e":"\\ud83d\\ude00"}'),
+    ("controls", {"c": "a\nb\t\x00\x1f"}, b'{"c":"a\\nb\\t\\u0000\\u001f"}'),
+    ("quotes", {"q": 'say "hi" \\'}, b'{"q":"say \\"hi\\" \\\\"}'),
+    ("nested", {"a": [1, {"b": [None, True, False]}]}, b'{"a":[1,{"b":[null,true,false]}]}'),
+    ("big int", {"n": 2**70}, b'{"n":1180591620717411303424}'),
+    ("float one", {"f": 1.0}, b'{"f":1.0}'),
+    ("float tiny", {"f": 1e-7}, b'{"f":1e-07}'),
+    ("float sum", {"f": 0.1 + 0.2}, b'{"f":0.30000000000000004}'),
+    ("negative zero", {"f": -0.0}, b'{"f":-0.0}'),
+    ("empty nested", {"a": {}, "b": []}, b'{"a":{},"b":[]}'),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "expected"), GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_python_profile_golden(name: str, args: dict[str, Any], expected: bytes) -> None:
+    """Each golden vector gives the expected bytes, equal to the json.dumps expression."""
+    assert canonical_json(args) == expected
+    assert canonical_json(args) == dumps(args)
+
+
+# RFC 8785 section 3.2.2 (sample input) and 3.2.3 (sorting), and Appendix B (numbers).
+def test_jcs_rfc8785_sample() -> None:
+    """The RFC 8785 section 3.2.2 example canonicalises to the published output."""
+    source = (
+        '{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],'
+        ' "string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022\\u005c\\\\\\"\\/",'
+        ' "literals": [null, true, false]}'
+    )
+    expected = (
+        '{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],'
+        '"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
+    ).encode()
+    assert canonical_json(json.loads(source), profile="jcs") == expected
+
+
+def test_jcs_rfc8785_sorting() -> None:
+    """Keys sort by UTF-16 code units, as in the RFC 8785 section 3.2.3 example."""
+    source = {
+        "\u20ac": "Euro Sign",
+        "\r": "Carriage Return",
+        "\ufb33": "Hebrew Letter Dalet With Dagesh",
+        "1": "One",
+        "\U0001f600": "Emoji: Grinning Face",
+        "\u0080": "Control",
+        "\u00f6": "Latin Small Letter O With Diaeresis",
+    }
+    order = [k for k, _ in json.loads(canonical_json(source, profile="jcs")).items()]
+    assert order == ["\r", "1", "\u0080", "\u00f6", "\u20ac", "\U0001f600", "\ufb33"]
+
+
+APPENDIX_B = [
+    ("0000000000000000", "0"),
+    ("8000000000000000", "0"),
+    ("0000000000000001", "5e-324"),
+    ("8000000000000001", "-5e-324"),
+    ("7fefffffffffffff", "1.7976931348623157e+308"),
+    ("ffefffffffffffff", "-1.7976931348623157e+308"),
+    ("4340000000000000", "9007199254740992"),
+    ("c340000000000000", "-9007199254740992"),
+    ("4430000000000000", "295147905179352830000"),
+    ("44b52d02c7e14af5", "9.999999999999997e+22"),
+    ("44b52d02c7e14af6", "1e+23"),
+    ("44b52d02c7e14af7", "1.0000000000000001e+23"),
+    ("444b1ae4d6e2ef4e", "999999999999999700000"),
+    ("444b1ae4d6e2ef4f", "999999999999999900000"),
+    ("444b1ae4d6e2ef50", "1e+21"),
+    ("3eb0c6f7a0b5ed8c", "9.999999999999997e-7"),
+    ("3eb0c6f7a0b5ed8d", "0.000001"),
+    ("41b3de4355555553", "333333333.3333332"),
+    ("41b3de4355555554", "333333333.33333325"),
+    ("41b3de4355555555", "333333333.3333333"),
+    ("41b3de4355555556", "333333333.3333334"),
+    ("41b3de4355555557", "333333333.33333343"),
+    ("becbf647612f3696", "-0.0000033333333333333333"),
+    ("43143ff3c1cb0959", "1424953923781206.2"),
+]
+
+
+@pytest.mark.parametrize(("bits", "expected"), APPENDIX_B)
+def test_jcs_number_serialisation(bits: str, expected: str) -> None:
+    """Every IEEE 754 example of RFC 8785 Appendix B serialises as published."""
+    value = struct.unpack(">d", bytes.fromhex(bits))[0]
+    assert canonical_json({"n": value}, profile="jcs") == f'{{"n":{expected}}}'.encode()
+
+
+def test_jcs_rejects_unsafe_integers() -> None:
+    """Integers beyond 2**53 cannot be exact in RFC 8785 and are refused with the path."""
+    with pytest.raises(InvalidArguments, match=r"args\.n") as info:
+        canonical_json({"n": 2**60}, profile="jcs")
+    assert info.value.path == "args.n"
+
+
+def test_jcs_rejects_lone_surrogates() -> None:
+    """A lone surrogate has no UTF-8 form, so JCS refuses it instead of crashing."""
+    with pytest.raises(InvalidArguments):
+        canonical_json({"s": "\ud800"}, profile="jcs")
+
+
+def test_unknown_profile() -> None:
+    """An unknown profile is a configuration error at the boundary."""
+    with pytest.raises(ConfigurationError, match="profile"):
+        canonical_json({}, profile="yaml")  # type: ignore[arg-type]
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    HIGH = 3
+
+
+class Item(BaseModel):
+    sku: str
+    when: dt.date
+
+
+def test_conversion_of_python_values() -> None:
+    """Models, datetimes, UUIDs, enums and tuples become their JSON forms."""
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    value = {
+        "item": Item(sku="a", when=dt.date(2026, 1, 2)),
+        "at": dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc),
+        "id": ident,
+        "color": Color.RED,
+        "level": Level.HIGH,
+        "pair": (1, 2),
+    }
+    assert json.loads(canonical_json(value)) == {
+        "item": {"sku": "a", "when": "2026-01-02"},
+        "at": "2026-01-02T03:04:05+00:00",
+        "id": str(ident),
+        "color": "red",
+        "level": 3,
+        "pair": [1, 2],
+    }
+
+
+def test_model_as_arguments() -> None:
+    """A pydantic model can be the arguments object itself."""
+    assert canonical_json(Item(sku="x", when=dt.date(2026, 5, 1))) == (
+        b'{"sku":"x","when":"2026-05-01"}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        ({"items": [1, 2, {"price": math.nan}]}, "args.items[2].price"),
+        ({"x": math.inf}, "args.x"),
+        ({"tags": {"a", "b"}}, "args.tags"),
+        ({"amount": Decimal("1.10")}, "args.amount"),
+        ({"blob": b"raw"}, "args.blob"),
+        ({"m": {1: "one"}}, "args.m"),
+        ({"odd key": {"v": object()}}, "args['odd key'].v"),
+    ],
+)
+def test_unsupported_values_name_their_path(args: dict[str, Any], path: str) -> None:
+    """Values JSON cannot carry exactly raise InvalidArguments naming where they are."""
+    with pytest.raises(InvalidArguments) as info:
+        canonical_json(args)
+    assert info.value.path == path
+    assert str(info.value).startswith(path)
+
+
+@pytest.mark.parametrize("args", [[1, 2], "text", 3, None, (("a", 1),)])
+def test_arguments_must_be_an_object(args: object) -> None:
+    """Anything but a JSON object is refused before any request is made."""
+    with pytest.raises(InvalidArguments, match="JSON object"):
+        args_hash(args)
+
+
+# --- properties ---------------------------------------------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=6)
+
+
+@given(json_objects)
+def test_python_profile_equals_json_dumps(args: dict[str, Any]) -> None:
+    """For any JSON object the python profile is byte-identical to the json.dumps expression."""
+    assert canonical_json(args) == dumps(args)
+
+
+@given(json_objects)
+def test_server_side_reserialisation_verifies_hash(args: dict[str, Any]) -> None:
+    """A Python server that parses the body and re-dumps it computes the same args_hash."""
+    import hashlib
+
+    body = canonical_json(args)
+    assert hashlib.sha256(dumps(json.loads(body))).hexdigest() == args_hash(args)
+
+
+safe_ints = st.integers(min_value=-(2**53 - 1), max_value=2**53 - 1)
+jcs_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | safe_ints
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.characters(exclude_categories=["Cs"])),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(max_size=8), jcs_values, max_size=6))
+def test_jcs_matches_independent_implementation(args: dict[str, Any]) -> None:
+    """The jcs profile agrees byte for byte with the rfc8785 package on any JSON object."""
+    assert canonical_json(args, profile="jcs") == rfc8785.dumps(args)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_jcs_numbers_round_trip(value: float) -> None:
+    """Every finite double serialises under jcs to text that parses back to the same double."""
+    text = canonical_json({"n": value}, profile="jcs")[5:-1]
+    assert float(text) == value
+
+
+@given(json_objects, st.randoms())
+def test_key_order_does_not_matter(args: dict[str, Any], rnd: Any) -> None:
+    """Any insertion order of the same object gives the same hash, in both profiles."""
+    items = list(args.items())
+    rnd.shuffle(items)
+    shuffled = dict(items)
+    assert args_hash(shuffled) == args_hash(args)

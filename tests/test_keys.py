@@ -1,0 +1,163 @@
+"""Step keys: format, parse, header styles, validation and determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentkey import InvalidKey, StepKey, args_hash, step_key
+
+HASH = "a" * 64
+plan_ids = st.text(
+    alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~-",
+    min_size=1,
+    max_size=64,
+)
+steps = st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=4).map(tuple)
+hashes = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
+
+
+def test_key_layout() -> None:
+    """A key is plan:step_NNN:sha256 of the canonical arguments."""
+    key = step_key("plan-1", 3, {"amount": 5})
+    assert key == f"plan-1:step_003:{args_hash({'amount': 5})}"
+
+
+@pytest.mark.parametrize(
+    ("step", "label"),
+    [
+        (0, "step_000"),
+        (3, "step_003"),
+        (1000, "step_1000"),
+        ((3, 1), "step_003.001"),
+        ([12, 0, 7], "step_012.000.007"),
+    ],
+)
+def test_step_labels(step: Any, label: str) -> None:
+    """Indexes are zero-padded to three digits; sub-steps join with dots."""
+    assert StepKey("p", step, HASH).step_label == label
+
+
+def test_both_header_styles_parse_to_the_same_key() -> None:
+    """raw and sf-string header values name the same key."""
+    key = StepKey("p", (3, 1), HASH)
+    assert key.header_value("raw") == f"p:step_003.001:{HASH}"
+    assert key.header_value("sf-string") == f'"p:step_003.001:{HASH}"'
+    assert StepKey.parse(key.header_value("raw")) == key
+    assert StepKey.parse(key.header_value("sf-string")) == key
+    assert str(key) == key.format()
+
+
+@pytest.mark.parametrize(
+    "plan_id",
+    ["", "a:b", "x" * 65, "has space", "ünï", "new\nline", "slash/id"],
+)
+def test_bad_plan_ids(plan_id: str) -> None:
+    """Plan ids outside 1-64 chars of [A-Za-z0-9._~-] are refused with advice."""
+    with pytest.raises(InvalidKey, match="from_external_id"):
+        step_key(plan_id, 1, {})
+
+
+@pytest.mark.parametrize("step", [-1, (1, -2), (), True, 1.5, "3", (1, "2")])
+def test_bad_steps(step: Any) -> None:
+    """Negative, empty, boolean and non-integer step indexes are refused."""
+    with pytest.raises(InvalidKey):
+        step_key("p", step, {})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "p:step_001",
+        f"p:step_001:{HASH}:extra",
+        f"p:step_01:{HASH}",
+        f"p:step_0001:{HASH}",
+        f"p:step_001.1:{HASH}",
+        f"p:step_-01:{HASH}",
+        f"p:Step_001:{HASH}",
+        f"p:step_001:{HASH.upper()}",
+        f"p:step_001:{HASH[:-1]}",
+        f"p:step_001:{HASH}\n",
+        f'"p:step_001:{HASH}',
+        f'"p:step_001:{HASH}\\n"',
+        f'"p\\:step_001:{HASH}"',
+        f'"p:step_001:{HASH}\u00e9"',
+        "x" * 10_000_000,
+        f"pl\u00e4n:step_001:{HASH}",
+    ],
+)
+def test_malformed_header_values(value: str) -> None:
+    """Malformed, non-canonical, overlong or badly quoted keys raise InvalidKey."""
+    with pytest.raises(InvalidKey):
+        StepKey.parse(value)
+
+
+def test_escaped_sf_string_decodes() -> None:
+    """A legal sf-string escape decodes before validation (and then fails on the alphabet)."""
+    with pytest.raises(InvalidKey, match="plan session id"):
+        StepKey.parse(f'"p\\"q:step_001:{HASH}"')
+
+
+def test_key_length_limit() -> None:
+    """A key over 255 characters is refused at construction."""
+    with pytest.raises(InvalidKey, match="255"):
+        StepKey("p" * 64, tuple(range(60)), HASH)
+
+
+@given(plan_ids, steps, hashes)
+def test_parse_format_round_trip(plan_id: str, step: tuple[int, ...], digest: str) -> None:
+    """StepKey.parse(format(k)) == k, in both header styles."""
+    try:
+        key = StepKey(plan_id, step, digest)
+    except InvalidKey:
+        return  # over 255 characters: covered above
+    assert StepKey.parse(key.format()) == key
+    assert StepKey.parse(key.header_value("sf-string")) == key
+
+
+@given(st.text(max_size=300))
+def test_parse_never_crashes(value: str) -> None:
+    """Any string either parses to a valid key or raises InvalidKey; nothing else."""
+    try:
+        key = StepKey.parse(value)
+    except InvalidKey:
+        return
+    assert key.format() in (value, value[1:-1])
+
+
+leaves = st.none() | st.booleans() | st.integers() | st.text(max_size=5)
+
+
+@given(st.dictionaries(st.text(max_size=5), leaves, min_size=1, max_size=6), st.data())
+def test_changing_any_leaf_changes_the_hash(args: dict[str, Any], data: st.DataObject) -> None:
+    """Changing any one argument value gives a new args_hash, so a new operation."""
+    name = data.draw(st.sampled_from(sorted(args)))
+    new = data.draw(leaves.filter(lambda v: json.dumps(v) != json.dumps(args[name])))
+    assert args_hash({**args, name: new}) != args_hash(args)
+
+
+def test_key_is_stable_across_processes_and_hash_seeds() -> None:
+    """Other interpreters with other PYTHONHASHSEEDs compute the same key."""
+    args = {"region": "us-east-1", "tags": {"b": 2, "a": 1}, "ids": [3, 1, 2], "name": "é"}
+    expected = step_key("plan", (4, 2), args)
+    code = textwrap.dedent(
+        f"""
+        from agentkey import step_key
+        print(step_key("plan", (4, 2), {args!r}))
+        """
+    )
+    for seed in ("0", "1", "12345", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == expected

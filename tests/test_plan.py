@@ -1,0 +1,149 @@
+"""Plan sessions and steps: where the runtime builds keys."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from agentkey import (
+    ConfigurationError,
+    InvalidArguments,
+    InvalidKey,
+    PlanSession,
+    Step,
+    StepKey,
+    canonical_json,
+    step_key,
+)
+
+
+class Provision(BaseModel):
+    region: str
+    storage_gb: int
+
+
+def test_new_session_id_is_uuid4() -> None:
+    """PlanSession.new() uses a lowercase hyphenated UUID4."""
+    plan = PlanSession.new()
+    assert str(uuid.UUID(plan.id)) == plan.id
+    assert uuid.UUID(plan.id).version == 4
+
+
+def test_step_key_matches_function() -> None:
+    """A step's key equals step_key() of the same plan, index and arguments."""
+    plan = PlanSession.new()
+    step = plan.step((2, 1), "provision", {"region": "eu-west-1", "storage_gb": 10})
+    assert step.idempotency_key == step_key(
+        plan.id, (2, 1), {"storage_gb": 10, "region": "eu-west-1"}
+    )
+    assert step.key == StepKey.parse(step.idempotency_key)
+    assert step.label == "step_002.001"
+    assert step.body == canonical_json(step.args)
+
+
+def test_json_round_trip_keeps_keys() -> None:
+    """A session restored from JSON after a restart produces the same keys."""
+    plan = PlanSession.new(profile="jcs")
+    before = plan.step(7, "charge", {"amount_cents": 1250, "currency": "EUR"})
+    restored = PlanSession.from_json(plan.to_json())
+    assert restored == plan
+    after = restored.step(7, "charge", {"currency": "EUR", "amount_cents": 1250})
+    assert after.idempotency_key == before.idempotency_key
+
+
+def test_step_json_round_trip() -> None:
+    """A Step itself can be persisted and restored with the same key."""
+    step = PlanSession.new().step(1, "t", {"a": [1, 2]})
+    assert Step.model_validate_json(step.model_dump_json()).idempotency_key == step.idempotency_key
+
+
+@pytest.mark.parametrize(
+    ("external", "kept"),
+    [
+        ("thread-42", True),
+        ("a" * 64, True),
+        ("thread:42", False),
+        ("a" * 65, False),
+        ("ünïcode", False),
+    ],
+)
+def test_external_ids(external: str, kept: bool) -> None:
+    """A valid external id is used as is; any other maps to a stable UUIDv5."""
+    plan = PlanSession.from_external_id(external)
+    if kept:
+        assert plan.id == external
+    else:
+        assert uuid.UUID(plan.id).version == 5
+        assert PlanSession.from_external_id(external).id == plan.id
+
+
+def test_args_model_normalises_before_hashing() -> None:
+    """With an args model, "20" and 20 give one key when the schema says int."""
+    plan = PlanSession.new(args_models={"provision": Provision})
+    a = plan.step(1, "provision", {"region": "r", "storage_gb": "20"})
+    b = plan.step(1, "provision", {"region": "r", "storage_gb": 20})
+    assert a.idempotency_key == b.idempotency_key
+    assert a.args == {"region": "r", "storage_gb": 20}
+    # without the model the two are different operations
+    raw = PlanSession(id=plan.id)
+    assert raw.step(1, "provision", {"region": "r", "storage_gb": "20"}).idempotency_key != (
+        a.idempotency_key
+    )
+
+
+def test_per_step_args_model_wins() -> None:
+    """args_model= on one step normalises that step even without a registry."""
+    plan = PlanSession.new()
+    step = plan.step(0, "x", {"region": "r", "storage_gb": "5"}, args_model=Provision)
+    assert step.args["storage_gb"] == 5
+
+
+def test_args_model_rejection_names_the_field() -> None:
+    """Arguments the model rejects raise InvalidArguments with the field's path."""
+    plan = PlanSession.new(args_models={"provision": Provision})
+    with pytest.raises(InvalidArguments) as info:
+        plan.step(4, "provision", {"region": "r", "storage_gb": "lots"})
+    assert info.value.path == "args.storage_gb"
+    assert "step_004" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"id": "a:b"}, InvalidKey),
+        ({"id": ""}, InvalidKey),
+        ({"id": "x" * 65}, InvalidKey),
+        ({"id": "ok", "profile": "xml"}, ConfigurationError),
+        ({"id": "ok", "args_models": {"t": dict}}, ConfigurationError),
+    ],
+)
+def test_bad_sessions(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    """Bad ids, profiles and args models raise agentkey's typed errors, not pydantic's."""
+    with pytest.raises(error):
+        PlanSession(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("index", "tool", "args", "error"),
+    [
+        (-1, "t", {}, InvalidKey),
+        (1, "", {}, ConfigurationError),
+        (1, "t", ["not", "an", "object"], InvalidArguments),
+        (1, "t", {"price": float("nan")}, InvalidArguments),
+        (1, "t", {"tags": {"a"}}, InvalidArguments),
+    ],
+)
+def test_bad_steps(index: Any, tool: Any, args: Any, error: type[Exception]) -> None:
+    """Bad indexes, tool names and arguments fail when the step is built, before any call."""
+    with pytest.raises(error):
+        PlanSession.new().step(index, tool, args)
+
+
+def test_step_is_immutable() -> None:
+    """A step cannot be changed after its key exists."""
+    step = PlanSession.new().step(1, "t", {"a": 1})
+    with pytest.raises(ValueError, match="frozen"):
+        step.tool = "other"  # type: ignore[misc]
