@@ -35,6 +35,7 @@ __all__ = [
     "args_hash",
     "canonical_json",
     "check_profile",
+    "encode_jsonable",
     "to_jsonable",
 ]
 
@@ -87,7 +88,19 @@ def _convert_mapping(value: Mapping[Any, Any], path: str) -> JSONObject:
     return out
 
 
+def _convert_container(value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], path: str) -> Any:
+    if isinstance(value, Mapping):
+        return _convert_mapping(value, path)
+    return [_convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+
 def _convert(value: object, path: str) -> Any:
+    # Fast path for values that already are plain JSON (the common case).
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is dict or kind is list:
+        return _convert_container(value, path)  # type: ignore[arg-type]  # exact types checked
     # Order matters: bool is an int, IntEnum is an int, StrEnum is a str.
     if value is None or value is True or value is False:
         return value
@@ -105,10 +118,8 @@ def _convert(value: object, path: str) -> Any:
         return float(value)
     if isinstance(value, BaseModel):
         return _convert(value.model_dump(mode="json"), path)
-    if isinstance(value, Mapping):
-        return _convert_mapping(value, path)
-    if isinstance(value, (list, tuple)):
-        return [_convert(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, (Mapping, list, tuple)):
+        return _convert_container(value, path)
     if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
         return value.isoformat()
     if isinstance(value, uuid.UUID):
@@ -129,9 +140,12 @@ def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
 
     These bytes are both the request body and the input of :func:`args_hash`.
     """
-    checked = check_profile(profile)
-    value = to_jsonable(args)
-    if checked == "python":
+    return encode_jsonable(to_jsonable(args), check_profile(profile))
+
+
+def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:
+    """Serialise a value that :func:`to_jsonable` already produced."""
+    if profile == "python":
         return json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
         ).encode("ascii")

@@ -69,6 +69,8 @@ def plan_id_from_external(external_id: str) -> str:
 
 def normalize_step(step: object) -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a validated step index tuple."""
+    if type(step) is tuple and step and all(type(p) is int and p >= 0 for p in step):
+        return step  # already normalised
     parts: Sequence[object]
     if isinstance(step, int) and not isinstance(step, bool):
         parts = (step,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -9,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from ._canonical import JSONObject, Profile, args_hash, canonical_json, check_profile, to_jsonable
+from ._canonical import JSONObject, Profile, check_profile, encode_jsonable, to_jsonable
 from ._exceptions import ConfigurationError, InvalidArguments
 from ._keys import (
     StepKey,
@@ -62,19 +63,19 @@ class Step(BaseModel):
         )
 
     @cached_property
+    def body(self) -> bytes:
+        """The request body: the canonical JSON bytes the key's hash covers."""
+        return encode_jsonable(self.args, self.profile)
+
+    @cached_property
     def key(self) -> StepKey:
         """The parsed key of this step."""
-        return StepKey(self.plan_session_id, self.index, args_hash(self.args, profile=self.profile))
+        return StepKey(self.plan_session_id, self.index, hashlib.sha256(self.body).hexdigest())
 
     @cached_property
     def idempotency_key(self) -> str:
         """The raw ``Idempotency-Key`` value, computed once."""
         return self.key.format()
-
-    @cached_property
-    def body(self) -> bytes:
-        """The request body: the canonical JSON bytes the key's hash covers."""
-        return canonical_json(self.args, profile=self.profile)
 
     @property
     def label(self) -> str:
