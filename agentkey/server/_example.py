@@ -1,0 +1,100 @@
+"""A small tool server behind the middleware: what ``agentkey check`` is tested against."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ._blobs import BlobStore
+from ._claim import get_claim
+from ._middleware import IdempotencyMiddleware, Scope
+from ._stores import MemoryStore, Store
+
+__all__ = ["bearer_principal", "example_app"]
+
+
+def bearer_principal(scope: Scope) -> str:
+    """Each bearer token is its own principal (fits static API keys, not rotating tokens)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization" and value[:7].lower() == b"bearer ":
+            return "token-" + hashlib.sha256(value[7:].strip()).hexdigest()[:32]
+    return "anonymous"
+
+
+def example_app(
+    store: Store | None = None,
+    *,
+    blob_store: BlobStore | None = None,
+    work_seconds: float = 0.2,
+    lock_ttl: float = 120.0,
+) -> Starlette:
+    """A tool server with ``POST /tools/charge``, ``/tools/provision`` and ``/tools/report``.
+
+    Every execution is counted in ``app.state.executions`` (also served at
+    ``GET /executions``), so tests and demos can see that a duplicate was
+    replayed instead of run. ``provision`` works for ``work_seconds`` before
+    its side effect, long enough for a concurrent duplicate to get 409.
+    """
+    executions: Counter[str] = Counter()
+
+    async def charge(request: Request) -> JSONResponse:
+        args: dict[str, Any] = await request.json()
+        amount = args.get("amount")
+        if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
+            return JSONResponse({"error": "amount must be a positive integer"}, status_code=400)
+        get_claim(request).begin_mutation()
+        executions["charge"] += 1
+        n = executions["charge"]
+        return JSONResponse(
+            {"charge_id": f"ch_{n:06d}", "amount": amount, "currency": args.get("currency")},
+            status_code=201,
+        )
+
+    async def provision(request: Request) -> JSONResponse:
+        args: dict[str, Any] = await request.json()
+        claim = get_claim(request)
+        async with claim.keep_alive():
+            await asyncio.sleep(work_seconds)  # quota checks, image lookup: no side effect yet
+            claim.begin_mutation()
+            executions["provision"] += 1
+            n = executions["provision"]
+        return JSONResponse({"vm_id": f"vm-{n:04d}", "region": args.get("region")})
+
+    async def report(request: Request) -> JSONResponse:
+        args: dict[str, Any] = await request.json()
+        rows = int(args.get("rows", 5000))
+        get_claim(request).begin_mutation()
+        executions["report"] += 1
+        return JSONResponse({"rows": [{"n": i, "pad": "x" * 20} for i in range(rows)]})
+
+    async def counts(request: Request) -> JSONResponse:
+        return JSONResponse(dict(executions))
+
+    app = Starlette(
+        routes=[
+            Route("/tools/charge", charge, methods=["POST"]),
+            Route("/tools/provision", provision, methods=["POST"]),
+            Route("/tools/report", report, methods=["POST"]),
+            Route("/executions", counts, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=store if store is not None else MemoryStore(),
+                routes=["/tools/*"],
+                principal=bearer_principal,
+                blob_store=blob_store,
+                lock_ttl=lock_ttl,
+            )
+        ],
+    )
+    app.state.executions = executions
+    return app

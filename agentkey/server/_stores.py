@@ -1,0 +1,284 @@
+"""Idempotency stores: one Protocol, an in-memory store and a Redis store.
+
+A store keeps one value per record key. The middleware encodes records with
+:mod:`agentkey.server._records`; an ``IN_PROGRESS`` value always starts with
+``P:<owner>:``, so a store can compare-and-set on the owner with a prefix test
+and never needs to parse a record.
+
+Every operation touches exactly one key, so Redis Cluster and Valkey work
+unchanged. Round trips per call on :class:`RedisStore`:
+
+=========  ======================================  ============
+operation  command                                 round trips
+=========  ======================================  ============
+claim      ``SET key value NX PX ttl GET``          1
+renew      Lua compare-and-``PEXPIRE``              1
+finish     Lua compare-and-``SET … PX``             1
+release    Lua compare-and-``DEL``                  1
+=========  ======================================  ============
+
+(The first use of a Lua script on a fresh Redis adds one ``SCRIPT LOAD``.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol, runtime_checkable
+
+from redis import asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.commands.core import AsyncScript
+
+from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
+
+__all__ = ["MemoryStore", "RedisStore", "Store", "owner_prefix"]
+
+
+def owner_prefix(owner: str) -> bytes:
+    """The prefix every ``IN_PROGRESS`` value held by ``owner`` starts with."""
+    return b"P:" + owner.encode("ascii") + b":"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the middleware needs from a store. All methods are atomic per key.
+
+    Times are whole milliseconds. Implementations raise
+    :class:`~agentkey.StoreUnavailable` when the backend cannot be reached and
+    :class:`~agentkey.StoreError` for any other backend failure.
+    """
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        """Set ``key`` to ``value`` for ``ttl_ms`` if absent; return the existing value, or None."""
+        ...
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        """Extend the lease of ``owner``'s in-progress record; False if no longer owned."""
+        ...
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        """Replace ``owner``'s in-progress record with ``value``; False if no longer owned."""
+        ...
+
+    async def release(self, key: str, owner: str) -> bool:
+        """Delete ``owner``'s in-progress record so the step can be retried."""
+        ...
+
+    async def get(self, key: str) -> bytes | None:
+        """The current value of ``key`` (for inspection and tests)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...
+
+
+def _check_ttl(ttl_ms: int) -> int:
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms <= 0:
+        raise ConfigurationError(f"store TTLs are positive whole milliseconds, got {ttl_ms!r}")
+    return ttl_ms
+
+
+class MemoryStore:
+    """An in-process store with the same semantics as :class:`RedisStore`.
+
+    For tests, demos and single-process servers. Records vanish when the
+    process exits, so it gives no protection across restarts or replicas.
+    Thread-safe; expiry is checked lazily on access.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(records={len(self._data)})"
+
+    def _live(self, key: str, now: float) -> bytes | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        if item[1] <= now:
+            del self._data[key]
+            return None
+        return item[0]
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        ttl = _check_ttl(ttl_ms)
+        with self._lock:
+            now = time.monotonic()
+            current = self._live(key, now)
+            if current is not None:
+                return current
+            self._data[key] = (bytes(value), now + ttl / 1000)
+            return None
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        ttl = _check_ttl(ttl_ms)
+        with self._lock:
+            now = time.monotonic()
+            current = self._live(key, now)
+            if current is None or not current.startswith(owner_prefix(owner)):
+                return False
+            self._data[key] = (current, now + ttl / 1000)
+            return True
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        ttl = _check_ttl(ttl_ms)
+        with self._lock:
+            now = time.monotonic()
+            current = self._live(key, now)
+            if current is None or not current.startswith(owner_prefix(owner)):
+                return False
+            self._data[key] = (bytes(value), now + ttl / 1000)
+            return True
+
+    async def release(self, key: str, owner: str) -> bool:
+        with self._lock:
+            current = self._live(key, time.monotonic())
+            if current is None or not current.startswith(owner_prefix(owner)):
+                return False
+            del self._data[key]
+            return True
+
+    async def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._live(key, time.monotonic())
+
+    async def aclose(self) -> None:
+        return None
+
+
+# KEYS[1] record key; ARGV[1] owner prefix; then per script.
+_RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+_FINISH = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+_RELEASE = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+class RedisStore:
+    """A store on Redis >= 7 (or Valkey, or Redis Cluster) through ``redis.asyncio``.
+
+    Pass a URL (``redis://…``, ``rediss://…``) or a ready client
+    (``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``). Record keys become
+    ``<prefix>:{<principal>:<idempotency key>}``. Connection problems raise
+    :class:`~agentkey.StoreUnavailable`; the middleware then answers 503 and
+    never runs the handler.
+    """
+
+    def __init__(
+        self,
+        redis: str | Any,
+        *,
+        prefix: str = "agentkey",
+        connect_timeout: float = 2.0,
+        timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
+            raise ConfigurationError(
+                f"RedisStore prefix must be a non-empty str without braces, got {prefix!r}"
+            )
+        self.prefix = prefix
+        if isinstance(redis, str):
+            if not redis.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigurationError(
+                    "RedisStore needs a redis://, rediss:// or unix:// URL or a "
+                    "redis.asyncio client"
+                )
+            self._client: Any = aioredis.from_url(
+                redis, socket_connect_timeout=connect_timeout, socket_timeout=timeout
+            )
+            self._owns_client = True
+        else:
+            self._client = redis
+            self._owns_client = False
+        self._renew: AsyncScript = self._client.register_script(_RENEW)
+        self._finish: AsyncScript = self._client.register_script(_FINISH)
+        self._release: AsyncScript = self._client.register_script(_RELEASE)
+
+    def __repr__(self) -> str:  # never shows the URL: it may carry a password
+        return f"RedisStore(prefix={self.prefix!r})"
+
+    async def _run(self, what: str, key: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(
+                f"Redis could not be reached during {what} of record {key!r} "
+                f"({type(exc).__name__}); the request was refused, not run. "
+                "Check that Redis is up and reachable, then retry with the same key"
+            ) from None
+        except redis_errors.RedisError as exc:
+            raise StoreError(
+                f"Redis failed during {what} of record {key!r}: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def redis_key(self, key: str) -> str:
+        """The Redis key of record ``key``: ``<prefix>:{<key>}``.
+
+        The braces are a Cluster hash tag: the record and anything ever stored
+        beside it hash to one slot.
+        """
+        return f"{self.prefix}:{{{key}}}"
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        ttl = _check_ttl(ttl_ms)
+        key = self.redis_key(key)
+        # Redis >= 7: NX and GET together; one round trip claims or reads.
+        result = await self._run(
+            "claim", key, self._client.execute_command("SET", key, value, "NX", "PX", ttl, "GET")
+        )
+        return None if result is None else bytes(result)
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        ttl = _check_ttl(ttl_ms)
+        key = self.redis_key(key)
+        done = await self._run(
+            "renew", key, self._renew(keys=[key], args=[owner_prefix(owner), ttl])
+        )
+        return bool(done)
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        ttl = _check_ttl(ttl_ms)
+        key = self.redis_key(key)
+        done = await self._run(
+            "finish", key, self._finish(keys=[key], args=[owner_prefix(owner), value, ttl])
+        )
+        return bool(done)
+
+    async def release(self, key: str, owner: str) -> bool:
+        key = self.redis_key(key)
+        done = await self._run(
+            "release", key, self._release(keys=[key], args=[owner_prefix(owner)])
+        )
+        return bool(done)
+
+    async def get(self, key: str) -> bytes | None:
+        key = self.redis_key(key)
+        result = await self._run("get", key, self._client.get(key))
+        return None if result is None else bytes(result)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
