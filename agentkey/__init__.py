@@ -27,12 +27,16 @@ from ._exceptions import (
     ToolError,
     UnsafeRedirect,
 )
+from ._hooks import InvokeEvent, InvokeHook, LoggingHook, PollEvent, ReplayEvent, RetryEvent
+from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
 from ._keys import HeaderStyle, StepKey, step_key
 from ._plan import PlanSession, Step
+from ._policy import PollPolicy, RetryPolicy
 from ._version import __version__
 
 __all__ = [
     "AgentKeyError",
+    "AsyncToolInvoker",
     "AuthError",
     "AuthenticationError",
     "ConfigurationError",
@@ -42,13 +46,22 @@ __all__ = [
     "InvalidArguments",
     "InvalidKey",
     "InvokeError",
+    "InvokeEvent",
+    "InvokeHook",
     "KeyRejected",
+    "LoggingHook",
     "MissingExtra",
+    "Outcome",
     "OutcomeUnknown",
     "PayloadMismatch",
     "PlanSession",
+    "PollEvent",
+    "PollPolicy",
     "PollTimeout",
     "Profile",
+    "ReplayEvent",
+    "RetryEvent",
+    "RetryPolicy",
     "Step",
     "StepFailed",
     "StepInProgress",
@@ -57,6 +70,8 @@ __all__ = [
     "StoreUnavailable",
     "TokenError",
     "ToolError",
+    "ToolInvoker",
+    "ToolResult",
     "UnsafeRedirect",
     "__version__",
     "args_hash",

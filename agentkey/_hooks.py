@@ -1,0 +1,109 @@
+"""Instrumentation: frozen event records and the hook Protocol that receives them.
+
+A hook is any callable taking one event. The invoker calls every hook, in
+order, for each retry, poll and replay. An exception raised by a hook
+propagates (a broken hook is a bug to see, not to hide). Events carry the
+key, never a token or a header value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
+
+__all__ = [
+    "InvokeEvent",
+    "InvokeHook",
+    "LoggingHook",
+    "PollEvent",
+    "ReplayEvent",
+    "RetryEvent",
+]
+
+logger = logging.getLogger("agentkey")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryEvent:
+    """The step's request is about to be resent with the same key after ``wait`` seconds."""
+
+    idempotency_key: str
+    step: str | None
+    attempt: int  # the attempt that just failed (1 for the first)
+    reason: str  # "conflict: in flight", "ReadTimeout", "server error 502", ...
+    wait: float
+    status_code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PollEvent:
+    """A poll answered ``state``; the next poll follows after ``wait`` seconds."""
+
+    idempotency_key: str
+    step: str | None
+    poll: int  # polls made so far
+    status_url: str
+    state: str
+    wait: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEvent:
+    """The tool replayed the stored outcome of an earlier attempt instead of running again."""
+
+    idempotency_key: str
+    step: str | None
+    status_code: int
+
+
+InvokeEvent: TypeAlias = "RetryEvent | PollEvent | ReplayEvent"
+
+
+@runtime_checkable
+class InvokeHook(Protocol):
+    """Anything callable with one :data:`InvokeEvent`."""
+
+    def __call__(self, event: RetryEvent | PollEvent | ReplayEvent) -> None: ...
+
+
+class LoggingHook:
+    """The default hook: one ``logging`` record per event on the ``agentkey`` logger.
+
+    Retries and polls log at INFO, replays at INFO too (a replay is the
+    protocol working, not a problem). Only the key, step, attempt, state and
+    wait are logged: never a token, a header or a body.
+    """
+
+    def __init__(self, logger_: logging.Logger | None = None) -> None:
+        self._logger = logger_ or logger
+
+    def __call__(self, event: RetryEvent | PollEvent | ReplayEvent) -> None:
+        if isinstance(event, RetryEvent):
+            self._logger.info(
+                "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs",
+                event.idempotency_key,
+                event.step,
+                event.attempt,
+                event.reason,
+                event.wait,
+            )
+        elif isinstance(event, PollEvent):
+            self._logger.info(
+                "polling key=%s step=%s poll=%d state=%s wait=%.3fs",
+                event.idempotency_key,
+                event.step,
+                event.poll,
+                event.state,
+                event.wait,
+            )
+        else:
+            self._logger.info(
+                "replayed key=%s step=%s status=%d",
+                event.idempotency_key,
+                event.step,
+                event.status_code,
+            )
+
+    def __repr__(self) -> str:
+        return f"LoggingHook(logger={self._logger.name!r})"

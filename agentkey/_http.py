@@ -1,0 +1,152 @@
+"""The one module that touches httpx: clients, requests, and the translation of its errors.
+
+Moving to another httpx-compatible client (the ``httpx2`` fork) changes this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import httpx
+
+from ._exceptions import ConfigurationError
+from ._protocol import Answer, Failure, FailureKind, Reply
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "AsyncClient",
+    "Auth",
+    "Client",
+    "Outgoing",
+    "Timeout",
+    "make_async_client",
+    "make_client",
+    "make_timeout",
+    "send_async",
+    "send_sync",
+    "translate",
+]
+
+Client = httpx.Client
+AsyncClient = httpx.AsyncClient
+Auth = httpx.Auth
+Timeout = httpx.Timeout
+
+#: connect 5 s, read 30 s, write 30 s, pool 5 s.
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One request the protocol flow wants sent.
+
+    ``same_origin`` requests go through the invoker's auth and the client's
+    defaults; any other request is built bare: no auth, no client headers or
+    cookies, no Idempotency-Key.
+    """
+
+    method: str
+    url: str
+    headers: tuple[tuple[str, str], ...]
+    content: bytes | None
+    same_origin: bool
+
+
+def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | None:
+    """Validate the invoker's ``timeout=`` option."""
+    if timeout is None or isinstance(timeout, httpx.Timeout):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigurationError(
+            f"timeout must be a positive number of seconds or an httpx.Timeout, got {timeout!r}"
+        )
+    return httpx.Timeout(float(timeout), connect=min(5.0, float(timeout)))
+
+
+def make_client(timeout: httpx.Timeout | None) -> httpx.Client:
+    return httpx.Client(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
+
+
+def make_async_client(timeout: httpx.Timeout | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
+
+
+def _request(
+    client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
+) -> httpx.Request:
+    if out.same_origin:
+        return client.build_request(
+            out.method,
+            out.url,
+            headers=list(out.headers),
+            content=out.content,
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        )
+    # Another origin: built bare so no client default header (Authorization!) or cookie leaks.
+    chosen = timeout if timeout is not None else client.timeout
+    return httpx.Request(
+        out.method,
+        out.url,
+        headers=list(out.headers),
+        content=out.content,
+        extensions={"timeout": chosen.as_dict()},
+    )
+
+
+def _answer(response: httpx.Response) -> Answer:
+    headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
+    return Answer(response.status_code, headers, response.content, str(response.request.url))
+
+
+def translate(exc: httpx.RequestError) -> Failure:
+    """The one place httpx errors become the core's categories."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+        return Failure(FailureKind.NOT_SENT, type(exc).__name__)
+    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)):
+        raise ConfigurationError(
+            f"the request could not be built or sent ({type(exc).__name__}: {exc}); "
+            "check base_url and the route"
+        ) from exc
+    # ReadTimeout, WriteTimeout, ReadError, WriteError, RemoteProtocolError, ProxyError,
+    # DecodingError: the request may have reached the tool and run.
+    return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
+
+
+def send_sync(
+    client: httpx.Client,
+    out: Outgoing,
+    *,
+    auth: httpx.Auth | None,
+    timeout: httpx.Timeout | None,
+) -> Reply:
+    """Send ``out`` and read the whole answer; the response is closed on every path."""
+    request = _request(client, out, timeout)
+    try:
+        # send() without stream=True reads the body and closes the response, also on
+        # KeyboardInterrupt; auth and redirects are explicit so a user client's own
+        # auth never applies and no redirect is followed behind our back.
+        response = client.send(
+            request, auth=auth if out.same_origin else None, follow_redirects=False
+        )
+    except httpx.RequestError as exc:
+        return translate(exc)
+    return _answer(response)
+
+
+async def send_async(
+    client: httpx.AsyncClient,
+    out: Outgoing,
+    *,
+    auth: httpx.Auth | None,
+    timeout: httpx.Timeout | None,
+) -> Reply:
+    """Send ``out`` and read the whole answer; the response is closed on every path."""
+    request = _request(client, out, timeout)
+    try:
+        response = await client.send(
+            request, auth=auth if out.same_origin else None, follow_redirects=False
+        )
+    except httpx.RequestError as exc:
+        return translate(exc)
+    return _answer(response)

@@ -1,0 +1,1 @@
+"""Tests of the ToolInvoker: I/O-free core, scenario table on both drivers, loopback end to end."""

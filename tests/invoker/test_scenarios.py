@@ -1,0 +1,380 @@
+"""The scenario table: every row of contract section 3 and the issue's extra cases, on both drivers.
+
+Pure logic over ``httpx.MockTransport``; the same behaviours run over real
+sockets in ``test_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkey import (
+    AuthenticationError,
+    InvokeError,
+    KeyRejected,
+    OutcomeUnknown,
+    PayloadMismatch,
+    PollTimeout,
+    StepFailed,
+    StepInProgress,
+    ToolError,
+    UnsafeRedirect,
+)
+from agentkey._invoker import Outcome, ToolResult
+
+from ._support import (
+    BASE,
+    DRIVERS,
+    FAST_POLL,
+    FAST_RETRY,
+    Bearer,
+    Driver,
+    Recorder,
+    Script,
+    make_step,
+    run_invoke,
+)
+
+REPLAYED = {"Idempotent-Replayed": "true"}
+FOREIGN = "https://elsewhere.test"
+
+
+def ok(status: int = 200, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+    return httpx.Response(status, headers=headers, json=body or {"ok": True})
+
+
+def status(code: int, retry_after: str | None = None, **headers: str) -> httpx.Response:
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    return httpx.Response(code, headers=headers, json={"error": code})
+
+
+def state(value: str, code: int = 200) -> httpx.Response:
+    return httpx.Response(code, json={"status": value})
+
+
+def http_date(seconds_ahead: float) -> str:
+    return email.utils.formatdate(time.time() + seconds_ahead, usegmt=True)
+
+
+@dataclass
+class Row:
+    id: str
+    answers: list[Any]
+    error: type[InvokeError] | None = None
+    outcome: Outcome = Outcome.EXECUTED
+    posts: int = 1
+    gets: int = 0
+    result_status: int = 200
+    options: dict[str, Any] = field(default_factory=dict)
+    check: Callable[[ToolResult | InvokeError, Recorder], None] | None = None
+
+
+def waits_capped(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """Retry-After asked for more than the cap: every wait is exactly the cap (50 ms)."""
+    assert [e.wait for e in hooks.retries()] == [0.05]
+
+
+def wait_zero(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    assert [e.wait for e in hooks.retries()] == [0.0]
+
+
+def backoff_used(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """Garbage Retry-After: the wait comes from the jittered backoff window (<= 2 ms)."""
+    waits = [e.wait for e in hooks.retries()]
+    assert len(waits) == 1
+    assert 0.0 <= waits[0] <= 0.002
+
+
+def status_url_is(url: str) -> Callable[[ToolResult | InvokeError, Recorder], None]:
+    def check(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+        if isinstance(result, ToolResult):
+            assert result.status_url == url
+        else:
+            assert isinstance(result, PollTimeout)
+            assert result.status_url == url
+
+    return check
+
+
+ROWS = [
+    # -- contract section 3, row by row --
+    Row("2xx-done", [ok(201)], result_status=201),
+    Row("2xx-replayed", [ok(200, REPLAYED)], outcome=Outcome.REPLAYED),
+    Row(
+        "2xx-replayed-x-header",
+        [ok(200, {"X-Idempotency-Replayed": "TRUE"})],
+        outcome=Outcome.REPLAYED,
+    ),
+    Row(
+        "202-poll",
+        [status(202, Location="/ops/1"), state("running"), state("Succeeded")],
+        gets=2,
+        check=status_url_is(f"{BASE}/ops/1"),
+    ),
+    Row("409-then-ok", [status(409, "0"), ok()], posts=2, check=wait_zero),
+    Row("429-then-ok", [status(429, "120"), ok()], posts=2, check=waits_capped),
+    Row("503-then-ok", [status(503, "1"), ok()], posts=2, check=waits_capped),
+    Row("500-then-ok", [status(500), ok()], posts=2),
+    Row("502-then-ok", [status(502), ok()], posts=2),
+    Row("504-then-ok", [status(504), ok()], posts=2),
+    Row(
+        "read-timeout-then-replay",
+        [httpx.ReadTimeout("slow"), ok(200, REPLAYED)],
+        posts=2,
+        outcome=Outcome.REPLAYED,
+    ),
+    Row(
+        "reset-then-replay",
+        [httpx.RemoteProtocolError("reset"), ok(200, REPLAYED)],
+        posts=2,
+        outcome=Outcome.REPLAYED,
+    ),
+    Row("connect-error-then-ok", [httpx.ConnectError("refused"), ok()], posts=2),
+    Row("connect-timeout-then-ok", [httpx.ConnectTimeout("slow"), ok()], posts=2),
+    Row("401-final", [status(401)], error=AuthenticationError),
+    Row("422-final", [status(422)], error=PayloadMismatch),
+    Row("400-final", [status(400)], error=KeyRejected),
+    Row("403-final", [status(403)], error=ToolError),
+    Row("404-final", [status(404)], error=ToolError),
+    Row("replayed-422-final", [status(422, **REPLAYED)], error=PayloadMismatch),
+    # -- the issue's extra cases --
+    Row(
+        "409-storm-then-ok",
+        [*(status(409, "1") for _ in range(6)), ok(200, REPLAYED)],
+        posts=7,
+        outcome=Outcome.REPLAYED,
+    ),
+    Row("409-until-budget", [status(409, "0") for _ in range(8)], posts=8, error=StepInProgress),
+    Row("retry-after-http-date", [status(429, http_date(3600)), ok()], posts=2, check=waits_capped),
+    Row("retry-after-past-date", [status(503, http_date(-3600)), ok()], posts=2, check=wait_zero),
+    Row("retry-after-zero", [status(503, "0"), ok()], posts=2, check=wait_zero),
+    Row("retry-after-garbage", [status(503, "soon-ish"), ok()], posts=2, check=backoff_used),
+    Row("retry-after-negative", [status(429, "-5"), ok()], posts=2, check=backoff_used),
+    Row("retry-after-fraction", [status(429, "1.5"), ok()], posts=2, check=backoff_used),
+    Row("500-until-budget", [status(500) for _ in range(8)], posts=8, error=OutcomeUnknown),
+    Row(
+        "timeouts-until-budget",
+        [httpx.ReadTimeout("slow") for _ in range(8)],
+        posts=8,
+        error=OutcomeUnknown,
+    ),
+    Row(
+        "connect-errors-until-budget",
+        [httpx.ConnectError("no") for _ in range(8)],
+        posts=8,
+        error=OutcomeUnknown,
+    ),
+    Row(
+        "202-three-polls-success",
+        [
+            status(202, **{"Operation-Location": "/ops/7"}),
+            state("queued"),
+            state("in_progress"),
+            state("running"),
+            state("completed"),
+        ],
+        gets=4,
+    ),
+    Row(
+        "202-polls-then-failure",
+        [status(202, Location="/ops/2"), state("pending"), state("running"), state("FAILED")],
+        gets=3,
+        error=StepFailed,
+    ),
+    Row(
+        "202-poll-canceled",
+        [status(202, Location="/ops/2"), state("Cancelled")],
+        gets=1,
+        error=StepFailed,
+    ),
+    Row(
+        "202-body-status-url",
+        [httpx.Response(202, json={"status_url": "/ops/9"}), state("done")],
+        gets=1,
+        check=status_url_is(f"{BASE}/ops/9"),
+    ),
+    Row(
+        "202-nested-operation-url",
+        [httpx.Response(202, json={"operation": {"url": "/ops/10"}}), state("succeeded")],
+        gets=1,
+        check=status_url_is(f"{BASE}/ops/10"),
+    ),
+    Row(
+        "202-aip151-done-response",
+        [
+            status(202, Location="/ops/3"),
+            httpx.Response(200, json={"done": False}),
+            httpx.Response(200, json={"done": True, "response": {"id": 1}}),
+        ],
+        gets=2,
+    ),
+    Row(
+        "202-aip151-done-error",
+        [status(202, Location="/ops/3"), httpx.Response(200, json={"done": True, "error": {}})],
+        gets=1,
+        error=StepFailed,
+    ),
+    Row(
+        "202-poll-no-status-field",
+        [status(202, Location="/ops/4"), httpx.Response(200, json={"id": 4})],
+        gets=1,
+    ),
+    Row(
+        "202-poll-202-then-ok",
+        [status(202, Location="/ops/4"), status(202, "0"), state("succeeded")],
+        gets=2,
+    ),
+    Row(
+        "202-poll-transient-503",
+        [
+            status(202, Location="/ops/5"),
+            status(503, "0"),
+            httpx.ReadTimeout("x"),
+            state("succeeded"),
+        ],
+        gets=3,
+    ),
+    Row(
+        "202-poll-404",
+        [status(202, Location="/ops/5"), status(404)],
+        gets=1,
+        error=ToolError,
+    ),
+    Row(
+        "202-poll-see-other",
+        [
+            status(202, Location="/ops/6"),
+            status(303, Location="/results/6"),
+            httpx.Response(200, json={"status": "running-is-ignored", "id": 6}),
+        ],
+        gets=2,
+    ),
+    Row("202-no-status-url", [httpx.Response(202, json={"accepted": True})], result_status=202),
+    Row(
+        "202-replayed",
+        [status(202, Location="/ops/8", **REPLAYED), state("succeeded")],
+        gets=1,
+        outcome=Outcome.REPLAYED,
+    ),
+    Row(
+        "202-cross-origin-location",
+        [status(202, Location=f"{FOREIGN}/ops/1")],
+        error=UnsafeRedirect,
+    ),
+    Row(
+        "202-cross-origin-allowed",
+        [status(202, Location=f"{FOREIGN}/ops/1"), state("succeeded")],
+        gets=1,
+        options={"allowed_poll_origins": [FOREIGN]},
+    ),
+    Row("307-same-origin-redirect", [status(307, Location="/v2/tools/create_db"), ok()], posts=2),
+    Row(
+        "308-cross-origin-redirect",
+        [status(308, Location=f"{FOREIGN}/tools/x")],
+        error=UnsafeRedirect,
+    ),
+    Row(
+        "302-scheme-downgrade",
+        [status(302, Location="http://tool.test/tools/x")],
+        error=UnsafeRedirect,
+    ),
+    Row("303-see-other", [status(303, Location="/results/1"), ok(id=1)], gets=1),
+    Row("replayed-500-final", [status(500, **REPLAYED)], error=ToolError),
+    Row("500-then-replayed-500", [status(500), status(500, **REPLAYED)], posts=2, error=ToolError),
+    Row(
+        "409-not-retried-when-configured",
+        [status(409, "0")],
+        error=StepInProgress,
+        options={"retry_statuses": frozenset({429, 503})},
+    ),
+]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
+def test_scenario(row: Row, driver: Driver) -> None:
+    """Each scenario gives the expected result or error, same key and body on every send."""
+    script = Script(list(row.answers))
+    hooks = Recorder()
+    step = make_step()
+    options = dict(row.options)
+    if "retry_statuses" in options:
+        options["retry"] = FAST_RETRY.replace(retry_statuses=options.pop("retry_statuses"))
+    outcome: ToolResult | InvokeError
+    if row.error is None:
+        outcome = run_invoke(driver, script, step, auth=Bearer(), hooks=[hooks], **options)
+        assert outcome.outcome is row.outcome
+        assert outcome.replayed is (row.outcome is Outcome.REPLAYED)
+        assert outcome.status_code == row.result_status
+        assert outcome.attempts == row.posts
+        assert outcome.polls == row.gets
+        assert outcome.idempotency_key == step.idempotency_key
+    else:
+        with pytest.raises(row.error) as caught:
+            run_invoke(driver, script, step, auth=Bearer(), hooks=[hooks], **options)
+        assert type(caught.value) is row.error
+        outcome = caught.value
+        assert outcome.idempotency_key == step.idempotency_key
+        assert outcome.step == "step_003"
+        assert outcome.attempts == row.posts
+        assert step.idempotency_key in str(outcome)
+    assert not script.answers, "every scripted answer was used"
+    assert len(script.posts()) == row.posts
+    assert len(script.gets()) == row.gets
+    for post in script.posts():
+        assert post.headers["Idempotency-Key"] == step.idempotency_key
+        assert post.content == step.body
+        assert post.headers["Content-Type"] == "application/json"
+    for request in script.requests:
+        on_base = request.url.host == "tool.test" and request.url.scheme == "https"
+        if on_base:
+            assert request.headers["Authorization"] == "Bearer s3cret-token"
+            assert request.headers["Idempotency-Key"] == step.idempotency_key
+        else:
+            assert "Authorization" not in request.headers
+            assert "Idempotency-Key" not in request.headers
+    if row.check is not None:
+        row.check(outcome, hooks)
+
+
+def test_table_is_big_enough() -> None:
+    """The issue asks for at least 20 scenarios; the table has more, with unique ids."""
+    assert len(ROWS) >= 20
+    assert len({r.id for r in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_poll_timeout_then_resume(driver: Driver) -> None:
+    """A poll deadline raises PollTimeout with the status URL; resume_poll finishes without POST."""
+
+    def running(request: httpx.Request) -> httpx.Response:
+        time.sleep(0.01)
+        return state("running")
+
+    step = make_step()
+    script = Script([status(202, Location="/ops/42"), *([running] * 200)])
+    tight = FAST_POLL.replace(deadline=0.05)
+    with pytest.raises(PollTimeout) as caught:
+        run_invoke(driver, script, step, polling=tight)
+    error = caught.value
+    assert error.status_url == f"{BASE}/ops/42"
+    assert error.idempotency_key == step.idempotency_key
+    assert "resume_poll" in str(error)
+    assert 1 <= len(script.gets()) < 200
+    resumed = Script([state("running"), state("succeeded")])
+    result = run_invoke(
+        driver, resumed, step, resume=(error.status_url, error.idempotency_key or "")
+    )
+    assert result.status_code == 200
+    assert result.polls == 2
+    assert result.attempts == 0
+    assert result.status_url == f"{BASE}/ops/42"
+    assert [r.method for r in resumed.requests] == ["GET", "GET"]
