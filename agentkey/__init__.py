@@ -33,12 +33,14 @@ from ._keys import HeaderStyle, StepKey, step_key
 from ._plan import PlanSession, Step
 from ._policy import PollPolicy, RetryPolicy
 from ._version import __version__
+from .auth import ClientCredentials, OnBehalfOf, RefreshTokenGrant, StaticToken, TokenExchange
 
 __all__ = [
     "AgentKeyError",
     "AsyncToolInvoker",
     "AuthError",
     "AuthenticationError",
+    "ClientCredentials",
     "ConfigurationError",
     "DelegationExpired",
     "HeaderStyle",
@@ -51,6 +53,7 @@ __all__ = [
     "KeyRejected",
     "LoggingHook",
     "MissingExtra",
+    "OnBehalfOf",
     "Outcome",
     "OutcomeUnknown",
     "PayloadMismatch",
@@ -59,9 +62,11 @@ __all__ = [
     "PollPolicy",
     "PollTimeout",
     "Profile",
+    "RefreshTokenGrant",
     "ReplayEvent",
     "RetryEvent",
     "RetryPolicy",
+    "StaticToken",
     "Step",
     "StepFailed",
     "StepInProgress",
@@ -69,6 +74,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TokenError",
+    "TokenExchange",
     "ToolError",
     "ToolInvoker",
     "ToolResult",

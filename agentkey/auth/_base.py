@@ -1,0 +1,353 @@
+"""The httpx.Auth adapter: a single flight per credential across threads and coroutines.
+
+Every provider keeps one current token behind a short ``threading.Lock``
+(never held during I/O). A caller that finds the token due either joins the
+refresh already in flight or becomes its leader:
+
+- a thread leads by refreshing inline; a coroutine leads by starting the
+  refresh as a task that it, like every other waiter, awaits through its own
+  future, so cancelling any waiter (the leader included) never cancels the
+  refresh the others wait on;
+- waiters take the refresh's result as it is (they do not re-check expiry
+  against a token that was just issued, so a short-lived token cannot cause a
+  refresh loop);
+- a failure is remembered for ``TokenPolicy.failure_ttl`` seconds, so the
+  callers right behind it fail fast.
+
+Decisions are made once, under the lock, in ``_decide``; the sync and async
+paths only wait, send and await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Generator
+from typing import TypeVar
+
+import httpx
+
+from .._exceptions import AuthError
+from ._endpoint import TokenEndpoint, TokenRequest, require_secure
+from ._policy import TokenPolicy
+from ._token import Token
+
+__all__ = ["Call", "Obtain", "TokenProvider", "call", "send"]
+
+T = TypeVar("T")
+
+
+class Call:
+    """An instruction from ``_obtain``: run ``fn`` (blocking I/O such as a token store)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+
+# ``_obtain`` yields token requests and store calls; the driver sends back their results.
+Obtain = Generator[TokenRequest | Call, object, Token]
+
+
+def send(request: TokenRequest) -> Generator[TokenRequest | Call, object, Token]:
+    """Yield ``request`` to the driver and return the Token it obtained."""
+    result = yield request
+    assert isinstance(result, Token)
+    return result
+
+
+def call(fn: Callable[[], T]) -> Generator[TokenRequest | Call, object, T]:
+    """Yield ``fn`` to the driver (in a worker thread on the async path); return its result."""
+    result = yield Call(fn)
+    return result  # type: ignore[return-value]  # the driver sends back fn()'s own result
+
+
+def _clone(error: AuthError) -> AuthError:
+    """A copy of a remembered failure, so threads never share one traceback."""
+    clone = copy.copy(error)
+    clone.__traceback__ = None
+    return clone
+
+
+class _Flight:
+    """One refresh in progress; threads wait on an Event, coroutines on their own future."""
+
+    __slots__ = ("_lock", "_waiters", "done", "error", "token")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.done = threading.Event()
+        self.token: Token | None = None
+        self.error: AuthError | None = None
+
+    def finish(self, token: Token | None, error: AuthError | None) -> None:
+        with self._lock:
+            self.token, self.error = token, error
+            self.done.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            if not loop.is_closed():  # a closed loop has nobody left to wake
+                loop.call_soon_threadsafe(_resolve, future)
+
+    def result(self) -> Token:
+        if self.error is not None:
+            raise _clone(self.error)
+        assert self.token is not None
+        return self.token
+
+    def wait_sync(self, timeout: float) -> Token:
+        if not self.done.wait(timeout):
+            raise AuthError(
+                f"a token refresh did not finish within {timeout:g} s; if a synchronous client "
+                "shares this provider with an event loop in the same thread, give each its own "
+                "provider, otherwise retry the call"
+            )
+        return self.result()
+
+    async def wait_async(self) -> Token:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            future: asyncio.Future[None] | None = None
+            if not self.done.is_set():
+                future = loop.create_future()
+                self._waiters.append((loop, future))
+        if future is not None:
+            await future  # cancelling this waiter cancels only its own future
+        return self.result()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class TokenProvider(httpx.Auth):
+    """Base of every agentkey token provider; an ``httpx.Auth`` usable with any httpx client.
+
+    Before each request it makes sure the token has more than the policy's
+    leeway left (refreshing once for all concurrent callers), refuses plain
+    http to a non-loopback host, and sets ``Authorization: Bearer``. When the
+    tool answers 401 and the token it rejected is still the current one, the
+    token is refreshed once and the same request (same body, same headers,
+    ``Idempotency-Key`` included) is sent again; a second 401 is returned to
+    the caller, who raises. A 403 never causes a refresh.
+    """
+
+    requires_request_body = True  # the same request may be sent twice after a 401
+
+    _can_refresh = True
+
+    def __init__(self, endpoint: TokenEndpoint | None, *, policy: TokenPolicy) -> None:
+        if not isinstance(policy, TokenPolicy):
+            raise TypeError("policy must be an agentkey.auth.TokenPolicy")
+        self._endpoint = endpoint
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._token: Token | None = None
+        self._flight: _Flight | None = None
+        self._failure: tuple[AuthError, float] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- subclasses -----------------------------------------------------------------
+
+    def _obtain(self, current: Token | None) -> Obtain:
+        """Yield the token requests (and store calls) that produce a new token."""
+        raise NotImplementedError
+
+    # -- public helpers -------------------------------------------------------------
+
+    @property
+    def policy(self) -> TokenPolicy:
+        """The frozen policy this provider renews tokens with."""
+        return self._policy
+
+    def invalidate(self) -> None:
+        """Forget the current token and any remembered failure; the next call fetches anew."""
+        with self._lock:
+            self._token = None
+            self._failure = None
+
+    # -- decisions, under the lock ----------------------------------------------------
+
+    def _require_endpoint(self) -> TokenEndpoint:
+        if self._endpoint is None:
+            raise AuthError(f"{type(self).__name__} has no token endpoint to renew its token")
+        return self._endpoint
+
+    def _decide(self, rejected: Token | None) -> Token | tuple[_Flight, bool, Token | None]:
+        """A token to use now, or the flight to join (False) or lead (True)."""
+        now = time.monotonic()
+        with self._lock:
+            current = self._token
+            if current is not None:
+                if rejected is None and not current.due(now):
+                    return current
+                if rejected is not None and current is not rejected:
+                    return current  # someone already replaced the rejected token
+            if self._flight is not None:
+                return self._flight, False, current
+            if self._failure is not None:
+                error, until = self._failure
+                if now < until:
+                    raise _clone(error)
+                self._failure = None
+            flight = self._flight = _Flight()
+            return flight, True, current
+
+    def _settle(self, flight: _Flight, token: Token | None, error: AuthError | None) -> None:
+        with self._lock:
+            self._flight = None
+            if token is not None:
+                self._token = token
+                self._failure = None
+            elif error is not None:
+                self._failure = (error, time.monotonic() + self._policy.failure_ttl)
+        flight.finish(token, error)
+
+    @staticmethod
+    def _interrupted(exc: BaseException) -> AuthError:
+        return AuthError(
+            f"obtaining a token was interrupted ({type(exc).__name__}); retry the call"
+        )
+
+    # -- sync path --------------------------------------------------------------------
+
+    def _perform_sync(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
+        try:
+            if isinstance(op, Call):
+                return op.fn(), None
+            return self._require_endpoint().send_sync(op), None
+        except AuthError as exc:
+            return None, exc
+
+    def _run_sync(self, gen: Obtain) -> Token:
+        try:
+            op = next(gen)
+            while True:
+                result, error = self._perform_sync(op)
+                op = gen.send(result) if error is None else gen.throw(error)
+        except StopIteration as stop:
+            token: Token = stop.value
+            return token
+
+    def _token_sync(self, rejected: Token | None = None) -> Token:
+        decision = self._decide(rejected)
+        if isinstance(decision, Token):
+            return decision
+        flight, lead, current = decision
+        if not lead:
+            return flight.wait_sync(self._wait_cap())
+        try:
+            token = self._run_sync(self._obtain(current))
+        except AuthError as exc:
+            self._settle(flight, None, exc)
+            raise
+        except BaseException as exc:
+            self._settle(flight, None, self._interrupted(exc))
+            raise
+        self._settle(flight, token, None)
+        return token
+
+    # -- async path -------------------------------------------------------------------
+
+    async def _perform_async(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
+        try:
+            if isinstance(op, Call):
+                return await asyncio.to_thread(op.fn), None
+            return await self._require_endpoint().send_async(op), None
+        except AuthError as exc:
+            return None, exc
+
+    async def _run_async(self, gen: Obtain) -> Token:
+        try:
+            op = next(gen)
+            while True:
+                result, error = await self._perform_async(op)
+                op = gen.send(result) if error is None else gen.throw(error)
+        except StopIteration as stop:
+            token: Token = stop.value
+            return token
+
+    async def _lead_async(self, flight: _Flight, current: Token | None) -> None:
+        try:
+            token = await self._run_async(self._obtain(current))
+        except AuthError as exc:
+            self._settle(flight, None, exc)
+        except BaseException as exc:
+            self._settle(flight, None, self._interrupted(exc))
+            if not isinstance(exc, Exception):
+                raise  # cancellation, KeyboardInterrupt: let the loop see them
+        else:
+            self._settle(flight, token, None)
+
+    async def _token_async(self, rejected: Token | None = None) -> Token:
+        decision = self._decide(rejected)
+        if isinstance(decision, Token):
+            return decision
+        flight, lead, current = decision
+        if lead:
+            task = asyncio.get_running_loop().create_task(self._lead_async(flight, current))
+            self._tasks.add(task)  # a strong reference until it is done
+            task.add_done_callback(self._tasks.discard)
+        return await flight.wait_async()
+
+    def _wait_cap(self) -> float:
+        policy = self._policy
+        return policy.deadline + policy.timeout + policy.max_wait + 5.0
+
+    # -- the httpx.Auth flows -------------------------------------------------------------
+
+    @staticmethod
+    def _authorize(request: httpx.Request, token: Token) -> None:
+        request.headers["Authorization"] = f"Bearer {token.access_token.get_secret_value()}"
+
+    def _retry_after_401(self, response: httpx.Response) -> bool:
+        return response.status_code == 401 and self._can_refresh
+
+    def sync_auth_flow(
+        self, request: httpx.Request
+    ) -> Generator[httpx.Request, httpx.Response, None]:
+        require_secure(request.url, what="a bearer token")
+        request.read()
+        sent = self._token_sync()
+        self._authorize(request, sent)
+        response = yield request
+        if self._retry_after_401(response):
+            renewed = self._token_sync(rejected=sent)
+            self._authorize(request, renewed)
+            yield request
+
+    async def async_auth_flow(
+        self, request: httpx.Request
+    ) -> AsyncGenerator[httpx.Request, httpx.Response]:
+        require_secure(request.url, what="a bearer token")
+        await request.aread()
+        sent = await self._token_async()
+        self._authorize(request, sent)
+        response = yield request
+        if self._retry_after_401(response):
+            renewed = await self._token_async(rejected=sent)
+            self._authorize(request, renewed)
+            yield request
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        """Not used: httpx calls ``sync_auth_flow`` or ``async_auth_flow``, which do the I/O."""
+        raise NotImplementedError("token providers run through httpx's sync or async auth flow")
+
+    # -- conveniences ---------------------------------------------------------------------
+
+    def get_token(self) -> str:
+        """A valid access token (refreshed if due), for callers that set headers themselves.
+
+        Handle it as a secret: never log or print it.
+        """
+        return self._token_sync().access_token.get_secret_value()
+
+    async def aget_token(self) -> str:
+        """Awaitable ``get_token``."""
+        token = await self._token_async()
+        return token.access_token.get_secret_value()
