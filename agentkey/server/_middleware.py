@@ -455,7 +455,7 @@ def _parse_key(values: list[bytes]) -> StepKey | str:
 def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
     """None when the body is a JSON object hashing to the key's args_hash, else the error."""
     try:
-        parsed = json.loads(body)
+        parsed = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         return 400, "body_not_json", "the request body must be a JSON object (UTF-8)"
     if not isinstance(parsed, dict):
@@ -478,6 +478,10 @@ def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, 
         f"the body does not hash to the key's args_hash for step {key.step_label}; "
         "recompute the key from the arguments you send",
     )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _record_key(principal: str, key: StepKey) -> str:

@@ -247,7 +247,9 @@ class RedisStore:
         key = self.redis_key(key)
         # Redis >= 7: NX and GET together; one round trip claims or reads.
         result = await self._run(
-            "claim", key, self._client.execute_command("SET", key, value, "NX", "PX", ttl, "GET")
+            "claim",
+            key,
+            self._client.execute_command("SET", key, value, "NX", "PX", ttl, "GET", get=True),
         )
         return None if result is None else bytes(result)
 

@@ -1,0 +1,113 @@
+"""A Starlette tool app whose handlers exercise every path of the middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentkey.server import IdempotencyMiddleware, Store, current_claim, get_claim
+
+__all__ = ["tenant_principal", "tool_app"]
+
+
+def tenant_principal(scope: Any) -> str:
+    """The tenant named by the X-Tenant header (tests only: real apps use authentication)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-tenant":
+            return str(value.decode("latin-1"))
+    return "anonymous"
+
+
+def tool_app(store: Store, **options: Any) -> Starlette:
+    """Tools: ok, status, fail, big, stream, wait. ``app.state.runs`` counts side effects.
+
+    ``app.state.gates[name]`` is a threading.Event a ``wait`` handler blocks on
+    in a worker thread until the test sets it.
+    """
+    runs: Counter[str] = Counter()
+    gates: dict[str, threading.Event] = {}
+    entered: dict[str, threading.Event] = {}
+
+    async def ok(request: Request) -> Response:
+        args = await request.json()
+        if request.headers.get("idempotency-key"):  # keyless requests carry no claim
+            get_claim(request).begin_mutation()
+        runs["ok"] += 1
+        tenant = request.headers.get("x-tenant", "anonymous")
+        return JSONResponse({"run": runs["ok"], "args": args, "tenant": tenant}, status_code=201)
+
+    async def status(request: Request) -> Response:
+        args = await request.json()
+        if args.get("mutate"):
+            current_claim().begin_mutation()
+        runs["status"] += 1
+        return JSONResponse({"run": runs["status"]}, status_code=int(args["status"]))
+
+    async def fail(request: Request) -> Response:
+        args = await request.json()
+        runs["fail"] += 1
+        if args.get("mutate"):
+            get_claim(request).begin_mutation()
+        raise RuntimeError("the tool broke")
+
+    async def big(request: Request) -> Response:
+        args = await request.json()
+        get_claim(request).begin_mutation()
+        runs["big"] += 1
+        return Response(b"%d:" % runs["big"] + b"x" * int(args["size"]), media_type="text/plain")
+
+    async def stream(request: Request) -> Response:
+        await request.json()
+        runs["stream"] += 1
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(5):
+                await asyncio.sleep(0)
+                yield b"chunk-%d-run-%d;" % (i, runs["stream"])
+
+        return StreamingResponse(chunks(), media_type="text/plain")
+
+    async def wait(request: Request) -> Response:
+        args = await request.json()
+        name = str(args["gate"])
+        claim = get_claim(request)
+        entered.setdefault(name, threading.Event()).set()
+        gate = gates.setdefault(name, threading.Event())
+
+        async def block() -> None:
+            await asyncio.to_thread(gate.wait, 30)  # the server loop stays free
+
+        if args.get("keep_alive"):
+            async with claim.keep_alive():
+                await block()
+        else:
+            await block()
+        claim.begin_mutation()
+        runs["wait"] += 1
+        return JSONResponse({"run": runs["wait"], "gate": name, "lost": claim.lost})
+
+    options.setdefault("principal", tenant_principal)
+    app = Starlette(
+        routes=[
+            Route("/ok", ok, methods=["POST"]),
+            Route("/status", status, methods=["POST"]),
+            Route("/fail", fail, methods=["POST"]),
+            Route("/big", big, methods=["POST"]),
+            Route("/stream", stream, methods=["POST"]),
+            Route("/wait", wait, methods=["POST"]),
+        ],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, **options)],
+    )
+    app.state.runs = runs
+    app.state.gates = gates
+    app.state.entered = entered
+    return app

@@ -1,0 +1,68 @@
+"""Helpers for the server tests: stores of both kinds, apps on loopback, keys."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from agentkey import StepKey, canonical_json
+from agentkey.server import Store
+from tests._loopback import serve
+
+__all__ = ["CLOSE_PATH", "call", "new_plan", "request_for", "serve_closing"]
+
+CLOSE_PATH = "/__test_close_store__"
+
+
+@contextmanager
+def serve_closing(app: Any, store: Store) -> Iterator[str]:
+    """Serve ``app`` on loopback; close ``store`` inside the server's own event loop at the end.
+
+    A redis.asyncio client belongs to the loop that opened its connections, so it
+    must be closed there.
+    """
+
+    async def shim(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == CLOSE_PATH:
+            await store.aclose()
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await app(scope, receive, send)
+
+    with serve(shim) as url:
+        try:
+            yield url
+        finally:
+            httpx.post(url + CLOSE_PATH, timeout=10)
+
+
+def new_plan() -> str:
+    """A fresh plan session id, so tests never share keys."""
+    return "t-" + uuid.uuid4().hex[:20]
+
+
+def request_for(
+    args: dict[str, Any], *, plan: str | None = None, step: int = 0, style: str = "raw"
+) -> tuple[dict[str, str], bytes]:
+    """Headers and body of one correct step request."""
+    key = StepKey.build(plan or new_plan(), step, args)
+    value = key.header_value("sf-string" if style == "sf-string" else "raw")
+    return {"idempotency-key": value, "content-type": "application/json"}, canonical_json(args)
+
+
+def call(
+    client: httpx.Client, path: str, headers: dict[str, str], body: bytes
+) -> tuple[int, Any, httpx.Headers]:
+    """POST and return status, parsed JSON (or raw text) and headers."""
+    response = client.post(path, headers=headers, content=body)
+    try:
+        parsed: Any = response.json()
+    except json.JSONDecodeError:
+        parsed = response.text
+    return response.status_code, parsed, response.headers

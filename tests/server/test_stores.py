@@ -1,0 +1,149 @@
+"""The Store semantics, identical on MemoryStore and a real RedisStore."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+import redis.asyncio as aioredis
+
+from agentkey import ConfigurationError, StoreError, StoreUnavailable
+from agentkey.server import MemoryStore, RedisStore, Store
+from agentkey.server._records import (
+    InProgress,
+    Outcome,
+    decode_record,
+    encode_in_progress,
+    encode_outcome,
+)
+from tests._loopback import RedisServer, free_port
+
+
+def _owner() -> str:
+    return secrets.token_hex(16)
+
+
+def _done(body: bytes = b'{"ok":true}') -> bytes:
+    return encode_outcome(Outcome("COMPLETED", 200, (("content-type", "application/json"),), body))
+
+
+async def test_claim_once_then_existing_record(store: Store) -> None:
+    """The first claim wins (returns None); a second claim returns the holder's record."""
+    owner = _owner()
+    held = encode_in_progress(owner, 1)
+    assert await store.claim("p:k1", held, ttl_ms=5000) is None
+    assert await store.claim("p:k1", encode_in_progress(_owner(), 2), ttl_ms=5000) == held
+
+
+async def test_finish_is_compare_and_set_on_owner(store: Store) -> None:
+    """Only the owner can finish; a stranger's finish leaves the record untouched."""
+    owner = _owner()
+    await store.claim("p:k2", encode_in_progress(owner, 1), ttl_ms=5000)
+    assert not await store.finish("p:k2", _owner(), _done(b"stranger"), ttl_ms=5000)
+    assert await store.finish("p:k2", owner, _done(), ttl_ms=5000)
+    assert await store.get("p:k2") == _done()
+    # Finished: the owner no longer holds an in-progress claim, so a second finish fails.
+    assert not await store.finish("p:k2", owner, _done(b"again"), ttl_ms=5000)
+    assert await store.get("p:k2") == _done()
+
+
+async def test_release_only_by_owner_and_only_in_progress(store: Store) -> None:
+    """Release deletes the owner's claim; a stranger's release and a finished record stay."""
+    owner = _owner()
+    await store.claim("p:k3", encode_in_progress(owner, 1), ttl_ms=5000)
+    assert not await store.release("p:k3", _owner())
+    assert await store.release("p:k3", owner)
+    assert await store.get("p:k3") is None
+    await store.claim("p:k3", encode_in_progress(owner, 1), ttl_ms=5000)
+    await store.finish("p:k3", owner, _done(), ttl_ms=5000)
+    assert not await store.release("p:k3", owner)
+    assert await store.get("p:k3") == _done()
+
+
+async def test_lease_expires_and_renew_extends_it(store: Store) -> None:
+    """An unrenewed claim expires after its TTL; renewing keeps it; a lost lease cannot renew."""
+    owner = _owner()
+    await store.claim("p:k4", encode_in_progress(owner, 1), ttl_ms=300)
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        assert await store.renew("p:k4", owner, ttl_ms=300)
+    assert await store.get("p:k4") is not None
+    await asyncio.sleep(0.45)
+    assert await store.get("p:k4") is None
+    assert not await store.renew("p:k4", owner, ttl_ms=300)
+    # The key is free again: a new owner claims it and the old one cannot touch it.
+    second = _owner()
+    assert await store.claim("p:k4", encode_in_progress(second, 2), ttl_ms=5000) is None
+    assert not await store.finish("p:k4", owner, _done(b"late"), ttl_ms=5000)
+    assert not await store.release("p:k4", owner)
+    assert await store.finish("p:k4", second, _done(), ttl_ms=5000)
+
+
+async def test_owner_prefix_cannot_be_spoofed_by_a_longer_token(store: Store) -> None:
+    """An owner whose token is a prefix of the holder's cannot pass the compare-and-set."""
+    owner = _owner()
+    await store.claim("p:k5", encode_in_progress(owner, 1), ttl_ms=5000)
+    assert not await store.finish("p:k5", owner[:-1], _done(), ttl_ms=5000)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, 1.5, True])
+async def test_bad_ttl_is_a_configuration_error(store: Store, ttl: object) -> None:
+    """TTLs are positive whole milliseconds; anything else is refused before any I/O."""
+    with pytest.raises(ConfigurationError):
+        await store.claim("p:k6", encode_in_progress(_owner(), 1), ttl_ms=ttl)  # type: ignore[arg-type]
+
+
+def test_records_round_trip() -> None:
+    """Each record state decodes to what was encoded; garbage is a StoreError naming the key."""
+    owner = _owner()
+    assert decode_record(encode_in_progress(owner, 7), key="k") == InProgress(owner, 7)
+    outcome = Outcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9)
+    assert decode_record(encode_outcome(outcome), key="k") == outcome
+    blob = Outcome("COMPLETED", 201, (), b"", "file:///x/y.blob", 1)
+    assert decode_record(encode_outcome(blob), key="k") == blob
+    for junk in (b"", b"hello", b"P:short:1", b"C:{not json", b'C:{"status":1}'):
+        with pytest.raises(StoreError, match="'k'"):
+            decode_record(junk, key="k")
+
+
+async def test_redis_keys_carry_a_cluster_hash_tag(redis_proc: RedisServer) -> None:
+    """Record keys are <prefix>:{<principal>:<key>}: one slot per record, as Cluster needs."""
+    client = aioredis.from_url(redis_proc.url)
+    try:
+        store = RedisStore(client, prefix="tagtest")
+        assert store.redis_key("alice:plan:step_000:ab") == "tagtest:{alice:plan:step_000:ab}"
+        await store.claim("alice:x", encode_in_progress(_owner(), 1), ttl_ms=5000)
+        assert await client.exists("tagtest:{alice:x}") == 1
+        await store.aclose()  # a client passed in stays open: the caller owns it
+        assert await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def test_redis_down_raises_store_unavailable() -> None:
+    """A RedisStore pointed at a closed port raises StoreUnavailable without leaking the URL."""
+    store = RedisStore(f"redis://:hunter2@127.0.0.1:{free_port()}/0", connect_timeout=0.5)
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            await store.claim("p:k", encode_in_progress(_owner(), 1), ttl_ms=1000)
+        assert "hunter2" not in str(info.value)
+        assert "hunter2" not in repr(store)
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("url", "prefix"),
+    [("redis://127.0.0.1:1/0", ""), ("redis://127.0.0.1:1/0", "has{brace}"), ("http://x", "p")],
+)
+def test_redis_store_rejects_bad_configuration(url: str, prefix: str) -> None:
+    """A bad prefix or URL is refused at construction with a ConfigurationError."""
+    with pytest.raises(ConfigurationError):
+        RedisStore(url, prefix=prefix)
+
+
+def test_memory_store_satisfies_the_protocol() -> None:
+    """Both stores are Store instances for the middleware's isinstance check."""
+    assert isinstance(MemoryStore(), Store)
+    assert isinstance(RedisStore("redis://127.0.0.1:1/0"), Store)
