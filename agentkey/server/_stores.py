@@ -182,7 +182,9 @@ class RedisStore:
 
     Pass a URL (``redis://…``, ``rediss://…``) or a ready client
     (``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``). Record keys become
-    ``<prefix>:{<principal>:<idempotency key>}``. Connection problems raise
+    ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store opens a
+    blocking pool of ``max_connections``, so a burst waits up to ``timeout``
+    seconds for a free connection instead of failing. Connection problems raise
     :class:`~agentkey.StoreUnavailable`; the middleware then answers 503 and
     never runs the handler.
     """
@@ -194,6 +196,7 @@ class RedisStore:
         prefix: str = "agentkey",
         connect_timeout: float = 2.0,
         timeout: float = 5.0,
+        max_connections: int = 50,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(
@@ -206,9 +209,16 @@ class RedisStore:
                     "RedisStore needs a redis://, rediss:// or unix:// URL or a "
                     "redis.asyncio client"
                 )
-            self._client: Any = aioredis.from_url(
-                redis, socket_connect_timeout=connect_timeout, socket_timeout=timeout
+            # A blocking pool queues a burst for a free connection (up to
+            # ``timeout``) instead of failing it with MaxConnectionsError.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                redis,
+                max_connections=max_connections,
+                timeout=timeout,
+                socket_connect_timeout=connect_timeout,
+                socket_timeout=timeout,
             )
+            self._client: Any = aioredis.Redis.from_pool(pool)
             self._owns_client = True
         else:
             self._client = redis

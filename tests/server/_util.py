@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,16 +20,20 @@ CLOSE_PATH = "/__test_close_store__"
 
 
 @contextmanager
-def serve_closing(app: Any, store: Store) -> Iterator[str]:
+def serve_closing(
+    app: Any, store: Store, *, also: Sequence[Callable[[], Awaitable[Any]]] = ()
+) -> Iterator[str]:
     """Serve ``app`` on loopback; close ``store`` inside the server's own event loop at the end.
 
     A redis.asyncio client belongs to the loop that opened its connections, so it
-    must be closed there.
+    must be closed there; ``also`` lists further closers (a pool passed in by the test).
     """
 
     async def shim(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == CLOSE_PATH:
             await store.aclose()
+            for close in also:
+                await close()
             await send({"type": "http.response.start", "status": 204, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return

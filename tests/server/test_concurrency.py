@@ -1,0 +1,51 @@
+"""200 identical requests at once through uvicorn on loopback: the tool runs exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+
+from agentkey.server import Store
+from tests.server._apps import tool_app
+from tests.server._util import request_for, serve_closing
+
+StoreFactory = Callable[[], Store]
+
+
+async def _burst(url: str, headers: dict[str, str], body: bytes, n: int) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        start = asyncio.Event()
+
+        async def one() -> httpx.Response:
+            await start.wait()
+            return await client.post("/ok", headers=headers, content=body)
+
+        tasks = [asyncio.ensure_future(one()) for _ in range(n)]
+        await asyncio.sleep(0)
+        start.set()
+        return await asyncio.gather(*tasks)
+
+
+async def test_200_concurrent_duplicates_run_once(make_store: StoreFactory) -> None:
+    """Exactly one of 200 concurrent identical requests runs; every other got 409 or a replay."""
+    store = make_store()
+    app = tool_app(store)
+    headers, body = request_for({"amount": 42})
+    with serve_closing(app, store) as url:
+        responses = await _burst(url, headers, body, 200)
+        # Afterwards, the key is settled: one more request is a replay.
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            final = await client.post("/ok", headers=headers, content=body)
+    assert app.state.runs["ok"] == 1
+    ran = [r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers]
+    conflicts = [r for r in responses if r.status_code == 409]
+    replays = [r for r in responses if r.headers.get("idempotent-replayed") == "true"]
+    assert len(ran) == 1
+    assert len(ran) + len(conflicts) + len(replays) == 200
+    assert all(r.headers["retry-after"] == "1" for r in conflicts)
+    assert all(r.content == ran[0].content for r in replays)
+    assert final.headers["idempotent-replayed"] == "true"
+    assert final.content == ran[0].content

@@ -1,0 +1,94 @@
+"""Redis round trips per request, counted on the wire and matched to the documented numbers.
+
+Documented (docs/server.md): a fresh request takes 2 (claim, finish), a replay 1,
+a 409 1, a handler failing before its mutation 2 (claim, release).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from agentkey.server import RedisStore
+from tests._loopback import RedisServer
+from tests.server._apps import tool_app
+from tests.server._util import request_for, serve_closing
+
+_sent: list[int] = []
+_lock = threading.Lock()
+
+
+class CountingConnection(aioredis.Connection):
+    """A redis.asyncio connection that counts every command batch it writes."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        with _lock:
+            _sent.append(1)
+        await super().send_packed_command(command, check_health)
+
+
+def _trips(client: httpx.Client, path: str, headers: dict[str, str], body: bytes) -> int:
+    with _lock:
+        _sent.clear()
+    client.post(path, headers=headers, content=body)
+    with _lock:
+        return len(_sent)
+
+
+def _commandstats(url: str) -> dict[str, int]:
+    with redis.Redis.from_url(url) as sync:
+        stats: dict[str, Any] = sync.info("commandstats")
+    return {name: int(value["calls"]) for name, value in stats.items()}
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "args", "expected"),
+    [
+        ("fresh", "/ok", {"a": 1}, 2),
+        ("failing before mutation", "/status", {"status": 503}, 2),
+    ],
+)
+def test_round_trips_per_request(
+    redis_proc: RedisServer, case: str, path: str, args: dict[str, Any], expected: int
+) -> None:
+    """A fresh request and a failure each take 2 round trips; their replay or retry the same."""
+    pool = aioredis.ConnectionPool.from_url(redis_proc.url, connection_class=CountingConnection)
+    store = RedisStore(aioredis.Redis(connection_pool=pool), prefix=f"rt-{case[:5]}")
+    app = tool_app(store)
+    with (
+        serve_closing(app, store, also=[pool.disconnect]) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        # Warm up: connect and load the Lua scripts once (SCRIPT LOAD is a one-off).
+        for warm in ({"status": 200}, {"status": 503}):
+            client.post("/status", headers=request_for(warm)[0], content=request_for(warm)[1])
+        headers, body = request_for(args)
+        assert _trips(client, path, headers, body) == expected
+        if expected == 2 and path == "/ok":
+            assert _trips(client, path, headers, body) == 1  # the replay
+
+
+def test_replay_and_conflict_take_one_round_trip(redis_proc: RedisServer) -> None:
+    """A replay and a 409 are answered from the single SET NX GET; commandstats agree."""
+    pool = aioredis.ConnectionPool.from_url(redis_proc.url, connection_class=CountingConnection)
+    store = RedisStore(aioredis.Redis(connection_pool=pool), prefix="rt-replay")
+    app = tool_app(store)
+    with (
+        serve_closing(app, store, also=[pool.disconnect]) as url,
+        httpx.Client(base_url=url) as client,
+    ):
+        headers, body = request_for({"b": 2})
+        client.post("/ok", headers=headers, content=body)
+        before = _commandstats(redis_proc.url)
+        assert _trips(client, "/ok", headers, body) == 1
+        after = _commandstats(redis_proc.url)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        # Only the SET (and the INFO we sent ourselves) ran on the server.
+        assert delta.get("cmdstat_set") == 1
+        assert delta.get("cmdstat_evalsha", 0) == 0
+        assert delta.get("cmdstat_get", 0) == 0
