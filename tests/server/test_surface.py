@@ -1,0 +1,224 @@
+"""The public surface, the optional extra, and the pure pieces: key parsing, blobs, options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import agentkey.server as server
+from agentkey import ConfigurationError, StepKey, StoreError
+from agentkey.server import (
+    FileBlobStore,
+    IdempotencyMiddleware,
+    MemoryStore,
+    current_claim,
+    get_claim,
+)
+from agentkey.server._middleware import _parse_key, _record_key
+from tests.server._util import request_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_public_surface() -> None:
+    """agentkey.server exports exactly the documented names, sorted."""
+    assert server.__all__ == [
+        "REPLAY_HEADER",
+        "BlobStore",
+        "Claim",
+        "FileBlobStore",
+        "IdempotencyMiddleware",
+        "MemoryStore",
+        "PrincipalFunc",
+        "RedisStore",
+        "Store",
+        "current_claim",
+        "example_app",
+        "get_claim",
+        "is_storable",
+    ]
+    assert server.__all__ == sorted(server.__all__, key=lambda n: (not n.isupper(), n))
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+
+
+def test_import_agentkey_never_imports_the_server_stack() -> None:
+    """`import agentkey` (and its CLI) load neither starlette nor redis."""
+    result = _run(
+        "import sys, agentkey, agentkey.cli\n"
+        "bad = [m for m in ('starlette', 'redis', 'agentkey.server') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("missing", ["starlette", "redis"])
+def test_missing_extra_names_the_extra(missing: str) -> None:
+    """Without starlette or redis, importing agentkey.server raises MissingExtra naming it."""
+    result = _run(
+        f"import sys\nsys.modules[{missing!r}] = None\n"
+        "from agentkey import MissingExtra\n"
+        "try:\n    import agentkey.server\n"
+        "except MissingExtra as exc:\n    print(exc.extra, exc.module, exc)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"server {missing} ")
+    assert "pip install 'agentkey[server]'" in result.stdout
+
+
+@given(st.binary(max_size=400))
+def test_any_header_bytes_parse_or_give_a_message(raw: bytes) -> None:
+    """Any header value parses to a valid key or yields a 400 message; nothing else escapes."""
+    result = _parse_key([raw])
+    if isinstance(result, StepKey):
+        assert raw.decode("ascii").strip(" \t") in (result.format(), f'"{result.format()}"')
+    else:
+        assert result
+
+
+@given(st.text(max_size=300))
+def test_any_header_text_parse_or_give_a_message(text: str) -> None:
+    """Unicode, control characters and quotes in a key give a message, never an exception."""
+    result = _parse_key([text.encode("utf-8", "surrogatepass")])
+    assert isinstance(result, (StepKey, str))
+
+
+def test_two_key_headers_are_refused() -> None:
+    """Two Idempotency-Key headers are ambiguous: 400."""
+    key = request_for({})[0]["idempotency-key"].encode()
+    assert isinstance(_parse_key([key, key]), str)
+
+
+@given(st.text(min_size=1, max_size=400))
+def test_record_keys_separate_principals(principal: str) -> None:
+    """Principal text cannot forge another principal's record key; long ones are hashed."""
+    key = StepKey.parse(request_for({})[0]["idempotency-key"])
+    record = _record_key(principal, key)
+    scoped, _, rest = record.partition(":")
+    assert rest == key.format()
+    assert "{" not in scoped
+    assert "}" not in scoped
+    assert len(scoped) <= 128
+
+
+async def test_file_blob_store_round_trip_and_refuses_foreign_uris(tmp_path: Path) -> None:
+    """Blobs round-trip; a URI outside the directory or of another scheme is refused."""
+    blobs = FileBlobStore(tmp_path)
+    uri = await blobs.put(b"x" * 1000)
+    assert uri.startswith("file://")
+    assert await blobs.get(uri) == b"x" * 1000
+    for foreign in ("file:///etc/passwd", "s3://bucket/a.blob", uri.replace(".blob", ".txt")):
+        with pytest.raises(StoreError):
+            await blobs.get(foreign)
+    await blobs.delete(uri)
+    with pytest.raises(StoreError, match="purged"):
+        await blobs.get(uri)
+    await blobs.put(b"old")
+    assert blobs.purge(older_than=-1) == 1
+
+
+def _plain(app: Any) -> Any:
+    return Starlette(routes=[Route("/x", app, methods=["POST"])])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lock_ttl": 0},
+        {"lock_ttl": 10, "result_ttl": 5},
+        {"retry_after": -1},
+        {"retry_after": 1.5},
+        {"max_inline_bytes": -1},
+        {"hash_profile": "xml"},
+        {"routes": "/x"},
+    ],
+)
+def test_bad_middleware_options_are_refused(options: dict[str, Any]) -> None:
+    """Each invalid option is a ConfigurationError at construction."""
+    with pytest.raises(ConfigurationError):
+        IdempotencyMiddleware(_plain(None), store=MemoryStore(), **options)
+
+
+def test_store_must_implement_the_protocol() -> None:
+    """Passing something that is not a Store fails at construction, naming the type."""
+    with pytest.raises(ConfigurationError, match="dict"):
+        IdempotencyMiddleware(_plain(None), store={})  # type: ignore[arg-type]
+
+
+def test_claim_accessors_outside_a_claimed_request_explain() -> None:
+    """current_claim() and get_claim() outside a protected request raise ConfigurationError."""
+    with pytest.raises(ConfigurationError, match="no idempotency claim"):
+        current_claim()
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+    with pytest.raises(ConfigurationError, match="carries no idempotency claim"):
+        get_claim(Request(scope))
+
+
+async def _ok(request: Request) -> Response:
+    claim = get_claim(request)
+    assert current_claim() is claim
+    return JSONResponse({"principal": claim.principal})
+
+
+@pytest.mark.parametrize(
+    ("routes", "path", "protected"),
+    [
+        (None, "/tools/a", True),
+        (["/tools/a"], "/tools/a", True),
+        (["/tools/a"], "/tools/b", False),
+        (["/tools/*"], "/tools/b", True),
+        (["/tools/*"], "/other", False),
+    ],
+)
+async def test_routes_select_what_is_protected(
+    routes: list[str] | None, path: str, protected: bool
+) -> None:
+    """Exact paths and /prefix/* patterns choose the protected routes; others pass untouched."""
+
+    async def plain(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route(path, plain, methods=["POST"])])
+    wrapped = IdempotencyMiddleware(app, store=MemoryStore(), routes=routes)
+    transport = httpx.ASGITransport(app=wrapped)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.post(path, content=b"{}")  # no key
+    assert response.status_code == (400 if protected else 200)
+
+
+async def test_async_principal_and_validation() -> None:
+    """An async principal function works; one returning '' is a ConfigurationError."""
+
+    async def tenant(scope: Any) -> str:
+        return "acme"
+
+    app = Starlette(routes=[Route("/x", _ok, methods=["POST"])])
+    headers, body = request_for({"a": 1})
+    good = IdempotencyMiddleware(app, store=MemoryStore(), principal=tenant)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=good), base_url="http://t"
+    ) as client:
+        assert (await client.post("/x", headers=headers, content=body)).json() == {
+            "principal": "acme"
+        }
+    bad = IdempotencyMiddleware(app, store=MemoryStore(), principal=lambda scope: "")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=bad), base_url="http://t"
+    ) as client:
+        with pytest.raises(ConfigurationError, match="principal"):
+            await client.post("/x", headers=headers, content=body)
