@@ -1,0 +1,213 @@
+"""The invoker's boundary: options and call arguments are checked before anything is sent."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentkey import (
+    AsyncToolInvoker,
+    ConfigurationError,
+    InvalidKey,
+    Outcome,
+    PlanSession,
+    ToolInvoker,
+    ToolResult,
+)
+
+from ._support import BASE, DRIVERS, Driver, Script, make_step, run_invoke
+
+
+def ok() -> httpx.Response:
+    return httpx.Response(200, json={"ok": True})
+
+
+@pytest.mark.parametrize(
+    "base_url",
+    ["tool.test", "ftp://tool.test", "https://", "https://tool.test/?x=1", "/tools", 42],
+)
+def test_bad_base_url(base_url: Any) -> None:
+    """base_url must be an absolute http(s) URL with a host."""
+    with pytest.raises(ConfigurationError, match="base_url"):
+        ToolInvoker(base_url)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"auth": "Bearer x"},
+        {"retry": {"max_attempts": 3}},
+        {"polling": None},
+        {"key_header_style": "quoted"},
+        {"replay_headers": "Idempotent-Replayed"},
+        {"allowed_poll_origins": ["status.test"]},
+        {"allowed_poll_origins": ["https://status.test/path"]},
+        {"route_template": "/tools"},
+        {"hooks": [42]},
+        {"timeout": -1},
+        {"client": httpx.AsyncClient()},
+        {"routes": {"create_db": "https://evil.test/x"}},
+    ],
+)
+def test_bad_options(options: dict[str, Any]) -> None:
+    """Each wrong option raises ConfigurationError naming it."""
+    try:
+        with pytest.raises(ConfigurationError):
+            ToolInvoker(BASE, **options)
+    finally:
+        client = options.get("client")
+        if isinstance(client, httpx.AsyncClient):
+            asyncio.run(client.aclose())
+
+
+def test_async_invoker_rejects_sync_client() -> None:
+    """AsyncToolInvoker needs an AsyncClient."""
+    with httpx.Client() as client, pytest.raises(ConfigurationError, match="AsyncClient"):
+        AsyncToolInvoker(BASE, client=client)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize(
+    "name", ["Idempotency-Key", "authorization", "Content-Type", "PROXY-AUTHORIZATION"]
+)
+def test_reserved_headers_rejected(driver: Driver, name: str) -> None:
+    """headers= cannot override the key, credentials or content type; nothing is sent."""
+    script = Script([ok()])
+    with pytest.raises(ConfigurationError, match="cannot set"):
+        _invoke_with(driver, script, path="/t", headers={name: "x"})
+    assert script.requests == []
+
+
+def _invoke_with(driver: Driver, script: Script, **call: Any) -> ToolResult:
+    step = call.pop("step", make_step())
+    options = call.pop("options", {})
+    transport = httpx.MockTransport(script)
+    if driver == "sync":
+        with (
+            httpx.Client(transport=transport) as client,
+            ToolInvoker(BASE, client=client, hooks=(), **options) as inv,
+        ):
+            return inv.invoke(step, **call)
+
+    async def main() -> ToolResult:
+        async with (
+            httpx.AsyncClient(transport=transport) as client,
+            AsyncToolInvoker(BASE, client=client, hooks=(), **options) as inv,
+        ):
+            return await inv.invoke(step, **call)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_missing_route(driver: Driver) -> None:
+    """Without path=, routes or a template, the call fails before sending."""
+    script = Script([ok()])
+    with pytest.raises(ConfigurationError, match="no route for tool 'create_db'"):
+        _invoke_with(driver, script)
+    assert script.requests == []
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_routes_then_template(driver: Driver) -> None:
+    """routes= wins over route_template=, which quotes the tool name."""
+    script = Script([ok(), ok()])
+    options = {"routes": {"create_db": "/v1/db"}, "route_template": "/tools/{tool}"}
+    _invoke_with(driver, script, options=options)
+    _invoke_with(driver, script, options=options, step=make_step(tool="send mail"))
+    assert [r.url.path for r in script.requests] == ["/v1/db", "/tools/send mail"]
+    assert script.requests[1].url.raw_path == b"/tools/send%20mail"
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_explicit_key_wins_and_style(driver: Driver) -> None:
+    """An explicit key is validated, wins over the step's, and goes out in sf-string style."""
+    step = make_step()
+    other = PlanSession.new().step(9, "create_db", {"x": 1}).idempotency_key
+    script = Script([ok()])
+    result = _invoke_with(
+        driver,
+        script,
+        step=step,
+        path="/t",
+        idempotency_key=other,
+        options={"key_header_style": "sf-string"},
+    )
+    assert script.requests[0].headers["Idempotency-Key"] == f'"{other}"'
+    assert result.idempotency_key == other
+    assert result.step == "step_009"
+    with pytest.raises(InvalidKey):
+        _invoke_with(driver, Script([]), path="/t", idempotency_key="not-a-key")
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_user_headers_and_method(driver: Driver) -> None:
+    """Extra headers and another method go out; the body stays the canonical bytes."""
+    step = make_step()
+    script = Script([ok()])
+    _invoke_with(driver, script, step=step, path="/t", method="put", headers={"X-Tenant": "a"})
+    (request,) = script.requests
+    assert request.method == "PUT"
+    assert request.headers["X-Tenant"] == "a"
+    assert request.content == step.body
+
+
+def test_invoke_needs_a_step() -> None:
+    """Passing a dict instead of a Step is a clear error."""
+    with ToolInvoker(BASE) as invoker, pytest.raises(ConfigurationError, match="Step"):
+        invoker.invoke({"tool": "x"}, path="/t")  # type: ignore[arg-type]
+
+
+def test_client_ownership() -> None:
+    """A user's client is left open; the invoker's own client is closed; closed invokers refuse."""
+    with httpx.Client(transport=httpx.MockTransport(Script([ok()]))) as client:
+        invoker = ToolInvoker(BASE, client=client, hooks=())
+        invoker.close()
+        assert not client.is_closed
+        with pytest.raises(ConfigurationError, match="closed"):
+            invoker.invoke(make_step(), path="/t")
+    own = ToolInvoker(BASE)
+    own.close()
+    assert own._client.is_closed
+
+
+def test_user_client_auth_and_redirects_do_not_apply() -> None:
+    """A user client's own auth and follow_redirects are overridden per request."""
+    script = Script([httpx.Response(307, headers={"Location": "https://evil.test/x"})])
+    with httpx.Client(
+        transport=httpx.MockTransport(script), auth=("user", "pw"), follow_redirects=True
+    ) as client:
+        invoker = ToolInvoker(BASE, client=client, hooks=())
+        with pytest.raises(Exception, match="another origin"):
+            invoker.invoke(make_step(), path="/t")
+    (request,) = script.requests
+    assert "Authorization" not in request.headers
+
+
+def test_result_model() -> None:
+    """ToolResult is frozen and exposes replayed from the outcome."""
+    result = run_invoke("sync", Script([ok()]), make_step())
+    assert result.outcome is Outcome.EXECUTED
+    assert result.model_dump()["replayed"] is False
+    with pytest.raises(Exception, match="frozen"):
+        result.status_code = 500  # type: ignore[misc]
+
+
+@given(
+    args=st.dictionaries(
+        st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8)), max_size=5
+    )
+)
+def test_key_and_body_are_the_steps(args: dict[str, object]) -> None:
+    """For any arguments, the request carries exactly the step's key and canonical body."""
+    step = PlanSession.new().step(1, "tool", args)
+    script = Script([ok()])
+    result = run_invoke("sync", script, step)
+    (request,) = script.requests
+    assert request.headers["Idempotency-Key"] == step.idempotency_key == result.idempotency_key
+    assert request.content == step.body
