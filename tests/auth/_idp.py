@@ -78,6 +78,7 @@ class IdP:
             self.access: dict[str, float] = {}  # token -> monotonic expiry
             self.refresh: dict[str, str] = {}  # live refresh token -> client id
             self.spent_refresh: set[str] = set()
+            self.revoked: set[str] = set()
             self.user_tokens: dict[str, float] = {}  # subject tokens the IdP accepts
             self.forms: list[list[tuple[str, str]]] = []
             self.auth_headers: list[str | None] = []
@@ -107,6 +108,13 @@ class IdP:
         with self.lock:
             self.refresh[token] = client_id
         return token
+
+    def revoke_all(self) -> None:
+        """Revoke every access token issued so far (the tool answers 401 to them)."""
+        with self.lock:
+            self.revoked.update(self.access)
+            for token in self.access:
+                self.access[token] = 0.0
 
     def secrets_seen(self) -> set[str]:
         """Every token, refresh token and assertion this IdP issued or received."""

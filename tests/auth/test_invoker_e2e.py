@@ -1,0 +1,93 @@
+"""The issue's proof through agentkey's invokers: a long plan with short-lived tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agentkey import (
+    AsyncToolInvoker,
+    AuthenticationError,
+    ClientCredentials,
+    PlanSession,
+    ToolInvoker,
+    ToolResult,
+)
+from agentkey.auth import TokenPolicy
+from agentkey.auth._base import TokenProvider
+from tests.auth._idp import IdP
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
+
+STEPS = 10
+INTERVAL = 0.6  # 10 steps over about 6 seconds
+
+
+async def _run_plan(kind: str, idp: IdP, auth: TokenProvider, revoke_at: int) -> list[ToolResult]:
+    """Invoke STEPS steps INTERVAL apart; revoke every token just before step ``revoke_at``."""
+    plan = PlanSession.new()
+    routes = {"deploy": "/tool"}
+    results: list[ToolResult] = []
+    if kind == "async":
+        async with AsyncToolInvoker(idp.url, auth=auth, routes=routes) as invoker:
+            for i in range(STEPS):
+                if i == revoke_at:
+                    idp.revoke_all()
+                results.append(await invoker.invoke(plan.step(i, "deploy", {"n": i})))
+                await asyncio.sleep(INTERVAL)
+        return results
+
+    def run() -> None:
+        with ToolInvoker(idp.url, auth=auth, routes=routes) as invoker:
+            for i in range(STEPS):
+                if i == revoke_at:
+                    idp.revoke_all()
+                results.append(invoker.invoke(plan.step(i, "deploy", {"n": i})))
+                time.sleep(INTERVAL)
+
+    await asyncio.to_thread(run)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_plan_of_10_steps_with_2s_tokens_sees_no_401(idp: IdP, kind: str) -> None:
+    """10 steps over ~6 s with 2 s tokens (one revoked mid-plan) all succeed; no 401 reaches us."""
+    idp.lifetime = 2.0
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=TokenPolicy())
+    results = await _run_plan(kind, idp, auth, revoke_at=5)
+    assert [r.status_code for r in results] == [200] * STEPS
+    assert [r.attempts for r in results] == [1] * STEPS  # the 401 was absorbed by the auth layer
+    assert idp.tool_calls == STEPS
+    assert idp.tool_401 == 1  # the revoked token, once; refreshed and resent with the same key
+    keys = [k for k, _, _ in idp.tool_requests]
+    assert len(keys) == STEPS + 1
+    assert len(set(keys)) == STEPS  # only the resend after the 401 repeats a key
+    # A 2 s token is renewed after 1 s (half its life), so it serves about two steps at 0.6 s
+    # intervals: five renewals for ten steps, one more after the revocation. Slow scheduling
+    # can only add a renewal now and then; a refresh per call would be ten or more.
+    assert 5 <= idp.hits["client_credentials"] <= 8
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_second_401_raises_authentication_error(idp: IdP, kind: str) -> None:
+    """A tool that refuses the refreshed token too makes the invoker raise AuthenticationError."""
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET)
+    idp.force_401 = 2
+    plan = PlanSession.new()
+    step = plan.step(0, "deploy", {"region": "us-east-1"})
+
+    async def invoke() -> ToolResult:
+        routes = {"deploy": "/tool"}
+        if kind == "async":
+            async with AsyncToolInvoker(idp.url, auth=auth, routes=routes) as invoker:
+                return await invoker.invoke(step)
+        with ToolInvoker(idp.url, auth=auth, routes=routes) as sync_invoker:
+            return await asyncio.to_thread(sync_invoker.invoke, step)
+
+    with pytest.raises(AuthenticationError) as info:
+        await invoke()
+    assert info.value.status_code == 401
+    assert idp.hits["client_credentials"] == 2
+    assert [k for k, _, _ in idp.tool_requests] == [step.idempotency_key] * 2
+    assert [b for _, _, b in idp.tool_requests] == [step.body] * 2
