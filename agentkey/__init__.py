@@ -4,6 +4,7 @@ The public surface is what ``__all__`` lists; every module behind it is private.
 """
 
 from ._canonical import Profile, args_hash, canonical_json
+from ._checker import CheckReport, CheckResult, acheck_server, check_server
 from ._exceptions import (
     AgentKeyError,
     AuthenticationError,
@@ -40,6 +41,8 @@ __all__ = [
     "AsyncToolInvoker",
     "AuthError",
     "AuthenticationError",
+    "CheckReport",
+    "CheckResult",
     "ClientCredentials",
     "ConfigurationError",
     "DelegationExpired",
@@ -80,7 +83,9 @@ __all__ = [
     "ToolResult",
     "UnsafeRedirect",
     "__version__",
+    "acheck_server",
     "args_hash",
     "canonical_json",
+    "check_server",
     "step_key",
 ]

@@ -11,8 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey import ConfigurationError, InsecureTransport
-from agentkey._checker import CheckReport, check_server
+from agentkey import CheckReport, ConfigurationError, InsecureTransport, check_server
 from agentkey.cli import main
 from agentkey.server import RedisStore, example_app
 from tests._loopback import RedisServer, serve
