@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import time
 import types
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -22,7 +23,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import tenacity
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from ._exceptions import ConfigurationError, InvokeError, PollTimeout
+from ._exceptions import ConfigurationError, InsecureTransport, InvokeError, PollTimeout
 from ._hooks import InvokeHook, LoggingHook, PollEvent, ReplayEvent, RetryEvent
 from ._http import (
     AsyncClient,
@@ -143,6 +144,11 @@ class _InvokerBase:
             )
         if auth is not None and not isinstance(auth, Auth):
             raise ConfigurationError(f"auth must be an httpx.Auth or None, got {auth!r}")
+        if auth is not None and origin.scheme == "http" and not _is_loopback(origin.host):
+            raise InsecureTransport(
+                f"auth= would send credentials over plain http to {origin.host!r}; use an "
+                "https:// base_url (plain http is allowed to loopback hosts alone)"
+            )
         if not isinstance(retry, RetryPolicy):
             raise ConfigurationError(f"retry must be a RetryPolicy, got {retry!r}")
         if not isinstance(polling, PollPolicy):
@@ -287,12 +293,13 @@ class _InvokerBase:
         ctx = self._ctx(call, attempts)
         if final.retry:
             raise budget_exhausted(final, ctx, saw_ambiguous=saw_ambiguous)
+        if final.replayed:
+            assert isinstance(reply, Answer)
+            self._emit(ReplayEvent(ctx.idempotency_key, ctx.step, reply.status_code))
         if final.action is Action.RAISE:
             assert final.error is not None
             raise final.error
         assert isinstance(reply, Answer)
-        if final.replayed:
-            self._emit(ReplayEvent(ctx.idempotency_key, ctx.step, reply.status_code))
         if final.action is Action.DONE:
             return self._result(reply, call, final.replayed, attempts, 0, start, None)
         assert final.url is not None
@@ -328,7 +335,8 @@ class _InvokerBase:
         while True:
             same_origin = poll_target(url, ctx, self._config)  # raises UnsafeRedirect
             if wait:
-                yield _Sleep(max(0.0, min(wait, deadline - time.monotonic())))
+                wait = min(wait, self._polling.max_interval, deadline - time.monotonic())
+                yield _Sleep(max(0.0, wait))
             # Same origin: the step's key goes along so the tool can correlate the poll; any
             # other (explicitly allowed) origin gets neither key, credentials nor user headers.
             headers = (
@@ -406,6 +414,15 @@ class _InvokerBase:
             elapsed=time.monotonic() - start,
             status_url=status_url,
         )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_path(path: object) -> str:

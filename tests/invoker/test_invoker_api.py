@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from agentkey import (
     AsyncToolInvoker,
     ConfigurationError,
+    InsecureTransport,
     InvalidKey,
     Outcome,
     PlanSession,
@@ -20,7 +21,7 @@ from agentkey import (
     ToolResult,
 )
 
-from ._support import BASE, DRIVERS, Driver, Script, make_step, run_invoke
+from ._support import BASE, DRIVERS, Bearer, Driver, Script, make_step, run_invoke
 
 
 def ok() -> httpx.Response:
@@ -63,6 +64,26 @@ def test_bad_options(options: dict[str, Any]) -> None:
         client = options.get("client")
         if isinstance(client, httpx.AsyncClient):
             asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize(
+    ("base_url", "insecure"),
+    [
+        ("http://tools.example.com", True),
+        ("http://localhost:8000", False),
+        ("http://127.0.0.1:8000", False),
+        ("http://[::1]:8000", False),
+        ("https://tools.example.com", False),
+    ],
+)
+def test_no_credentials_over_plain_http(base_url: str, insecure: bool) -> None:
+    """auth= with a plain-http base_url is refused unless the host is loopback."""
+    if insecure:
+        with pytest.raises(InsecureTransport, match="https"):
+            ToolInvoker(base_url, auth=Bearer())
+    else:
+        ToolInvoker(base_url, auth=Bearer()).close()
+    ToolInvoker(base_url).close()  # without credentials plain http is the user's call
 
 
 def test_async_invoker_rejects_sync_client() -> None:
