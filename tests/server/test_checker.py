@@ -168,3 +168,11 @@ def test_check_cli_rejects_bad_args_json(bad: str, capsys: pytest.CaptureFixture
     """--args must be a JSON object; otherwise exit 2 with a message."""
     assert main(["check", "http://127.0.0.1:1", "--path", "/x", "--args", bad]) == 2
     assert "--args" in capsys.readouterr().err
+
+
+def test_check_help_warns_about_side_effects(capsys: pytest.CaptureFixture[str]) -> None:
+    """`agentkey check --help` says loudly that it performs real side effects."""
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--help"])
+    assert info.value.code == 0
+    assert "REAL side effects" in capsys.readouterr().out

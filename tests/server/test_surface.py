@@ -222,3 +222,48 @@ async def test_async_principal_and_validation() -> None:
     ) as client:
         with pytest.raises(ConfigurationError, match="principal"):
             await client.post("/x", headers=headers, content=body)
+
+
+async def _asgi_call(app: Any, headers: list[tuple[bytes, bytes]], body: bytes) -> int:
+    """Drive the ASGI app directly: hostile header bytes no HTTP client would send."""
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/x",
+        "headers": headers,
+        "query_string": b"",
+    }
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status: int = sent[0]["status"]
+    return status
+
+
+@given(st.binary(max_size=300))
+async def test_hostile_key_bytes_never_run_or_store(raw: bytes) -> None:
+    """Control characters, NULs, unicode and quotes in the key: a 400, nothing stored or run."""
+    store = MemoryStore()
+    runs: list[int] = []
+
+    async def handler(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({})
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/x", handler, methods=["POST"])]), store=store
+    )
+    status = await _asgi_call(app, [(b"idempotency-key", raw)], b"{}")
+    if isinstance(_parse_key([raw]), str):
+        assert status == 400
+        assert runs == []
+        assert repr(store) == "MemoryStore(records=0)"
+    else:
+        assert status in (201, 200, 422)
