@@ -57,14 +57,15 @@ class ReplayEvent:
     status_code: int
 
 
-InvokeEvent: TypeAlias = "RetryEvent | PollEvent | ReplayEvent"
+#: Any event a hook receives.
+InvokeEvent: TypeAlias = RetryEvent | PollEvent | ReplayEvent
 
 
 @runtime_checkable
 class InvokeHook(Protocol):
     """Anything callable with one :data:`InvokeEvent`."""
 
-    def __call__(self, event: RetryEvent | PollEvent | ReplayEvent) -> None: ...
+    def __call__(self, event: InvokeEvent) -> None: ...
 
 
 class LoggingHook:
@@ -78,7 +79,7 @@ class LoggingHook:
     def __init__(self, logger_: logging.Logger | None = None) -> None:
         self._logger = logger_ or logger
 
-    def __call__(self, event: RetryEvent | PollEvent | ReplayEvent) -> None:
+    def __call__(self, event: InvokeEvent) -> None:
         if isinstance(event, RetryEvent):
             self._logger.info(
                 "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs",

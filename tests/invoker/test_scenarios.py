@@ -27,6 +27,7 @@ from agentkey import (
     ToolError,
     UnsafeRedirect,
 )
+from agentkey._hooks import ReplayEvent
 from agentkey._invoker import Outcome, ToolResult
 
 from ._support import (
@@ -93,6 +94,11 @@ def backoff_used(result: ToolResult | InvokeError, hooks: Recorder) -> None:
     assert 0.0 <= waits[0] <= 0.002
 
 
+def replay_seen(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """A replay, even of an error, reaches the hooks as one ReplayEvent."""
+    assert [type(e) for e in hooks.events if isinstance(e, ReplayEvent)] == [ReplayEvent]
+
+
 def status_url_is(url: str) -> Callable[[ToolResult | InvokeError, Recorder], None]:
     def check(result: ToolResult | InvokeError, hooks: Recorder) -> None:
         if isinstance(result, ToolResult):
@@ -107,7 +113,7 @@ def status_url_is(url: str) -> Callable[[ToolResult | InvokeError, Recorder], No
 ROWS = [
     # -- contract section 3, row by row --
     Row("2xx-done", [ok(201)], result_status=201),
-    Row("2xx-replayed", [ok(200, REPLAYED)], outcome=Outcome.REPLAYED),
+    Row("2xx-replayed", [ok(200, REPLAYED)], outcome=Outcome.REPLAYED, check=replay_seen),
     Row(
         "2xx-replayed-x-header",
         [ok(200, {"X-Idempotency-Replayed": "TRUE"})],
@@ -287,7 +293,7 @@ ROWS = [
         error=UnsafeRedirect,
     ),
     Row("303-see-other", [status(303, Location="/results/1"), ok(id=1)], gets=1),
-    Row("replayed-500-final", [status(500, **REPLAYED)], error=ToolError),
+    Row("replayed-500-final", [status(500, **REPLAYED)], error=ToolError, check=replay_seen),
     Row("500-then-replayed-500", [status(500), status(500, **REPLAYED)], posts=2, error=ToolError),
     Row(
         "409-not-retried-when-configured",
