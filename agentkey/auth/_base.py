@@ -69,6 +69,7 @@ def _clone(error: AuthError) -> AuthError:
     """A copy of a remembered failure, so threads never share one traceback."""
     clone = copy.copy(error)
     clone.__traceback__ = None
+    clone.__cause__ = error.__cause__
     return clone
 
 
@@ -198,21 +199,38 @@ class TokenProvider(httpx.Auth):
             flight = self._flight = _Flight()
             return flight, True, current
 
-    def _settle(self, flight: _Flight, token: Token | None, error: AuthError | None) -> None:
+    def _settle(
+        self,
+        flight: _Flight,
+        token: Token | None,
+        error: AuthError | None,
+        *,
+        remember: bool = True,
+    ) -> None:
+        """Publish the flight's outcome; a failure is remembered unless it was an interruption."""
         with self._lock:
             self._flight = None
             if token is not None:
                 self._token = token
                 self._failure = None
-            elif error is not None:
+            elif error is not None and remember:
                 self._failure = (error, time.monotonic() + self._policy.failure_ttl)
         flight.finish(token, error)
 
     @staticmethod
-    def _interrupted(exc: BaseException) -> AuthError:
-        return AuthError(
-            f"obtaining a token was interrupted ({type(exc).__name__}); retry the call"
-        )
+    def _wrap(exc: BaseException) -> AuthError:
+        """The AuthError every caller sees when obtaining a token broke in an unexpected way."""
+        if isinstance(exc, Exception):
+            error = AuthError(
+                f"obtaining a token failed with {type(exc).__name__} (see the cause); "
+                "fix the token store or callable involved, then retry the call"
+            )
+        else:
+            error = AuthError(
+                f"obtaining a token was interrupted ({type(exc).__name__}); retry the call"
+            )
+        error.__cause__ = exc
+        return error
 
     # -- sync path --------------------------------------------------------------------
 
@@ -246,8 +264,12 @@ class TokenProvider(httpx.Auth):
         except AuthError as exc:
             self._settle(flight, None, exc)
             raise
+        except Exception as exc:
+            error = self._wrap(exc)
+            self._settle(flight, None, error)
+            raise error from exc
         except BaseException as exc:
-            self._settle(flight, None, self._interrupted(exc))
+            self._settle(flight, None, self._wrap(exc), remember=False)
             raise
         self._settle(flight, token, None)
         return token
@@ -277,10 +299,11 @@ class TokenProvider(httpx.Auth):
             token = await self._run_async(self._obtain(current))
         except AuthError as exc:
             self._settle(flight, None, exc)
+        except Exception as exc:
+            self._settle(flight, None, self._wrap(exc))
         except BaseException as exc:
-            self._settle(flight, None, self._interrupted(exc))
-            if not isinstance(exc, Exception):
-                raise  # cancellation, KeyboardInterrupt: let the loop see them
+            self._settle(flight, None, self._wrap(exc), remember=False)
+            raise  # cancellation, KeyboardInterrupt: let the loop see them
         else:
             self._settle(flight, token, None)
 
