@@ -89,6 +89,8 @@ class IdP:
             self.tool_403 = 0
             self.force_401 = 0
             self.tool_requests: list[tuple[str | None, str | None, bytes]] = []
+            self.job_polls = 0
+            self.polls_until_done = 5
 
     @property
     def token_requests(self) -> int:
@@ -135,6 +137,8 @@ class IdP:
                 Route("/token", self._token, methods=["POST"]),
                 Route("/tool", self._tool, methods=["GET", "POST"]),
                 Route("/forbidden", self._forbidden, methods=["GET", "POST"]),
+                Route("/jobs", self._start_job, methods=["POST"]),
+                Route("/jobs/{job}", self._poll_job, methods=["GET"]),
             ]
         )
 
@@ -266,6 +270,33 @@ class IdP:
             self.tool_calls += 1
             calls = self.tool_calls
         return JSONResponse({"ok": True, "calls": calls, "echo": json.loads(body or b"null")})
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.startswith("Bearer ") else ""
+        with self.lock:
+            expiry = self.access.get(token)
+            if expiry is not None and expiry > time.monotonic():
+                return True
+            self.tool_401 += 1
+            return False
+
+    async def _start_job(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return JSONResponse({"error": "invalid_token"}, 401)
+        with self.lock:
+            self.tool_calls += 1
+        return JSONResponse(
+            {"status": "running"}, 202, headers={"Operation-Location": "/jobs/job-1"}
+        )
+
+    async def _poll_job(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return JSONResponse({"error": "invalid_token"}, 401)
+        with self.lock:
+            self.job_polls += 1
+            done = self.job_polls >= self.polls_until_done
+        return JSONResponse({"status": "succeeded" if done else "running"})
 
     async def _forbidden(self, request: Request) -> Response:
         with self.lock:

@@ -12,6 +12,7 @@ from agentkey import (
     AuthenticationError,
     ClientCredentials,
     PlanSession,
+    PollPolicy,
     ToolInvoker,
     ToolResult,
 )
@@ -91,3 +92,24 @@ async def test_second_401_raises_authentication_error(idp: IdP, kind: str) -> No
     assert idp.hits["client_credentials"] == 2
     assert [k for k, _, _ in idp.tool_requests] == [step.idempotency_key] * 2
     assert [b for _, _, b in idp.tool_requests] == [step.body] * 2
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_polls_carry_a_fresh_token(idp: IdP, kind: str) -> None:
+    """A 202 operation polled for ~2.4 s with 1 s tokens: each poll is authorised, no 401."""
+    idp.lifetime = 1.0
+    idp.polls_until_done = 8
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET)
+    polling = PollPolicy(interval=0.3, backoff=1.0, max_interval=0.3, deadline=30.0)
+    step = PlanSession.new().step(0, "build", {"image": "api:1.2"})
+    routes = {"build": "/jobs"}
+    if kind == "async":
+        async with AsyncToolInvoker(idp.url, auth=auth, routes=routes, polling=polling) as inv:
+            result = await inv.invoke(step)
+    else:
+        with ToolInvoker(idp.url, auth=auth, routes=routes, polling=polling) as sync_inv:
+            result = await asyncio.to_thread(sync_inv.invoke, step)
+    assert result.status_code == 200
+    assert result.polls == 8
+    assert idp.tool_401 == 0
+    assert idp.hits["client_credentials"] >= 3  # renewed while polling, before expiry
