@@ -5,7 +5,8 @@ reuse detection), RFC 8693 token exchange and Entra's jwt-bearer
 on-behalf-of grant, with client_secret_basic, client_secret_post and
 private_key_jwt client authentication. Tokens live ``lifetime`` seconds.
 ``/tool`` answers 401 to a missing, unknown or expired token; ``/forbidden``
-always answers 403. Counters and recorded requests let tests assert exactly
+always answers 403; ``/jobs`` starts a 202 operation whose status URL needs a
+valid token on every poll. Counters and recorded requests let tests assert exactly
 what went over the wire.
 """
 

@@ -442,3 +442,38 @@ async def test_no_bearer_over_plain_http(idp: IdP, driver: Driver, url: str) -> 
     with pytest.raises(InsecureTransport):
         await driver.request("GET", url, auth=StaticToken("tok"))
     assert idp.token_requests == 0
+
+
+async def test_token_endpoint_timeouts_are_retried_then_reported(idp: IdP, driver: Driver) -> None:
+    """A token endpoint slower than the timeout is retried, then reported as timed out."""
+    idp.delay = 0.5
+    auth = _cc(idp, policy=FAST.replace(timeout=0.1, attempts=2))
+    with pytest.raises(TokenError, match="timed out") as info:
+        await driver.request("GET", idp.url + "/tool", auth=auth)
+    assert "2 attempt" in str(info.value)
+    assert idp.token_requests == 2
+
+
+async def test_unreachable_token_endpoint(driver: Driver) -> None:
+    """A token endpoint nobody listens on is retried, then reported as unreachable."""
+    from tests._loopback import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/token"
+    auth = ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, policy=FAST.replace(attempts=2))
+    with pytest.raises(TokenError, match="could not be reached"):
+        await driver.request("GET", "http://127.0.0.1:9/tool", auth=auth)
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "expected"),
+    [("0", "0.00"), ("5", "0.05"), ("Wed, 21 Oct 2015 07:28:00 GMT", "0.00")],
+)
+async def test_retry_after_is_honoured_and_capped(
+    idp: IdP, driver: Driver, caplog: pytest.LogCaptureFixture, retry_after: str, expected: str
+) -> None:
+    """The wait is the endpoint's Retry-After (a date in the past means now), capped by max_wait."""
+    idp.replies = [Reply(503, {"error": "busy"}, {"Retry-After": retry_after})]
+    with caplog.at_level("WARNING", logger="agentkey.auth"):
+        response = await driver.request("GET", idp.url + "/tool", auth=_cc(idp))
+    assert response.status_code == 200
+    assert f"retried in {expected} s" in caplog.text
