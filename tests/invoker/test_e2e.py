@@ -123,12 +123,14 @@ def test_real_read_timeout_after_commit_is_replayed(
     step = make_step(tool="slow")
     app.faults["slow"] = Faults(after_commit="stall", stall=1.5)
     hooks = Recorder()
-    result = invoke(driver, url, step, timeout=httpx.Timeout(0.3), hooks=[hooks])
+    result = invoke(driver, url, step, timeout=httpx.Timeout(0.5), hooks=[hooks])
     assert result.replayed
-    assert result.attempts == 2
+    assert result.attempts >= 2  # a very loaded machine may time out the replay too
     assert result.body == {"tool": "slow", "args": step.args, "execution": 1}
     assert app.executions == {step.idempotency_key: 1}
-    assert [e.reason for e in hooks.retries()] == ["ReadTimeout"]
+    reasons = [e.reason for e in hooks.retries()]
+    assert reasons[0] == "ReadTimeout"
+    assert set(reasons) == {"ReadTimeout"}
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
