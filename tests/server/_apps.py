@@ -28,7 +28,7 @@ def tenant_principal(scope: Any) -> str:
 
 
 def tool_app(store: Store, **options: Any) -> Starlette:
-    """Tools: ok, status, fail, big, stream, wait. ``app.state.runs`` counts side effects.
+    """Tools: ok, ok-sync (a def handler), status, fail, big, stream, wait; ``app.state.runs``.
 
     ``app.state.gates[name]`` is a threading.Event a ``wait`` handler blocks on
     in a worker thread until the test sets it.
@@ -44,6 +44,13 @@ def tool_app(store: Store, **options: Any) -> Starlette:
         runs["ok"] += 1
         tenant = request.headers.get("x-tenant", "anonymous")
         return JSONResponse({"run": runs["ok"], "args": args, "tenant": tenant}, status_code=201)
+
+    def ok_sync(request: Request) -> Response:
+        # A plain def endpoint: Starlette runs it in a worker thread, where the
+        # claim is reached through the copied context.
+        current_claim().begin_mutation()
+        runs["ok"] += 1
+        return JSONResponse({"run": runs["ok"], "thread": "worker"}, status_code=201)
 
     async def status(request: Request) -> Response:
         args = await request.json()
@@ -99,6 +106,7 @@ def tool_app(store: Store, **options: Any) -> Starlette:
     app = Starlette(
         routes=[
             Route("/ok", ok, methods=["POST"]),
+            Route("/ok-sync", ok_sync, methods=["POST"]),
             Route("/status", status, methods=["POST"]),
             Route("/fail", fail, methods=["POST"]),
             Route("/big", big, methods=["POST"]),

@@ -55,13 +55,14 @@ def served(make_store: StoreFactory, tmp_path: Any) -> Iterator[Callable[..., Se
         cm.__exit__(None, None, None)
 
 
-def test_duplicate_is_replayed_not_rerun(served: Callable[..., Served]) -> None:
+@pytest.mark.parametrize("path", ["/ok", "/ok-sync"], ids=["async handler", "sync handler"])
+def test_duplicate_is_replayed_not_rerun(served: Callable[..., Served], path: str) -> None:
     """A second request with the same key replays status, body and content type, marked replayed."""
     s = served()
     headers, body = request_for({"amount": 5})
-    status, first, h1 = call(s.client, "/ok", headers, body)
+    status, first, h1 = call(s.client, path, headers, body)
     assert (status, first["run"], h1.get("idempotent-replayed")) == (201, 1, None)
-    status, again, h2 = call(s.client, "/ok", headers, body)
+    status, again, h2 = call(s.client, path, headers, body)
     assert (status, again) == (201, first)
     assert h2["idempotent-replayed"] == "true"
     assert h2["content-type"] == h1["content-type"]

@@ -147,3 +147,22 @@ def test_memory_store_satisfies_the_protocol() -> None:
     """Both stores are Store instances for the middleware's isinstance check."""
     assert isinstance(MemoryStore(), Store)
     assert isinstance(RedisStore("redis://127.0.0.1:1/0"), Store)
+
+
+async def test_cluster_records_hash_on_their_tag_and_spread(redis_cluster_port: int) -> None:
+    """On a real Redis Cluster a record's slot is its hash tag's, and records spread over nodes."""
+    from redis.asyncio.cluster import RedisCluster
+
+    client = RedisCluster(host="127.0.0.1", port=redis_cluster_port)
+    try:
+        store = RedisStore(client, prefix="spread")
+        keys = [f"tenant-{i}:plan:step_000:{i:064x}" for i in range(30)]
+        for key in keys:
+            assert await store.claim(key, encode_in_progress(_owner(), 1), ttl_ms=5000) is None
+        slots = {key: client.keyslot(store.redis_key(key)) for key in keys}
+        assert all(slots[key] == client.keyslot(key) for key in keys)  # the tag decides
+        nodes = {client.get_node_from_key(store.redis_key(key)) for key in keys}
+        assert None not in nodes
+        assert len(nodes) > 1
+    finally:
+        await client.aclose()
