@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator
@@ -37,6 +38,8 @@ from ._token import Token
 __all__ = ["Call", "Obtain", "TokenProvider", "call", "send"]
 
 T = TypeVar("T")
+
+_log = logging.getLogger("agentkey.auth")
 
 
 class Call:
@@ -121,6 +124,13 @@ class _Flight:
         return self.result()
 
 
+def _still_usable(token: Token | None, now: float) -> bool:
+    """True when ``token`` will not expire for a while (a tenth of its life, at most 1 s)."""
+    if token is None or token.lifetime is None or token.expires_at is None:
+        return False
+    return token.expires_at - now > min(1.0, 0.1 * token.lifetime)
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -194,6 +204,9 @@ class TokenProvider(httpx.Auth):
             if self._failure is not None:
                 error, until = self._failure
                 if now < until:
+                    if rejected is None and _still_usable(current, now):
+                        assert current is not None
+                        return current
                     raise _clone(error)
                 self._failure = None
             flight = self._flight = _Flight()
@@ -257,6 +270,12 @@ class TokenProvider(httpx.Auth):
         if isinstance(decision, Token):
             return decision
         flight, lead, current = decision
+        try:
+            return self._refresh_sync(flight, lead, current)
+        except AuthError as exc:
+            return self._fallback(current, rejected, exc)
+
+    def _refresh_sync(self, flight: _Flight, lead: bool, current: Token | None) -> Token:
         if not lead:
             return flight.wait_sync(self._wait_cap())
         try:
@@ -316,7 +335,26 @@ class TokenProvider(httpx.Auth):
             task = asyncio.get_running_loop().create_task(self._lead_async(flight, current))
             self._tasks.add(task)  # a strong reference until it is done
             task.add_done_callback(self._tasks.discard)
-        return await flight.wait_async()
+        try:
+            return await flight.wait_async()
+        except AuthError as exc:
+            return self._fallback(current, rejected, exc)
+
+    def _fallback(self, current: Token | None, rejected: Token | None, error: AuthError) -> Token:
+        """After a failed early renewal, keep using a token that has not expired yet."""
+        now = time.monotonic()
+        if rejected is not None or not _still_usable(current, now):
+            raise error
+        assert current is not None
+        assert current.expires_at is not None
+        _log.warning(
+            "%s: renewing the token failed (%s); the current token stays in use for its "
+            "remaining %.1f s",
+            type(self).__name__,
+            type(error).__name__,
+            current.expires_at - now,
+        )
+        return current
 
     def _wait_cap(self) -> float:
         policy = self._policy

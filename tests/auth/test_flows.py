@@ -477,3 +477,22 @@ async def test_retry_after_is_honoured_and_capped(
         response = await driver.request("GET", idp.url + "/tool", auth=_cc(idp))
     assert response.status_code == 200
     assert f"retried in {expected} s" in caplog.text
+
+
+async def test_failed_early_renewal_keeps_the_still_valid_token(
+    idp: IdP, driver: Driver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed early renewal leaves calls on the unexpired token, until it nears expiry."""
+    auth = _cc(idp, policy=FAST.replace(attempts=1, failure_ttl=30.0))
+    assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
+    await asyncio.sleep(1.1)  # the 2 s token is due (half its life) but valid for 0.9 s more
+    idp.replies = [Reply(503, {"error": "down"})]
+    with caplog.at_level("WARNING", logger="agentkey.auth"):
+        response = await driver.request("GET", idp.url + "/tool", auth=auth)
+        assert response.status_code == 200
+        assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
+    assert "stays in use" in caplog.text
+    assert idp.token_requests == 2  # the failure is remembered: the second call did not retry
+    await asyncio.sleep(0.8)  # now less than the safety margin remains
+    with pytest.raises(TokenError):
+        await driver.request("GET", idp.url + "/tool", auth=auth)
