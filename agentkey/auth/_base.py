@@ -145,7 +145,9 @@ class TokenProvider(httpx.Auth):
     tool answers 401 and the token it rejected is still the current one, the
     token is refreshed once and the same request (same body, same headers,
     ``Idempotency-Key`` included) is sent again; a second 401 is returned to
-    the caller, who raises. A 403 never causes a refresh.
+    the caller, who raises. A 403 never causes a refresh. When an early
+    renewal fails while the current token still has a safe margin left, that
+    token is used (with a warning) rather than failing the call.
     """
 
     requires_request_body = True  # the same request may be sent twice after a 401
