@@ -9,7 +9,6 @@ import sys
 from collections.abc import Sequence
 
 from ._exceptions import AgentKeyError
-from ._keys import StepKey
 from ._plan import PlanSession
 from ._version import __version__
 
@@ -38,18 +37,9 @@ def _cmd_key(ns: argparse.Namespace) -> int:
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
-    plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
-    first = plan.step(0, "provision_vm", {"region": "ap-southeast-1", "size": "m5.large"})
-    again = plan.step(0, "provision_vm", {"size": "m5.large", "region": "ap-southeast-1"})
-    replanned = plan.step(0, "provision_vm", {"region": "us-east-1", "size": "m5.large"})
-    print(f"plan session      {plan.id}")
-    print(f"step 0            {first.idempotency_key}")
-    print(f"same args again   {again.idempotency_key}  (same key: the server replays)")
-    print(f"args changed      {replanned.idempotency_key}  (new key: a new operation)")
-    assert first.idempotency_key == again.idempotency_key != replanned.idempotency_key
-    parsed = StepKey.parse(first.key.header_value("sf-string"))
-    print(f"sf-string header  {first.key.header_value('sf-string')} -> {parsed.step_label}")
-    return 0
+    from ._demo import run_demo  # imports the server half only when asked
+
+    return run_demo()
 
 
 _CHECK_WARNING = (
@@ -110,8 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     key.add_argument("--style", choices=("raw", "sf-string"), default="raw")
     key.set_defaults(func=_cmd_key)
 
-    demo = sub.add_parser("demo", help="show the key contract on embedded defaults")
-    demo.add_argument("--plan", help="plan session id (default: a new random one)")
+    demo = sub.add_parser(
+        "demo",
+        help="run a plan against an in-process tool server: lost answers, races, restarts, "
+        "replans (no outside services)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     check = sub.add_parser(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
+from typing import Any
 
 import pytest
 
@@ -42,9 +44,33 @@ def test_key_command_errors(
     assert "Traceback" not in err
 
 
-def test_console_script_demo() -> None:
-    """The installed `agentkey demo` console script runs on embedded defaults."""
+def test_demo_end_to_end() -> None:
+    """`agentkey demo` runs the whole contract in-process and reports it held."""
     out = subprocess.run(
         [sys.executable, "-m", "agentkey.cli", "demo"], capture_output=True, text=True, check=True
     )
-    assert "same key" in out.stdout
+    assert "contract held" in out.stdout
+    assert '{"charge": 2, "provision": 1}' in out.stdout
+    assert out.stdout.count("REPLAYED") == 3
+
+
+def test_demo_reports_a_broken_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the server stopped replaying, the demo says so and exits non-zero."""
+    from agentkey import _demo
+
+    real = _demo._LoseFirstAnswer
+
+    class NoReplay(real):  # type: ignore[misc, valid-type]
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            # A client that sends a fresh key per attempt: every call runs anew.
+            fresh = uuid.uuid4().hex.encode()
+            headers = [
+                (k, fresh + v[v.index(b":") :] if k.lower() == b"idempotency-key" else v)
+                for k, v in scope.get("headers", [])
+            ]
+            await super().__call__({**scope, "headers": headers}, receive, send)
+
+    monkeypatch.setattr(_demo, "_LoseFirstAnswer", NoReplay)
+    lines: list[str] = []
+    assert _demo.run_demo(lines.append) == 1
+    assert "CONTRACT BROKEN" in lines[-1]
