@@ -92,3 +92,35 @@ def test_replay_and_conflict_take_one_round_trip(redis_proc: RedisServer) -> Non
         assert delta.get("cmdstat_set") == 1
         assert delta.get("cmdstat_evalsha", 0) == 0
         assert delta.get("cmdstat_get", 0) == 0
+
+
+async def test_each_store_operation_is_one_round_trip(redis_proc: RedisServer) -> None:
+    """claim, renew, finish and release each take exactly one round trip once scripts are loaded."""
+    from agentkey.server._records import encode_in_progress
+
+    pool = aioredis.ConnectionPool.from_url(redis_proc.url, connection_class=CountingConnection)
+    client = aioredis.Redis(connection_pool=pool)
+    store = RedisStore(client, prefix="rt-ops")
+    owner = "0" * 32
+    try:
+        await client.script_load("return 1")  # connect first
+        for name in ("warm-1", "warm-2"):  # load the scripts once
+            await store.claim(name, encode_in_progress(owner, 1), ttl_ms=5000)
+            await store.renew(name, owner, ttl_ms=5000)
+        await store.finish("warm-1", owner, b"C:{}", ttl_ms=5000)
+        await store.release("warm-2", owner)
+        counts = {}
+        for op, call in (
+            ("claim", lambda: store.claim("k", encode_in_progress(owner, 1), ttl_ms=5000)),
+            ("renew", lambda: store.renew("k", owner, ttl_ms=5000)),
+            ("release", lambda: store.release("k", owner)),
+            ("claim again", lambda: store.claim("k", encode_in_progress(owner, 2), ttl_ms=5000)),
+            ("finish", lambda: store.finish("k", owner, b"C:{}", ttl_ms=5000)),
+        ):
+            _sent.clear()
+            await call()
+            counts[op] = len(_sent)
+        assert counts == dict.fromkeys(counts, 1)
+    finally:
+        await client.aclose()
+        await pool.disconnect()
