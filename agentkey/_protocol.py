@@ -360,7 +360,8 @@ def _final(answer: Answer, body: object, ctx: CallContext) -> InvokeError:
         return ctx.error(
             KeyRejected,
             f"the tool answered 400 for {ctx.where()}: it rejected the request or its "
-            "Idempotency-Key. Check key_header_style ('raw' or 'sf-string') and the body",
+            "Idempotency-Key. See error.body for the tool's reason; for a key problem check "
+            "key_header_style ('raw' or 'sf-string')",
             status_code=status,
             body=body,
         )
@@ -383,7 +384,7 @@ def _final(answer: Answer, body: object, ctx: CallContext) -> InvokeError:
     return ctx.error(
         ToolError,
         f"the tool answered {status} for {ctx.where()}; this is final (not retried). "
-        "Fix the request, route or permissions",
+        "See error.body, then fix the request, route or permissions",
         status_code=status,
         body=body,
     )
