@@ -15,7 +15,7 @@ import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
@@ -31,9 +31,12 @@ from tenacity import (
 
 from .._exceptions import ConfigurationError, InsecureTransport, TokenError
 from .._retry_after import parse_retry_after
-from ._oauth import AuthMethod, PrivateKey, apply_client_auth, sign_client_assertion
+from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
 from ._policy import TokenPolicy
 from ._token import Token, refresh_deadline
+
+if TYPE_CHECKING:
+    from ._oauth import PrivateKey
 
 __all__ = [
     "ClientAuthConfig",

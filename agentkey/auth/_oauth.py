@@ -3,31 +3,31 @@
 authlib has no type hints, so its untyped surface stays inside this file.
 Only its client-agnostic pieces are used (``authlib.oauth2.auth`` and
 ``authlib.oauth2.rfc7523``); ``authlib.integrations.httpx_client`` never is.
+authlib and joserfc are imported on first use, so ``import agentkey`` stays
+fast for code that never fetches a token.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from urllib.parse import quote
 
-from authlib.common.urls import add_params_to_qs
-from authlib.oauth2.auth import ClientAuth
-from authlib.oauth2.rfc7523.assertion import private_key_jwt_sign
-from joserfc.jwk import ECKey, OKPKey, RSAKey, import_key
-
 from .._exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from joserfc.jwk import ECKey, OKPKey, RSAKey
+
+    PrivateKey: TypeAlias = RSAKey | ECKey | OKPKey
 
 __all__ = [
     "ASSERTION_TYPE",
     "AuthMethod",
-    "PrivateKey",
     "apply_client_auth",
     "load_private_key",
     "sign_client_assertion",
 ]
 
 AuthMethod = Literal["client_secret_basic", "client_secret_post", "private_key_jwt", "none"]
-PrivateKey = RSAKey | ECKey | OKPKey
 
 ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 
@@ -50,6 +50,8 @@ def load_private_key(pem: str | bytes, alg: str) -> PrivateKey:
             f"private_key_alg {alg!r} is not an asymmetric JWS algorithm; "
             "use RS256, PS256, ES256 or EdDSA"
         )
+    from joserfc.jwk import import_key
+
     try:
         key = import_key(pem, key_type)
     except Exception:  # joserfc raises several types; the key must not leak into a message
@@ -77,6 +79,8 @@ def sign_client_assertion(
     header: dict[str, Any] = {"typ": "JWT"}
     if key_id is not None:
         header["kid"] = key_id
+    from authlib.oauth2.rfc7523.assertion import private_key_jwt_sign
+
     # authlib puts iss = sub = client_id, aud = the token endpoint, iat, exp and a
     # fresh random jti (RFC 7523 section 3) into every assertion it signs.
     assertion: Any = private_key_jwt_sign(
@@ -102,6 +106,9 @@ def apply_client_auth(
     body: str,
 ) -> tuple[dict[str, str], str]:
     """Add client authentication to a token request; returns the new headers and body."""
+    from authlib.common.urls import add_params_to_qs
+    from authlib.oauth2.auth import ClientAuth
+
     if method == "private_key_jwt":
         assert assertion is not None
         auth: Any = ClientAuth(client_id, None, "none")

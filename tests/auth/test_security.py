@@ -138,12 +138,22 @@ def test_nothing_secret_reaches_logs_reprs_or_errors(
 
 
 def test_import_pulls_no_httpx_integration_and_no_warning() -> None:
-    """Importing agentkey.auth with warnings as errors works; authlib's httpx client stays out."""
-    code = (
-        "import warnings; warnings.simplefilter('error'); "
-        "import agentkey, agentkey.auth, sys; "
-        "print([m for m in sys.modules if m.startswith('authlib.integrations')])"
-    )
+    """Warnings as errors: agentkey.auth imports and signs; authlib's httpx client stays out."""
+    code = f"""
+import warnings, sys
+warnings.simplefilter("error")
+import agentkey, agentkey.auth
+from agentkey.auth._endpoint import TokenRequest
+auth = agentkey.ClientCredentials(
+    "https://idp.example/token", "c", auth_method="private_key_jwt", private_key={PRIVATE_PEM!r}
+)
+auth._endpoint.build(TokenRequest("client_credentials"))
+agentkey.ClientCredentials("https://idp.example/token", "c", "s")._endpoint.build(
+    TokenRequest("client_credentials")
+)
+assert "authlib.oauth2.rfc7523" in sys.modules  # the assertion really went through authlib
+print([m for m in sys.modules if m.startswith("authlib.integrations")])
+"""
     out = subprocess.run(
         [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True
     )
