@@ -335,8 +335,10 @@ class _InvokerBase:
         while True:
             same_origin = poll_target(url, ctx, self._config)  # raises UnsafeRedirect
             if wait:
-                wait = min(wait, self._polling.max_interval, deadline - time.monotonic())
-                yield _Sleep(max(0.0, wait))
+                wait = max(0.0, min(wait, self._polling.max_interval, deadline - time.monotonic()))
+                if polls == 0:  # the wait between the 202 and the first poll
+                    self._emit(PollEvent(ctx.idempotency_key, ctx.step, 0, url, "accepted", wait))
+                yield _Sleep(wait)
             # Same origin: the step's key goes along so the tool can correlate the poll; any
             # other (explicitly allowed) origin gets neither key, credentials nor user headers.
             headers = (

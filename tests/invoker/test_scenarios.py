@@ -27,7 +27,7 @@ from agentkey import (
     ToolError,
     UnsafeRedirect,
 )
-from agentkey._hooks import ReplayEvent
+from agentkey._hooks import PollEvent, ReplayEvent
 from agentkey._invoker import Outcome, ToolResult
 
 from ._support import (
@@ -99,6 +99,13 @@ def replay_seen(result: ToolResult | InvokeError, hooks: Recorder) -> None:
     assert [type(e) for e in hooks.events if isinstance(e, ReplayEvent)] == [ReplayEvent]
 
 
+def polls_seen(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """Each wait of the polling phase reaches the hooks, starting with the one after the 202."""
+    polls = [e for e in hooks.events if isinstance(e, PollEvent)]
+    assert [(e.poll, e.state) for e in polls] == [(0, "accepted"), (1, "running")]
+    assert all(e.status_url == f"{BASE}/ops/1" for e in polls)
+
+
 def status_url_is(url: str) -> Callable[[ToolResult | InvokeError, Recorder], None]:
     def check(result: ToolResult | InvokeError, hooks: Recorder) -> None:
         if isinstance(result, ToolResult):
@@ -123,7 +130,7 @@ ROWS = [
         "202-poll",
         [status(202, Location="/ops/1"), state("running"), state("Succeeded")],
         gets=2,
-        check=status_url_is(f"{BASE}/ops/1"),
+        check=polls_seen,
     ),
     Row("409-then-ok", [status(409, "0"), ok()], posts=2, check=wait_zero),
     Row("429-then-ok", [status(429, "120"), ok()], posts=2, check=waits_capped),
