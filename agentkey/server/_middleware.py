@@ -7,7 +7,7 @@ request ─▶ key? ─400─▶  body JSON object? ─400/413─▶  hash match
              ├─ IN_PROGRESS ........... 409 + Retry-After, at once
              ├─ COMPLETED / FAILED .... replay status, headers, body + Idempotent-Replayed: true
              └─ claimed ─▶ handler ─▶ finish (compare-and-set on the owner token)
-                    storable answer (2xx, request 4xx) ........ COMPLETED
+                    storable answer (2xx, 3xx, request 4xx) ... COMPLETED
                     other answer or exception, mutation begun .. FAILED
                     other answer or exception, no mutation ..... released (retry is safe)
 ```
@@ -73,8 +73,13 @@ _MAX_PRINCIPAL = 128
 
 
 def is_storable(status: int) -> bool:
-    """Whether an answer is final for the key: 2xx and the 4xx that are about the request."""
-    return 200 <= status < 300 or (400 <= status < 500 and status not in _NOT_STORED)
+    """Whether an answer is final for the key.
+
+    2xx, 3xx (a ``303 See Other`` after a POST reports success) and the 4xx
+    that are about the request. Not 401, 403, 408, 409, 429 or any 5xx: those
+    depend on the moment, not on the request.
+    """
+    return 200 <= status < 400 or (400 <= status < 500 and status not in _NOT_STORED)
 
 
 def _default_principal(scope: Scope) -> str:

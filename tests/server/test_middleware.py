@@ -189,7 +189,7 @@ def test_second_principal_never_sees_first_principals_response(
         (500, False),
         (502, False),
         (503, False),
-        (302, False),
+        (303, True),
     ],
 )
 def test_storage_rule_for_each_status(
