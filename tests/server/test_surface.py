@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import agentkey.server as server
-from agentkey import ConfigurationError, StepKey, StoreError
+from agentkey import ConfigurationError, Profile, StepKey, StoreError
 from agentkey.server import (
     FileBlobStore,
     IdempotencyMiddleware,
@@ -267,3 +267,30 @@ async def test_hostile_key_bytes_never_run_or_store(raw: bytes) -> None:
         assert repr(store) == "MemoryStore(records=0)"
     else:
         assert status in (201, 200, 422)
+
+
+@pytest.mark.parametrize("profile", ["python", "jcs"])
+async def test_hash_profile_decides_how_a_reformatted_body_is_checked(profile: Profile) -> None:
+    """A body with other spacing passes when re-serialised under the configured profile only."""
+    import json as _json
+
+    from agentkey import canonical_json
+
+    async def handler(request: Request) -> Response:
+        return JSONResponse(await request.json())
+
+    args = {"city": "Zürich", "n": 1}
+    step_key = StepKey.build("p", 0, args, profile=profile)
+    loose = _json.dumps(args, indent=2, ensure_ascii=False).encode()
+    assert loose != canonical_json(args, profile=profile)
+    results = {}
+    configs: tuple[Profile, ...] = ("python", "jcs")
+    for configured in configs:
+        app = IdempotencyMiddleware(
+            Starlette(routes=[Route("/x", handler, methods=["POST"])]),
+            store=MemoryStore(),
+            hash_profile=configured,
+        )
+        status = await _asgi_call(app, [(b"idempotency-key", str(step_key).encode())], loose)
+        results[configured] = status
+    assert results == {profile: 200, ("jcs" if profile == "python" else "python"): 422}
