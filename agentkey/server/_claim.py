@@ -7,7 +7,8 @@ import contextvars
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+
+from starlette.requests import HTTPConnection
 
 from .._exceptions import ConfigurationError
 from .._keys import StepKey
@@ -132,8 +133,11 @@ def current_claim() -> Claim:
     return claim
 
 
-def get_claim(request: Any) -> Claim:
-    """The claim stored on a Starlette/FastAPI ``request`` (``request.state``)."""
+def get_claim(request: HTTPConnection) -> Claim:
+    """The claim stored on a Starlette/FastAPI ``request`` (``request.state``).
+
+    Works as a FastAPI dependency too: ``claim: Claim = Depends(get_claim)``.
+    """
     state = request.scope.get("state") or {}
     claim = state.get(SCOPE_STATE_KEY)
     if not isinstance(claim, Claim):

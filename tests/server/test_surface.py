@@ -294,3 +294,29 @@ async def test_hash_profile_decides_how_a_reformatted_body_is_checked(profile: P
         status = await _asgi_call(app, [(b"idempotency-key", str(step_key).encode())], loose)
         results[configured] = status
     assert results == {profile: 200, ("jcs" if profile == "python" else "python"): 422}
+
+
+def test_fastapi_dependency_reaches_the_claim() -> None:
+    """In FastAPI, `Depends(get_claim)` hands the handler its claim; a replay skips the handler."""
+    from fastapi import Depends, FastAPI
+
+    from agentkey.server import Claim
+    from tests._loopback import serve
+
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    seen: list[str] = []
+
+    @app.post("/tools/provision")
+    async def provision(args: dict[str, str], claim: Claim = Depends(get_claim)) -> dict[str, str]:  # noqa: B008 - FastAPI's idiom
+        claim.begin_mutation()
+        seen.append(claim.key.step_label)
+        return {"vm": "vm-1", "region": args["region"]}
+
+    headers, body = request_for({"region": "eu-west-1"})
+    with serve(app) as url, httpx.Client(base_url=url) as client:
+        first = client.post("/tools/provision", headers=headers, content=body)
+        again = client.post("/tools/provision", headers=headers, content=body)
+    assert first.json() == again.json() == {"vm": "vm-1", "region": "eu-west-1"}
+    assert again.headers["idempotent-replayed"] == "true"
+    assert seen == ["step_000"]
