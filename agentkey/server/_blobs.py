@@ -43,21 +43,36 @@ class BlobStore(Protocol):
 class FileBlobStore:
     """Blobs as files in one directory, written atomically.
 
-    Every replica that can replay a record must see the same directory (a
-    shared volume), else use an object store. Files do not expire by
+    Without ``directory``, a private per-user directory under the system temp
+    dir is used. Every replica that can replay a record must see the same
+    directory (a shared volume), else use an object store. Files do not expire by
     themselves: call :meth:`purge` from a periodic job with the result TTL.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        default = directory is None
         if directory is None:
-            directory = Path(tempfile.gettempdir()) / "agentkey-blobs"
+            suffix = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
+            directory = Path(tempfile.gettempdir()) / f"agentkey-blobs{suffix}"
         self.directory = Path(directory).resolve()
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            info = self.directory.stat()
         except OSError as exc:
             raise ConfigurationError(
                 f"FileBlobStore cannot use directory {str(self.directory)!r}: {exc.strerror}"
             ) from None
+        # The shared temp dir is writable by everyone: refuse a default directory
+        # that someone else created or that others can read.
+        if (
+            default
+            and hasattr(os, "getuid")
+            and (info.st_uid != os.getuid() or info.st_mode & 0o077)
+        ):
+            raise ConfigurationError(
+                f"the default blob directory {str(self.directory)!r} is not private to this "
+                "user; pass FileBlobStore(<a directory you control>) explicitly"
+            )
 
     def __repr__(self) -> str:
         return f"FileBlobStore({str(self.directory)!r})"

@@ -320,3 +320,19 @@ def test_fastapi_dependency_reaches_the_claim() -> None:
     assert first.json() == again.json() == {"vm": "vm-1", "region": "eu-west-1"}
     assert again.headers["idempotent-replayed"] == "true"
     assert seen == ["step_000"]
+
+
+def test_default_blob_directory_must_be_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default directory lives in the temp dir; one others can read is refused."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    blobs = FileBlobStore()
+    assert blobs.directory.parent == tmp_path
+    assert blobs.directory.stat().st_mode & 0o077 == 0
+    blobs.directory.chmod(0o755)
+    with pytest.raises(ConfigurationError, match="not private"):
+        FileBlobStore()
+    assert FileBlobStore(blobs.directory).directory == blobs.directory  # explicit: your call
