@@ -66,8 +66,8 @@ _HINTS = {
 def is_loopback(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8 and ::1."""
     name = host.strip("[]").lower().rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
+    if name == "localhost":
+        return True  # not "*.localhost": a resolver is free to send those elsewhere
     try:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:

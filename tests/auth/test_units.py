@@ -109,6 +109,7 @@ def test_loopback_is_exactly_127_8_and_ipv6_1(
         ("http://localhost/x", True),
         ("http://[::1]:80/x", True),
         ("http://localhost.evil.com/x", False),
+        ("http://tool.localhost/x", False),
         ("http://127.0.0.1.nip.io/x", False),
         ("http://tool.example/x", False),
         ("ws://127.0.0.1/x", False),
