@@ -28,7 +28,7 @@ from joserfc.errors import JoseError
 from joserfc.jwk import Key
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 __all__ = ["IdP", "Reply"]
@@ -139,6 +139,7 @@ class IdP:
                 Route("/tool", self._tool, methods=["GET", "POST"]),
                 Route("/forbidden", self._forbidden, methods=["GET", "POST"]),
                 Route("/jobs", self._start_job, methods=["POST"]),
+                Route("/bounce", self._bounce, methods=["GET"]),
                 Route("/jobs/{job}", self._poll_job, methods=["GET"]),
             ]
         )
@@ -298,6 +299,9 @@ class IdP:
             self.job_polls += 1
             done = self.job_polls >= self.polls_until_done
         return JSONResponse({"status": "succeeded" if done else "running"})
+
+    async def _bounce(self, request: Request) -> Response:
+        return RedirectResponse(request.query_params["to"], 307)
 
     async def _forbidden(self, request: Request) -> Response:
         with self.lock:

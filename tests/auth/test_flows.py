@@ -496,3 +496,32 @@ async def test_failed_early_renewal_keeps_the_still_valid_token(
     await asyncio.sleep(0.8)  # now less than the safety margin remains
     with pytest.raises(TokenError):
         await driver.request("GET", idp.url + "/tool", auth=auth)
+
+
+async def test_token_never_follows_a_redirect_to_another_origin(idp: IdP, driver: Driver) -> None:
+    """A redirect to another origin arrives there without the bearer token."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from tests._loopback import serve
+
+    seen: list[str | None] = []
+
+    async def record(request: Request) -> Response:
+        seen.append(request.headers.get("authorization"))
+        return JSONResponse({"ok": True})
+
+    other = Starlette(routes=[Route("/landing", record)])
+    with serve(other) as other_url:
+        response = await driver.request(
+            "GET",
+            idp.url + "/bounce",
+            auth=_cc(idp),
+            params={"to": other_url + "/landing"},
+            follow_redirects=True,
+        )
+    assert response.status_code == 200
+    assert seen == [None]
+    assert idp.token_requests == 1  # the token was fetched, and sent to the first origin only
