@@ -22,6 +22,7 @@ Needs the ``langgraph`` extra (``pip install 'agentkey[langgraph]'``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,8 +72,11 @@ def thread_plan(ctx: ToolCallContext, *, profile: Profile = "python") -> PlanSes
     metadata = ctx.config.get("metadata") or {}
     namespace = metadata.get("langgraph_checkpoint_ns") or ""
     parent = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
-    external = str(thread_id) if not parent else f"{thread_id}{_NS_SEP}{parent}"
-    return PlanSession.from_external_id(external, profile=profile)
+    if not parent:
+        return PlanSession.from_external_id(str(thread_id), profile=profile)
+    # A JSON list keeps (thread, parent) unambiguous whatever characters either holds.
+    nested = json.dumps(["langgraph-subgraph", str(thread_id), parent])
+    return PlanSession.from_external_id(nested, profile=profile)
 
 
 def graph_step(ctx: ToolCallContext) -> tuple[int, int]:

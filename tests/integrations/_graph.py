@@ -174,4 +174,3 @@ async def close(invoker: ToolInvoker | AsyncToolInvoker) -> None:
 def tool_messages(state: dict[str, Any]) -> list[ToolMessage]:
     """The ToolMessages of a final graph state, in order."""
     return [m for m in state["messages"] if isinstance(m, ToolMessage)]
-
