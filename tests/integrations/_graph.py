@@ -11,10 +11,10 @@ from typing import Any, Literal
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langgraph.checkpoint.base import BaseCheckpointSaver
-from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command
+from langgraph.types import Command, Send
 from langgraph.types import RetryPolicy as NodeRetryPolicy
 from pydantic import BaseModel
 
@@ -125,8 +125,13 @@ def build_graph(
     checkpointer: BaseCheckpointSaver[Any] | None,
     recorder: Recorder | None = None,
     node_retry: bool = False,
+    fan_out: bool = False,
 ) -> Any:
-    """agent -> tools -> agent ... with a scripted model and LangGraph's own ToolNode."""
+    """agent -> tools -> agent ... with a scripted model and LangGraph's own ToolNode.
+
+    ``fan_out`` sends each tool call to its own ToolNode task with ``Send`` (as
+    ``create_react_agent(version="v2")`` does), instead of one task for all calls.
+    """
     node = ToolNode(
         list(tools),
         wrap_tool_call=recorder.sync if recorder else None,
@@ -146,9 +151,17 @@ def build_graph(
         else None,
     )
     graph.add_edge(START, "agent")
-    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_conditional_edges("agent", send_each if fan_out else tools_condition, ["tools", END])
     graph.add_edge("tools", "agent")
     return graph.compile(checkpointer=checkpointer)
+
+
+def send_each(state: MessagesState) -> Any:
+    """Route every tool call of the last AIMessage to its own ToolNode task."""
+    last = state["messages"][-1]
+    if not isinstance(last, AIMessage) or not last.tool_calls:
+        return END
+    return [Send("tools", [tool_call]) for tool_call in last.tool_calls]
 
 
 def scripted(*messages: AIMessage) -> GenericFakeChatModel:

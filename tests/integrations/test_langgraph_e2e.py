@@ -53,16 +53,17 @@ def _key(artifact: dict[str, Any]) -> StepKey:
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("fan_out", [False, True], ids=["one task", "send per call"])
 @pytest.mark.parametrize("failure", ["process crash and resume", "node retry", "interrupt"])
 async def test_reexecuted_tool_node_replays(
-    driver: Driver, failure: str, server: tuple[str, Any]
+    driver: Driver, failure: str, fan_out: bool, server: tuple[str, Any]
 ) -> None:
     """A tool node run again after the tool ran resends the same key; the server replays."""
     url, app = server
     model = scripted(AIMessage("", tool_calls=[call("charge", "c1", amount=5)]), AIMessage("done"))
     saver = InMemorySaver()
     recorder = Recorder(crash_once=failure != "interrupt", interrupt_once=failure == "interrupt")
-    config = _config(f"t-{driver}-{failure.split()[0]}")
+    config = _config(f"t-{driver}-{failure.split()[0]}-{fan_out}")
     invoker = make_invoker(driver, url)
     graph = build_graph(
         tools_for(invoker),
@@ -70,6 +71,7 @@ async def test_reexecuted_tool_node_replays(
         checkpointer=saver,
         recorder=recorder,
         node_retry=failure == "node retry",
+        fan_out=fan_out,
     )
     if failure == "process crash and resume":
         with pytest.raises(Crash):
@@ -78,7 +80,9 @@ async def test_reexecuted_tool_node_replays(
         # A new process: new invoker and graph, the same checkpointer and thread.
         invoker = make_invoker(driver, url)
         recorder.crash_once = False
-        graph = build_graph(tools_for(invoker), model, checkpointer=saver, recorder=recorder)
+        graph = build_graph(
+            tools_for(invoker), model, checkpointer=saver, recorder=recorder, fan_out=fan_out
+        )
         final = await run(driver, graph, None, config)
     elif failure == "interrupt":
         first = await run(driver, graph, HELLO, config)
@@ -103,8 +107,9 @@ async def test_reexecuted_tool_node_replays(
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("fan_out", [False, True], ids=["one task", "send per call"])
 async def test_two_tools_with_identical_args_in_one_message_both_run(
-    driver: Driver, server: tuple[str, Any]
+    driver: Driver, fan_out: bool, server: tuple[str, Any]
 ) -> None:
     """Two different tools called with identical args in one AIMessage get different keys."""
     url, app = server
@@ -115,7 +120,10 @@ async def test_two_tools_with_identical_args_in_one_message_both_run(
     )
     invoker = make_invoker(driver, url)
     graph = build_graph(
-        tools_for(invoker, ("charge", "provision")), model, checkpointer=InMemorySaver()
+        tools_for(invoker, ("charge", "provision")),
+        model,
+        checkpointer=InMemorySaver(),
+        fan_out=fan_out,
     )
     final = await run(driver, graph, HELLO, _config(f"pair-{driver}"))
     await close(invoker)
