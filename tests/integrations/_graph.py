@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -169,7 +169,7 @@ def scripted(*messages: AIMessage) -> GenericFakeChatModel:
     return GenericFakeChatModel(messages=iter(messages))
 
 
-async def run(driver: Driver, graph: Any, graph_input: Any, config: dict[str, Any]) -> Any:
+async def run(driver: Driver, graph: Any, graph_input: Any, config: Mapping[str, Any]) -> Any:
     """graph.invoke (in a worker thread) or graph.ainvoke, per driver."""
     if driver == "sync":
         return await asyncio.to_thread(graph.invoke, graph_input, config)
