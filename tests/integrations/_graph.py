@@ -14,7 +14,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command, Send
+from langgraph.types import Command, Send, interrupt
 from langgraph.types import RetryPolicy as NodeRetryPolicy
 from pydantic import BaseModel
 
@@ -100,8 +100,6 @@ class Recorder:
             self._crashed = True
             raise Crash("the process died after the tool ran, before the checkpoint")
         if self.interrupt_once:
-            from langgraph.types import interrupt
-
             interrupt({"approve": message.content})
         return message
 
