@@ -11,7 +11,6 @@ It is a client only (httpx), so it lives in the core package.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ import httpx
 from ._canonical import canonical_json, to_jsonable
 from ._exceptions import ConfigurationError, InsecureTransport
 from ._keys import HeaderStyle, StepKey
+from ._protocol import is_loopback
 from ._retry_after import parse_retry_after
 
 __all__ = ["CheckReport", "CheckResult", "Verdict", "acheck_server", "check_server"]
@@ -72,15 +72,6 @@ class CheckReport:
             + ("" if self.ok else "  -> the server does NOT honour the contract")
         )
         return "\n".join(lines)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -281,7 +272,7 @@ async def acheck_server(
     url = httpx.URL(base_url.rstrip("/") + "/" + path.lstrip("/"))
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigurationError(f"the target must be an http(s) URL, got {base_url!r}")
-    if token is not None and url.scheme == "http" and not _is_loopback(url.host):
+    if token is not None and url.scheme == "http" and not is_loopback(url.host):
         raise InsecureTransport(
             f"refusing to send a bearer token over plain http to {url.host}; use https "
             "(plain http is allowed to loopback only)"

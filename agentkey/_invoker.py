@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import ipaddress
 import time
 import types
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -51,6 +50,7 @@ from ._protocol import (
     budget_exhausted,
     classify,
     interpret_poll,
+    is_loopback,
     origin_of,
     parse_json,
     poll_target,
@@ -144,7 +144,7 @@ class _InvokerBase:
             )
         if auth is not None and not isinstance(auth, Auth):
             raise ConfigurationError(f"auth must be an httpx.Auth or None, got {auth!r}")
-        if auth is not None and origin.scheme == "http" and not _is_loopback(origin.host):
+        if auth is not None and origin.scheme == "http" and not is_loopback(origin.host):
             raise InsecureTransport(
                 f"auth= would send credentials over plain http to {origin.host!r}; use an "
                 "https:// base_url (plain http is allowed to loopback hosts alone)"
@@ -416,15 +416,6 @@ class _InvokerBase:
             elapsed=time.monotonic() - start,
             status_url=status_url,
         )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_path(path: object) -> str:

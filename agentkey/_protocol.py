@@ -17,6 +17,7 @@ section 4 (202 polling) onto the status-URL strategies and ``interpret_poll``.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ __all__ = [
     "classify",
     "find_status_url",
     "interpret_poll",
+    "is_loopback",
     "origin_of",
     "parse_json",
     "poll_target",
@@ -128,6 +130,17 @@ def origin_of(url: str) -> Origin | None:
     if scheme not in ("http", "https") or not parts.hostname:
         return None
     return Origin(scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80))
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ::1: the hosts plain http may carry secrets to."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost":
+        return True  # not "*.localhost": a resolver is free to send those elsewhere
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,6 @@ place (``_retrying``).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import random
@@ -30,6 +29,7 @@ from tenacity import (
 )
 
 from .._exceptions import ConfigurationError, InsecureTransport, TokenError
+from .._protocol import is_loopback
 from .._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
 from ._policy import TokenPolicy
@@ -61,17 +61,6 @@ _HINTS = {
     "unsupported_grant_type": "the identity provider does not support this grant type",
     "invalid_request": "the request is malformed; check the provider's options",
 }
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1."""
-    name = host.strip("[]").lower().rstrip(".")
-    if name == "localhost":
-        return True  # not "*.localhost": a resolver is free to send those elsewhere
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def redact_url(url: str | httpx.URL) -> str:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from agentkey import ConfigurationError, InsecureTransport, TokenError
+from agentkey._protocol import is_loopback
 from agentkey.auth import (
     ACCESS_TOKEN_TYPE,
     ClientCredentials,
@@ -29,7 +30,6 @@ from agentkey.auth._endpoint import (
     TokenEndpoint,
     TokenRequest,
     _Retryable,
-    is_loopback,
     require_secure,
 )
 from agentkey.auth._token import jwt_expired, refresh_deadline
