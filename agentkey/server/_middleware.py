@@ -432,8 +432,18 @@ class IdempotencyMiddleware:
             body = bytes(capture.body)
         now = int(time.time() * 1000)
         if len(body) > self.max_inline_bytes:
-            uri = await self.blob_store.put(body)
-            return Outcome(state, status, headers, b"", uri, now)
+            try:
+                uri = await self.blob_store.put(body)
+            except StoreError as exc:
+                # The handler has run: an unrecorded outcome would free the key after
+                # lock_ttl and let a retry run the side effect again. Keep it inline.
+                _logger.warning(
+                    "blob store failed (%s); keeping the %d-byte response inline in the record",
+                    exc,
+                    len(body),
+                )
+            else:
+                return Outcome(state, status, headers, b"", uri, now)
         return Outcome(state, status, headers, body, None, now)
 
 
@@ -460,7 +470,17 @@ def _parse_key(values: list[bytes]) -> StepKey | str:
 def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
     """None when the body is a JSON object hashing to the key's args_hash, else the error."""
     try:
-        parsed = json.loads(body, parse_constant=_reject_constant)
+        parsed = json.loads(
+            body, parse_constant=_reject_constant, object_pairs_hook=_unique_members
+        )
+    except _DuplicateMember as exc:
+        # Parsers disagree on which duplicate wins (Python keeps the last, others the
+        # first), so the hash would not pin down the arguments the handler acts on.
+        return (
+            400,
+            "body_not_json",
+            f"the request body repeats the member name {exc.name[:80]!r}; send each name once",
+        )
     except (ValueError, RecursionError):
         return 400, "body_not_json", "the request body must be a JSON object (UTF-8)"
     if not isinstance(parsed, dict):
@@ -489,10 +509,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+class _DuplicateMember(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateMember(name)
+            seen.add(name)
+    return out
+
+
 def _record_key(principal: str, key: StepKey) -> str:
-    scoped = quote(principal, safe="")
+    scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
     if len(scoped) > _MAX_PRINCIPAL:
-        scoped = "sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+        # "!" is never left bare by quote(), so no short principal can spell this.
+        scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{scoped}:{key.format()}"
 
 

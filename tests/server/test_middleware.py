@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,9 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
-from agentkey import StepKey, canonical_json
+from agentkey import StepKey, StoreError, canonical_json
 from agentkey.server import FileBlobStore, MemoryStore, RedisStore, Store
+from agentkey.server._middleware import _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import free_port
 from tests.server._apps import tool_app
@@ -111,6 +115,10 @@ _REQUEST_TABLE: list[tuple[str, str | None, bytes, int, str]] = [
     ("body is a list", _key_for(b"[1,2]"), b"[1,2]", 400, "body_not_json"),
     ("body has NaN", _key_for(b'{"a":NaN}'), b'{"a":NaN}', 400, "body_not_json"),
     ("hash mismatch", _key_for(b'{"amount":6}'), _GOOD, 422, "args_hash_mismatch"),
+    # Python keeps the last duplicate, other parsers the first: the hash must not vouch
+    # for a body whose meaning depends on the parser.
+    ("duplicate member", _key_for(_GOOD), b'{"amount":1,"amount":5}', 400, "body_not_json"),
+    ("nested duplicate", _key_for(b'{"a":{"b":2}}'), b'{"a":{"b":1,"b":2}}', 400, "body_not_json"),
 ]
 
 
@@ -414,3 +422,52 @@ def test_ten_megabyte_key_over_loopback_gets_4xx(served: Callable[..., Served]) 
     else:
         assert 400 <= response.status_code < 500
     assert s.runs["ok"] == 0
+
+
+class _BrokenBlobStore:
+    """A blob store whose writes always fail (a full disk, a lost mount)."""
+
+    async def put(self, data: bytes) -> str:
+        raise StoreError("blob volume is full")
+
+    async def get(self, uri: str) -> bytes:
+        raise StoreError("nothing stored")
+
+    async def delete(self, uri: str) -> None:
+        return None
+
+
+def test_large_response_stays_replayable_when_the_blob_store_fails(
+    served: Callable[..., Served],
+) -> None:
+    """A failed blob write keeps the large answer inline, so a retry replays it, never reruns."""
+    s = served(max_inline_bytes=1000, blob_store=_BrokenBlobStore())
+    headers, body = request_for({"size": 5000})
+    first = s.client.post("/big", headers=headers, content=body)
+    again = s.client.post("/big", headers=headers, content=body)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert s.runs["big"] == 1
+
+
+@pytest.mark.parametrize(
+    "short",
+    [
+        "!sha256-" + hashlib.sha256(("p" * 200).encode()).hexdigest(),
+        "sha256-" + hashlib.sha256(("p" * 200).encode()).hexdigest(),
+    ],
+)
+def test_a_short_principal_cannot_spell_a_long_principals_record(short: str) -> None:
+    """Long principals are hashed under a prefix no short principal can produce after quoting."""
+    key = StepKey.build(new_plan(), 0, {"a": 1})
+    assert _record_key(short, key) != _record_key("p" * 200, key)
+
+
+@given(st.text(min_size=1, max_size=300), st.text(min_size=1, max_size=300))
+def test_distinct_principals_never_share_a_record_key(one: str, two: str) -> None:
+    """Any two different principals (unicode, surrogates, ':' and braces included) get two keys."""
+    assume(one != two)
+    key = StepKey.build("plan", 0, {"a": 1})
+    assert _record_key(one, key) != _record_key(two, key)
+    assert "{" not in _record_key(one, key)  # never breaks the Redis Cluster hash tag
