@@ -104,10 +104,12 @@ def translate(exc: httpx.RequestError) -> Failure:
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
         return Failure(FailureKind.NOT_SENT, type(exc).__name__)
     if isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)):
+        # Not ``{exc}`` nor ``from exc``: h11 quotes the offending header value, which can be
+        # a bearer token or an API key, and a traceback prints the whole cause chain.
         raise ConfigurationError(
-            f"the request could not be built or sent ({type(exc).__name__}: {exc}); "
-            "check base_url and the route"
-        ) from exc
+            f"the request could not be built or sent ({type(exc).__name__}); check base_url, "
+            "the route, and that headers and tokens hold only visible ASCII characters"
+        ) from None
     # ReadTimeout, WriteTimeout, ReadError, WriteError, RemoteProtocolError, ProxyError,
     # DecodingError: the request may have reached the tool and run.
     return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)

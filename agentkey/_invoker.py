@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import re
 import time
 import types
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -63,6 +64,8 @@ _RESERVED = frozenset(
     {"idempotency-key", "authorization", "proxy-authorization", "content-type", "content-length"}
 )
 _MAX_POLL_REDIRECTS = 10
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 field-name
+_FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # visible ASCII
 
 
 class Outcome(str, enum.Enum):
@@ -434,7 +437,19 @@ def _check_headers(headers: Mapping[str, str] | None) -> tuple[tuple[str, str], 
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise ConfigurationError("headers must map str names to str values")
-        if name.strip().lower() in _RESERVED:
+        if not _TOKEN.fullmatch(name):
+            raise ConfigurationError(
+                f"headers= holds {name!r}, which is not a valid HTTP header name "
+                "(letters, digits and !#$%&'*+-.^_`|~ only)"
+            )
+        if not _FIELD_VALUE.fullmatch(value):
+            # The value is never echoed: headers= is where API keys travel.
+            raise ConfigurationError(
+                f"the value of header {name!r} holds a character HTTP cannot carry (a line "
+                "break, a control character or non-ASCII text); encode it (e.g. base64 or "
+                "percent-encoding) before passing it"
+            )
+        if name.lower() in _RESERVED:
             raise ConfigurationError(
                 f"headers= cannot set {name!r}: agentkey sets it (the key comes from the step "
                 "or idempotency_key=, credentials from auth=, the body is canonical JSON)"
