@@ -33,7 +33,7 @@ from .._protocol import is_loopback
 from .._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
 from ._policy import TokenPolicy
-from ._token import Token, refresh_deadline
+from ._token import Token, header_safe, refresh_deadline
 
 if TYPE_CHECKING:
     from ._oauth import PrivateKey
@@ -255,6 +255,13 @@ class TokenEndpoint:
             raise TokenError(
                 f"{where} answered {who} without an access_token; "
                 "check that token_url is the token endpoint",
+                status_code=status,
+            )
+        if not header_safe(access):
+            raise TokenError(
+                f"{where} answered {who} with an access_token holding spaces, control or "
+                "non-ASCII characters, which an Authorization header cannot carry; check the "
+                "identity provider's token format",
                 status_code=status,
             )
         token_type = payload.get("token_type", "Bearer")

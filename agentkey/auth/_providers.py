@@ -17,7 +17,7 @@ from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, redact_url
 from ._oauth import AuthMethod, load_private_key
 from ._policy import TokenPolicy
 from ._stores import MemoryTokenStore, TokenStore
-from ._token import Token, jwt_expired
+from ._token import Token, header_safe, jwt_expired
 
 __all__ = [
     "ACCESS_TOKEN_TYPE",
@@ -536,6 +536,11 @@ class StaticToken(TokenProvider):
         super().__init__(None, policy=TokenPolicy())
         secret = _secret(token, "token", required=True)
         assert secret is not None
+        if not header_safe(secret.get_secret_value()):
+            raise ConfigurationError(
+                "token holds spaces, control or non-ASCII characters, which an Authorization "
+                "header cannot carry; pass the bare access token (without 'Bearer ')"
+            )
         self._token = Token(access_token=secret, obtained_at=time.monotonic())
 
     def __repr__(self) -> str:

@@ -6,12 +6,25 @@ import base64
 import binascii
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
 from pydantic import SecretStr
 
-__all__ = ["Token", "jwt_expired", "refresh_deadline"]
+__all__ = ["Token", "header_safe", "jwt_expired", "refresh_deadline"]
+
+
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
+
+
+def header_safe(token: str) -> bool:
+    """True when ``token`` can follow ``Bearer `` in a header: visible ASCII, no spaces.
+
+    RFC 6750's b64token is stricter still; anything outside this set would be
+    refused by the HTTP layer with an error that quotes the header, token included.
+    """
+    return _VISIBLE.fullmatch(token) is not None
 
 
 @dataclass(frozen=True, slots=True)
