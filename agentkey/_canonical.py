@@ -23,7 +23,7 @@ import json
 import math
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 from pydantic import BaseModel
 
@@ -43,6 +43,11 @@ Profile: TypeAlias = Literal["python", "jcs"]
 JSONObject: TypeAlias = dict[str, Any]
 
 _PROFILES = ("python", "jcs")
+# Python refuses to print or parse integers of more than 4300 digits (the default
+# sys.int_max_str_digits), so a Python server could not even read such a body.
+_MAX_INT_DIGITS = 4300
+_MAX_INT = 10**_MAX_INT_DIGITS  # the smallest integer with one digit too many
+_SMALL_INT_BITS = 14_284  # every integer of at most this many bits has <= 4300 digits
 # RFC 8785 numbers are IEEE 754 doubles: only "safe" integers are exact.
 _JCS_MAX_SAFE_INT = 2**53 - 1  # Number.MAX_SAFE_INTEGER
 
@@ -71,7 +76,14 @@ def to_jsonable(args: object, *, root: str = "args") -> JSONObject:
             f"got {type(args).__name__}; wrap the value, e.g. {{'value': ...}}",
             path=root,
         )
-    return _convert_mapping(args, root)
+    try:
+        return _convert_mapping(args, root)
+    except RecursionError:
+        raise InvalidArguments(
+            "the arguments are nested too deeply or contain themselves (a cycle); "
+            "flatten them or break the cycle",
+            path=root,
+        ) from None
 
 
 def _convert_mapping(value: Mapping[Any, Any], path: str) -> JSONObject:
@@ -97,8 +109,11 @@ def _convert_container(value: Mapping[Any, Any] | list[Any] | tuple[Any, ...], p
 def _convert(value: object, path: str) -> Any:
     # Fast path for values that already are plain JSON (the common case).
     kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind is str or kind is bool or value is None:
         return value
+    if kind is int:
+        number = cast(int, value)  # exact type checked above
+        return number if number.bit_length() <= _SMALL_INT_BITS else _big_int(number, path)
     if kind is dict or kind is list:
         return _convert_container(value, path)  # type: ignore[arg-type]  # exact types checked
     # Order matters: bool is an int, IntEnum is an int, StrEnum is a str.
@@ -109,7 +124,7 @@ def _convert(value: object, path: str) -> Any:
     if isinstance(value, str):
         return str(value)
     if isinstance(value, int):
-        return int(value)
+        return _big_int(int(value), path)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidArguments(
@@ -135,6 +150,16 @@ def _convert(value: object, path: str) -> Any:
     )
 
 
+def _big_int(value: int, path: str) -> int:
+    if -_MAX_INT < value < _MAX_INT:
+        return value
+    raise InvalidArguments(
+        f"an integer of more than {_MAX_INT_DIGITS} digits cannot be read back by a Python "
+        "server; send it as a string",
+        path=path,
+    )
+
+
 def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
     """Return the canonical JSON bytes of ``args`` under ``profile``.
 
@@ -145,11 +170,16 @@ def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
 
 def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:
     """Serialise a value that :func:`to_jsonable` already produced."""
-    if profile == "python":
-        return json.dumps(
-            value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-        ).encode("ascii")
-    return _jcs(value, "args").encode("utf-8")
+    try:
+        if profile == "python":
+            return json.dumps(
+                value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+            ).encode("ascii")
+        return _jcs(value, "args").encode("utf-8")
+    except RecursionError:
+        raise InvalidArguments(
+            "the arguments are nested too deeply to serialise; flatten them", path="args"
+        ) from None
 
 
 def args_hash(args: object, *, profile: Profile = "python") -> str:

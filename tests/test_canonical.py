@@ -18,6 +18,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from agentkey import ConfigurationError, InvalidArguments, args_hash, canonical_json
+from agentkey._canonical import Profile
+
+
+class _Level(enum.IntEnum):
+    HUGE = 10**4400
 
 
 def dumps(value: Any) -> bytes:
@@ -186,6 +191,9 @@ def test_model_as_arguments() -> None:
         ({"blob": b"raw"}, "args.blob"),
         ({"m": {1: "one"}}, "args.m"),
         ({"odd key": {"v": object()}}, "args['odd key'].v"),
+        ({"big": [1, 10**4300]}, "args.big[1]"),
+        ({"big": -(10**5000)}, "args.big"),
+        ({"big": _Level.HUGE}, "args.big"),
     ],
 )
 def test_unsupported_values_name_their_path(args: dict[str, Any], path: str) -> None:
@@ -194,6 +202,39 @@ def test_unsupported_values_name_their_path(args: dict[str, Any], path: str) -> 
         canonical_json(args)
     assert info.value.path == path
     assert str(info.value).startswith(path)
+
+
+def _cyclic() -> dict[str, Any]:
+    loop: dict[str, Any] = {"name": "a"}
+    loop["self"] = loop
+    return loop
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    root: list[Any] = []
+    node = root
+    for _ in range(levels):
+        node.append([])
+        node = node[0]
+    return {"deep": root}
+
+
+@pytest.mark.parametrize("profile", ["python", "jcs"])
+@pytest.mark.parametrize("args", [_cyclic(), _deep(100_000)], ids=["cycle", "100k levels"])
+def test_cycles_and_absurd_nesting_raise_invalid_arguments(
+    args: dict[str, Any], profile: Profile
+) -> None:
+    """A cycle or 100k levels of nesting is a typed InvalidArguments, not a RecursionError."""
+    with pytest.raises(InvalidArguments, match="nested too deeply") as info:
+        canonical_json(args, profile=profile)
+    assert info.value.path == "args"
+
+
+def test_largest_integer_a_python_server_can_read_is_accepted() -> None:
+    """An integer of exactly 4300 digits still serialises, and json.loads reads it back."""
+    edge = 10**4300 - 1
+    body = canonical_json({"n": edge, "m": -edge})
+    assert json.loads(body) == {"n": edge, "m": -edge}
 
 
 @pytest.mark.parametrize("args", [[1, 2], "text", 3, None, (("a", 1),)])
