@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Sequence
@@ -64,7 +65,10 @@ def plan_id_from_external(external_id: str) -> str:
         raise InvalidKey("external id must be a non-empty str")
     if _PLAN_ID.fullmatch(external_id):
         return external_id
-    return str(uuid.uuid5(AGENTKEY_NAMESPACE, external_id))
+    # uuid.uuid5 itself, except that a lone surrogate is hashed instead of crashing.
+    name = external_id.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha1(AGENTKEY_NAMESPACE.bytes + name, usedforsecurity=False).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=5))
 
 
 def normalize_step(step: object) -> tuple[int, ...]:

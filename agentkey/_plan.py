@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -11,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ._canonical import JSONObject, Profile, check_profile, encode_jsonable, to_jsonable
-from ._exceptions import ConfigurationError, InvalidArguments
+from ._exceptions import AgentKeyError, ConfigurationError, InvalidArguments
 from ._keys import (
     StepKey,
     format_step,
@@ -134,8 +135,19 @@ class PlanSession(BaseModel):
     @classmethod
     def from_json(cls, data: str | bytes, *, args_models: ArgsModels | None = None) -> PlanSession:
         """Restore a session saved with :meth:`to_json`."""
-        restored = cls.model_validate_json(data)
-        return cls(id=restored.id, profile=restored.profile, args_models=args_models)
+        try:
+            doc = json.loads(data)
+        except (ValueError, TypeError):
+            doc = None
+        if not isinstance(doc, dict) or "id" not in doc or set(doc) - {"id", "profile"}:
+            raise ConfigurationError(
+                "saved plan session is not valid: expected the JSON object "
+                'PlanSession.to_json() writes, {"id": ..., "profile": ...}'
+            )
+        try:
+            return cls(id=doc["id"], profile=doc.get("profile", "python"), args_models=args_models)
+        except AgentKeyError as exc:
+            raise ConfigurationError(f"saved plan session is not valid: {exc}") from None
 
     def step(
         self,
@@ -152,6 +164,8 @@ class PlanSession(BaseModel):
         ``{"storage_gb": 20}`` give one key when the schema says int.
         """
         steps = normalize_step(index)
+        if not isinstance(tool, str) or not tool:
+            raise ConfigurationError(f"tool name must be a non-empty str, got {tool!r}")
         model = args_model if args_model is not None else self._args_models.get(tool)
         if model is not None:
             args = _validate_with(model, args, tool, format_step(steps))
@@ -183,4 +197,4 @@ def _validate_with(model: type[BaseModel], args: object, tool: str, label: str) 
             f"arguments of tool {tool!r} at {label} do not match {model.__name__}: "
             f"{first['msg']} ({exc.error_count()} error(s)); fix the arguments before calling",
             path=f"args.{where}" if where else "args",
-        ) from exc
+        ) from None  # pydantic's error quotes the input values, which may be secrets

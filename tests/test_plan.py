@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import traceback
 import uuid
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from agentkey import (
@@ -18,6 +22,9 @@ from agentkey import (
     canonical_json,
     step_key,
 )
+from agentkey._keys import AGENTKEY_NAMESPACE
+
+_VALID_ID = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 
 
 class Provision(BaseModel):
@@ -68,6 +75,7 @@ def test_step_json_round_trip() -> None:
         ("thread:42", False),
         ("a" * 65, False),
         ("ünïcode", False),
+        ("thread-\udc80", False),  # a lone surrogate (from a lenient JSON decoder)
     ],
 )
 def test_external_ids(external: str, kept: bool) -> None:
@@ -78,6 +86,49 @@ def test_external_ids(external: str, kept: bool) -> None:
     else:
         assert uuid.UUID(plan.id).version == 5
         assert PlanSession.from_external_id(external).id == plan.id
+
+
+@given(st.text(min_size=1).filter(lambda s: not _VALID_ID.fullmatch(s)))
+def test_external_ids_map_exactly_like_uuid5(external: str) -> None:
+    """The mapping of an invalid external id is uuid.uuid5 under agentkey's namespace."""
+    assert PlanSession.from_external_id(external).id == str(
+        uuid.uuid5(AGENTKEY_NAMESPACE, external)
+    )
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        '{"id": "a:b"}',
+        '{"id": "ok", "profile": "xml"}',
+        '{"id": 7}',
+        "nonsense",
+        '{"id": "ok", "x": 1}',
+        "[]",
+        b"\xff",
+    ],
+)
+def test_restoring_a_corrupt_session_raises_configuration_error(saved: str | bytes) -> None:
+    """A corrupt saved session raises agentkey's ConfigurationError, not pydantic's error."""
+    with pytest.raises(ConfigurationError, match="saved plan session is not valid"):
+        PlanSession.from_json(saved)
+
+
+class Card(BaseModel):
+    number: str
+    cvc: int
+
+
+def test_args_model_rejection_does_not_chain_the_rejected_values() -> None:
+    """A rejected argument's value appears nowhere in the error, its cause or its traceback."""
+    plan = PlanSession.new(args_models={"charge": Card})
+    number, cvc = "4111" * 4, "no" + "t-a-number"  # never spelled out in this source
+    with pytest.raises(InvalidArguments) as info:
+        plan.step(0, "charge", {"number": number, "cvc": cvc})
+    shown = "".join(traceback.format_exception(info.value))
+    assert number not in shown
+    assert cvc not in shown
+    assert info.value.__cause__ is None
 
 
 def test_args_model_normalises_before_hashing() -> None:
@@ -131,6 +182,7 @@ def test_bad_sessions(kwargs: dict[str, Any], error: type[Exception]) -> None:
     [
         (-1, "t", {}, InvalidKey),
         (1, "", {}, ConfigurationError),
+        (1, ["not", "hashable"], {}, ConfigurationError),
         (1, "t", ["not", "an", "object"], InvalidArguments),
         (1, "t", {"price": float("nan")}, InvalidArguments),
         (1, "t", {"tags": {"a"}}, InvalidArguments),
