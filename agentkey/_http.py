@@ -5,6 +5,7 @@ Moving to another httpx-compatible client (the ``httpx2`` fork) changes this fil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -57,9 +58,15 @@ def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | None:
     """Validate the invoker's ``timeout=`` option."""
     if timeout is None or isinstance(timeout, httpx.Timeout):
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
         raise ConfigurationError(
-            f"timeout must be a positive number of seconds or an httpx.Timeout, got {timeout!r}"
+            "timeout must be a positive, finite number of seconds or an httpx.Timeout, "
+            f"got {timeout!r}"
         )
     return httpx.Timeout(float(timeout), connect=min(5.0, float(timeout)))
 

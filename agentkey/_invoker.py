@@ -166,6 +166,20 @@ class _InvokerBase:
             raise ConfigurationError(
                 f"replay_headers must be a sequence of header names, got {replay_headers!r}"
             )
+        if isinstance(allowed_poll_origins, str) or not isinstance(allowed_poll_origins, Iterable):
+            raise ConfigurationError(
+                "allowed_poll_origins must be a list of origins like "
+                f"['https://status.example.com'], got {allowed_poll_origins!r}"
+            )
+        if routes is not None and not isinstance(routes, Mapping):
+            raise ConfigurationError(
+                f"routes must map tool names to paths, e.g. {{'create_db': '/tools/create_db'}}"
+                f", got {type(routes).__name__}"
+            )
+        if hooks is not None and (callable(hooks) or not isinstance(hooks, Iterable)):
+            raise ConfigurationError(
+                f"hooks must be a sequence of callables, e.g. hooks=[my_hook], got {hooks!r}"
+            )
         allowed = set()
         for entry in allowed_poll_origins:
             allowed_origin = origin_of(entry) if isinstance(entry, str) else None
@@ -422,9 +436,16 @@ class _InvokerBase:
 
 
 def _check_path(path: object) -> str:
-    if not isinstance(path, str) or "://" in path or path.startswith("//") or "?" in path:
+    if (
+        not isinstance(path, str)
+        or "://" in path
+        or path.startswith("//")
+        or "?" in path
+        or "#" in path
+    ):
         raise ConfigurationError(
-            f"a route must be a path such as '/tools/create_db' (no scheme, host or query), "
+            f"a route must be a path such as '/tools/create_db' (no scheme, host, query or "
+            "fragment), "
             f"got {path!r}"
         )
     return path
@@ -433,6 +454,11 @@ def _check_path(path: object) -> str:
 def _check_headers(headers: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
     if headers is None:
         return ()
+    if not isinstance(headers, Mapping):
+        raise ConfigurationError(
+            f"headers must be a mapping of names to values, e.g. {{'X-Tenant': 'acme'}}, "
+            f"got {type(headers).__name__}"
+        )
     out = []
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):

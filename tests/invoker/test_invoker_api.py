@@ -53,6 +53,12 @@ def test_bad_base_url(base_url: Any) -> None:
         {"timeout": -1},
         {"client": httpx.AsyncClient()},
         {"routes": {"create_db": "https://evil.test/x"}},
+        {"routes": [("create_db", "/tools/create_db")]},
+        {"routes": {"create_db": "/tools/create_db#frag"}},
+        {"hooks": print},
+        {"allowed_poll_origins": "https://status.test"},
+        {"timeout": float("nan")},
+        {"timeout": float("inf")},
     ],
 )
 def test_bad_options(options: dict[str, Any]) -> None:
@@ -101,6 +107,24 @@ def test_reserved_headers_rejected(driver: Driver, name: str) -> None:
     script = Script([ok()])
     with pytest.raises(ConfigurationError, match="cannot set"):
         _invoke_with(driver, script, path="/t", headers={name: "x"})
+    assert script.requests == []
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        ({"headers": [("X-Tenant", "a")]}, "headers must be a mapping"),
+        ({"headers": "X-Tenant: a"}, "headers must be a mapping"),
+        ({"path": "/t#frag"}, "fragment"),
+    ],
+)
+def test_bad_call_arguments(driver: Driver, call: dict[str, Any], match: str) -> None:
+    """Wrongly shaped headers= or a path with a fragment fail at the boundary; nothing is sent."""
+    script = Script([ok()])
+    call.setdefault("path", "/t")
+    with pytest.raises(ConfigurationError, match=match):
+        _invoke_with(driver, script, **call)
     assert script.requests == []
 
 
