@@ -30,7 +30,7 @@ from typing import TypeVar
 
 import httpx
 
-from .._exceptions import AuthError
+from .._exceptions import AuthError, ConfigurationError
 from ._endpoint import TokenEndpoint, TokenRequest, require_secure
 from ._policy import TokenPolicy
 from ._token import Token
@@ -156,7 +156,7 @@ class TokenProvider(httpx.Auth):
 
     def __init__(self, endpoint: TokenEndpoint | None, *, policy: TokenPolicy) -> None:
         if not isinstance(policy, TokenPolicy):
-            raise TypeError("policy must be an agentkey.auth.TokenPolicy")
+            raise ConfigurationError(f"policy must be an agentkey.auth.TokenPolicy, got {policy!r}")
         self._endpoint = endpoint
         self._policy = policy
         self._lock = threading.Lock()

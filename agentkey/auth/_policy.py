@@ -47,17 +47,17 @@ class TokenPolicy:
     def __post_init__(self) -> None:
         for name in ("leeway", "leeway_jitter", "backoff", "max_wait", "failure_ttl"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ConfigurationError(
                     f"TokenPolicy.{name} must be a finite number >= 0, got {value!r}"
                 )
         for name in ("deadline", "timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ConfigurationError(
                     f"TokenPolicy.{name} must be a finite number > 0, got {value!r}"
                 )
-        if not 0.0 < self.lifetime_fraction < 1.0:
+        if not _is_number(self.lifetime_fraction) or not 0.0 < self.lifetime_fraction < 1.0:
             raise ConfigurationError(
                 "TokenPolicy.lifetime_fraction must be strictly between 0 and 1 "
                 f"(a token must be used for part of its life), got {self.lifetime_fraction!r}"
@@ -73,4 +73,15 @@ class TokenPolicy:
 
     def replace(self, **changes: float) -> TokenPolicy:
         """A copy with ``changes`` applied (validated like the original)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ConfigurationError(
+                f"TokenPolicy has no option(s) {', '.join(unknown)}; "
+                f"valid options: {', '.join(sorted(names))}"
+            )
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -281,6 +281,11 @@ def test_delegation_option_errors() -> None:
         {"timeout": 0.0},
         {"deadline": float("inf")},
         {"failure_ttl": float("nan")},
+        {"leeway": "60"},
+        {"leeway": True},
+        {"lifetime_fraction": "0.5"},
+        {"timeout": None},
+        {"backoff": [1]},
     ],
 )
 def test_policy_validation(changes: dict[str, Any]) -> None:
@@ -298,6 +303,18 @@ def test_policy_is_frozen() -> None:
         policy.leeway = 1.0  # type: ignore[misc]
     assert policy.replace(leeway=5.0).leeway == 5.0
     assert policy.leeway == 60.0
+
+
+def test_policy_replace_unknown_option() -> None:
+    """replace() with a misspelt option is a ConfigurationError listing the valid ones."""
+    with pytest.raises(ConfigurationError, match=r"no option.*leway.*valid options: attempts"):
+        TokenPolicy().replace(leway=5.0)
+
+
+def test_provider_needs_a_token_policy() -> None:
+    """A provider given something other than a TokenPolicy says so with a ConfigurationError."""
+    with pytest.raises(ConfigurationError, match="TokenPolicy"):
+        ClientCredentials(URL, "c", "s", policy={"leeway": 5})  # type: ignore[arg-type]
 
 
 def test_build_post_and_basic_bodies() -> None:
