@@ -11,6 +11,7 @@ It is a client only (httpx), so it lives in the core package.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,6 +29,8 @@ from ._retry_after import parse_retry_after
 __all__ = ["CheckReport", "CheckResult", "Verdict", "acheck_server", "check_server"]
 
 Verdict = Literal["PASS", "FAIL", "SKIP"]
+
+_TOKEN = re.compile(r"[\x21-\x7e]+")
 
 _REPLAY_HEADERS = (
     "idempotent-replayed",
@@ -161,6 +164,11 @@ async def _concurrent(
     replays = [s for s in sent if 200 <= s.status < 300 and s.replayed]
     others = sorted({s.status for s in sent if s not in ran + conflicts + replays})
     problems = []
+    if not ran and not replays:
+        problems.append(
+            f"none of the {n} answers was a 2xx: the step never ran (a key stuck in "
+            "progress answers 409 forever)"
+        )
     if len(ran) > 1:
         problems.append(
             f"{len(ran)} of {n} answers were 2xx without a replay header (the step ran "
@@ -269,7 +277,19 @@ async def acheck_server(
     timeout: float = 30.0,
 ) -> CheckReport:
     """Check every point of the contract against ``base_url + path``. Real side effects!"""
-    url = httpx.URL(base_url.rstrip("/") + "/" + path.lstrip("/"))
+    try:
+        url = httpx.URL(base_url.rstrip("/") + "/" + path.lstrip("/"))
+    except (httpx.InvalidURL, TypeError, AttributeError):
+        raise ConfigurationError(
+            f"the target must be an http(s) URL and path, got {base_url!r} and {path!r}"
+        ) from None
+    if token is not None and not _TOKEN.fullmatch(token):
+        # Checked here, never echoed: httpx would fail deep inside with the token in
+        # the exception (UnicodeEncodeError carries the whole header value).
+        raise ConfigurationError(
+            "the token must be printable ASCII without spaces or line breaks (a bearer "
+            "token as issued); it was not sent"
+        )
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigurationError(f"the target must be an http(s) URL, got {base_url!r}")
     if token is not None and url.scheme == "http" and not is_loopback(url.host):
