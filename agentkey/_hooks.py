@@ -95,7 +95,7 @@ class LoggingHook:
                 event.idempotency_key,
                 event.step,
                 event.poll,
-                event.state,
+                _one_line(event.state),
                 event.wait,
             )
         else:
@@ -108,3 +108,9 @@ class LoggingHook:
 
     def __repr__(self) -> str:
         return f"LoggingHook(logger={self._logger.name!r})"
+
+
+def _one_line(text: str, limit: int = 64) -> str:
+    """A server-chosen string (a poll state) made safe for one log line: no forged lines."""
+    flat = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return flat if len(flat) <= limit else flat[:limit] + "..."

@@ -152,3 +152,17 @@ def test_logging_hook_logs_key_never_token(caplog: pytest.LogCaptureFixture) -> 
     assert "SECRET" not in text
     with pytest.raises(dataclasses.FrozenInstanceError):
         RetryEvent("k", None, 1, "r", 0.0, None).wait = 1.0  # type: ignore[misc]
+
+
+def test_logging_hook_cannot_be_made_to_forge_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """A poll state chosen by the server is logged on one line, truncated, control chars masked."""
+    hook = LoggingHook()
+    caplog.set_level(logging.INFO, logger="agentkey")
+    state = "running\nCRITICAL agentkey: payment approved\r" + "x" * 500
+    hook(PollEvent("p:step_001:" + "a" * 64, "step_001", 1, "https://x/ops/1", state, 1))
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "\n" not in message
+    assert "\r" not in message
+    assert "state=running?CRITICAL" in message
+    assert len(message) < 250
