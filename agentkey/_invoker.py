@@ -145,6 +145,11 @@ class _InvokerBase:
                 f"base_url must be an absolute http:// or https:// URL with a host and no "
                 f"query, e.g. 'https://tools.example.com', got {base_url!r}"
             )
+        if "@" in urlsplit(base_url).netloc:
+            # httpx would send them as Basic auth, and the invoker's repr would show them.
+            raise ConfigurationError(
+                "base_url must not carry credentials (user:password@); pass them through auth="
+            )
         if auth is not None and not isinstance(auth, Auth):
             raise ConfigurationError(f"auth must be an httpx.Auth or None, got {auth!r}")
         if auth is not None and origin.scheme == "http" and not is_loopback(origin.host):
@@ -183,6 +188,11 @@ class _InvokerBase:
         allowed = set()
         for entry in allowed_poll_origins:
             allowed_origin = origin_of(entry) if isinstance(entry, str) else None
+            if allowed_origin is not None and "@" in urlsplit(entry).netloc:
+                raise ConfigurationError(
+                    "allowed_poll_origins entries are bare origins: no user:password@ "
+                    "(polls to them never carry credentials)"
+                )
             if allowed_origin is None or urlsplit(entry).path not in ("", "/"):
                 raise ConfigurationError(
                     f"allowed_poll_origins entries are origins like 'https://status.example.com'"
@@ -401,13 +411,16 @@ class _InvokerBase:
             wait = min(wait, self._polling.max_interval, remaining)
             self._emit(PollEvent(ctx.idempotency_key, ctx.step, polls, url, decision.reason, wait))
 
-    def _resume(self, status_url: str, key: str) -> _Flow:
+    def _resume(self, status_url: str, key: str, headers: Mapping[str, str] | None) -> _Flow:
         if self._closed:
             raise ConfigurationError(f"{self!r} is closed; create a new invoker")
         parsed = StepKey.parse(key)
         if not isinstance(status_url, str) or origin_of(status_url) is None:
-            raise ConfigurationError(f"status_url must be an absolute URL, got {status_url!r}")
-        call = _Call(status_url, "GET", (), parsed, parsed.header_value(self._style), b"")
+            raise ConfigurationError(
+                f"status_url must be an absolute URL, got {_redact_any(status_url)!r}"
+            )
+        extra = _check_headers(headers)
+        call = _Call(status_url, "GET", extra, parsed, parsed.header_value(self._style), b"")
         ctx = self._ctx(call, 0)
         return self._poll(call, status_url, ctx, False, time.monotonic(), None)
 
@@ -433,6 +446,10 @@ class _InvokerBase:
             elapsed=time.monotonic() - start,
             status_url=status_url,
         )
+
+
+def _redact_any(value: object) -> object:
+    return _redact(value) if isinstance(value, str) else value
 
 
 def _check_path(path: object) -> str:
@@ -531,9 +548,15 @@ class ToolInvoker(_InvokerBase):
         """Run ``step`` once: same key on every resend, polls a 202 to its end."""
         return self._drive(self._flow(self._prepare(step, path, method, headers, idempotency_key)))
 
-    def resume_poll(self, status_url: str, key: str) -> ToolResult:
-        """Finish polling a step after :class:`PollTimeout`, without sending the step again."""
-        return self._drive(self._resume(status_url, key))
+    def resume_poll(
+        self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
+    ) -> ToolResult:
+        """Finish polling a step after :class:`PollTimeout`, without sending the step again.
+
+        ``headers`` are the extra headers the original ``invoke`` sent (a tenant id, say);
+        like there, they go to the tool's own origin only.
+        """
+        return self._drive(self._resume(status_url, key, headers))
 
     def _drive(self, flow: _Flow) -> ToolResult:
         try:
@@ -609,9 +632,15 @@ class AsyncToolInvoker(_InvokerBase):
         call = self._prepare(step, path, method, headers, idempotency_key)
         return await self._drive(self._flow(call))
 
-    async def resume_poll(self, status_url: str, key: str) -> ToolResult:
-        """Finish polling a step after :class:`PollTimeout`, without sending the step again."""
-        return await self._drive(self._resume(status_url, key))
+    async def resume_poll(
+        self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
+    ) -> ToolResult:
+        """Finish polling a step after :class:`PollTimeout`, without sending the step again.
+
+        ``headers`` are the extra headers the original ``invoke`` sent (a tenant id, say);
+        like there, they go to the tool's own origin only.
+        """
+        return await self._drive(self._resume(status_url, key, headers))
 
     async def _drive(self, flow: _Flow) -> ToolResult:
         try:

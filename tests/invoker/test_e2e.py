@@ -279,3 +279,48 @@ async def test_fifty_async_callers_and_a_thread_execute_once(tool: tuple[ToolApp
     assert len({str(r.body) for r in results}) == 1
     assert sum(not r.replayed for r in results) == 1
     assert all(r.idempotency_key == step.idempotency_key for r in results)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_resume_poll_sends_the_callers_headers(driver: Driver, tool: tuple[ToolApp, str]) -> None:
+    """resume_poll(headers=...) sends the invoke's extra headers (a tenant id) on every poll."""
+    app, url = tool
+    step = make_step(tool="provision")
+    app.faults["provision"] = Faults(async_polls=10_000)
+    slow_poll = FAST_POLL.replace(interval=0.01, max_interval=0.01, deadline=0.05)
+    tenant = {"X-Tenant": "acme"}
+    options: dict[str, Any] = {"retry": FAST_RETRY, "polling": slow_poll, "auth": Bearer()}
+    options["route_template"] = "/tools/{tool}"
+
+    def run() -> ToolResult:
+        if driver == "sync":
+            with ToolInvoker(url, **options) as invoker:
+                with pytest.raises(PollTimeout) as caught:
+                    invoker.invoke(step, headers=tenant)
+                op = caught.value.status_url.rsplit("/", 1)[1]
+                with app.lock:
+                    app.operations[op] = ["running", "succeeded"]
+                return invoker.resume_poll(
+                    caught.value.status_url, step.idempotency_key, headers=tenant
+                )
+
+        async def main() -> ToolResult:
+            async with AsyncToolInvoker(url, **options) as invoker:
+                with pytest.raises(PollTimeout) as caught:
+                    await invoker.invoke(step, headers=tenant)
+                op = caught.value.status_url.rsplit("/", 1)[1]
+                with app.lock:
+                    app.operations[op] = ["running", "succeeded"]
+                return await invoker.resume_poll(
+                    caught.value.status_url, step.idempotency_key, headers=tenant
+                )
+
+        return asyncio.run(main())
+
+    result = run()
+    assert result.polls == 2
+    gets = [s for s in app.seen if s.method == "GET"]
+    assert gets
+    assert all(s.headers.get("x-tenant") == "acme" for s in gets)
+    assert all(s.headers.get("idempotency-key") == step.idempotency_key for s in gets)
+    assert app.executions == {step.idempotency_key: 1}

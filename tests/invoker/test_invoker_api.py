@@ -92,6 +92,23 @@ def test_no_credentials_over_plain_http(base_url: str, insecure: bool) -> None:
     ToolInvoker(base_url).close()  # without credentials plain http is the user's call
 
 
+@pytest.mark.parametrize("invoker_cls", [ToolInvoker, AsyncToolInvoker])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"base_url": "https://svc:hunter2@tool.test"},
+        {"base_url": BASE, "allowed_poll_origins": ["https://svc:hunter2@status.test"]},
+    ],
+)
+def test_urls_with_credentials_refused_without_echo(
+    invoker_cls: type[ToolInvoker] | type[AsyncToolInvoker], options: dict[str, Any]
+) -> None:
+    """user:password@ in base_url or a poll origin is refused, and the password is not quoted."""
+    with pytest.raises(ConfigurationError, match="user:password@") as info:
+        invoker_cls(hooks=(), **options)
+    assert "hunter2" not in str(info.value)
+
+
 def test_async_invoker_rejects_sync_client() -> None:
     """AsyncToolInvoker needs an AsyncClient."""
     with httpx.Client() as client, pytest.raises(ConfigurationError, match="AsyncClient"):
