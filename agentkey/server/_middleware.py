@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
+import anyio
+
 from .._canonical import Profile, canonical_json, check_profile
 from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
 from .._keys import StepKey
@@ -70,6 +72,8 @@ _DROP_HEADERS = frozenset(
     }
 )
 _MAX_PRINCIPAL = 128
+# The longest a shielded finish/release may hold a cancelled request.
+_SETTLE_SECONDS = 10.0
 
 
 def is_storable(status: int) -> bool:
@@ -372,6 +376,21 @@ class IdempotencyMiddleware:
             await self._finish(claim, capture, error=True)
 
     async def _finish(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
+        """Settle the claim, shielded: a request cancelled from outside (a client gone
+        under an anyio cancel scope, a server shutting down) still records FAILED or
+        releases its key, instead of leaving it locked until lock_ttl and letting a
+        retry repeat a side effect that already began."""
+        with anyio.move_on_after(_SETTLE_SECONDS, shield=True) as scope:
+            await self._settle(claim, capture, error=error)
+        if scope.cancelled_caught:
+            _logger.error(
+                "settling %s took over %s s and was abandoned; the key stays locked "
+                "until lock_ttl passes",
+                claim.key.format(),
+                _SETTLE_SECONDS,
+            )
+
+    async def _settle(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
         """Record the outcome (compare-and-set on the owner), or release the claim."""
         status = capture.status if capture.started and not error else 500
         key = claim.key.format()

@@ -1,0 +1,69 @@
+"""Cancellation of a claimed request: the claim is released or recorded, never left locked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from agentkey import StepKey
+from agentkey.server import IdempotencyMiddleware, Store, current_claim
+from agentkey.server._middleware import _record_key
+from agentkey.server._records import Outcome, decode_record
+from tests.server._util import request_for
+
+StoreFactory = Callable[[], Store]
+
+
+@pytest.mark.parametrize("mutate", [True, False], ids=["after mutation", "before mutation"])
+async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mutate: bool) -> None:
+    """Cancelled from outside, a claim records FAILED after its mutation, else frees the key."""
+    store = make_store()
+    started = anyio.Event()
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if mutate:
+            current_claim().begin_mutation()
+        started.set()
+        await anyio.sleep_forever()
+
+    app = IdempotencyMiddleware(tool, store=store, principal=lambda scope: "alice")
+    headers, body = request_for({"amount": 1})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/charge",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await anyio.sleep_forever()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        return None
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(app, scope, receive, send)
+        await started.wait()
+        tg.cancel_scope.cancel()
+
+    key = StepKey.parse(headers["idempotency-key"])
+    raw = await store.get(_record_key("alice", key))
+    try:
+        if mutate:
+            assert raw is not None
+            record = decode_record(raw, key="k")
+            assert isinstance(record, Outcome)
+            assert record.state == "FAILED"
+        else:
+            assert raw is None  # released at once, not locked until lock_ttl
+    finally:
+        await store.aclose()
