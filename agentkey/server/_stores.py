@@ -85,12 +85,22 @@ class MemoryStore:
 
     For tests, demos and single-process servers. Records vanish when the
     process exits, so it gives no protection across restarts or replicas.
-    Thread-safe; expiry is checked lazily on access.
+    Thread-safe; expiry is checked on access, and every ``SWEEP_EVERY`` claims
+    all expired records are dropped, so memory stays bounded by the live records.
     """
+
+    #: Claims between two sweeps of expired records (amortised O(1) per claim).
+    SWEEP_EVERY = 1024
 
     def __init__(self) -> None:
         self._data: dict[str, tuple[bytes, float]] = {}
         self._lock = threading.Lock()
+        self._claims = 0
+
+    def _sweep(self, now: float) -> None:
+        """Drop every expired record: keys never read again must not pile up forever."""
+        for key in [k for k, (_, expires) in self._data.items() if expires <= now]:
+            del self._data[key]
 
     def __repr__(self) -> str:
         return f"MemoryStore(records={len(self._data)})"
@@ -108,6 +118,9 @@ class MemoryStore:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
             now = time.monotonic()
+            self._claims += 1
+            if self._claims % self.SWEEP_EVERY == 0:
+                self._sweep(now)
             current = self._live(key, now)
             if current is not None:
                 return current

@@ -166,3 +166,14 @@ async def test_cluster_records_hash_on_their_tag_and_spread(redis_cluster_port: 
         assert len(nodes) > 1
     finally:
         await client.aclose()
+
+
+async def test_memory_store_drops_expired_records_nobody_reads_again() -> None:
+    """Records whose keys are never touched again are swept, so memory follows the live set."""
+    store = MemoryStore()
+    for i in range(500):
+        await store.claim(f"old:{i}", encode_in_progress(_owner(), 1), ttl_ms=1)
+    await asyncio.sleep(0.01)  # every "old" record is now past its TTL
+    for i in range(MemoryStore.SWEEP_EVERY):
+        await store.claim(f"new:{i}", encode_in_progress(_owner(), 1), ttl_ms=60_000)
+    assert repr(store) == f"MemoryStore(records={MemoryStore.SWEEP_EVERY})"
