@@ -303,8 +303,11 @@ class IdempotencyMiddleware:
         if inspect.isawaitable(value):
             value = await value
         if not isinstance(value, str) or not value:
+            # The type only: a principal function gone wrong may return a credential.
             raise ConfigurationError(
-                f"the principal function must return a non-empty str, got {value!r}"
+                "the principal function must return a non-empty str, got "
+                + ("an empty str" if value == "" else f"a {type(value).__name__}")
+                + "; return the tenant, user or client id of the request"
             )
         return value
 

@@ -1,4 +1,4 @@
-"""Cancellation of a claimed request: the claim is released or recorded, never left locked."""
+"""Direct ASGI edge cases: cancellation settles the claim; a bad principal fails closed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agentkey import StepKey
-from agentkey.server import IdempotencyMiddleware, Store, current_claim
+from agentkey import ConfigurationError, StepKey
+from agentkey.server import IdempotencyMiddleware, MemoryStore, Store, current_claim
 from agentkey.server._middleware import _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests.server._util import request_for
@@ -67,3 +67,32 @@ async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mut
             assert raw is None  # released at once, not locked until lock_ttl
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("bad", [b"Bearer s3cret-token", "", None])
+async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> None:
+    """A principal function returning a non-str fails before the handler, never quoting it."""
+    runs: list[int] = []
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+
+    app = IdempotencyMiddleware(tool, store=MemoryStore(), principal=lambda scope: bad)  # type: ignore[arg-type,return-value]
+    headers, body = request_for({"amount": 1})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/charge",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="principal function") as info:
+        await app(scope, receive, send)
+    assert "s3cret" not in str(info.value)
+    assert runs == []
