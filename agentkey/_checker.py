@@ -299,8 +299,14 @@ async def acheck_server(
         )
     if style not in ("raw", "sf-string"):
         raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
-    if concurrency < 2:
-        raise ConfigurationError("concurrency must be at least 2")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 2:
+        raise ConfigurationError(f"concurrency must be a whole number >= 2, got {concurrency!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
+        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
     plain = to_jsonable(args)
     changed = (
         to_jsonable(changed_args, root="changed_args")

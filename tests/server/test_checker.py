@@ -184,6 +184,9 @@ def test_check_refuses_a_malformed_token_without_echoing_it(token: str) -> None:
         {"base_url": "ftp://x", "path": "/x", "args": {}},
         {"base_url": "http://[::1", "path": "/x", "args": {}},
         {"base_url": "http://127.0.0.1:1", "path": "/x", "args": {}, "concurrency": 1},
+        {"base_url": "http://127.0.0.1:1", "path": "/x", "args": {}, "concurrency": 2.5},
+        {"base_url": "http://127.0.0.1:1", "path": "/x", "args": {}, "timeout": 0},
+        {"base_url": "http://127.0.0.1:1", "path": "/x", "args": {}, "timeout": float("nan")},
         {
             "base_url": "http://127.0.0.1:1",
             "path": "/x",
