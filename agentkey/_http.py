@@ -15,6 +15,7 @@ from ._exceptions import ConfigurationError
 from ._protocol import Answer, Failure, FailureKind, Reply
 
 __all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_TIMEOUT",
     "AsyncClient",
     "Auth",
@@ -23,6 +24,7 @@ __all__ = [
     "Timeout",
     "make_async_client",
     "make_client",
+    "make_max_response_bytes",
     "make_timeout",
     "send_async",
     "send_sync",
@@ -36,6 +38,10 @@ Timeout = httpx.Timeout
 
 #: connect 5 s, read 30 s, write 30 s, pool 5 s.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=5.0)
+
+
+#: The largest answer body (after content decoding) an invoker reads into memory: 32 MiB.
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,13 @@ def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | None:
     return httpx.Timeout(float(timeout), connect=min(5.0, float(timeout)))
 
 
+def make_max_response_bytes(limit: object) -> int:
+    """Validate the invoker's ``max_response_bytes=`` option."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigurationError(f"max_response_bytes must be an int >= 1 (bytes), got {limit!r}")
+    return limit
+
+
 def make_client(timeout: httpx.Timeout | None) -> httpx.Client:
     return httpx.Client(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
 
@@ -101,9 +114,49 @@ def _request(
     )
 
 
-def _answer(response: httpx.Response) -> Answer:
+def _answer(response: httpx.Response, content: bytes, oversize: bool) -> Answer:
     headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
-    return Answer(response.status_code, headers, response.content, str(response.request.url))
+    url = str(response.request.url)
+    return Answer(response.status_code, headers, content, url, oversize=oversize)
+
+
+def _declared_too_big(response: httpx.Response, limit: int) -> bool:
+    declared = response.headers.get("content-length", "")
+    return (
+        declared.isdigit() and int(declared) > limit and "content-encoding" not in response.headers
+    )
+
+
+def _read_sync(response: httpx.Response, limit: int) -> Answer:
+    """Read at most ``limit`` decoded bytes of ``response``; it is closed on every path."""
+    try:
+        if _declared_too_big(response, limit):
+            return _answer(response, b"", True)
+        chunks, size = [], 0
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+            if size > limit:  # decoded size: a small gzip bomb is caught too
+                return _answer(response, b"", True)
+            chunks.append(chunk)
+        return _answer(response, b"".join(chunks), False)
+    finally:
+        response.close()
+
+
+async def _read_async(response: httpx.Response, limit: int) -> Answer:
+    """Read at most ``limit`` decoded bytes of ``response``; it is closed on every path."""
+    try:
+        if _declared_too_big(response, limit):
+            return _answer(response, b"", True)
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                return _answer(response, b"", True)
+            chunks.append(chunk)
+        return _answer(response, b"".join(chunks), False)
+    finally:
+        await response.aclose()
 
 
 def translate(exc: httpx.RequestError) -> Failure:
@@ -128,19 +181,20 @@ def send_sync(
     *,
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
-    """Send ``out`` and read the whole answer; the response is closed on every path."""
+    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
     request = _request(client, out, timeout)
     try:
-        # send() without stream=True reads the body and closes the response, also on
-        # KeyboardInterrupt; auth and redirects are explicit so a user client's own
-        # auth never applies and no redirect is followed behind our back.
+        # Auth and redirects are explicit, so a user client's own auth never applies and
+        # no redirect is followed behind our back. _read_sync closes the response, also on
+        # KeyboardInterrupt.
         response = client.send(
-            request, auth=auth if out.same_origin else None, follow_redirects=False
+            request, auth=auth if out.same_origin else None, follow_redirects=False, stream=True
         )
+        return _read_sync(response, max_bytes)
     except httpx.RequestError as exc:
         return translate(exc)
-    return _answer(response)
 
 
 async def send_async(
@@ -149,13 +203,14 @@ async def send_async(
     *,
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
-    """Send ``out`` and read the whole answer; the response is closed on every path."""
+    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
     request = _request(client, out, timeout)
     try:
         response = await client.send(
-            request, auth=auth if out.same_origin else None, follow_redirects=False
+            request, auth=auth if out.same_origin else None, follow_redirects=False, stream=True
         )
+        return await _read_async(response, max_bytes)
     except httpx.RequestError as exc:
         return translate(exc)
-    return _answer(response)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from ._exceptions import ConfigurationError, InsecureTransport, InvokeError, PollTimeout
 from ._hooks import InvokeHook, LoggingHook, PollEvent, ReplayEvent, RetryEvent
 from ._http import (
+    DEFAULT_MAX_RESPONSE_BYTES,
     AsyncClient,
     Auth,
     Client,
@@ -33,6 +34,7 @@ from ._http import (
     Timeout,
     make_async_client,
     make_client,
+    make_max_response_bytes,
     make_timeout,
     send_async,
     send_sync,
@@ -138,6 +140,7 @@ class _InvokerBase:
         routes: Mapping[str, str] | None,
         route_template: str | None,
         hooks: Sequence[InvokeHook] | None,
+        max_response_bytes: int,
     ) -> None:
         origin = origin_of(base_url) if isinstance(base_url, str) else None
         if origin is None or urlsplit(base_url).query or urlsplit(base_url).fragment:
@@ -214,6 +217,7 @@ class _InvokerBase:
         self._retry = retry
         self._polling = polling
         self._timeout = make_timeout(timeout)
+        self._max_bytes = make_max_response_bytes(max_response_bytes)
         self._style: HeaderStyle = key_header_style
         self._routes = {str(k): _check_path(v) for k, v in (routes or {}).items()}
         self._route_template = route_template
@@ -524,6 +528,7 @@ class ToolInvoker(_InvokerBase):
         routes: Mapping[str, str] | None = None,
         route_template: str | None = None,
         hooks: Sequence[InvokeHook] | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
@@ -531,7 +536,7 @@ class ToolInvoker(_InvokerBase):
             base_url, auth=auth, retry=retry, polling=polling, timeout=timeout,
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
-            route_template=route_template, hooks=hooks,
+            route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
         )  # fmt: skip
         self._owns_client = client is None
         self._client = client if client is not None else make_client(self._timeout)
@@ -566,7 +571,13 @@ class ToolInvoker(_InvokerBase):
                     time.sleep(command.seconds)
                     command = flow.send(None)
                 else:
-                    reply = send_sync(self._client, command, auth=self._auth, timeout=self._timeout)
+                    reply = send_sync(
+                        self._client,
+                        command,
+                        auth=self._auth,
+                        timeout=self._timeout,
+                        max_bytes=self._max_bytes,
+                    )
                     command = flow.send(reply)
         except StopIteration as stop:
             result: ToolResult = stop.value
@@ -607,6 +618,7 @@ class AsyncToolInvoker(_InvokerBase):
         routes: Mapping[str, str] | None = None,
         route_template: str | None = None,
         hooks: Sequence[InvokeHook] | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
@@ -614,7 +626,7 @@ class AsyncToolInvoker(_InvokerBase):
             base_url, auth=auth, retry=retry, polling=polling, timeout=timeout,
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
-            route_template=route_template, hooks=hooks,
+            route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
         )  # fmt: skip
         self._owns_client = client is None
         self._client = client if client is not None else make_async_client(self._timeout)
@@ -651,7 +663,11 @@ class AsyncToolInvoker(_InvokerBase):
                     command = flow.send(None)
                 else:
                     reply = await send_async(
-                        self._client, command, auth=self._auth, timeout=self._timeout
+                        self._client,
+                        command,
+                        auth=self._auth,
+                        timeout=self._timeout,
+                        max_bytes=self._max_bytes,
                     )
                     command = flow.send(reply)
         except StopIteration as stop:

@@ -99,6 +99,7 @@ class Answer:
     headers: Mapping[str, str]
     content: bytes
     url: str
+    oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -289,6 +290,8 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
         ambiguous = reply.kind is FailureKind.AMBIGUOUS
         return Decision(Action.RETRY, reply.description, ambiguous=ambiguous)
 
+    if reply.oversize:
+        return _oversize(reply, ctx, "the tool")
     status = reply.status_code
     replayed = replay_header(reply, cfg.replay_headers)
     if 200 <= status < 300:
@@ -356,6 +359,27 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
         )
     return Decision(
         Action.RAISE, f"status {status}", status_code=status, error=_final(reply, body, ctx)
+    )
+
+
+def _oversize(answer: Answer, ctx: CallContext, who: str) -> Decision:
+    status = answer.status_code
+    ran = (
+        "the step ran; invoking it again with the same key replays the stored answer"
+        if 200 <= status < 300
+        else "the answer was not read"
+    )
+    return Decision(
+        Action.RAISE,
+        "answer too large",
+        status_code=status,
+        error=ctx.error(
+            ToolError,
+            f"{who} answered {status} for {ctx.where()} with a body larger than "
+            f"max_response_bytes, so agentkey did not read it ({ran}). Raise "
+            "max_response_bytes on the invoker if such answers are expected",
+            status_code=status,
+        ),
     )
 
 
@@ -524,6 +548,8 @@ def interpret_poll(
     """
     if isinstance(reply, Failure):
         return Decision(Action.WAIT, reply.description)
+    if reply.oversize:
+        return _oversize(reply, ctx, "a poll")
     status = reply.status_code
     body = parse_json(reply.content)
     if status == 202:
