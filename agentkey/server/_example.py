@@ -20,6 +20,8 @@ from ._stores import MemoryStore, Store
 
 __all__ = ["bearer_principal", "example_app"]
 
+_MAX_ROWS = 100_000  # a report of at most ~3 MB: a request cannot make the server build more
+
 
 def bearer_principal(scope: Scope) -> str:
     """Each bearer token is its own principal (fits static API keys, not rotating tokens)."""
@@ -70,7 +72,11 @@ def example_app(
 
     async def report(request: Request) -> JSONResponse:
         args: dict[str, Any] = await request.json()
-        rows = int(args.get("rows", 5000))
+        rows = args.get("rows", 5000)
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= _MAX_ROWS:
+            return JSONResponse(
+                {"error": f"rows must be an integer from 0 to {_MAX_ROWS}"}, status_code=400
+            )
         get_claim(request).begin_mutation()
         executions["report"] += 1
         return JSONResponse({"rows": [{"n": i, "pad": "x" * 20} for i in range(rows)]})

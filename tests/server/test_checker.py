@@ -6,13 +6,21 @@ import asyncio
 import traceback
 from typing import Any
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey import CheckReport, ConfigurationError, InsecureTransport, check_server
+from agentkey import (
+    CheckReport,
+    ConfigurationError,
+    InsecureTransport,
+    StepKey,
+    canonical_json,
+    check_server,
+)
 from agentkey.cli import main
 from agentkey.server import RedisStore, example_app
 from tests._loopback import RedisServer, serve
@@ -223,3 +231,21 @@ def test_check_help_warns_about_side_effects(capsys: pytest.CaptureFixture[str])
         main(["check", "--help"])
     assert info.value.code == 0
     assert "REAL side effects" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rows", ["many", -1, 10**7, True])
+def test_example_report_refuses_bad_row_counts(rows: object) -> None:
+    """The example report tool answers 400 to a row count it should not build, and runs nothing."""
+    app = example_app()
+    args = {"rows": rows}
+    key = StepKey.build("plan-report", 0, args).format()
+    with serve(app) as url:
+        response = httpx.post(
+            url + "/tools/report",
+            headers={"idempotency-key": key, "content-type": "application/json"},
+            content=canonical_json(args),
+            timeout=30,
+        )
+    assert response.status_code == 400
+    assert "rows" in response.json()["error"]
+    assert app.state.executions["report"] == 0
