@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -55,7 +55,8 @@ class Outgoing:
 
     method: str
     url: str
-    headers: tuple[tuple[str, str], ...]
+    # Kept out of repr: user headers carry API keys, and error trackers record frame locals.
+    headers: tuple[tuple[str, str], ...] = field(repr=False)
     content: bytes | None
     same_origin: bool
 

@@ -16,7 +16,7 @@ import re
 import time
 import types
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -114,7 +114,7 @@ class _Call:
 
     url: str
     method: str
-    headers: tuple[tuple[str, str], ...]  # user headers (already checked)
+    headers: tuple[tuple[str, str], ...] = field(repr=False)  # user headers (checked)
     key: StepKey
     key_value: str  # the header value in the configured style
     body: bytes

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, ConfigurationError, ToolInvoker
+from agentkey._http import Outgoing
 from tests._loopback import serve
 
 from ._support import BASE, DRIVERS, Driver, Script, make_step
@@ -123,3 +124,10 @@ def test_refused_header_never_reaches_message_or_traceback(driver: Driver) -> No
         _run(driver, base, auth=LeakyAuth())
     assert SECRET not in _everything(info.value)
     assert info.value.__cause__ is None
+
+
+def test_request_records_keep_header_values_out_of_repr() -> None:
+    """A request record reprs without header values (error trackers log frame locals)."""
+    out = Outgoing("POST", BASE + "/t", (("X-Api-Key", SECRET),), b"{}", same_origin=True)
+    assert SECRET not in repr(out)
+    assert "POST" in repr(out)
