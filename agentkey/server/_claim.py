@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager, suppress
 
 from starlette.requests import HTTPConnection
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, StoreError
 from .._keys import StepKey
 from ._stores import Store
 
@@ -84,7 +84,17 @@ class Claim:
         return self._lost
 
     def begin_mutation(self) -> None:
-        """Mark that the side effect has started; later failures are recorded as FAILED."""
+        """Mark that the side effect has started; later failures are recorded as FAILED.
+
+        Raises :class:`~agentkey.StoreError` when a renewal already found the lease
+        lost: another request may be running this step, so this one must not mutate.
+        """
+        if self._lost:
+            raise StoreError(
+                f"the lease on {self.key.format()} was lost (it expired and may be claimed "
+                "by another request), so the side effect must not start here; the client "
+                "retries with the same key and gets the other request's answer"
+            )
         self._mutation_started = True
 
     async def renew(self) -> bool:

@@ -8,8 +8,8 @@ import secrets
 import pytest
 import redis.asyncio as aioredis
 
-from agentkey import ConfigurationError, StoreError, StoreUnavailable
-from agentkey.server import MemoryStore, RedisStore, Store
+from agentkey import ConfigurationError, StepKey, StoreError, StoreUnavailable
+from agentkey.server import Claim, MemoryStore, RedisStore, Store
 from agentkey.server._records import (
     InProgress,
     Outcome,
@@ -177,3 +177,20 @@ async def test_memory_store_drops_expired_records_nobody_reads_again() -> None:
     for i in range(MemoryStore.SWEEP_EVERY):
         await store.claim(f"new:{i}", encode_in_progress(_owner(), 1), ttl_ms=60_000)
     assert repr(store) == f"MemoryStore(records={MemoryStore.SWEEP_EVERY})"
+
+
+async def test_lost_lease_refuses_to_begin_the_mutation(store: Store) -> None:
+    """Once a renewal finds the lease taken over, begin_mutation() raises instead of mutating."""
+    key = StepKey.build("plan-lease", 0, {"a": 1})
+    mine, theirs = _owner(), _owner()
+    claim = Claim(
+        key=key, principal="p", record_key="p:lease", owner=mine, store=store, lock_ttl_ms=5000
+    )
+    # Our lease lapsed and another request claimed the key (as after a slow GC pause).
+    assert await store.claim("p:lease", encode_in_progress(theirs, 1), ttl_ms=5000) is None
+    assert not await claim.renew()
+    assert claim.lost
+    with pytest.raises(StoreError, match=r"lease .* was lost"):
+        claim.begin_mutation()
+    assert not claim.mutation_started
+    assert not await store.release("p:lease", mine)  # and it cannot free the other's claim
