@@ -21,6 +21,7 @@ paths only wait, send and await.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
@@ -94,7 +95,8 @@ class _Flight:
             self.done.set()
             waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            if not loop.is_closed():  # a closed loop has nobody left to wake
+            # A loop that closed meanwhile has nobody left to wake; the others must still be.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, future)
 
     def result(self) -> Token:

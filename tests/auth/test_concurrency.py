@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from agentkey import TokenError
 from agentkey.auth import ClientCredentials, TokenPolicy
+from agentkey.auth._base import _Flight
+from agentkey.auth._token import Token
 from tests.auth._idp import IdP, Reply
 from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
 
@@ -126,3 +130,35 @@ async def test_401_from_many_callers_refreshes_once(idp: IdP) -> None:
     assert {r.status_code for r in responses} == {200}
     assert idp.token_requests == 2
     assert idp.tool_401 == 20
+
+
+class _LoopClosingMeanwhile(asyncio.SelectorEventLoop):
+    """A loop that closes between the flight's look at it and the wake-up call."""
+
+    pretend_open = False
+
+    def is_closed(self) -> bool:
+        return False if self.pretend_open else super().is_closed()
+
+
+def test_a_closed_waiter_loop_does_not_strand_the_others() -> None:
+    """A waiter loop that closed before the refresh ended does not keep the other waiters asleep."""
+    flight = _Flight()
+    dead = _LoopClosingMeanwhile()
+    dead_future: asyncio.Future[None] = dead.create_future()
+    dead.close()
+    with flight._lock:  # registered while its loop was still running
+        flight._waiters.append((dead, dead_future))
+    token = Token(access_token=SecretStr("fresh"), obtained_at=time.monotonic())
+
+    async def main() -> Token:
+        live = asyncio.create_task(flight.wait_async())
+        await asyncio.sleep(0)  # the live waiter registers behind the dead one
+        dead.pretend_open = True
+        try:
+            flight.finish(token, None)
+        finally:
+            dead.pretend_open = False
+        return await asyncio.wait_for(live, timeout=10)
+
+    assert asyncio.run(main()) is token
