@@ -227,6 +227,7 @@ class _InvokerBase:
             retry_statuses=retry.retry_statuses,
             replay_headers=tuple(replay_headers),
             allowed_poll_origins=frozenset(allowed),
+            has_auth=auth is not None,
         )
         self._closed = False
 

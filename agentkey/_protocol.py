@@ -153,6 +153,7 @@ class ProtocolConfig:
     replay_headers: tuple[str, ...] = DEFAULT_REPLAY_HEADERS
     allowed_poll_origins: frozenset[Origin] = frozenset()
     strategies: tuple[StatusUrlStrategy, ...] = field(default=())
+    has_auth: bool = True  # the invoker sends credentials (auth=) to the tool's origin
 
     def __post_init__(self) -> None:
         if not self.strategies:
@@ -312,7 +313,11 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             error=ctx.error(
                 AuthenticationError,
                 f"the tool refused the credentials (401) for {ctx.where()}, even after the "
-                "auth layer's refresh; check the token's scopes and audience",
+                "auth layer's refresh; check the token's scopes and audience"
+                if cfg.has_auth
+                else f"the tool answered 401 for {ctx.where()}: it wants credentials and the "
+                "invoker has no auth=; pass a token provider such as "
+                "agentkey.ClientCredentials(...) or StaticToken(...) as auth=",
                 status_code=status,
                 body=body,
             ),

@@ -391,3 +391,18 @@ def test_poll_timeout_then_resume(driver: Driver) -> None:
     assert result.attempts == 0
     assert result.status_url == f"{BASE}/ops/42"
     assert [r.method for r in resumed.requests] == ["GET", "GET"]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize(
+    ("with_auth", "hint"),
+    [(True, "even after the auth layer's refresh"), (False, "the invoker has no auth=")],
+)
+def test_401_message_fits_the_invoker(driver: Driver, with_auth: bool, hint: str) -> None:
+    """A 401 says 'refreshed and still refused' with auth=, and 'pass auth=' without it."""
+    script = Script([status(401)])
+    options: dict[str, Any] = {"auth": Bearer()} if with_auth else {}
+    with pytest.raises(AuthenticationError, match=hint) as info:
+        run_invoke(driver, script, make_step(), **options)
+    assert info.value.status_code == 401
+    assert len(script.posts()) == 1
