@@ -22,6 +22,7 @@ release    Lua compare-and-``DEL``                  1
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -234,6 +235,14 @@ class RedisStore:
             self._client: Any = aioredis.Redis.from_pool(pool)
             self._owns_client = True
         else:
+            # A sync client would block the event loop and fail outside the
+            # StoreError mapping (a 500 instead of the fail-closed 503).
+            if not inspect.iscoroutinefunction(getattr(redis, "execute_command", None)):
+                raise ConfigurationError(
+                    f"RedisStore needs a URL or a redis.asyncio client (Redis or RedisCluster), "
+                    f"got {type(redis).__module__}.{type(redis).__name__}; a synchronous "
+                    "redis.Redis would block the server's event loop"
+                )
             self._client = redis
             self._owns_client = False
         self._renew: AsyncScript = self._client.register_script(_RENEW)

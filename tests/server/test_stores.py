@@ -6,7 +6,9 @@ import asyncio
 import secrets
 
 import pytest
+import redis
 import redis.asyncio as aioredis
+import redis.cluster
 
 from agentkey import ConfigurationError, StepKey, StoreError, StoreUnavailable
 from agentkey.server import Claim, MemoryStore, RedisStore, Store
@@ -141,6 +143,17 @@ def test_redis_store_rejects_bad_configuration(url: str, prefix: str) -> None:
     """A bad prefix or URL is refused at construction with a ConfigurationError."""
     with pytest.raises(ConfigurationError):
         RedisStore(url, prefix=prefix)
+
+
+@pytest.mark.parametrize(
+    "client",
+    [redis.Redis(port=1), redis.cluster.RedisCluster, object(), None],
+    ids=["sync Redis", "sync RedisCluster class", "object", "None"],
+)
+def test_redis_store_refuses_a_client_that_is_not_async(client: object) -> None:
+    """A sync client (which would block the loop and fail open with a 500) is refused at once."""
+    with pytest.raises(ConfigurationError, match=r"redis\.asyncio client"):
+        RedisStore(client)
 
 
 def test_memory_store_satisfies_the_protocol() -> None:
