@@ -274,6 +274,10 @@ class IdempotencyMiddleware:
             )
             return
 
+        if isinstance(record, InProgress) and record.owner == owner:
+            # Our own claim, read back: the client library re-sent a SET that had
+            # already succeeded (a retry after a timeout). The key is ours.
+            record = None
         if isinstance(record, InProgress):
             await _error(
                 send,
@@ -407,9 +411,14 @@ class IdempotencyMiddleware:
                 await self.store.release(claim.record_key, claim.owner)
                 return
             outcome = await self._outcome(state, status, capture, error=error)
+            encoded = encode_outcome(outcome)
             stored = await self.store.finish(
-                claim.record_key, claim.owner, encode_outcome(outcome), ttl_ms=self.result_ttl_ms
+                claim.record_key, claim.owner, encoded, ttl_ms=self.result_ttl_ms
             )
+            if not stored:
+                # A finish that the client library re-sent after it had succeeded also
+                # answers "not owned": the record is then exactly ours, blob and all.
+                stored = await self.store.get(claim.record_key) == encoded
             if not stored:
                 _logger.warning(
                     "the lease on %s expired before the handler finished and another request "

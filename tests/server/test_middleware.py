@@ -471,3 +471,48 @@ def test_distinct_principals_never_share_a_record_key(one: str, two: str) -> Non
     key = StepKey.build("plan", 0, {"a": 1})
     assert _record_key(one, key) != _record_key(two, key)
     assert "{" not in _record_key(one, key)  # never breaks the Redis Cluster hash tag
+
+
+class _ResendingStore:
+    """A real store behind a client library that re-sends every write once (a retry after a
+    timeout whose first attempt had in fact succeeded); it reports the second answer."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        await self.inner.claim(key, value, ttl_ms=ttl_ms)
+        return await self.inner.claim(key, value, ttl_ms=ttl_ms)
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        return await self.inner.renew(key, owner, ttl_ms=ttl_ms)
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        await self.inner.finish(key, owner, value, ttl_ms=ttl_ms)
+        return await self.inner.finish(key, owner, value, ttl_ms=ttl_ms)
+
+    async def release(self, key: str, owner: str) -> bool:
+        return await self.inner.release(key, owner)
+
+    async def get(self, key: str) -> bytes | None:
+        return await self.inner.get(key)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_writes_resent_by_the_client_library_still_claim_and_record(
+    make_store: StoreFactory, tmp_path: Any
+) -> None:
+    """A re-sent claim reads back its own owner (not a 409) and a re-sent finish keeps its blob."""
+    store = _ResendingStore(make_store())
+    app = tool_app(store, blob_store=FileBlobStore(tmp_path), max_inline_bytes=1000)
+    headers, body = request_for({"size": 5000})
+    with serve_closing(app, store) as url, httpx.Client(base_url=url, timeout=30) as client:
+        first = client.post("/big", headers=headers, content=body)
+        again = client.post("/big", headers=headers, content=body)
+    assert first.status_code == 200
+    assert (again.status_code, again.headers.get("idempotent-replayed")) == (200, "true")
+    assert again.content == first.content
+    assert app.state.runs["big"] == 1
+    assert len(list(tmp_path.glob("*.blob"))) == 1
