@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +16,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from agentkey import StepKey, StoreError, canonical_json
+from agentkey._canonical import Profile
 from agentkey.server import FileBlobStore, MemoryStore, RedisStore, Store
-from agentkey.server._middleware import _record_key
+from agentkey.server._middleware import _check_body, _parse_key, _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import free_port
 from tests.server._apps import tool_app
@@ -516,3 +518,27 @@ def test_writes_resent_by_the_client_library_still_claim_and_record(
     assert again.content == first.content
     assert app.state.runs["big"] == 1
     assert len(list(tmp_path.glob("*.blob"))) == 1
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=20,
+)
+
+
+@given(st.binary(max_size=400))
+def test_any_key_header_bytes_give_a_key_or_a_400_message(raw: bytes) -> None:
+    """Whatever bytes a hostile client sends as the key, parsing returns a key or a message."""
+    parsed = _parse_key([raw])
+    assert isinstance(parsed, (StepKey, str))
+
+
+@given(
+    st.one_of(st.binary(max_size=200), _JSONISH.map(lambda v: json.dumps(v).encode())),
+    st.sampled_from(["python", "jcs"]),
+)
+def test_any_body_is_accepted_or_refused_never_crashes(body: bytes, profile: Profile) -> None:
+    """Any body bytes are either verified or answered with a 4xx; the check never raises."""
+    problem = _check_body(body, StepKey.build("plan", 0, {"a": 1}), profile)
+    assert problem is None or problem[0] in (400, 422)
