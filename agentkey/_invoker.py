@@ -464,10 +464,11 @@ def _check_path(path: object) -> str:
         or path.startswith("//")
         or "?" in path
         or "#" in path
+        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in path)
     ):
         raise ConfigurationError(
-            f"a route must be a path such as '/tools/create_db' (no scheme, host, query or "
-            "fragment), "
+            f"a route must be a path such as '/tools/create_db' (no scheme, host, query, "
+            "fragment or control characters), "
             f"got {path!r}"
         )
     return path

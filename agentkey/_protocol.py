@@ -120,8 +120,15 @@ class Origin:
         return f"{self.scheme}://{self.host}:{self.port}"
 
 
+def _unsendable(url: str) -> bool:
+    """True when ``url`` holds a control character: httpx refuses it with its own error."""
+    return any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
+
+
 def origin_of(url: str) -> Origin | None:
-    """The origin of an absolute http(s) URL, or None when it has none."""
+    """The origin of an absolute http(s) URL, or None when it has none (or cannot be sent)."""
+    if _unsendable(url):
+        return None
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -261,6 +268,13 @@ def _redirect_target(answer: Answer, ctx: CallContext, cfg: ProtocolConfig) -> s
             ),
         )
     target = urljoin(answer.url, location.strip())
+    if _unsendable(target):
+        return Decision(
+            Action.RAISE,
+            "unusable Location",
+            status_code=answer.status_code,
+            error=_bad_url(ctx, "a redirect", answer.status_code),
+        )
     if not cfg.same_origin(target):
         return Decision(
             Action.RAISE,
@@ -269,6 +283,17 @@ def _redirect_target(answer: Answer, ctx: CallContext, cfg: ProtocolConfig) -> s
             error=_unsafe(ctx, target, "a redirect", answer.status_code),
         )
     return target
+
+
+def _bad_url(ctx: CallContext, what: str, status: int | None) -> ToolError:
+    error = ctx.error(
+        ToolError,
+        f"{what} for {ctx.where()} holds control characters, so it is not a URL agentkey can "
+        "send; the tool must percent-encode its URLs",
+        status_code=status,
+    )
+    assert isinstance(error, ToolError)
+    return error
 
 
 def _unsafe(ctx: CallContext, url: str, what: str, status: int | None) -> UnsafeRedirect:
@@ -523,8 +548,11 @@ def find_status_url(answer: Answer, strategies: Sequence[StatusUrlStrategy]) -> 
 def poll_target(url: str, ctx: CallContext, cfg: ProtocolConfig) -> bool:
     """Check a status URL: True when same-origin (auth applies), False when explicitly allowed.
 
-    Raises :class:`UnsafeRedirect` for any other origin.
+    Raises :class:`UnsafeRedirect` for any other origin, :class:`ToolError` for a URL
+    holding control characters.
     """
+    if _unsendable(url):
+        raise _bad_url(ctx, "the status URL", None)
     origin = origin_of(url)
     if origin == cfg.base_origin:
         return True

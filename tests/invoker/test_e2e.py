@@ -12,6 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from agentkey import (
     AsyncToolInvoker,
@@ -324,3 +328,17 @@ def test_resume_poll_sends_the_callers_headers(driver: Driver, tool: tuple[ToolA
     assert all(s.headers.get("x-tenant") == "acme" for s in gets)
     assert all(s.headers.get("idempotency-key") == step.idempotency_key for s in gets)
     assert app.executions == {step.idempotency_key: 1}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_status_url_with_control_character_is_a_tool_error(driver: Driver) -> None:
+    """A 202 body naming a status URL httpx cannot send gives ToolError, not httpx.InvalidURL."""
+
+    async def job(request: Request) -> JSONResponse:
+        return JSONResponse({"status_url": "/operations/1\u0000"}, status_code=202)
+
+    app = Starlette(routes=[Route("/tools/job", job, methods=["POST"])])
+    step = make_step(tool="job")
+    with serve(app) as url, pytest.raises(ToolError, match="control characters") as caught:
+        invoke(driver, url, step)
+    assert caught.value.idempotency_key == step.idempotency_key

@@ -134,6 +134,7 @@ def test_reserved_headers_rejected(driver: Driver, name: str) -> None:
         ({"headers": [("X-Tenant", "a")]}, "headers must be a mapping"),
         ({"headers": "X-Tenant: a"}, "headers must be a mapping"),
         ({"path": "/t#frag"}, "fragment"),
+        ({"path": "/t\x00x"}, "control characters"),
     ],
 )
 def test_bad_call_arguments(driver: Driver, call: dict[str, Any], match: str) -> None:

@@ -308,6 +308,18 @@ ROWS = [
         error=StepInProgress,
         options={"retry_statuses": frozenset({429, 503})},
     ),
+    # -- URLs from the tool that httpx cannot send: a typed ToolError, never httpx.InvalidURL --
+    Row("202-location-with-nul", [status(202, Location="/ops/1\x00x")], error=ToolError),
+    Row(
+        "202-body-status-url-with-control",
+        [httpx.Response(202, json={"status_url": "/ops/1\u0001x"})],
+        error=ToolError,
+    ),
+    Row(
+        "202-body-status-url-with-del",
+        [httpx.Response(202, json={"operation": {"url": "/ops/\u007f"}})],
+        error=ToolError,
+    ),
 ]
 
 
