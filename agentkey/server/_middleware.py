@@ -87,13 +87,24 @@ def is_storable(status: int) -> bool:
 
 
 def _default_principal(scope: Scope) -> str:
-    """Starlette's authenticated user (AuthenticationMiddleware), else ``anonymous``."""
+    """Starlette's authenticated user's ``identity`` (AuthenticationMiddleware), else ``anonymous``.
+
+    Never the display name: two users may share one, and would share records.
+    """
     user = scope.get("user")
-    if user is not None and getattr(user, "is_authenticated", False):
-        identity = getattr(user, "identity", None) or getattr(user, "display_name", None)
-        if identity:
-            return str(identity)
-    return "anonymous"
+    if user is None or not getattr(user, "is_authenticated", False):
+        return "anonymous"
+    try:
+        identity = user.identity
+    except (AttributeError, NotImplementedError):
+        identity = None
+    if not isinstance(identity, str) or not identity:
+        raise ConfigurationError(
+            f"the authenticated user ({type(user).__name__}) has no str identity to scope "
+            "idempotency records by; implement BaseUser.identity or pass principal= to "
+            "IdempotencyMiddleware"
+        )
+    return identity
 
 
 def _route_matcher(routes: Collection[str] | RoutesFunc | None) -> RoutesFunc:

@@ -1,4 +1,4 @@
-"""Direct ASGI edge cases: cancellation settles the claim; a bad principal fails closed."""
+"""Edge cases: cancellation settles the claim; a bad or ambiguous principal fails closed."""
 
 from __future__ import annotations
 
@@ -6,12 +6,21 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from agentkey import ConfigurationError, StepKey
 from agentkey.server import IdempotencyMiddleware, MemoryStore, Store, current_claim
 from agentkey.server._middleware import _record_key
 from agentkey.server._records import Outcome, decode_record
+from tests._loopback import serve
 from tests.server._util import request_for
 
 StoreFactory = Callable[[], Store]
@@ -95,4 +104,61 @@ async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> Non
     with pytest.raises(ConfigurationError, match="principal function") as info:
         await app(scope, receive, send)
     assert "s3cret" not in str(info.value)
+    assert runs == []
+
+
+class _NamedOnly(BaseUser):
+    """An authenticated user with a display name but an empty identity (no id on file)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return self.name
+
+    @property
+    def identity(self) -> str:
+        return ""
+
+
+class _TokenAuth(AuthenticationBackend):
+    """Authenticates ``Bearer <user>`` as a user with only a display name."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser] | None:
+        token = conn.headers.get("authorization", "").removeprefix("Bearer ")
+        return (AuthCredentials(["tools"]), _NamedOnly("John")) if token else None
+
+
+def test_default_principal_never_scopes_by_display_name() -> None:
+    """Two users who share a display name are not one principal: without an identity it fails."""
+    store = MemoryStore()
+    runs: list[str] = []
+
+    async def charge(request: Request) -> JSONResponse:
+        runs.append(request.headers["authorization"])
+        return JSONResponse({"charged_for": request.headers["authorization"]}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/charge", charge, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=_TokenAuth()),
+            Middleware(IdempotencyMiddleware, store=store),
+        ],
+    )
+    headers, body = request_for({"amount": 1})
+    headers["connection"] = "close"  # uvicorn drops a connection whose app raised
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        alice = client.post(
+            "/charge", headers={**headers, "authorization": "Bearer alice"}, content=body
+        )
+        mallory = client.post(
+            "/charge", headers={**headers, "authorization": "Bearer mallory"}, content=body
+        )
+    assert alice.status_code == mallory.status_code == 500  # fails closed, runs nothing
+    assert b"alice" not in mallory.content
     assert runs == []
