@@ -366,7 +366,8 @@ class IdempotencyMiddleware:
                 capture.status = int(message["status"])
                 capture.headers = list(message.get("headers", ()))
                 capture.started = True
-                await send(message)
+                # The headers may be a one-shot iterable (ASGI allows it): send our copy.
+                await send({**message, "headers": capture.headers})
             elif message["type"] == "http.response.body":
                 capture.body += message.get("body", b"")
                 if message.get("more_body", False):

@@ -162,3 +162,22 @@ def test_default_principal_never_scopes_by_display_name() -> None:
     assert alice.status_code == mallory.status_code == 500  # fails closed, runs nothing
     assert b"alice" not in mallory.content
     assert runs == []
+
+
+def test_headers_given_as_a_one_shot_iterable_reach_the_client_and_the_replay() -> None:
+    """ASGI lets an app send headers as any iterable; a generator is not consumed before sending."""
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        headers = ((name, value) for name, value in [(b"x-charge-id", b"ch_1")])
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    app = IdempotencyMiddleware(tool, store=MemoryStore())
+    headers, body = request_for({"amount": 1})
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        first = client.post("/charge", headers=headers, content=body)
+        again = client.post("/charge", headers=headers, content=body)
+    assert first.headers.get("x-charge-id") == "ch_1"
+    assert again.headers.get("x-charge-id") == "ch_1"
+    assert again.headers["idempotent-replayed"] == "true"
