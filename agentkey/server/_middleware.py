@@ -201,6 +201,20 @@ class IdempotencyMiddleware:
         ):
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise ConfigurationError(f"{name} must be a whole number of bytes >= 0")
+        if isinstance(methods, str) or not all(isinstance(m, str) and m for m in methods):
+            # A bare "POST" would become the methods P, O, S and T and protect nothing.
+            raise ConfigurationError(
+                f"methods is a collection of HTTP method names, got {methods!r}; use ['POST']"
+            )
+        if principal is not None and not callable(principal):
+            raise ConfigurationError(
+                f"principal must be a function (scope) -> str, got {type(principal).__name__}"
+            )
+        if blob_store is not None and not isinstance(blob_store, BlobStore):
+            raise ConfigurationError(
+                "blob_store must implement agentkey.server.BlobStore (put, get, delete), "
+                f"got {type(blob_store).__name__}"
+            )
         self.app = app
         self.store = store
         self._match = _route_matcher(routes)

@@ -146,6 +146,10 @@ def _plain(app: Any) -> Any:
         {"max_inline_bytes": -1},
         {"hash_profile": "xml"},
         {"routes": "/x"},
+        {"methods": "POST"},  # would protect the methods P, O, S and T: nothing
+        {"methods": ["POST", ""]},
+        {"principal": "tenant"},
+        {"blob_store": "/var/blobs"},
     ],
 )
 def test_bad_middleware_options_are_refused(options: dict[str, Any]) -> None:
