@@ -66,6 +66,7 @@ _RESERVED = frozenset(
     {"idempotency-key", "authorization", "proxy-authorization", "content-type", "content-length"}
 )
 _MAX_POLL_REDIRECTS = 10
+_CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 field-name
 _FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # visible ASCII
 
@@ -233,6 +234,19 @@ class _InvokerBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r})"
+
+    def _check_client_headers(self, client: Client | AsyncClient | None) -> None:
+        """A user client's default credential headers obey the same plain-http rule as auth=."""
+        origin = self._config.base_origin
+        if client is None or origin.scheme != "http" or is_loopback(origin.host):
+            return
+        carried = sorted(name for name in _CREDENTIAL_HEADERS if name in client.headers)
+        if carried:
+            raise InsecureTransport(
+                f"client= sends {', '.join(carried)} by default, and base_url is plain http to "
+                f"{origin.host!r}; use an https:// base_url (plain http is allowed to loopback "
+                "hosts alone)"
+            )
 
     # --- preparing a call: everything checked at the boundary, the key computed once --------
 
@@ -541,6 +555,7 @@ class ToolInvoker(_InvokerBase):
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
         )  # fmt: skip
         self._owns_client = client is None
+        self._check_client_headers(client)
         self._client = client if client is not None else make_client(self._timeout)
 
     def invoke(
@@ -631,6 +646,7 @@ class AsyncToolInvoker(_InvokerBase):
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
         )  # fmt: skip
         self._owns_client = client is None
+        self._check_client_headers(client)
         self._client = client if client is not None else make_async_client(self._timeout)
 
     async def invoke(

@@ -318,3 +318,41 @@ def test_foreign_polls_carry_nothing_of_the_client(driver: Driver) -> None:
     assert poll.url.host == "status.test"
     for name in ("Authorization", "X-Api-Key", "Cookie", "Idempotency-Key", "X-Tenant"):
         assert name not in poll.headers, name
+
+
+@pytest.mark.parametrize("invoker_cls", [ToolInvoker, AsyncToolInvoker])
+@pytest.mark.parametrize(
+    ("base_url", "header", "refused"),
+    [
+        ("http://tools.example.com", "Authorization", True),
+        ("http://tools.example.com", "Cookie", True),
+        ("http://tools.example.com", "X-Trace", False),
+        ("http://127.0.0.1:8000", "Authorization", False),
+        ("https://tools.example.com", "Authorization", False),
+    ],
+)
+def test_client_default_credentials_over_plain_http(
+    invoker_cls: type[ToolInvoker] | type[AsyncToolInvoker],
+    base_url: str,
+    header: str,
+    refused: bool,
+) -> None:
+    """A client= with a default Authorization or Cookie header obeys the plain-http rule too."""
+    headers = {header: "Bearer s3cret-default"}
+    client: httpx.Client | httpx.AsyncClient = (
+        httpx.Client(headers=headers)
+        if invoker_cls is ToolInvoker
+        else httpx.AsyncClient(headers=headers)
+    )
+    try:
+        if refused:
+            with pytest.raises(InsecureTransport, match=header.lower()) as info:
+                invoker_cls(base_url, client=client, hooks=())  # type: ignore[arg-type]
+            assert "s3cret-default" not in str(info.value)
+        else:
+            invoker_cls(base_url, client=client, hooks=())  # type: ignore[arg-type]
+    finally:
+        if isinstance(client, httpx.AsyncClient):
+            asyncio.run(client.aclose())
+        else:
+            client.close()
