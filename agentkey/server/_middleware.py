@@ -114,6 +114,18 @@ def _route_matcher(routes: Collection[str] | RoutesFunc | None) -> RoutesFunc:
         return routes
     if isinstance(routes, str):
         raise ConfigurationError("routes is a collection of paths, not one string: use [path]")
+    routes = list(routes)
+    for route in routes:
+        if (
+            not isinstance(route, str)
+            or not route.startswith("/")
+            or ("*" in route and (not route.endswith("/*") or "*" in route[:-1]))
+        ):
+            # "/tools*" or "tools/*" would silently match nothing and leave tools unprotected.
+            raise ConfigurationError(
+                f"invalid route {route!r}: use an exact path such as '/tools/charge' or a "
+                "prefix pattern ending in '/*' such as '/tools/*'"
+            )
     prefixes = tuple(r.rstrip("/") for r in routes if r.endswith("/*"))
     exact = frozenset(r for r in routes if not r.endswith("/*"))
 

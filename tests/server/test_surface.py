@@ -146,6 +146,10 @@ def _plain(app: Any) -> Any:
         {"max_inline_bytes": -1},
         {"hash_profile": "xml"},
         {"routes": "/x"},
+        {"routes": ["/tools*"]},  # would match nothing
+        {"routes": ["tools/*"]},
+        {"routes": ["/a/*/b"]},
+        {"routes": [None]},
         {"methods": "POST"},  # would protect the methods P, O, S and T: nothing
         {"methods": ["POST", ""]},
         {"principal": "tenant"},
