@@ -6,6 +6,7 @@ ToolInvoker and ``graph.ainvoke`` with an AsyncToolInvoker.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,11 @@ async def test_reexecuted_tool_node_replays(
     driver: Driver, failure: str, fan_out: bool, server: tuple[str, Any]
 ) -> None:
     """A tool node run again after the tool ran resends the same key; the server replays."""
+    if failure == "interrupt" and driver == "async" and sys.version_info < (3, 11):
+        pytest.skip(
+            "LangGraph's interrupt() inside an async ToolNode needs contextvars to follow "
+            "asyncio tasks, which Python 3.10 does not do (a LangGraph limitation)"
+        )
     url, app = server
     model = scripted(AIMessage("", tool_calls=[call("charge", "c1", amount=5)]), AIMessage("done"))
     saver = InMemorySaver()
