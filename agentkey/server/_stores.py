@@ -265,6 +265,14 @@ class RedisStore:
             raise StoreError(
                 f"Redis failed during {what} of record {key!r}: {type(exc).__name__}: {exc}"
             ) from None
+        except Exception as exc:
+            # A bug inside the client library (redis-py's cluster client can raise
+            # AttributeError on a connection closed under load) must still fail
+            # closed with a 503, not escape as a 500 or break the finish.
+            raise StoreError(
+                f"the Redis client failed unexpectedly during {what} of record {key!r} "
+                f"({type(exc).__name__}); the request was refused, not run"
+            ) from None
 
     def redis_key(self, key: str) -> str:
         """The Redis key of record ``key``: ``<prefix>:{<key>}``.

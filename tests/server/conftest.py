@@ -96,7 +96,9 @@ def make_store(store_kind: str, request: pytest.FixtureRequest) -> Iterator[Stor
         port: int = request.getfixturevalue("redis_cluster_port")
 
         def cluster_factory() -> Store:
-            client = RedisCluster(host="127.0.0.1", port=port)
+            # A cluster client fails (not waits) past max_connections per node
+            # (default 100): size it for the 200-request burst, as docs/server.md says.
+            client = RedisCluster(host="127.0.0.1", port=port, max_connections=1024)
             return ClusterStore(client, prefix=f"c{uuid.uuid4().hex[:12]}")
 
         yield cluster_factory

@@ -207,3 +207,28 @@ async def test_lost_lease_refuses_to_begin_the_mutation(store: Store) -> None:
         claim.begin_mutation()
     assert not claim.mutation_started
     assert not await store.release("p:lease", mine)  # and it cannot free the other's claim
+
+
+class _BuggyClient:
+    """An async Redis client whose library breaks with a non-Redis error (as redis-py's
+    cluster client can, on a connection closed beneath a command)."""
+
+    async def execute_command(self, *args: object, **options: object) -> object:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    def register_script(self, script: str) -> object:
+        async def run(*, keys: list[str], args: list[object]) -> object:
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+        return run
+
+
+async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_closed() -> None:
+    """Any exception from the client maps to StoreError (503, handler not run), never a 500."""
+    store = RedisStore(_BuggyClient(), prefix="bug")
+    with pytest.raises(StoreError, match="AttributeError"):
+        await store.claim("k", encode_in_progress(_owner(), 1), ttl_ms=1000)
+    with pytest.raises(StoreError):
+        await store.finish("k", _owner(), _done(), ttl_ms=1000)
+    with pytest.raises(StoreError):
+        await store.release("k", _owner())
