@@ -121,16 +121,19 @@ def _convert(value: object, path: str) -> Any:
         return value
     if isinstance(value, enum.Enum):
         return _convert(value.value, path)
+    # Subclasses keep their underlying value, as json.dumps writes it: an overridden
+    # __str__/__int__/__float__ (a masking str, say) must not change the bytes.
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)
     if isinstance(value, int):
-        return _big_int(int(value), path)
+        return _big_int(int.__int__(value), path)
     if isinstance(value, float):
-        if not math.isfinite(value):
+        real = float.__float__(value)
+        if not math.isfinite(real):
             raise InvalidArguments(
-                f"{value!r} is not valid JSON; send null or a string instead", path=path
+                f"{real!r} is not valid JSON; send null or a string instead", path=path
             )
-        return float(value)
+        return real
     if isinstance(value, BaseModel):
         return _convert(value.model_dump(mode="json"), path)
     if isinstance(value, (Mapping, list, tuple)):

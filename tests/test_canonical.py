@@ -204,6 +204,34 @@ def test_unsupported_values_name_their_path(args: dict[str, Any], path: str) -> 
     assert str(info.value).startswith(path)
 
 
+class _Masked(str):
+    def __str__(self) -> str:
+        return "***"
+
+
+class _Lying(int):
+    def __int__(self) -> int:
+        return 99
+
+    def __index__(self) -> int:
+        return 99
+
+
+class _Rounded(float):
+    def __float__(self) -> float:
+        return 1.5
+
+
+def test_subclasses_serialise_their_value_exactly_as_json_dumps_does() -> None:
+    """An overridden __str__/__int__/__float__ on a subclass does not change the bytes."""
+    args = {"s": _Masked("secret"), "i": _Lying(5), "f": _Rounded(2.5)}
+    expected = json.dumps(
+        args, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+    assert canonical_json(args) == expected == b'{"f":2.5,"i":5,"s":"secret"}'
+    assert canonical_json(args, profile="jcs") == expected
+
+
 def _cyclic() -> dict[str, Any]:
     loop: dict[str, Any] = {"name": "a"}
     loop["self"] = loop
