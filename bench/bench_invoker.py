@@ -16,47 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import threading
+import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._loopback
+
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
+from tests._loopback import serve  # uvicorn on loopback with TCP_NODELAY
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle + delayed-ACK stalls
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """uvicorn on 127.0.0.1 in a thread; TCP_NODELAY on the listening socket.
-
-    Accepted sockets inherit it. Without it, uvicorn's separate header and body
-    writes meet the client's delayed ACK and every call costs ~40 ms, which
-    would hide the invoker entirely.
-    """
-    sock = socket.socket()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 def tool_app() -> Any:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -33,33 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._lo
 
 from agentkey import PlanSession
 from agentkey.server import IdempotencyMiddleware, MemoryStore, RedisStore, Store
-from tests._loopback import redis_server
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """uvicorn on 127.0.0.1 in a thread, with TCP_NODELAY on the listening socket.
-
-    Accepted sockets inherit TCP_NODELAY; without it uvicorn's separate header
-    and body writes meet the client's delayed ACK and every request costs ~40 ms,
-    which would hide the middleware entirely.
-    """
-    sock = socket.socket()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+from tests._loopback import redis_server, serve
 
 
 def tool_app(store: Store | None) -> Any:
