@@ -61,7 +61,7 @@ async def _run(out: Callable[[str], None]) -> int:
     try:
         from .server import example_app  # the server half is an extra
     except MissingExtra:
-        out("agentkey demo needs the server half: pip install 'agentkey[server]'")
+        out("agentkey demo needs the server half: pip install 'agentkey-idempotency[server]'")
         return 1
 
     app = example_app(work_seconds=0.3)

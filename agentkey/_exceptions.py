@@ -8,8 +8,10 @@ AgentKeyError                      root: catch this to catch everything agentkey
 ├── InvalidKey (ValueError)          a plan id, step index or Idempotency-Key is malformed
 ├── InvokeError                      a tool call did not give a usable result
 │   ├── ToolError                      the tool answered with a final error
-│   │   ├── KeyRejected                  400: the server rejected the key
-│   │   └── PayloadMismatch              422: the body does not match args_hash
+│   │   ├── ToolRejected                 4xx: the tool refused the request for its own reason
+│   │   ├── KeyRejected                  400: the server rejected the key itself
+│   │   └── PayloadMismatch              422 (or a mismatch 409): body and key disagree
+│   │       └── KeyReused                  the key is bound to another tool or route
 │   ├── StepInProgress                 409 until the retry budget ran out
 │   ├── OutcomeUnknown                 budget ran out after an ambiguous failure
 │   ├── StepFailed                     an asynchronous operation reported failure
@@ -20,6 +22,7 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   ├── TokenError                     the token endpoint answered with an error
 │   │   └── DelegationExpired            the user's delegation cannot be renewed
 │   └── InsecureTransport              a bearer token would travel over plain http
+├── StepRepeated                     the model asked again for a call that already succeeded
 └── StoreError                       server side: the idempotency store failed
     └── StoreUnavailable               the store cannot be reached
 ```
@@ -41,16 +44,19 @@ __all__ = [
     "InvalidKey",
     "InvokeError",
     "KeyRejected",
+    "KeyReused",
     "MissingExtra",
     "OutcomeUnknown",
     "PayloadMismatch",
     "PollTimeout",
     "StepFailed",
     "StepInProgress",
+    "StepRepeated",
     "StoreError",
     "StoreUnavailable",
     "TokenError",
     "ToolError",
+    "ToolRejected",
     "UnsafeRedirect",
 ]
 
@@ -71,7 +77,7 @@ class MissingExtra(ConfigurationError, ImportError):
         self.module = module
         super().__init__(
             f"this feature needs the {module!r} package, which is not installed; "
-            f"install it with: pip install 'agentkey[{extra}]'"
+            f"install it with: pip install 'agentkey-idempotency[{extra}]'"
         )
 
 
@@ -95,8 +101,10 @@ class InvokeError(AgentKeyError):
 
     Carries what a caller needs to decide what to do next: the
     ``idempotency_key`` and ``step`` it concerns, how many ``attempts`` were
-    made, the last HTTP ``status_code`` seen (if any) and the parsed ``body``
-    of the last answer (if any).
+    made, the last HTTP ``status_code`` seen (if any), the parsed ``body``
+    of the last answer (if any) and the server's short ``reason`` (a problem
+    ``detail``/``title`` or a JSON ``error``/``message``, cut and cleaned; never
+    the key), which is what an agent's model should be shown.
     """
 
     def __init__(
@@ -108,12 +116,14 @@ class InvokeError(AgentKeyError):
         attempts: int = 0,
         status_code: int | None = None,
         body: object = None,
+        reason: str | None = None,
     ) -> None:
         self.idempotency_key = idempotency_key
         self.step = step
         self.attempts = attempts
         self.status_code = status_code
         self.body = body
+        self.reason = reason
         super().__init__(message)
 
 
@@ -121,12 +131,38 @@ class ToolError(InvokeError):
     """The tool answered with a final error (a 4xx, or a replayed error)."""
 
 
+class ToolRejected(ToolError):
+    """The tool refused the request for a reason of its own (a 4xx about the request).
+
+    A validation error or a business rule (``amount over limit``): ``reason``
+    holds the server's words. Retrying the same step will not help; the agent
+    has to change the arguments, which makes a new key.
+    """
+
+
 class KeyRejected(ToolError):
-    """The server answered 400: it considers the Idempotency-Key malformed."""
+    """The server refused the Idempotency-Key itself (missing, malformed, wrong style).
+
+    Raised only when the answer says the key is the problem: agentkey's own
+    problem types, or a 400 that gives no other reason.
+    """
 
 
 class PayloadMismatch(ToolError):
-    """The server answered 422: the body does not hash to the key's args_hash."""
+    """The server says the body does not belong to the key.
+
+    A 422 (the body does not hash to the key's args_hash), or a 409 whose
+    problem type or error code says "mismatch" rather than "in flight".
+    """
+
+
+class KeyReused(PayloadMismatch):
+    """The server bound this key to another operation (method and route, or tool).
+
+    The stored answer belongs to a different tool, so it is never replayed. A
+    plan that gives one step index to two tools causes this: give each tool
+    call its own step.
+    """
 
 
 class StepInProgress(InvokeError):
@@ -203,6 +239,27 @@ class DelegationExpired(TokenError):
 
 class InsecureTransport(AuthError, ConfigurationError):
     """A bearer token would be sent over plain http to a non-loopback host."""
+
+
+class StepRepeated(AgentKeyError):
+    """The model asked again for a call that already succeeded in this plan.
+
+    Raised under the ``on_repeat="raise"`` policy. ``previous_step`` names the
+    step that already ran, ``idempotency_key`` its key.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tool: str,
+        previous_step: str,
+        idempotency_key: str,
+    ) -> None:
+        self.tool = tool
+        self.previous_step = previous_step
+        self.idempotency_key = idempotency_key
+        super().__init__(message)
 
 
 class StoreError(AgentKeyError):

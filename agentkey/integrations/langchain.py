@@ -13,7 +13,7 @@ is the tool's JSON body (what the model reads), the artifact a plain dict
 describing the call (``idempotency_key``, ``step``, ``outcome``, ``replayed``,
 ``attempts`` ...), so a replay is visible in the ``ToolMessage``.
 
-Needs the ``langchain`` extra (``pip install 'agentkey[langchain]'``).
+Needs the ``langchain`` extra (``pip install 'agentkey-idempotency[langchain]'``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ So a re-executed call (same superstep, same message) gets the same key and the
 server replays its stored answer; a second call in the same message gets
 another position, and a later model turn another superstep.
 
-Needs the ``langgraph`` extra (``pip install 'agentkey[langgraph]'``).
+Needs the ``langgraph`` extra (``pip install 'agentkey-idempotency[langgraph]'``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The server half of the contract: idempotency middleware, stores and blob stores.
 
-Needs the ``server`` extra (``pip install 'agentkey[server]'``). ``import
+Needs the ``server`` extra (``pip install 'agentkey-idempotency[server]'``). ``import
 agentkey`` never imports this package.
 """
 

@@ -78,7 +78,7 @@ def test_missing_extra_names_the_extra(missing: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"server {missing} ")
-    assert "pip install 'agentkey[server]'" in result.stdout
+    assert "pip install 'agentkey-idempotency[server]'" in result.stdout
 
 
 @given(st.binary(max_size=400))
