@@ -1,0 +1,1 @@
+"""Hostile peers: servers that attack the client, clients that attack the server."""

@@ -1,0 +1,1 @@
+"""agentkey against idempotency libraries and clients that already exist."""
