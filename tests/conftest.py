@@ -21,5 +21,7 @@ def redis_proc() -> Iterator[RedisServer]:
 
 
 # No per-example deadline: CI machines are slow and shared; correctness is the point.
-settings.register_profile("agentkey", deadline=None, max_examples=200)
+# The default run keeps property tests quick; `nox -s long` (--hypothesis-profile long) digs deeper.
+settings.register_profile("agentkey", deadline=None, max_examples=100)
+settings.register_profile("long", deadline=None, max_examples=2000)
 settings.load_profile("agentkey")

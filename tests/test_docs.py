@@ -8,6 +8,9 @@ the reason says why (it needs a service the reader provides).
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import venv
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,51 @@ def test_examples_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_docs_have_examples() -> None:
     """The README's quick start is runnable Python, so the test above is not vacuous."""
     assert _blocks(ROOT / "README.md")
+
+
+_INSTALL = re.compile(r"^```bash\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_INLINE_INSTALL = re.compile(r"`pip install ([^`]+)`")
+_DIST = "agentkey-idempotency"
+
+
+def _install_lines(path: Path) -> list[list[str]]:
+    """What the page tells a reader to install (bash blocks and inline), pointed at this checkout.
+
+    Commands that start with ``pip install`` count, in a ```bash block or as inline code
+    (```pip install 'agentkey-idempotency[server]'```); a `.venv/bin/pip` set-up line does not.
+    """
+    text = path.read_text("utf-8")
+    found = [
+        line.split(" #", 1)[0].strip()[len("pip install ") :]
+        for block in _INSTALL.findall(text)
+        for line in block.splitlines()
+        if line.startswith("pip install ")
+    ]
+    found += _INLINE_INSTALL.findall(text)
+    return [[_local(arg) for arg in shlex.split(spec)] for spec in found]
+
+
+def _local(arg: str) -> str:
+    """``agentkey-idempotency[server]`` becomes ``/path/to/checkout[server]``."""
+    return str(ROOT) + arg[len(_DIST) :] if arg.startswith(_DIST) else arg
+
+
+_PAGES = [p for p in DOCS if _blocks(p)]
+
+
+@pytest.mark.docs_install
+@pytest.mark.parametrize("path", _PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_examples_run_from_the_pages_install_line(path: Path, tmp_path: Path) -> None:
+    """A page's examples run in a venv holding only what the page's install lines bring."""
+    installs = _install_lines(path)
+    assert installs, f"{path.name} has Python examples but no `pip install` line for them"
+    venv.create(tmp_path / "venv", with_pip=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    for args in installs:
+        subprocess.run([python, "-m", "pip", "install", "-q", *args], check=True, timeout=900)
+    script = tmp_path / "page.py"
+    script.write_text("\n\n".join(_blocks(path)), "utf-8")
+    result = subprocess.run(
+        [python, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
