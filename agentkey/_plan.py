@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ._canonical import JSONObject, Profile, check_profile, encode_jsonable, to_jsonable
-from ._exceptions import AgentKeyError, ConfigurationError, InvalidArguments
+from ._exceptions import AgentKeyError, ConfigurationError, InvalidArguments, StepRepeated
 from ._keys import (
     StepKey,
     format_step,
@@ -21,9 +22,23 @@ from ._keys import (
     validate_plan_session_id,
 )
 
-__all__ = ["PlanSession", "Step"]
+__all__ = ["OnRepeat", "PlanSession", "Step"]
 
 ArgsModels = Mapping[str, type[BaseModel]]
+
+#: What a plan does when a call (same tool, same arguments) comes again at another step:
+#: ``"replay"`` answers with the earlier step (its key, so the server replays its stored
+#: answer), ``"raise"`` raises :class:`~agentkey.StepRepeated`, ``"allow"`` runs a new step.
+OnRepeat = Literal["allow", "replay", "raise"]
+_ON_REPEAT: tuple[str, ...] = get_args(OnRepeat)
+_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+def check_on_repeat(value: object) -> OnRepeat:
+    """``value`` when it is one of the :data:`OnRepeat` policies, else ConfigurationError."""
+    if value not in _ON_REPEAT:
+        raise ConfigurationError(f"on_repeat must be one of {list(_ON_REPEAT)}, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 class Step(BaseModel):
@@ -41,6 +56,9 @@ class Step(BaseModel):
     tool: str = Field(min_length=1)
     args: JSONObject
     profile: Profile = "python"
+    #: Set when the plan answered a repeated call with this earlier step (``on_repeat="replay"``):
+    #: the label of the step whose key (and so whose stored answer) this is.
+    repeat_of: str | None = None
 
     def __init__(
         self,
@@ -50,6 +68,7 @@ class Step(BaseModel):
         tool: str,
         args: Mapping[str, Any] | BaseModel,
         profile: Profile = "python",
+        repeat_of: str | None = None,
     ) -> None:
         # Validate here, not in pydantic validators, so bad input raises agentkey's
         # typed errors (InvalidKey, InvalidArguments) rather than a ValidationError.
@@ -61,6 +80,7 @@ class Step(BaseModel):
             tool=tool,
             args=to_jsonable(args),
             profile=check_profile(profile),
+            repeat_of=repeat_of,
         )
 
     @cached_property
@@ -92,6 +112,13 @@ class PlanSession(BaseModel):
     the plan (:meth:`to_json` / :meth:`from_json`), so retries, replans and
     orchestrator restarts keep producing the same keys.
 
+    The session remembers every step it handed out (index, tool, args hash)
+    and keeps that memory through :meth:`to_json`, so it can refuse two things
+    a server could only get wrong: one step index for two different tools
+    (:class:`~agentkey.ConfigurationError`), and, by default, a call that
+    comes again at another step with the same tool and arguments (see
+    ``on_repeat`` in :meth:`step`).
+
     ``args_models`` maps a tool name to a pydantic model that normalises that
     tool's arguments before hashing. Models are code, not data: they are not
     serialised; pass them again to :meth:`from_json`.
@@ -102,6 +129,11 @@ class PlanSession(BaseModel):
     id: str
     profile: Profile = "python"
     _args_models: dict[str, type[BaseModel]] = PrivateAttr(default_factory=dict)
+    # Every step handed out, in order: (index, tool, args_hash). The two maps below are
+    # derived from it; single dict operations keep them safe for concurrent calls.
+    _handed: dict[tuple[tuple[int, ...], str, str], None] = PrivateAttr(default_factory=dict)
+    _tools: dict[tuple[int, ...], str] = PrivateAttr(default_factory=dict)
+    _first: dict[tuple[str, str], tuple[int, ...]] = PrivateAttr(default_factory=dict)
 
     @field_validator("id")
     @classmethod
@@ -128,26 +160,54 @@ class PlanSession(BaseModel):
         """Use a framework's id as the plan id: as is when valid, else as a UUIDv5 of it."""
         return cls(id=plan_id_from_external(external_id), profile=profile, args_models=args_models)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The session as a plain JSON object: id, profile and the steps handed out so far."""
+        return {
+            "id": self.id,
+            "profile": self.profile,
+            "steps": [[list(index), tool, h] for index, tool, h in list(self._handed)],
+        }
+
     def to_json(self) -> str:
-        """Serialise the session for persistence."""
-        return self.model_dump_json()
+        """Serialise the session for persistence, as a JSON string (see :meth:`to_dict`)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, data: str | bytes, *, args_models: ArgsModels | None = None) -> PlanSession:
-        """Restore a session saved with :meth:`to_json`."""
-        try:
-            doc = json.loads(data)
-        except (ValueError, TypeError):
-            doc = None
-        if not isinstance(doc, dict) or "id" not in doc or set(doc) - {"id", "profile"}:
+    def from_json(
+        cls, data: str | bytes | Mapping[str, Any], *, args_models: ArgsModels | None = None
+    ) -> PlanSession:
+        """Restore a session saved with :meth:`to_json` (or :meth:`to_dict`).
+
+        Accepts the JSON text, or the object already parsed. Sessions saved
+        before steps were remembered (only ``id`` and ``profile``) still load.
+        """
+        doc: object = data
+        if isinstance(data, (str, bytes, bytearray)):
+            try:
+                doc = json.loads(data)
+            except (ValueError, TypeError):
+                doc = None
+        if not isinstance(doc, Mapping) or "id" not in doc or set(doc) - {"id", "profile", "steps"}:
             raise ConfigurationError(
                 "saved plan session is not valid: expected the JSON object "
-                'PlanSession.to_json() writes, {"id": ..., "profile": ...}'
+                'PlanSession.to_json() writes, {"id": ..., "profile": ..., "steps": [...]}'
             )
         try:
-            return cls(id=doc["id"], profile=doc.get("profile", "python"), args_models=args_models)
+            session = cls(
+                id=doc["id"], profile=doc.get("profile", "python"), args_models=args_models
+            )
+            for entry in _saved_steps(doc.get("steps", [])):
+                session._remember(*entry)
         except AgentKeyError as exc:
             raise ConfigurationError(f"saved plan session is not valid: {exc}") from None
+        return session
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, args_models: ArgsModels | None = None
+    ) -> PlanSession:
+        """Restore a session from the object :meth:`to_dict` gave."""
+        return cls.from_json(data, args_models=args_models)
 
     def step(
         self,
@@ -156,22 +216,82 @@ class PlanSession(BaseModel):
         args: Mapping[str, Any] | BaseModel,
         *,
         args_model: type[BaseModel] | None = None,
+        on_repeat: OnRepeat = "replay",
     ) -> Step:
         """Build the step ``index`` calling ``tool`` with ``args``.
 
         ``args_model`` (or the model registered for ``tool``) validates and
         normalises the arguments first, so ``{"storage_gb": "20"}`` and
         ``{"storage_gb": 20}`` give one key when the schema says int.
+
+        One index names one operation: asking for an index that this session
+        already gave to another tool raises :class:`~agentkey.ConfigurationError`
+        (the server would answer one tool with the other's stored result).
+        Asking again for the same index (a retry, a restart) gives the same key.
+
+        ``on_repeat`` decides what happens when the same tool and arguments
+        come again at another index (a model repeating a call that was already
+        made): ``"replay"`` (the default) returns the earlier step, with
+        :attr:`Step.repeat_of` set, so the server replays its stored answer and
+        nothing runs twice; ``"raise"`` raises :class:`~agentkey.StepRepeated`;
+        ``"allow"`` builds the new step, which runs again.
         """
         steps = normalize_step(index)
+        policy = check_on_repeat(on_repeat)
         if not isinstance(tool, str) or not tool:
             raise ConfigurationError(f"tool name must be a non-empty str, got {tool!r}")
         model = args_model if args_model is not None else self._args_models.get(tool)
         if model is not None:
             args = _validate_with(model, args, tool, format_step(steps))
-        return Step(
+        step = Step(
             plan_session_id=self.id, index=steps, tool=tool, args=args, profile=self.profile
         )
+        earlier = self._remember(steps, tool, step.key.args_hash)
+        if earlier == steps or policy == "allow":
+            return step
+        label = format_step(earlier)
+        if policy == "raise":
+            raise repeated_error(step, label)
+        return Step(
+            plan_session_id=self.id,
+            index=earlier,
+            tool=tool,
+            args=step.args,
+            profile=self.profile,
+            repeat_of=label,
+        )
+
+    def _remember(self, index: tuple[int, ...], tool: str, args_hash: str) -> tuple[int, ...]:
+        """Record a step handed out; return the first index this call was handed out at."""
+        bound = self._tools.setdefault(index, tool)
+        if bound != tool:
+            label = format_step(index)
+            raise ConfigurationError(
+                f"plan {self.id!r} already gave {label} to tool {bound!r}; giving it to tool "
+                f"{tool!r} too would make the server answer one with the other's stored "
+                f"result. Give each tool call its own step index (e.g. the next free one), "
+                "or start a new PlanSession for a new plan"
+            )
+        self._handed.setdefault((index, tool, args_hash), None)
+        return self._first.setdefault((tool, args_hash), index)
+
+
+def repeated_error(step: Step, previous: str) -> StepRepeated:
+    """The :class:`~agentkey.StepRepeated` for ``step``, a repeat of step ``previous``."""
+    key = StepKey(step.plan_session_id, normalize_step(_parse_label(previous)), step.key.args_hash)
+    return StepRepeated(
+        f"tool {step.tool!r} was already called with these arguments at {previous} of plan "
+        f"{step.plan_session_id!r}; {step.label} would run it a second time. If the model "
+        "asked again by mistake, tell it the call is done; if it really is a new operation, "
+        "change an argument or use on_repeat='allow' for this tool",
+        tool=step.tool,
+        previous_step=previous,
+        idempotency_key=key.format(),
+    )
+
+
+def _parse_label(label: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in label.removeprefix("step_").split("."))
 
 
 def _check_args_models(args_models: ArgsModels | None) -> dict[str, type[BaseModel]]:
@@ -198,3 +318,22 @@ def _validate_with(model: type[BaseModel], args: object, tool: str, label: str) 
             f"{first['msg']} ({exc.error_count()} error(s)); fix the arguments before calling",
             path=f"args.{where}" if where else "args",
         ) from None  # pydantic's error quotes the input values, which may be secrets
+
+
+def _saved_steps(saved: object) -> list[tuple[tuple[int, ...], str, str]]:
+    """The ``steps`` of a saved session, checked: ``[[index...], tool, args_hash]`` each."""
+    if not isinstance(saved, list):
+        raise ConfigurationError("'steps' must be a list")
+    out: list[tuple[tuple[int, ...], str, str]] = []
+    for entry in saved:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[1], str)
+            and entry[1]
+            and isinstance(entry[2], str)
+            and _HASH.fullmatch(entry[2])
+        ):
+            raise ConfigurationError(f"step entry {entry!r} is not [[index...], tool, args_hash]")
+        out.append((normalize_step(entry[0]), entry[1], entry[2]))
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import traceback
 import uuid
@@ -19,6 +20,7 @@ from agentkey import (
     PlanSession,
     Step,
     StepKey,
+    StepRepeated,
     canonical_json,
     step_key,
 )
@@ -106,6 +108,10 @@ def test_external_ids_map_exactly_like_uuid5(external: str) -> None:
         '{"id": "ok", "x": 1}',
         "[]",
         b"\xff",
+        '{"id": "ok", "steps": {}}',
+        '{"id": "ok", "steps": [[[1], "t", "not-a-hash"]]}',
+        '{"id": "ok", "steps": [[[-1], "t", "' + "a" * 64 + '"]]}',
+        '{"id": "ok", "steps": [[[1], "a", "' + "a" * 64 + '"], [[1], "b", "' + "b" * 64 + '"]]}',
     ],
 )
 def test_restoring_a_corrupt_session_raises_configuration_error(saved: str | bytes) -> None:
@@ -199,3 +205,48 @@ def test_step_is_immutable() -> None:
     step = PlanSession.new().step(1, "t", {"a": 1})
     with pytest.raises(ValueError, match="frozen"):
         step.tool = "other"  # type: ignore[misc]
+
+
+def test_one_index_is_never_given_to_two_tools() -> None:
+    """Step 3 for charge, then for refund: refused, naming the step, both tools and the fix."""
+    plan = PlanSession.new()
+    plan.step(3, "charge", {"amount": 5})
+    assert plan.step(3, "charge", {"amount": 7}).label == "step_003"  # a replan: same tool
+    for session in (plan, PlanSession.from_json(plan.to_json())):
+        with pytest.raises(ConfigurationError) as caught:
+            session.step(3, "refund", {"amount": 5})
+        message = str(caught.value)
+        assert all(part in message for part in ("step_003", "'charge'", "'refund'", "own step"))
+
+
+def test_repeated_call_follows_on_repeat_and_survives_a_restore() -> None:
+    """The same tool and args at another index: replay the earlier step, raise, or allow."""
+    plan = PlanSession.new()
+    first = plan.step(0, "charge", {"amount": 5})
+    restored = PlanSession.from_json(plan.to_json())
+    again = restored.step(4, "charge", {"amount": 5})
+    assert again.repeat_of == "step_000"
+    assert again.idempotency_key == first.idempotency_key
+    with pytest.raises(StepRepeated) as caught:
+        restored.step(5, "charge", {"amount": 5}, on_repeat="raise")
+    assert (caught.value.previous_step, caught.value.idempotency_key) == (
+        "step_000",
+        first.idempotency_key,
+    )
+    allowed = restored.step(6, "charge", {"amount": 5}, on_repeat="allow")
+    assert (allowed.label, allowed.repeat_of) == ("step_006", None)
+    assert restored.step(1, "charge", {"amount": 6}).repeat_of is None  # other args: new
+    with pytest.raises(ConfigurationError, match="on_repeat"):
+        restored.step(7, "charge", {"amount": 5}, on_repeat="twice")  # type: ignore[arg-type]
+
+
+def test_saved_session_round_trips_as_text_or_object() -> None:
+    """from_json takes the string, the parsed object, or to_dict(); old saves still load."""
+    plan = PlanSession.new()
+    plan.step((2, 1), "charge", {"amount": 5})
+    text = plan.to_json()
+    for saved in (text, text.encode(), json.loads(text), plan.to_dict()):
+        assert PlanSession.from_json(saved) == plan
+    assert PlanSession.from_dict(plan.to_dict()) == plan
+    old = PlanSession.from_json('{"id": "run-7", "profile": "python"}')  # saved before steps
+    assert old.step(0, "charge", {}).idempotency_key.startswith("run-7:step_000:")

@@ -4,8 +4,14 @@
   HTTP tool into a LangChain tool whose calls carry a runtime-built
   ``Idempotency-Key``, with the plan and step given by your code.
 - :mod:`agentkey.integrations.langgraph` (extra ``langgraph``): the same tool,
-  with the plan taken from the graph's ``thread_id`` and the step from the
-  checkpointed superstep and the call's position in the model's message.
+  with the plan taken from the graph's ``thread_id`` and the thread's first
+  message (one plan per lifetime of a thread), and the step from the
+  checkpointed superstep, the node and tool, and the call's number among the
+  identical calls of the model's message.
+
+Both answer a call the model repeats (same tool and arguments as an earlier
+step of the plan) by the tool's ``on_repeat`` policy, and give a tool's own
+refusal to the model as an error ``ToolMessage`` with the server's reason.
 
 Neither ``import agentkey`` nor this package imports a framework; each
 module does when it is imported, and raises :class:`agentkey.MissingExtra`

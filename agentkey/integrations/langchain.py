@@ -10,8 +10,18 @@ chooses arguments; it never sees or shapes the key.
 
 The tool answers in LangChain's ``content_and_artifact`` format: the content
 is the tool's JSON body (what the model reads), the artifact a plain dict
-describing the call (``idempotency_key``, ``step``, ``outcome``, ``replayed``,
-``attempts`` ...), so a replay is visible in the ``ToolMessage``.
+describing the call (``tool``, ``idempotency_key``, ``step``, ``outcome``,
+``replayed``, ``repeat_of``, ``attempts`` ...), so a replay is visible in the
+``ToolMessage``; the same fields go into the metadata of the tool's LangChain
+run, so tracing shows them.
+
+A tool's final refusal (a :class:`~agentkey.ToolError` other than a key
+problem) reaches the model as an error ``ToolMessage`` carrying the server's
+short reason, never the key: the tool raises LangChain's ``ToolException``
+from the agentkey error and handles it (``handle_tool_error``). An undecided
+outcome (:class:`~agentkey.OutcomeUnknown`) and the key problems
+(:class:`~agentkey.KeyRejected`, :class:`~agentkey.PayloadMismatch`) stay
+fatal: the model cannot fix them, an operator has to look.
 
 Needs the ``langchain`` extra (``pip install 'agentkey-idempotency[langchain]'``).
 """
@@ -26,23 +36,32 @@ from typing import Annotated, Any, TypeAlias
 from pydantic import BaseModel, ValidationError
 
 from .._canonical import to_jsonable
-from .._exceptions import ConfigurationError, InvalidArguments, MissingExtra
+from .._exceptions import (
+    ConfigurationError,
+    InvalidArguments,
+    KeyRejected,
+    MissingExtra,
+    PayloadMismatch,
+    ToolError,
+)
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import normalize_step
-from .._plan import PlanSession, Step
+from .._plan import OnRepeat, PlanSession, Step, check_on_repeat, repeated_error
 
 try:
     from langchain_core.runnables import RunnableConfig
-    from langchain_core.tools import InjectedToolArg, StructuredTool
+    from langchain_core.tools import InjectedToolArg, StructuredTool, ToolException
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     if (exc.name or "").partition(".")[0] != "langchain_core":
         raise
     raise MissingExtra("langchain", "langchain_core") from None
 
-__all__ = ["PlanSource", "StepIndexSource", "ToolCallContext", "remote_tool"]
+__all__ = ["OnRepeat", "PlanSource", "StepIndexSource", "ToolCallContext", "remote_tool"]
 
+#: Where the tool receives the id of the tool call it serves (see _KeyedTool).
+_CALL_ID = "agentkey_tool_call_id"
 #: Names the tool's own function takes from LangChain; an args_schema may not use them.
-_RESERVED_FIELDS = frozenset({"config", "runtime", "callbacks", "run_manager"})
+_RESERVED_FIELDS = frozenset({"config", "runtime", "callbacks", "run_manager", _CALL_ID})
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +70,12 @@ class ToolCallContext:
 
     ``args`` are the arguments after ``args_schema`` validation, as plain JSON
     values (exactly what is hashed). ``config`` is the LangChain
-    ``RunnableConfig`` of the call. ``tool_call_id`` and ``state`` are set when
-    LangGraph's ``ToolNode`` runs the tool (it injects a ``ToolRuntime``), and
-    ``None`` otherwise.
+    ``RunnableConfig`` of the call (empty when none was given).
+    ``tool_call_id`` is set whenever the tool was invoked with a tool call
+    (``tool.invoke({"name": ..., "args": ..., "id": ..., "type": "tool_call"})``);
+    ``state`` is the graph state when LangGraph's ``ToolNode`` runs the tool
+    (it injects a ``ToolRuntime``), else ``None``. ``args_schema`` is the
+    tool's schema, to normalise the arguments of other calls alike.
     """
 
     tool: str
@@ -61,6 +83,7 @@ class ToolCallContext:
     config: Mapping[str, Any]
     tool_call_id: str | None = None
     state: Any = None
+    args_schema: type[BaseModel] | None = None
 
 
 #: A plan session, or a callable choosing one per call.
@@ -69,6 +92,12 @@ PlanSource: TypeAlias = "PlanSession | Callable[[ToolCallContext], PlanSession]"
 StepIndexSource: TypeAlias = (
     "int | Sequence[int] | Callable[[ToolCallContext], int | Sequence[int]]"
 )
+
+
+#: A runtime's own memory of finished calls (LangGraph: the earlier ToolMessages). Given a
+#: call and its step, it returns the ``(content, artifact)`` of an earlier finished call of
+#: the same plan that this one repeats (same tool, same args hash, another step), else None.
+RepeatMemory: TypeAlias = "Callable[[ToolCallContext, Step], tuple[str, Mapping[str, Any]] | None]"
 
 
 def remote_tool(
@@ -83,6 +112,8 @@ def remote_tool(
     method: str = "POST",
     headers: Mapping[str, str] | None = None,
     return_direct: bool = False,
+    on_repeat: OnRepeat = "replay",
+    errors_to_model: bool = True,
 ) -> StructuredTool:
     """Build a LangChain tool that sends each call through ``invoker`` with a deterministic key.
 
@@ -91,6 +122,13 @@ def remote_tool(
     (for LangGraph, :mod:`agentkey.integrations.langgraph` supplies both). Two
     different calls of one plan must get different step indexes, or the server
     replays one call's answer for the other; a retried call must get the same.
+    A :class:`~agentkey.PlanSession` refuses one index for two tools.
+
+    ``on_repeat`` says what to do when the model asks, at another step, for a
+    call this plan already made (same tool, same arguments): ``"replay"`` (the
+    default) answers with the earlier step's result, marked as a repeat of that
+    step, and runs nothing; ``"raise"`` raises :class:`~agentkey.StepRepeated`;
+    ``"allow"`` runs it again as a new step.
 
     A :class:`~agentkey.ToolInvoker` serves ``tool.invoke`` and also
     ``tool.ainvoke`` (LangChain runs it in a worker thread); an
@@ -98,11 +136,45 @@ def remote_tool(
     ``tool.invoke`` raises :class:`~agentkey.ConfigurationError` rather than
     start a nested event loop. ``path``, ``method`` and ``headers`` go to
     ``invoker.invoke``; without ``path`` the invoker's ``routes`` or
-    ``route_template`` choose it. agentkey's errors propagate unchanged: a
-    final answer from the tool is a :class:`~agentkey.ToolError`, an
-    undecided one :class:`~agentkey.OutcomeUnknown` (re-running the call later
-    is safe: it gets the same key).
+    ``route_template`` choose it.
+
+    With ``errors_to_model`` (the default) a tool's own refusal (a 4xx
+    :class:`~agentkey.ToolError` that is not a key problem) becomes an error
+    ``ToolMessage`` with the server's reason, for the model to correct itself;
+    the agentkey error is the ``ToolException``'s ``__cause__``. Every other
+    agentkey error propagates: :class:`~agentkey.OutcomeUnknown` (re-running
+    the call later is safe: it gets the same key), key problems, auth errors.
     """
+    return build_tool(
+        name=name,
+        description=description,
+        args_schema=args_schema,
+        invoker=invoker,
+        plan=plan,
+        step_index=step_index,
+        options={"path": path, "method": method, "headers": headers},
+        return_direct=return_direct,
+        on_repeat=on_repeat,
+        errors_to_model=errors_to_model,
+        memory=None,
+    )
+
+
+def build_tool(
+    *,
+    name: str,
+    description: str,
+    args_schema: type[BaseModel],
+    invoker: ToolInvoker | AsyncToolInvoker,
+    plan: PlanSource,
+    step_index: StepIndexSource,
+    options: Mapping[str, Any],
+    return_direct: bool,
+    on_repeat: OnRepeat,
+    errors_to_model: bool,
+    memory: RepeatMemory | None,
+) -> StructuredTool:
+    """:func:`remote_tool`, plus a runtime's own ``memory`` of finished calls."""
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"name must be a non-empty str, got {name!r}")
     if not isinstance(description, str) or not description.strip():
@@ -133,8 +205,15 @@ def remote_tool(
         )
     if not callable(step_index):
         normalize_step(step_index)  # a fixed index: check it now (raises InvalidKey)
-    call = _Call(name, args_schema, plan, step_index)
-    options: dict[str, Any] = {"path": path, "method": method, "headers": headers}
+    call = _Call(name, args_schema, plan, step_index, check_on_repeat(on_repeat), memory)
+    common: dict[str, Any] = {
+        "name": name,
+        "description": description,
+        "args_schema": args_schema,
+        "response_format": "content_and_artifact",
+        "return_direct": return_direct,
+        "handle_tool_error": errors_to_model,
+    }
 
     if isinstance(invoker, ToolInvoker):
         sync_invoker = invoker
@@ -142,20 +221,20 @@ def remote_tool(
         def run(
             *args: Any,
             config: RunnableConfig,
+            callbacks: Any = None,
             runtime: Annotated[Any, InjectedToolArg] = None,
             **kwargs: Any,
         ) -> tuple[str, dict[str, Any]]:
-            step = call.step(args, kwargs, config, runtime)
-            return _answer(sync_invoker.invoke(step, **options))
+            step = call.prepare(args, kwargs, config, runtime)
+            if isinstance(step, _Repeat):
+                return _traced(callbacks, step.content, step.artifact)
+            try:
+                result = sync_invoker.invoke(step, **options)
+            except ToolError as exc:
+                raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
+            return _traced(callbacks, *_answer(result, step))
 
-        return StructuredTool(
-            name=name,
-            description=description,
-            args_schema=args_schema,
-            func=run,
-            response_format="content_and_artifact",
-            return_direct=return_direct,
-        )
+        return _KeyedTool(func=run, **common)
 
     async_invoker = invoker
 
@@ -174,27 +253,49 @@ def remote_tool(
     async def arun(
         *args: Any,
         config: RunnableConfig,
+        callbacks: Any = None,
         runtime: Annotated[Any, InjectedToolArg] = None,
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
-        step = call.step(args, kwargs, config, runtime)
-        return _answer(await async_invoker.invoke(step, **options))
+        step = call.prepare(args, kwargs, config, runtime)
+        if isinstance(step, _Repeat):
+            return _traced(callbacks, step.content, step.artifact)
+        try:
+            result = await async_invoker.invoke(step, **options)
+        except ToolError as exc:
+            raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
+        return _traced(callbacks, *_answer(result, step))
 
-    return StructuredTool(
-        name=name,
-        description=description,
-        args_schema=args_schema,
-        func=refuse,
-        coroutine=arun,
-        response_format="content_and_artifact",
-        return_direct=return_direct,
-    )
+    return _KeyedTool(func=refuse, coroutine=arun, **common)
+
+
+class _KeyedTool(StructuredTool):
+    """A StructuredTool that hands its function the id of the tool call it serves.
+
+    LangChain's own ``InjectedToolCallId`` would make every call without an id
+    (``tool.invoke({"amount": 5})``) fail; agentkey needs the id only when the
+    step is derived from it, so it passes it along quietly instead.
+    """
+
+    def _to_args_and_kwargs(
+        self, tool_input: str | dict[str, Any], tool_call_id: str | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super()._to_args_and_kwargs(tool_input, tool_call_id)
+        return args, {**kwargs, _CALL_ID: tool_call_id}
+
+
+@dataclass(frozen=True, slots=True)
+class _Repeat:
+    """The answer to a repeated call, taken from the runtime's memory: nothing is sent."""
+
+    content: str
+    artifact: dict[str, Any]
 
 
 class _Call:
     """Turns one LangChain call into a Step: the key is made here, by the runtime."""
 
-    __slots__ = ("_name", "_plan", "_schema", "_step_index")
+    __slots__ = ("_memory", "_name", "_on_repeat", "_plan", "_schema", "_step_index")
 
     def __init__(
         self,
@@ -202,15 +303,24 @@ class _Call:
         schema: type[BaseModel],
         plan: PlanSource,
         step_index: StepIndexSource,
+        on_repeat: OnRepeat,
+        memory: RepeatMemory | None,
     ) -> None:
         self._name = name
         self._schema = schema
         self._plan = plan
         self._step_index = step_index
+        self._on_repeat = on_repeat
+        self._memory = memory
 
-    def step(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], config: RunnableConfig, runtime: Any
-    ) -> Step:
+    def prepare(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        config: RunnableConfig | None,
+        runtime: Any,
+    ) -> Step | _Repeat:
+        call_id = kwargs.pop(_CALL_ID, None)
         if args:
             raise ConfigurationError(
                 f"tool {self._name!r} takes its arguments as a dict matching "
@@ -230,9 +340,10 @@ class _Call:
         ctx = ToolCallContext(
             tool=self._name,
             args=values,
-            config=config,
-            tool_call_id=getattr(runtime, "tool_call_id", None),
+            config=config or {},  # tool.run() without a config passes None
+            tool_call_id=getattr(runtime, "tool_call_id", None) or call_id,
             state=getattr(runtime, "state", None),
+            args_schema=self._schema,
         )
         index = self._step_index(ctx) if callable(self._step_index) else self._step_index
         session = self._plan(ctx) if callable(self._plan) else self._plan
@@ -240,13 +351,106 @@ class _Call:
             raise ConfigurationError(
                 f"the plan callable of tool {self._name!r} returned {session!r}, not a PlanSession"
             )
-        return session.step(index, self._name, values, args_model=self._schema)
+        step = session.step(
+            index, self._name, values, args_model=self._schema, on_repeat=self._on_repeat
+        )
+        if step.repeat_of is not None or self._memory is None or self._on_repeat == "allow":
+            return step
+        earlier = self._memory(ctx, step)
+        if earlier is None:
+            return step
+        content, artifact = earlier
+        label = str(artifact.get("step"))
+        if self._on_repeat == "raise":
+            raise repeated_error(step, label)
+        note = _repeat_note(label, replayed=True)
+        repeat = {**artifact, "repeat_of": label, "outcome": "replayed", "replayed": True}
+        return _Repeat(note + content, {**repeat, "attempts": 0, "polls": 0, "elapsed": 0.0})
 
 
-def _answer(result: ToolResult) -> tuple[str, dict[str, Any]]:
+def _repeat_note(label: str, *, replayed: bool) -> str:
+    if replayed:
+        return (
+            f"[repeat of {label}: this call, with the same arguments, already succeeded at "
+            f"{label} of this plan, so it was not run a second time. Its result follows.] "
+        )
+    return (
+        f"[repeat of {label}: this call was asked for before, at {label}, and had not "
+        "finished; it has now run once. Its result follows.] "
+    )
+
+
+def _answer(result: ToolResult, step: Step) -> tuple[str, dict[str, Any]]:
     """The model reads the tool's JSON body; the artifact records how agentkey got it."""
     content = json.dumps(result.body, ensure_ascii=False)
+    if step.repeat_of is not None:
+        content = _repeat_note(step.repeat_of, replayed=result.replayed) + content
     # Headers and the status URL stay out: artifacts land in checkpoints and traces, and
     # either may carry something (a cookie, a signed URL) that does not belong there.
     artifact = result.model_dump(mode="json", exclude={"headers", "status_url"})
+    return content, {"tool": step.tool, **artifact, "repeat_of": step.repeat_of}
+
+
+def _for_model(
+    tool: str, step: Step, exc: ToolError, callbacks: Any, errors_to_model: bool
+) -> ToolException:
+    """A tool's own refusal as a ToolException for the model; anything else re-raised."""
+    reason = _reason(exc)
+    _trace(
+        callbacks,
+        {
+            "tool": tool,
+            "idempotency_key": exc.idempotency_key or step.idempotency_key,
+            "step": step.label,
+            "outcome": "error",
+            "status_code": exc.status_code,
+            "reason": reason,
+        },
+    )
+    status = exc.status_code or 0
+    if (
+        not errors_to_model
+        or isinstance(exc, (KeyRejected, PayloadMismatch))
+        or not 400 <= status < 500
+    ):
+        raise exc  # the model cannot fix a key problem or a failure that may have done harm
+    return ToolException(
+        f"Tool {tool!r} refused this call: {reason} (HTTP {status}). Nothing was done; "
+        "correct the arguments, or tell the user why it cannot be done."
+    )
+
+
+def _reason(exc: ToolError) -> str:
+    """The server's short reason, cleaned and cut; never the Idempotency-Key."""
+    reason = exc.reason
+    if not reason and isinstance(exc.body, Mapping):
+        texts = (exc.body.get(f) for f in ("detail", "title", "error", "message"))
+        reason = next((t for t in texts if isinstance(t, str) and t.strip()), None)
+    text = " ".join(str(reason or f"the tool answered HTTP {exc.status_code}").split())[:300]
+    key = exc.idempotency_key
+    return text.replace(key, "<idempotency key>") if key else text
+
+
+def _traced(callbacks: Any, content: str, artifact: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    _trace(callbacks, {k: artifact.get(k) for k in _TRACED})
     return content, artifact
+
+
+_TRACED = ("tool", "idempotency_key", "step", "outcome", "replayed", "repeat_of")
+
+
+def _trace(callbacks: Any, info: Mapping[str, Any]) -> None:
+    """Put ``info`` into the metadata of the tool's own run, where tracers show it.
+
+    ``callbacks`` is the tool run's child manager (LangChain passes it to a tool
+    function that takes ``callbacks``); its parent is the tool run, which each
+    tracer keeps in its ``run_map`` until the run ends.
+    """
+    run_id = getattr(callbacks, "parent_run_id", None)
+    if run_id is None:
+        return
+    for handler in getattr(callbacks, "handlers", ()):
+        run = getattr(handler, "run_map", {}).get(str(run_id))
+        extra = getattr(run, "extra", None)
+        if isinstance(extra, dict):
+            extra.setdefault("metadata", {}).update({f"agentkey_{k}": v for k, v in info.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,15 +18,21 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command, Send, interrupt
 from langgraph.types import RetryPolicy as NodeRetryPolicy
 from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, RetryPolicy, ToolInvoker
 from agentkey.integrations.langgraph import remote_tool
-from agentkey.server import example_app
+from agentkey.server import IdempotencyMiddleware, MemoryStore, example_app, get_claim
 from tests._loopback import serve
 
 __all__ = [
     "DRIVERS",
     "FAST",
+    "LIMIT",
     "Command",
     "Crash",
     "Driver",
@@ -34,6 +41,7 @@ __all__ = [
     "build_graph",
     "call",
     "close",
+    "ledger_server",
     "make_invoker",
     "run",
     "running_server",
@@ -63,6 +71,58 @@ def running_server() -> Iterator[tuple[str, Any]]:
         yield url, app
 
 
+LIMIT = 1000
+
+
+def ledger_app() -> Starlette:
+    """charge, refund and broken behind IdempotencyMiddleware, counting executions.
+
+    ``charge`` and ``refund`` take the same arguments (``Order``), so one key
+    sent to both would be answered with the other's result. ``charge`` refuses
+    amounts over ``LIMIT`` with a problem detail ``amount over limit``;
+    ``broken`` fails with 500 every time (an ambiguous answer).
+    """
+    executions: Counter[str] = Counter()
+
+    def tool(name: str) -> Any:
+        async def handler(request: Request) -> JSONResponse:
+            args: dict[str, Any] = await request.json()
+            if name == "broken":  # fails before its side effect: the claim is released
+                executions[name] += 1
+                return JSONResponse({"error": "internal"}, status_code=500)
+            if name == "charge" and args.get("amount", 0) > LIMIT:
+                return JSONResponse(
+                    {
+                        "type": "about:blank",
+                        "title": "Payment Required",
+                        "detail": "amount over limit",
+                    },
+                    status_code=402,
+                )
+            get_claim(request).begin_mutation()
+            executions[name] += 1
+            return JSONResponse({"id": f"{name}_{executions[name]:04d}", **args}, status_code=201)
+
+        return handler
+
+    app = Starlette(
+        routes=[
+            Route(f"/tools/{n}", tool(n), methods=["POST"]) for n in ("charge", "refund", "broken")
+        ],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), routes=["/tools/*"])],
+    )
+    app.state.executions = executions
+    return app
+
+
+@contextmanager
+def ledger_server() -> Iterator[tuple[str, Any]]:
+    """:func:`ledger_app` on loopback: (base URL, app)."""
+    app = ledger_app()
+    with serve(app) as url:
+        yield url, app
+
+
 def make_invoker(driver: Driver, base_url: str) -> ToolInvoker | AsyncToolInvoker:
     """An invoker of the driver's kind, routed to the example server's /tools/{tool}."""
     cls = ToolInvoker if driver == "sync" else AsyncToolInvoker
@@ -70,11 +130,17 @@ def make_invoker(driver: Driver, base_url: str) -> ToolInvoker | AsyncToolInvoke
 
 
 def tools_for(
-    invoker: ToolInvoker | AsyncToolInvoker, names: Sequence[str] = ("charge",)
+    invoker: ToolInvoker | AsyncToolInvoker, names: Sequence[str] = ("charge",), **options: Any
 ) -> list[Any]:
     """One agentkey tool per example-server tool name, LangGraph defaults for plan and step."""
     return [
-        remote_tool(name=name, description=f"{name} an order", args_schema=Order, invoker=invoker)
+        remote_tool(
+            name=name,
+            description=f"{name} an order",
+            args_schema=Order,
+            invoker=invoker,
+            **options,
+        )
         for name in names
     ]
 

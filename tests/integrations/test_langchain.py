@@ -100,7 +100,7 @@ async def test_step_index_callable_reads_the_loop_position(
     )
     for step in (0, 1, 1):  # step 1 retried after, say, an orchestrator restart
         await _invoke(
-            driver, tool, _tool_call(f"s{step}", amount=5), {"metadata": {"plan_step": step}}
+            driver, tool, _tool_call(f"s{step}", amount=5 + step), {"metadata": {"plan_step": step}}
         )
     await close(invoker)
 
@@ -112,7 +112,7 @@ async def test_step_index_callable_reads_the_loop_position(
 
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_final_tool_errors_propagate_typed(driver: Driver, server: tuple[str, Any]) -> None:
-    """A 4xx from the tool raises agentkey's ToolError carrying the key and step."""
+    """With errors_to_model=False a 4xx raises agentkey's ToolError carrying the key and step."""
     url, _ = server
     invoker = make_invoker(driver, url)
     tool = remote_tool(
@@ -122,6 +122,7 @@ async def test_final_tool_errors_propagate_typed(driver: Driver, server: tuple[s
         invoker=invoker,
         plan=PlanSession.from_external_id("errs"),
         step_index=7,
+        errors_to_model=False,
     )
     with pytest.raises(ToolError) as caught:
         await _invoke(driver, tool, {"amount": -1})

@@ -108,8 +108,9 @@ async def test_reexecuted_tool_node_replays(
     assert message.artifact["replayed"] is True
     assert message.artifact["idempotency_key"] == first_run["idempotency_key"]
     key = _key(message.artifact)
-    assert key.plan_session_id == config["configurable"]["thread_id"]
-    assert key.step_label == "step_002.000"  # superstep 2 (input, agent, tools), position 0
+    assert key.plan_session_id != config["configurable"]["thread_id"]  # thread + lifetime
+    assert key.step[0] == 2  # superstep 2 (input, agent, tools)
+    assert key.step[2] == 0  # the first of its identical calls
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -136,14 +137,15 @@ async def test_two_tools_with_identical_args_in_one_message_both_run(
 
     charge, provision = (_key(m.artifact) for m in tool_messages(final))
     assert charge.args_hash == provision.args_hash  # identical arguments ...
-    assert (charge.step_label, provision.step_label) == ("step_002.000", "step_002.001")
+    assert charge.step != provision.step  # ... but each tool has its own slot
+    assert charge.step[0] == provision.step[0] == 2
     assert dict(app.state.executions) == {"charge": 1, "provision": 1}  # ... both executed
     assert not any(m.artifact["replayed"] for m in tool_messages(final))
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_new_model_turns_execute_anew(driver: Driver, server: tuple[str, Any]) -> None:
-    """A later model turn is a new step: changed args, and even the same args, run again."""
+    """A later model turn is a new step: changed args run, and same args too under "allow"."""
     url, app = server
     model = scripted(
         AIMessage("", tool_calls=[call("charge", "c1", amount=5)]),
@@ -153,16 +155,17 @@ async def test_new_model_turns_execute_anew(driver: Driver, server: tuple[str, A
         AIMessage("done again"),
     )
     invoker = make_invoker(driver, url)
-    graph = build_graph(tools_for(invoker), model, checkpointer=InMemorySaver())
+    tools = tools_for(invoker, on_repeat="allow")
+    graph = build_graph(tools, model, checkpointer=InMemorySaver())
     config = _config(f"turns-{driver}")
     await run(driver, graph, HELLO, config)
     final = await run(driver, graph, {"messages": [HumanMessage("once more")]}, config)
     await close(invoker)
 
     keys = [_key(m.artifact) for m in tool_messages(final)]
-    assert [k.step_label for k in keys[:2]] == ["step_002.000", "step_004.000"]
+    assert [k.step[0] for k in keys[:2]] == [2, 4]
     assert keys[2].step[0] > 4
-    assert keys[2].step[1] == 0
+    assert keys[2].step[1:] == keys[1].step[1:]  # same tool node, tool and ordinal
     assert keys[0].args_hash != keys[1].args_hash
     assert keys[1].args_hash == keys[2].args_hash
     assert len({k.format() for k in keys}) == 3

@@ -25,16 +25,26 @@ def _ctx(
     superstep: object = 3,
     thread: object = "thread-1",
     namespace: str = "tools:5d1c",
+    tool: str = "charge",
+    args: dict[str, Any] | None = None,
+    node: str = "tools",
 ) -> ToolCallContext:
     config = {
-        "metadata": {"langgraph_step": superstep, "langgraph_checkpoint_ns": namespace},
+        "metadata": {
+            "langgraph_step": superstep,
+            "langgraph_checkpoint_ns": namespace,
+            "langgraph_node": node,
+        },
         "configurable": {"thread_id": thread},
     }
-    return ToolCallContext(tool="charge", args={}, config=config, tool_call_id=call_id, state=state)
+    return ToolCallContext(
+        tool=tool, args=args or {}, config=config, tool_call_id=call_id, state=state
+    )
 
 
 def _message(*ids: str) -> AIMessage:
-    return AIMessage("", tool_calls=[{"name": "t", "args": {}, "id": i} for i in ids])
+    calls = [{"name": "charge", "args": {}, "id": i} for i in ids]
+    return AIMessage("", id="ai-" + "-".join(ids), tool_calls=calls)
 
 
 names = st.sampled_from(["charge", "provision", "report", "refund"])
@@ -57,16 +67,21 @@ def test_every_call_of_a_message_gets_its_own_stable_key(
         "",
         tool_calls=[{"name": n, "args": a, "id": f"call_{i}"} for i, (n, a) in enumerate(calls)],
     )
-    state = {"messages": [HumanMessage("go"), message]}
+    state = {"messages": [HumanMessage("go", id="h1"), message]}
 
-    def key(i: int) -> str:
-        ctx = _ctx(state, f"call_{i}", superstep=superstep)
-        return thread_plan(ctx).step(graph_step(ctx), calls[i][0], calls[i][1]).idempotency_key
+    def key(i: int, where: dict[str, Any]) -> str:
+        name, args = calls[i]
+        ctx = _ctx(where, f"call_{i}", superstep=superstep, tool=name, args=args)
+        return thread_plan(ctx).step(graph_step(ctx), name, args).idempotency_key
 
-    keys = [key(i) for i in range(len(calls))]
+    keys = [key(i, state) for i in range(len(calls))]
     assert len(set(keys)) == len(keys)
-    assert keys == [key(i) for i in range(len(calls))]
-    assert all(f":step_{superstep:03d}.{i:03d}:" in k for i, k in enumerate(keys))
+    assert keys == [key(i, state) for i in range(len(calls))]
+    assert all(f":step_{superstep:03d}." in k for k in keys)
+    # A re-asked model answering the same calls in reverse order: the same set of keys.
+    reordered = AIMessage("", tool_calls=list(reversed(message.tool_calls)))
+    again = {"messages": [HumanMessage("go", id="h1"), reordered]}
+    assert sorted(key(i, again) for i in range(len(calls))) == sorted(keys)
 
 
 class PydanticState(BaseModel):
@@ -87,22 +102,50 @@ class PydanticState(BaseModel):
     ids=["list", "dict", "other key", "pydantic"],
 )
 def test_position_is_found_in_any_state_shape(state: Any) -> None:
-    """The call's position is read from a list, a dict or a model state."""
-    assert graph_step(_ctx(state, "z")) == (3, 2)
+    """The call's ordinal among identical calls is read from a list, a dict or a model state."""
+    superstep, slot, ordinal = graph_step(_ctx(state, "z"))
+    assert (superstep, ordinal) == (3, 2)
+    assert slot == graph_step(_ctx(state, "x"))[1]
 
 
 def test_latest_message_holding_the_id_wins() -> None:
-    """A model that reuses ids across turns: the latest AIMessage decides the position."""
+    """A model that reuses ids across turns: the latest AIMessage decides the ordinal."""
     state = {"messages": [_message("a", "b"), ToolMessage("ok", tool_call_id="b"), _message("b")]}
-    assert graph_step(_ctx(state, "b")) == (3, 0)
+    assert graph_step(_ctx(state, "b"))[2] == 0
+
+
+def test_slot_separates_tools_and_nodes() -> None:
+    """Another tool, or the same tool in another node, gets another step in the same superstep."""
+    state = {"messages": [_message("a")]}
+    steps = {
+        graph_step(_ctx(state, "a")),
+        graph_step(_ctx(state, "a", tool="refund")),
+        graph_step(_ctx(state, "a", node="tools_b")),
+    }
+    assert len(steps) == 3
+    assert {s[0] for s in steps} == {3}
+
+
+def test_call_without_its_message_is_keyed_by_its_id() -> None:
+    """No message holds the call (a @task, a Send payload): the call id names it, stably."""
+    one, again, other = (graph_step(_ctx(None, i)) for i in ("c1", "c1", "c2"))
+    assert one == again != other
+    assert one[:2] == other[:2]
+
+
+def test_messages_without_ids_key_calls_by_their_ids() -> None:
+    """No message id tells this conversation apart: identical calls are keyed by their call ids."""
+    bare = AIMessage("", tool_calls=[{"name": "charge", "args": {}, "id": i} for i in "ab"])
+    state = {"messages": [bare]}
+    a, b = (graph_step(_ctx(state, i)) for i in "ab")
+    assert a != b
+    assert a[2] not in (0, 1)
 
 
 _REFUSED: list[tuple[str, ToolCallContext, str]] = [
     ("outside a graph", _ctx({"messages": [_message("a")]}, "a", superstep=None), "not running"),
     ("bool superstep", _ctx({"messages": [_message("a")]}, "a", superstep=True), "not running"),
-    ("no tool call id", _ctx({"messages": [_message("a")]}, None), "ToolNode"),
-    ("no state", _ctx(None, "a"), "ToolNode"),
-    ("unknown id", _ctx({"messages": [_message("a")]}, "b"), "no AIMessage"),
+    ("no tool call id", _ctx({"messages": [_message("a")]}, None), "tool call"),
     ("duplicate id", _ctx({"messages": [_message("a", "a")]}, "a"), "unique id"),
 ]
 
@@ -115,10 +158,16 @@ def test_graph_step_refuses_what_it_cannot_name(ctx: ToolCallContext, match: str
     assert "step_index=" in str(caught.value)
 
 
-def test_thread_plan_uses_the_thread_id_at_the_root() -> None:
-    """At the root graph the plan id is the thread_id itself."""
-    assert thread_plan(_ctx(None, None, thread="t-7")).id == "t-7"
-    assert thread_plan(_ctx(None, None, thread="t-7"), profile="jcs").profile == "jcs"
+def test_thread_plan_follows_the_thread_lifetime() -> None:
+    """Same thread and first message: one plan; a new conversation under the same id: another."""
+    first = {"messages": [HumanMessage("hi", id="m-1")]}
+    resumed = {"messages": [HumanMessage("hi", id="m-1"), _message("a")]}
+    new_life = {"messages": [HumanMessage("hi", id="m-2")]}
+    plan = thread_plan(_ctx(first, None, thread="1"))
+    assert plan == thread_plan(_ctx(resumed, None, thread="1"))
+    assert plan != thread_plan(_ctx(new_life, None, thread="1"))
+    assert plan != thread_plan(_ctx(first, None, thread="2"))
+    assert thread_plan(_ctx(first, None, thread="t-7"), profile="jcs").profile == "jcs"
 
 
 @given(thread=st.text(min_size=1, max_size=200), parent=st.text(min_size=1, max_size=40))
