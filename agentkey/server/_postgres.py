@@ -1,0 +1,549 @@
+"""PostgresStore: the Store protocol on PostgreSQL, with transactional completion.
+
+One table holds every record (``agentkey_records`` by default)::
+
+    key        text PRIMARY KEY   <principal>:<idempotency key>, opaque to the store
+    value      bytea NOT NULL     the record, encoded by _records (P:/C:/F:)
+    expires_at timestamptz        end of the lease (in progress) or of the result
+    sealed_by  text               owner whose own transaction completed the record
+    recovery   jsonb              atomic phases: the last finished phase and its data
+
+Time is the database's clock (``clock_timestamp()``), so every replica agrees on
+expiry. Round trips per call (psycopg 3, autocommit connection from a pool):
+
+=========  ================================================  ===========
+operation  statement                                          round trips
+=========  ================================================  ===========
+claim      ``INSERT … ON CONFLICT DO UPDATE … WHERE expired``  1
+renew      compare-and-set ``UPDATE``                          1
+finish     compare-and-set ``UPDATE``                          1
+release    compare-and-set ``DELETE``                          1
+=========  ================================================  ===========
+
+Compare-and-set is a prefix test on the owner, as in every store: an in-progress
+value always starts with ``P:<owner>:``, so the store never parses a record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from ._middleware import _DROP_HEADERS, is_storable
+from ._records import Outcome, encode_outcome
+from ._stores import _check_ttl, owner_prefix
+
+try:
+    import psycopg
+    from psycopg import sql
+    from psycopg_pool import AsyncConnectionPool, PoolTimeout
+except ImportError:  # pragma: no cover - exercised by installing without the extra
+    raise MissingExtra("postgres", "psycopg") from None
+
+if TYPE_CHECKING:
+    from ._claim import Claim
+
+__all__ = ["SCHEMA_VERSION", "PostgresStore", "PostgresTransaction", "RecoveryPoint"]
+
+_logger = logging.getLogger("agentkey.server")
+_TABLE = re.compile(r"(?:[a-z_][a-z0-9_]{0,62}\.)?[a-z_][a-z0-9_]{0,62}")
+_Response = TypeVar("_Response")
+
+#: Version of the table layout; docs/postgres.md lists the migration for each.
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {t} (
+    key        text PRIMARY KEY,
+    value      bytea NOT NULL,
+    expires_at timestamptz NOT NULL,
+    sealed_by  text,
+    recovery   jsonb
+);
+CREATE INDEX IF NOT EXISTS {ix} ON {t} (expires_at);
+COMMENT ON TABLE {t} IS 'agentkey idempotency records, schema v1';
+"""
+
+_LIVE = "expires_at > clock_timestamp()"
+_OWNED = f"key = %(k)s AND substr(value, 1, %(n)s) = %(p)s AND {_LIVE}"
+_UNTIL = "clock_timestamp() + %(ttl)s * interval '1 millisecond'"
+
+# A live record in the statement's snapshot is returned as is: a replay or a 409
+# writes nothing (no row lock, no transaction id, no commit to flush). Otherwise the
+# INSERT claims the key or takes over an expired record; it sees the newest row
+# version, while the last SELECT sees the snapshot. If a concurrent claim committed
+# in between, the statement returns no row and the claim is re-run.
+_CLAIM = f"""
+WITH cur AS (
+    SELECT value FROM {{t}} WHERE key = %(k)s AND {_LIVE}
+), won AS (
+    INSERT INTO {{t}} AS r (key, value, expires_at)
+    SELECT %(k)s, %(v)s, {_UNTIL} WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (key) DO UPDATE
+    SET value = excluded.value, expires_at = excluded.expires_at, sealed_by = NULL,
+        recovery = CASE WHEN substr(r.value, 1, 2) = 'P:'::bytea THEN r.recovery END
+    WHERE r.expires_at <= clock_timestamp()
+    RETURNING 1
+)
+SELECT NULL::bytea, true FROM won
+UNION ALL
+SELECT value, false FROM cur
+UNION ALL
+SELECT value, false FROM {{t}}
+WHERE key = %(k)s AND NOT EXISTS (SELECT 1 FROM won) AND NOT EXISTS (SELECT 1 FROM cur)
+"""  # noqa: S608 - module constants only; the table name is a sql.Identifier
+# A record sealed by the owner's own transaction counts as still owned (renew) and
+# as already finished (finish only ever lengthens its lifetime: a renewal that
+# lands after the commit must not shorten a completed record to a lease).
+_RENEW = f"""
+WITH r AS (UPDATE {{t}} SET expires_at = {_UNTIL} WHERE {_OWNED} RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM r)
+    OR EXISTS (SELECT 1 FROM {{t}} WHERE key = %(k)s AND sealed_by = %(o)s AND {_LIVE})
+"""  # noqa: S608 - module constants only; the table name is a sql.Identifier
+_FINISH = f"""
+WITH f AS (UPDATE {{t}} SET value = %(v)s, expires_at = {_UNTIL} WHERE {_OWNED} RETURNING 1),
+     s AS (UPDATE {{t}} SET expires_at = greatest(expires_at, {_UNTIL})
+           WHERE key = %(k)s AND sealed_by = %(o)s AND {_LIVE} RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM f) OR EXISTS (SELECT 1 FROM s)
+"""  # noqa: S608 - module constants only; the table name is a sql.Identifier
+# A claim that recorded a recovery point is not deleted: its lease ends now, so the
+# retry takes it over and resumes after the last finished phase.
+_RELEASE = f"""
+WITH d AS (DELETE FROM {{t}} WHERE {_OWNED} AND recovery IS NULL RETURNING 1),
+     u AS (UPDATE {{t}} SET expires_at = clock_timestamp()
+           WHERE {_OWNED} AND recovery IS NOT NULL RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM d) OR EXISTS (SELECT 1 FROM u)
+"""  # noqa: S608 - module constants only; the table name is a sql.Identifier
+_GET = f"SELECT value FROM {{t}} WHERE key = %(k)s AND {_LIVE}"  # noqa: S608
+_SEAL = f"""
+UPDATE {{t}} SET value = %(v)s, expires_at = {_UNTIL}, sealed_by = %(o)s WHERE {_OWNED}
+"""  # noqa: S608 - module constants only; the table name is a sql.Identifier
+_ADVANCE = f"UPDATE {{t}} SET recovery = %(r)s WHERE {_OWNED}"  # noqa: S608
+_RECOVERY = f"SELECT recovery FROM {{t}} WHERE {_OWNED}"  # noqa: S608
+_PURGE = """
+DELETE FROM {t} WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM {t}
+    WHERE expires_at < clock_timestamp()
+      AND (recovery IS NULL OR expires_at < clock_timestamp() - %(keep)s * interval '1 second')
+    LIMIT %(limit)s
+))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPoint:
+    """The last finished phase of a step and the data it saved for the next phase."""
+
+    phase: str
+    data: Mapping[str, Any]
+
+
+def _recovery(doc: Any) -> RecoveryPoint | None:
+    if doc is None:
+        return None
+    return RecoveryPoint(str(doc["phase"]), dict(doc["data"]))
+
+
+class PostgresTransaction:
+    """The database transaction a claimed handler does its writes in.
+
+    Obtained from :meth:`PostgresStore.transaction`. The handler runs its SQL on
+    :attr:`connection`, then either :meth:`complete` (the record becomes
+    ``COMPLETED`` in the same commit as the writes) or :meth:`advance` (the
+    recovery point moves to the next phase in the same commit).
+    """
+
+    __slots__ = ("_claim", "_done", "_store", "connection")
+
+    def __init__(
+        self, store: PostgresStore, claim: Claim, connection: psycopg.AsyncConnection[Any]
+    ) -> None:
+        self._store = store
+        self._claim = claim
+        self._done = ""
+        #: The psycopg connection, inside the transaction: run the handler's writes on it.
+        self.connection = connection
+
+    def __repr__(self) -> str:
+        return f"PostgresTransaction(key={self._claim.idempotency_key!r})"
+
+    @property
+    def _key(self) -> str:
+        return self._claim.idempotency_key
+
+    def _params(self, **extra: Any) -> dict[str, Any]:
+        prefix = owner_prefix(self._claim.owner)
+        return {"k": self._claim.record_key, "p": prefix, "n": len(prefix), **extra}
+
+    def _lost(self, what: str) -> StoreError:
+        return StoreError(
+            f"the lease on {self._claim.idempotency_key} was lost before {what} (it expired and "
+            "another request may hold the key), so this transaction is rolled back and none "
+            "of its writes happen; the client retries with the same key"
+        )
+
+    async def recovery_point(self) -> RecoveryPoint | None:
+        """The last phase a previous attempt finished, or None on a first attempt."""
+        cur = await self._store._execute(self.connection, "recovery", self._params(), self._key)
+        row = await cur.fetchone()
+        if row is None:
+            raise self._lost("reading the recovery point")
+        return _recovery(row[0])
+
+    async def advance(self, phase: str, data: Mapping[str, Any] | None = None) -> None:
+        """Record that ``phase`` finished, with the ``data`` later phases need.
+
+        Committed with this transaction's writes, so a retry after a crash resumes
+        exactly after the last phase whose writes committed.
+        """
+        if self._done == "complete":
+            raise ConfigurationError("advance() after complete(): the step is already done")
+        if not isinstance(phase, str) or not phase:
+            raise ConfigurationError(f"a phase is a non-empty str, got {phase!r}")
+        doc = json.dumps({"phase": phase, "data": dict(data or {})}, sort_keys=True)
+        params = self._params(r=doc)
+        cur = await self._store._execute(self.connection, "advance", params, self._key)
+        if cur.rowcount != 1:
+            raise self._lost(f"recording phase {phase!r}")
+        self._done = "advance"
+
+    async def complete(self, response: _Response) -> _Response:
+        """Make the record ``COMPLETED`` with ``response``, in this transaction's commit.
+
+        ``response`` is a Starlette response (``status_code``, ``raw_headers``,
+        ``body``); it is returned, so a handler ends with ``return await
+        tx.complete(JSONResponse(...))`` and the live answer is the one replayed.
+        """
+        status = getattr(response, "status_code", None)
+        body = getattr(response, "body", None)
+        raw = getattr(response, "raw_headers", None)
+        if not isinstance(status, int) or not isinstance(body, bytes) or raw is None:
+            raise ConfigurationError(
+                "complete() takes a Starlette Response with a body (JSONResponse, Response), "
+                f"got {type(response).__name__}; a streaming response cannot be stored"
+            )
+        if not is_storable(status):
+            raise ConfigurationError(
+                f"complete() got status {status}, which is not a final answer for the key; "
+                "raise instead, so the transaction rolls back and the step can be retried"
+            )
+        if self._done == "complete":
+            raise ConfigurationError("complete() was already called in this transaction")
+        headers = tuple(
+            (bytes(k).decode("latin-1").lower(), bytes(v).decode("latin-1"))
+            for k, v in raw
+            if bytes(k).lower() not in _DROP_HEADERS
+        )
+        finished = int(time.time() * 1000)
+        outcome = Outcome(
+            "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
+        )
+        value = encode_outcome(outcome)
+        params = self._params(v=value, o=self._claim.owner, ttl=self._store.result_ttl_ms)
+        cur = await self._store._execute(self.connection, "seal", params, self._key)
+        if cur.rowcount != 1:
+            raise self._lost("completing")
+        self._done = "complete"
+        return response
+
+
+class PostgresStore:
+    """A store on PostgreSQL >= 12 through psycopg 3 and a psycopg_pool pool.
+
+    ``PostgresStore("postgresql://user:pass@host/db")``. Keyword options:
+
+    ``table``
+        The records table (``agentkey_records``), optionally ``schema.table``.
+    ``create``
+        Create the table on first use (default). False: run :meth:`create_table`
+        (or the SQL of :meth:`schema_sql`) once, as a migration, yourself.
+    ``min_size``, ``max_size``
+        Pool size; a burst waits up to ``timeout`` seconds for a free connection.
+    ``connect_timeout``, ``timeout``
+        Seconds to connect, and to wait for a pooled connection.
+    ``result_ttl``
+        Seconds a record completed by :meth:`PostgresTransaction.complete` lives if
+        the process dies before the middleware's own finish sets its ``result_ttl``.
+    ``recovery_ttl``
+        Seconds a released claim keeps its recovery point for the retry (24 h).
+    ``sweep_every``
+        Claims between two inline purges of expired records (0: only :meth:`purge`).
+
+    Unreachable database: :class:`~agentkey.StoreUnavailable` (the middleware
+    answers 503 and never runs the handler). The DSN is never shown.
+    """
+
+    #: Rows one inline sweep deletes at most.
+    SWEEP_LIMIT = 500
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        table: str = "agentkey_records",
+        create: bool = True,
+        min_size: int = 1,
+        max_size: int = 20,
+        connect_timeout: float = 2.0,
+        timeout: float = 5.0,
+        result_ttl: float = 86_400.0,
+        recovery_ttl: float = 86_400.0,
+        sweep_every: int = 1024,
+    ) -> None:
+        if not isinstance(dsn, str) or not (
+            dsn.startswith(("postgresql://", "postgres://")) or "=" in dsn
+        ):
+            raise ConfigurationError(
+                "PostgresStore needs a postgresql:// URL or a libpq key=value connection string"
+            )
+        if not isinstance(table, str) or not _TABLE.fullmatch(table):
+            raise ConfigurationError(
+                f"table must be a lowercase SQL identifier, optionally schema-qualified, "
+                f"got {table!r}"
+            )
+        for name, seconds in (("result_ttl", result_ttl), ("recovery_ttl", recovery_ttl)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+                raise ConfigurationError(f"{name} must be a positive number of seconds")
+        if isinstance(sweep_every, bool) or not isinstance(sweep_every, int) or sweep_every < 0:
+            raise ConfigurationError("sweep_every must be a whole number >= 0")
+        self.table = table
+        self.result_ttl_ms = max(1, round(result_ttl * 1000))
+        self.recovery_ttl = float(recovery_ttl)
+        self.sweep_every = sweep_every
+        self._create = create
+        self._ready = False
+        self._claims = 0
+        ident = sql.Identifier(*table.split("."))
+        index = sql.Identifier(table.split(".")[-1] + "_expires_at")
+        self._sql = {
+            name: sql.SQL(text).format(t=ident, ix=index)
+            for name, text in (
+                ("schema", _SCHEMA),
+                ("claim", _CLAIM),
+                ("renew", _RENEW),
+                ("finish", _FINISH),
+                ("release", _RELEASE),
+                ("get", _GET),
+                ("seal", _SEAL),
+                ("advance", _ADVANCE),
+                ("recovery", _RECOVERY),
+                ("purge", _PURGE),
+            )
+        }
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=timeout,
+            open=False,
+            kwargs={"autocommit": True, "connect_timeout": max(1, round(connect_timeout))},
+            name="agentkey",
+        )
+        self._opened = False
+
+    def __repr__(self) -> str:  # never shows the DSN: it may carry a password
+        return f"PostgresStore(table={self.table!r})"
+
+    def schema_sql(self) -> str:
+        """The migration that creates the table and its index (idempotent)."""
+        return self._sql["schema"].as_string(None)
+
+    # --- plumbing ---------------------------------------------------------------
+
+    def _map(self, what: str, key: str, exc: BaseException) -> StoreError:
+        if isinstance(exc, StoreError):
+            return exc
+        if isinstance(exc, (psycopg.OperationalError, PoolTimeout, OSError)):
+            return StoreUnavailable(
+                f"PostgreSQL could not be reached during {what} of record {key!r} "
+                f"({type(exc).__name__}); the request was refused, not run. Check that the "
+                "database is up and reachable, then retry with the same key"
+            )
+        state = getattr(exc, "sqlstate", None)
+        return StoreError(
+            f"PostgreSQL failed during {what} of record {key!r}: {type(exc).__name__}"
+            + (f" (SQLSTATE {state})" if state else "")
+        )
+
+    async def _open(self) -> None:
+        if not self._opened:
+            self._opened = True
+            await self._pool.open(wait=False)
+        if self._create and not self._ready:
+            await self.create_table()
+
+    async def _execute(
+        self, conn: psycopg.AsyncConnection[Any], name: str, params: dict[str, Any], key: str
+    ) -> psycopg.AsyncCursor[Any]:
+        try:
+            return await conn.execute(self._sql[name], params)
+        except Exception as exc:
+            raise self._map(name, key, exc) from None
+
+    async def _one(self, name: str, key: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement on a pooled autocommit connection: one round trip."""
+        try:
+            await self._open()
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(self._sql[name], params)
+                return await cur.fetchall() if cur.description else []
+        except Exception as exc:
+            raise self._map(name, key, exc) from None
+
+    async def create_table(self) -> None:
+        """Create the table and its index if missing (safe to call from many processes)."""
+        try:
+            if not self._opened:
+                self._opened = True
+                await self._pool.open(wait=False)
+            async with self._pool.connection() as conn, conn.transaction():
+                # One creator at a time: concurrent CREATE ... IF NOT EXISTS can collide.
+                await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.table,))
+                await conn.execute(self._sql["schema"])
+        except Exception as exc:
+            raise self._map("table creation", self.table, exc) from None
+        self._ready = True
+
+    # --- the Store protocol -------------------------------------------------------
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        params = {"k": key, "v": bytes(value), "ttl": _check_ttl(ttl_ms)}
+        for _ in range(20):
+            rows = await self._one("claim", key, params)
+            if rows:
+                await self._maybe_sweep()
+                return None if rows[0][1] else bytes(rows[0][0])
+            # A concurrent claim committed between this statement's snapshot and its
+            # INSERT: the record exists now, so the next attempt reads it.
+        raise StoreError(f"claiming record {key!r} kept racing with other claims; retry")
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        prefix = owner_prefix(owner)
+        params = {"k": key, "p": prefix, "n": len(prefix), "o": owner, "ttl": _check_ttl(ttl_ms)}
+        return await self._owned("renew", key, params)
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        prefix = owner_prefix(owner)
+        params = {
+            "k": key,
+            "p": prefix,
+            "n": len(prefix),
+            "o": owner,
+            "v": bytes(value),
+            "ttl": _check_ttl(ttl_ms),
+        }
+        return await self._owned("finish", key, params)
+
+    async def _owned(self, name: str, key: str, params: dict[str, Any]) -> bool:
+        if (await self._one(name, key, params))[0][0]:
+            return True
+        # "Not owned" may be a snapshot taken just before this owner's own transaction
+        # committed complete() (the UPDATE waited for its row lock, then found the
+        # sealed record): a fresh snapshot tells. Only the rare unowned path pays.
+        return bool((await self._one(name, key, params))[0][0])
+
+    async def release(self, key: str, owner: str) -> bool:
+        prefix = owner_prefix(owner)
+        return bool(
+            (await self._one("release", key, {"k": key, "p": prefix, "n": len(prefix)}))[0][0]
+        )
+
+    async def get(self, key: str) -> bytes | None:
+        rows = await self._one("get", key, {"k": key})
+        return bytes(rows[0][0]) if rows else None
+
+    async def aclose(self) -> None:
+        if self._opened:
+            await self._pool.close()
+
+    # --- maintenance --------------------------------------------------------------
+
+    async def purge(self, *, limit: int = 10_000) -> int:
+        """Delete up to ``limit`` expired records; return how many. Run it as a job.
+
+        A released claim that holds a recovery point is kept ``recovery_ttl``
+        seconds past its lease, so a late retry can still resume.
+        """
+        params = {"keep": self.recovery_ttl, "limit": limit}
+        try:
+            await self._open()
+            async with self._pool.connection() as conn:
+                cur = await conn.execute(self._sql["purge"], params)
+                return cur.rowcount
+        except Exception as exc:
+            raise self._map("purge", self.table, exc) from None
+
+    async def _maybe_sweep(self) -> None:
+        self._claims += 1
+        if self.sweep_every and self._claims % self.sweep_every == 0:
+            try:
+                await self.purge(limit=self.SWEEP_LIMIT)
+            except StoreError as exc:  # a failed sweep must not fail the request
+                _logger.warning("purging expired idempotency records failed: %s", exc)
+
+    # --- transactional completion -------------------------------------------------
+
+    async def recovery_point(self, claim: Claim) -> RecoveryPoint | None:
+        """The last phase an earlier attempt of ``claim``'s step finished (one round trip).
+
+        None on a first attempt. Raises :class:`~agentkey.StoreError` if the claim
+        no longer holds the key.
+        """
+        prefix = owner_prefix(claim.owner)
+        params = {"k": claim.record_key, "p": prefix, "n": len(prefix)}
+        rows = await self._one("recovery", claim.idempotency_key, params)
+        if not rows:
+            raise StoreError(
+                f"the lease on {claim.idempotency_key} was lost (it expired and another "
+                "request may hold the key); this attempt must stop, and the client retries "
+                "with the same key"
+            )
+        return _recovery(rows[0][0])
+
+    @asynccontextmanager
+    async def transaction(self, claim: Claim) -> AsyncIterator[PostgresTransaction]:
+        """The transaction a claimed handler writes in; the record completes in its commit.
+
+        ::
+
+            async with store.transaction(get_claim(request)) as tx:
+                await tx.connection.execute("INSERT INTO charges ...", (...))
+                return await tx.complete(JSONResponse({...}, status_code=201))
+
+        Leaving the block without :meth:`~PostgresTransaction.complete` or
+        :meth:`~PostgresTransaction.advance` rolls back and raises
+        :class:`~agentkey.ConfigurationError`: writes committed without their record
+        would run again on a retry. An exception rolls everything back, so the
+        middleware releases the key and the retry runs cleanly.
+        """
+        key = claim.idempotency_key
+        body_failed = False
+        try:
+            await self._open()
+            async with self._pool.connection() as conn, conn.transaction():
+                tx = PostgresTransaction(self, claim, conn)
+                try:
+                    yield tx
+                except BaseException:
+                    body_failed = True  # the handler's own error, passed on unchanged
+                    raise
+                if not tx._done:
+                    raise ConfigurationError(
+                        f"the transaction of {key} ended without complete() or advance(); "
+                        "it was rolled back, because writes committed without their record "
+                        "would run again on a retry"
+                    )
+        except (psycopg.Error, PoolTimeout, OSError) as exc:
+            if body_failed:
+                raise
+            # A failed COMMIT is ambiguous, and the record settles it: committed, it is
+            # COMPLETED and the retry replays; not committed, it is still the claim,
+            # which the middleware releases for a clean retry.
+            raise self._map("transaction", key, exc) from None
