@@ -25,7 +25,6 @@ import contextlib
 import copy
 import logging
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Generator
 from typing import TypeVar
 
@@ -195,7 +194,7 @@ class TokenProvider(httpx.Auth):
 
     def _decide(self, rejected: Token | None) -> Token | tuple[_Flight, bool, Token | None]:
         """A token to use now, or the flight to join (False) or lead (True)."""
-        now = time.monotonic()
+        now = self._policy.clock()
         with self._lock:
             current = self._token
             if current is not None:
@@ -231,7 +230,7 @@ class TokenProvider(httpx.Auth):
                 self._token = token
                 self._failure = None
             elif error is not None and remember:
-                self._failure = (error, time.monotonic() + self._policy.failure_ttl)
+                self._failure = (error, self._policy.clock() + self._policy.failure_ttl)
         flight.finish(token, error)
 
     @staticmethod
@@ -346,7 +345,7 @@ class TokenProvider(httpx.Auth):
 
     def _fallback(self, current: Token | None, rejected: Token | None, error: AuthError) -> Token:
         """After a failed early renewal, keep using a token that has not expired yet."""
-        now = time.monotonic()
+        now = self._policy.clock()
         if rejected is not None or not _still_usable(current, now):
             raise error
         assert current is not None

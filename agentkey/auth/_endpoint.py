@@ -11,7 +11,6 @@ import logging
 import math
 import random
 import ssl
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -173,6 +172,7 @@ class TokenEndpoint:
         self.client = client
         self.policy = policy
         self._verify = verify
+        self._ssl: ssl.SSLContext | None = None  # built once: it costs ~50 ms per client
 
     def __repr__(self) -> str:
         return f"TokenEndpoint({redact_url(self.url)!r}, client_id={self.client.client_id!r})"
@@ -273,11 +273,27 @@ class TokenEndpoint:
             )
         issued_type = payload.get("issued_token_type")
         expected = request.expect_issued_token_type
-        if expected is not None and issued_type not in expected:
+        if expected is not None and issued_type is None:
+            # RFC 8693 section 2.2.1 requires the field, but some endpoints omit it. A token
+            # the answer calls Bearer is an access token for a tool, so it is usable as is.
+            if "token_type" not in payload:
+                raise TokenError(
+                    f"{where} answered {who} with neither issued_token_type nor token_type, "
+                    "so what it issued is unknown; configure the identity provider to send "
+                    "token_type Bearer (RFC 6749) or issued_token_type (RFC 8693)",
+                    status_code=status,
+                )
+            _log.debug(
+                "%s answered %s without issued_token_type; accepted as a Bearer access token",
+                where,
+                who,
+            )
+        elif expected is not None and issued_type not in expected:
             raise TokenError(
-                f"{where} answered {who} with issued_token_type {_clean(issued_type, 80)!r}, "
-                f"expected one of {sorted(expected)}; set requested_token_type to what the "
-                "tool accepts",
+                f"{where} answered {who} with issued_token_type {_clean(str(issued_type), 80)!r}, "
+                f"but agentkey sends only {' or '.join(sorted(expected))} to a tool; make the "
+                "identity provider issue one of those (or pass requested_token_type= naming "
+                "the type the tool accepts, if the provider honours it)",
                 status_code=status,
             )
         lifetime = None
@@ -352,10 +368,17 @@ class TokenEndpoint:
         )
 
     def _client_options(self) -> dict[str, Any]:
+        if self._ssl is None:
+            verify = self._verify
+            self._ssl = (
+                verify
+                if isinstance(verify, ssl.SSLContext)
+                else httpx.create_ssl_context(verify=verify)
+            )
         return {
             "timeout": self.policy.timeout,
             "follow_redirects": False,  # a redirect must not carry client credentials
-            "verify": self._verify,
+            "verify": self._ssl,
         }
 
     def _log_success(self, request: TokenRequest, token: Token) -> None:
@@ -378,7 +401,7 @@ class TokenEndpoint:
                     with attempt:
                         attempts += 1
                         headers, body = self.build(request)
-                        sent_at = time.monotonic()
+                        sent_at = self.policy.clock()
                         try:
                             response = http.post(self.url, headers=headers, content=body)
                         except httpx.TransportError as exc:
@@ -398,7 +421,7 @@ class TokenEndpoint:
                     with attempt:
                         attempts += 1
                         headers, body = self.build(request)
-                        sent_at = time.monotonic()
+                        sent_at = self.policy.clock()
                         try:
                             response = await http.post(self.url, headers=headers, content=body)
                         except httpx.TransportError as exc:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .._exceptions import ConfigurationError
 
@@ -32,6 +34,10 @@ class TokenPolicy:
     - ``timeout``: HTTP timeout of one token request.
     - ``failure_ttl``: how long a failed refresh is remembered, so callers
       arriving right after it fail fast instead of hammering a broken endpoint.
+    - ``clock``: the monotonic clock token lifetimes, refresh points and
+      remembered failures are measured on (default ``time.monotonic``). Tests
+      pass a fake clock they advance by hand, so a loaded machine cannot make
+      a short-lived token expire between two lines of the test.
     """
 
     leeway: float = 60.0
@@ -43,6 +49,7 @@ class TokenPolicy:
     deadline: float = 30.0
     timeout: float = 10.0
     failure_ttl: float = 2.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("leeway", "leeway_jitter", "backoff", "max_wait", "failure_ttl"):
@@ -70,8 +77,13 @@ class TokenPolicy:
             raise ConfigurationError(
                 f"TokenPolicy.attempts must be an integer >= 1, got {self.attempts!r}"
             )
+        if not callable(self.clock):
+            raise ConfigurationError(
+                "TokenPolicy.clock must be a function returning monotonic seconds, "
+                f"such as time.monotonic; got {type(self.clock).__name__}"
+            )
 
-    def replace(self, **changes: float) -> TokenPolicy:
+    def replace(self, **changes: float | Callable[[], float]) -> TokenPolicy:
         """A copy with ``changes`` applied (validated like the original)."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)

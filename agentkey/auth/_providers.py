@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from typing import get_args
 
@@ -223,7 +222,10 @@ class RefreshTokenGrant(_OAuthProvider):
 
     The refresh token lives in ``store`` under ``store_key``. ``refresh_token``
     seeds an empty store; a token already in the store wins, because after a
-    rotation the configured one is spent. When the endpoint rotates the
+    rotation the configured one is spent. When the store offers
+    ``rotation_lock`` (both agentkey stores do), the rotation holds it, so
+    providers and processes sharing the store take turns and each spends the
+    token the previous one stored. When the endpoint rotates the
     refresh token, the new one is saved (atomically, by the store) before the
     access token that came with it is used; when it sends none, the old one is
     kept. ``invalid_grant`` raises DelegationExpired: the user must authorise
@@ -275,6 +277,20 @@ class RefreshTokenGrant(_OAuthProvider):
         return self._store_key
 
     def _obtain(self, current: Token | None) -> Obtain:
+        # Held from reading the refresh token until the rotated one is saved, so providers
+        # and processes sharing the store never spend one refresh token twice: whoever
+        # waited reads the token the previous holder stored.
+        opener = getattr(self._store, "rotation_lock", None)
+        if opener is None:
+            return (yield from self._rotate())
+        lock = opener(self._store_key)
+        yield from call(lock.__enter__)  # may wait for another process: a worker thread
+        try:
+            return (yield from self._rotate())
+        finally:
+            lock.__exit__(None, None, None)  # quick; never a yield, so closing works too
+
+    def _rotate(self) -> Obtain:
         stored = yield from call(lambda: self._store.load(self._store_key))
         refresh = stored or self._initial
         if refresh is None:
@@ -541,7 +557,7 @@ class StaticToken(TokenProvider):
                 "token holds spaces, control or non-ASCII characters, which an Authorization "
                 "header cannot carry; pass the bare access token (without 'Bearer ')"
             )
-        self._token = Token(access_token=secret, obtained_at=time.monotonic())
+        self._token = Token(access_token=secret, obtained_at=self._policy.clock())
 
     def __repr__(self) -> str:
         return "StaticToken(<token hidden>)"

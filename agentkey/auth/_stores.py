@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import secrets
+import sys
 import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import IO, Protocol, runtime_checkable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -29,6 +33,13 @@ class TokenStore(Protocol):
     token is saved before the new access token is used, so a crash never loses
     the only valid refresh token. Calls are blocking; the async path runs them
     in a worker thread. Implement it over a database or a vault as needed.
+
+    A store shared by several providers or processes should also offer
+    ``rotation_lock(key)``: a context manager that excludes every other holder
+    for ``key`` (a row lock, an advisory lock). ``RefreshTokenGrant`` holds it
+    from reading the refresh token until the rotated one is saved, so two
+    holders never spend the same refresh token. Entering may block; leaving
+    must be quick.
     """
 
     def load(self, key: str) -> SecretStr | None:
@@ -50,6 +61,7 @@ class MemoryTokenStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, SecretStr] = {}
+        self._rotations: dict[str, threading.Lock] = {}
 
     def __repr__(self) -> str:
         return f"MemoryTokenStore(<{len(self._data)} entries>)"
@@ -66,6 +78,14 @@ class MemoryTokenStore:
         with self._lock:
             self._data.pop(key, None)
 
+    @contextlib.contextmanager
+    def rotation_lock(self, key: str) -> Iterator[None]:
+        """Exclude other providers of this process from rotating ``key`` meanwhile."""
+        with self._lock:
+            lock = self._rotations.setdefault(key, threading.Lock())
+        with lock:
+            yield
+
 
 _MAGIC = b"agentkey-token-store-v1\n"
 _NONCE = 12
@@ -78,14 +98,38 @@ class EncryptedFileTokenStore:
     ``EncryptedFileTokenStore.generate_key()`` and keep it in your secret
     manager, not beside the file). Each save rewrites the whole file through a
     temporary file, ``fsync`` and ``os.replace``, so a crash leaves the old or
-    the new file, never half of one. Saves within one process are serialised;
-    several processes must not share one file.
+    the new file, never half of one; temporary files a killed save left
+    behind are removed by the next save.
+
+    Every read and write holds an OS lock on ``<path>.lock`` (``flock`` on
+    POSIX, ``msvcrt.locking`` on Windows), so any number of store objects,
+    threads and processes may share one file without losing a write. A
+    refresh-token rotation holds ``<path>.rotate.lock`` from reading the
+    token until the rotated one is saved: the rotations of all processes
+    sharing the file run one at a time, and each reads the token the previous
+    one stored. The lock files must live on a local file system (network file
+    systems may not honour the locks). A lock not obtained within
+    ``lock_timeout`` seconds raises AuthError.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, key: str | bytes | SecretStr) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        key: str | bytes | SecretStr,
+        lock_timeout: float = 60.0,
+    ) -> None:
+        if (
+            isinstance(lock_timeout, bool)
+            or not isinstance(lock_timeout, (int, float))
+            or not 0 < lock_timeout < float("inf")
+        ):
+            raise ConfigurationError(
+                f"lock_timeout must be a positive number of seconds, got {lock_timeout!r}"
+            )
         self._path = Path(path)
         self._aead = AESGCM(_decode_key(key))
-        self._lock = threading.Lock()
+        self._lock_timeout = float(lock_timeout)
 
     def __repr__(self) -> str:
         return f"EncryptedFileTokenStore({str(self._path)!r})"
@@ -96,20 +140,41 @@ class EncryptedFileTokenStore:
         return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode("ascii")
 
     def load(self, key: str) -> SecretStr | None:
-        with self._lock:
+        with self._locked(".lock"):
             return self._read().get(key)
 
     def save(self, key: str, value: SecretStr) -> None:
-        with self._lock:
+        with self._locked(".lock"):
             data = self._read()
             data[key] = value
             self._write(data)
 
     def delete(self, key: str) -> None:
-        with self._lock:
+        with self._locked(".lock"):
             data = self._read()
             if data.pop(key, None) is not None:
                 self._write(data)
+
+    def rotation_lock(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Exclude every other thread and process using this file from rotating meanwhile."""
+        return self._locked(".rotate.lock")
+
+    @contextlib.contextmanager
+    def _locked(self, suffix: str) -> Iterator[None]:
+        lock_path = self._path.with_name(self._path.name + suffix)
+        try:
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(lock_path, "a+b")  # noqa: SIM115 - closed below, on every path
+        except OSError as exc:
+            raise AuthError(
+                f"cannot open the lock file {str(lock_path)!r} ({exc.strerror}); "
+                "check the path and its permissions"
+            ) from None
+        try:
+            _acquire(handle, lock_path, self._lock_timeout)
+            yield
+        finally:
+            handle.close()  # closing the file releases the lock
 
     def _read(self) -> dict[str, SecretStr]:
         try:
@@ -145,6 +210,7 @@ class EncryptedFileTokenStore:
         directory = self._path.parent
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            self._remove_orphans()
             fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", dir=directory)
             try:
                 with os.fdopen(fd, "wb") as handle:  # mkstemp creates it with mode 0600
@@ -161,6 +227,53 @@ class EncryptedFileTokenStore:
                 f"cannot write the token store {str(self._path)!r} ({exc.strerror}); "
                 "check the path and its permissions"
             ) from None
+
+    def _remove_orphans(self) -> None:
+        """Delete temporary files of saves that were killed (the caller holds the lock)."""
+        for orphan in self._path.parent.glob(f".{_glob_escape(self._path.name)}.*"):
+            with contextlib.suppress(OSError):
+                orphan.unlink()
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
+
+
+if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+    import msvcrt
+
+    def _try_lock(handle: IO[bytes]) -> bool:
+        handle.seek(0)
+        try:
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+
+else:
+    import fcntl
+
+    def _try_lock(handle: IO[bytes]) -> bool:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+
+def _acquire(handle: IO[bytes], path: Path, timeout: float) -> None:
+    """Take the OS lock on ``handle``, polling until ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not _try_lock(handle):
+        if time.monotonic() >= deadline:
+            raise AuthError(
+                f"the token store lock {str(path)!r} was held by another process or thread "
+                f"for more than {timeout:g} s; check for a hung process using the store, "
+                "or raise lock_timeout"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -19,6 +19,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -61,6 +62,9 @@ class IdP:
     delay: float = 0.0
     replies: list[Reply] = field(default_factory=list)
     url: str = ""
+    # Token lifetimes run on this clock; tests that share a FakeClock with the provider's
+    # TokenPolicy(clock=...) advance time by hand, so machine load never expires a token.
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -69,6 +73,7 @@ class IdP:
     def reset(self) -> None:
         """Forget everything issued and counted (clients, keys and url stay)."""
         with self.lock:
+            self.clock = time.monotonic
             self.lifetime = 2.0
             self.rotate = True
             self.exchange_refresh = False
@@ -102,7 +107,7 @@ class IdP:
         """A user token (subject / OBO assertion) the IdP will accept for ``lifetime`` s."""
         token = "user-" + secrets.token_urlsafe(16)
         with self.lock:
-            self.user_tokens[token] = time.monotonic() + lifetime
+            self.user_tokens[token] = self.clock() + lifetime
         return token
 
     def grant_refresh_token(self, client_id: str) -> str:
@@ -213,7 +218,7 @@ class IdP:
 
     def _issue(self, client_id: str, *, refresh: bool, extra: dict[str, Any]) -> Response:
         token = "at-" + secrets.token_urlsafe(16)
-        self.access[token] = time.monotonic() + self.lifetime
+        self.access[token] = self.clock() + self.lifetime
         body: dict[str, Any] = {
             "access_token": token,
             "token_type": "Bearer",
@@ -241,7 +246,7 @@ class IdP:
             name = "subject_token" if grant == TOKEN_EXCHANGE else "assertion"
             subject = params.get(name, [""])[0]
             expiry = self.user_tokens.get(subject) or self.access.get(subject)
-            if expiry is None or expiry <= time.monotonic():
+            if expiry is None or expiry <= self.clock():
                 return _error(400, "invalid_grant", f"the {name} is expired or unknown")
             if grant == JWT_BEARER and params.get("requested_token_use") != ["on_behalf_of"]:
                 return _error(400, "invalid_request", "requested_token_use must be on_behalf_of")
@@ -258,7 +263,7 @@ class IdP:
         with self.lock:
             self.tool_requests.append((request.headers.get("idempotency-key"), header, body))
             expiry = self.access.get(token)
-            valid = expiry is not None and expiry > time.monotonic()
+            valid = expiry is not None and expiry > self.clock()
             if valid and self.force_401:
                 self.force_401 -= 1
                 valid = False
@@ -278,7 +283,7 @@ class IdP:
         token = header[7:] if header.startswith("Bearer ") else ""
         with self.lock:
             expiry = self.access.get(token)
-            if expiry is not None and expiry > time.monotonic():
+            if expiry is not None and expiry > self.clock():
                 return True
             self.tool_401 += 1
             return False

@@ -41,6 +41,19 @@ def idp(_idp_server: IdP) -> IdP:
     return _idp_server
 
 
+class FakeClock:
+    """A monotonic clock that moves only when the test says so (shared by IdP and provider)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @dataclass(frozen=True)
 class Driver:
     """Sends one request with a sync or an async httpx client; awaitable either way."""

@@ -1,11 +1,13 @@
 """End-to-end: every provider against the real loopback identity provider and tool.
 
 Each scenario runs through both drivers (httpx.Client and httpx.AsyncClient).
+Token lifetimes run on a fake clock shared by the identity provider and the
+providers' policy, so time passes only where a test advances it: a loaded
+machine cannot expire a token between two lines of a test.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -34,9 +36,17 @@ from tests.auth.conftest import (
     PRIVATE_PEM,
     PUBLIC_CLIENT,
     Driver,
+    FakeClock,
 )
 
-FAST = TokenPolicy(backoff=0.01, max_wait=0.05, attempts=3, failure_ttl=0.5)
+CLOCK = FakeClock()
+FAST = TokenPolicy(backoff=0.01, max_wait=0.05, attempts=3, failure_ttl=0.5, clock=CLOCK)
+
+
+@pytest.fixture(autouse=True)
+def _fake_time(idp: IdP) -> None:
+    """The identity provider measures token lifetimes on the same fake clock as FAST."""
+    idp.clock = CLOCK
 
 
 def _cc(idp: IdP, **kwargs: Any) -> ClientCredentials:
@@ -101,7 +111,7 @@ async def test_private_key_jwt_fresh_jti_and_short_exp(idp: IdP, driver: Driver)
     for _ in range(3):
         response = await driver.request("GET", idp.url + "/tool", auth=auth)
         assert response.status_code == 200
-        await asyncio.sleep(0.25)  # past the refresh point (half of 0.4 s)
+        CLOCK.advance(0.25)  # past the refresh point (half of 0.4 s)
     assert idp.hits["client_credentials"] == 3
     assert len(set(idp.jtis)) == 3
     for assertion in idp.assertions:
@@ -119,7 +129,7 @@ async def test_refreshes_before_the_call_when_leeway_is_reached(idp: IdP, driver
     for _ in range(4):
         response = await driver.request("GET", idp.url + "/tool", auth=auth)
         assert response.status_code == 200
-        await asyncio.sleep(0.55)
+        CLOCK.advance(0.55)
     assert idp.tool_401 == 0
     assert idp.hits["client_credentials"] == 4
 
@@ -219,7 +229,7 @@ async def test_broken_endpoint_gives_up_and_failure_is_remembered(idp: IdP, driv
     with pytest.raises(TokenError):
         await driver.request("GET", idp.url + "/tool", auth=auth)
     assert idp.token_requests == 3  # remembered: no new request
-    await asyncio.sleep(0.6)  # failure_ttl is 0.5 s
+    CLOCK.advance(0.6)  # failure_ttl is 0.5 s
     response = await driver.request("GET", idp.url + "/tool", auth=auth)
     assert response.status_code == 200
     assert idp.token_requests == 4
@@ -245,7 +255,7 @@ async def test_refresh_token_rotation_is_persisted(idp: IdP, driver: Driver) -> 
         stored = store.load(auth.store_key)
         assert stored is not None
         seen.append(stored.get_secret_value())
-        await asyncio.sleep(0.25)
+        CLOCK.advance(0.25)
     assert len(set(seen)) == 3
     assert first not in seen
     assert {first, *seen[:2]} <= idp.spent_refresh
@@ -341,16 +351,37 @@ async def test_token_exchange_without_actor_sends_no_actor_type(idp: IdP, driver
     assert form["requested_token_type"] == [ACCESS_TOKEN_TYPE]
 
 
-@pytest.mark.parametrize("issued", [None, "urn:ietf:params:oauth:token-type:id_token"])
-async def test_token_exchange_checks_issued_token_type(
-    idp: IdP, driver: Driver, issued: str | None
-) -> None:
-    """A missing or unexpected issued_token_type is refused instead of being sent to the tool."""
-    idp.issued_token_type = issued
-    with pytest.raises(TokenError, match="issued_token_type"):
+async def test_token_exchange_refuses_another_issued_token_type(idp: IdP, driver: Driver) -> None:
+    """A present but unexpected issued_token_type is refused instead of being sent to the tool."""
+    idp.issued_token_type = "urn:ietf:params:oauth:token-type:id_token"
+    with pytest.raises(TokenError, match="issued_token_type") as info:
         await driver.request("GET", idp.url + "/tool", auth=_exchange(idp, idp.user_token()))
+    assert "id_token" in str(info.value)
+    assert "make the identity provider issue" in str(info.value)
     assert idp.tool_calls == 0
     assert idp.tool_401 == 0
+
+
+async def test_token_exchange_accepts_a_missing_issued_token_type_for_bearer(
+    idp: IdP, driver: Driver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exchange answer without issued_token_type but with token_type Bearer is used (DEBUG)."""
+    idp.issued_token_type = None
+    with caplog.at_level("DEBUG", logger="agentkey.auth"):
+        response = await driver.request(
+            "GET", idp.url + "/tool", auth=_exchange(idp, idp.user_token())
+        )
+    assert response.status_code == 200
+    assert idp.tool_calls == 1
+    assert "without issued_token_type" in caplog.text
+
+
+async def test_token_exchange_without_any_token_type_is_refused(idp: IdP, driver: Driver) -> None:
+    """Without issued_token_type and without token_type nothing says what was issued: refused."""
+    idp.replies = [Reply(200, {"access_token": "at-mystery", "expires_in": 60})]
+    with pytest.raises(TokenError, match="neither issued_token_type nor token_type"):
+        await driver.request("GET", idp.url + "/tool", auth=_exchange(idp, idp.user_token()))
+    assert idp.tool_requests == []
 
 
 async def test_token_exchange_renews_with_its_refresh_token(idp: IdP, driver: Driver) -> None:
@@ -359,7 +390,7 @@ async def test_token_exchange_renews_with_its_refresh_token(idp: IdP, driver: Dr
     idp.lifetime = 0.4
     auth = _exchange(idp, idp.user_token(lifetime=0.3))
     assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
-    await asyncio.sleep(0.45)  # the user token and the first access token are both gone
+    CLOCK.advance(0.45)  # the user token and the first access token are both gone
     assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
     assert idp.hits["refresh_token"] == 1
     assert idp.hits["urn:ietf:params:oauth:grant-type:token-exchange"] == 1
@@ -370,7 +401,7 @@ async def test_expired_subject_token_is_delegation_expired(idp: IdP, driver: Dri
     idp.lifetime = 0.3
     auth = _exchange(idp, idp.user_token(lifetime=0.3))
     assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
-    await asyncio.sleep(0.35)
+    CLOCK.advance(0.35)
     with pytest.raises(DelegationExpired) as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)
     assert "authorise the agent again" in str(info.value)
@@ -485,7 +516,7 @@ async def test_failed_early_renewal_keeps_the_still_valid_token(
     """A failed early renewal leaves calls on the unexpired token, until it nears expiry."""
     auth = _cc(idp, policy=FAST.replace(attempts=1, failure_ttl=30.0))
     assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
-    await asyncio.sleep(1.1)  # the 2 s token is due (half its life) but valid for 0.9 s more
+    CLOCK.advance(1.1)  # the 2 s token is due (half its life) but valid for 0.9 s more
     idp.replies = [Reply(503, {"error": "down"})]
     with caplog.at_level("WARNING", logger="agentkey.auth"):
         response = await driver.request("GET", idp.url + "/tool", auth=auth)
@@ -493,7 +524,7 @@ async def test_failed_early_renewal_keeps_the_still_valid_token(
         assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
     assert "stays in use" in caplog.text
     assert idp.token_requests == 2  # the failure is remembered: the second call did not retry
-    await asyncio.sleep(0.8)  # now less than the safety margin remains
+    CLOCK.advance(0.8)  # now less than the safety margin remains
     with pytest.raises(TokenError):
         await driver.request("GET", idp.url + "/tool", auth=auth)
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,7 @@ from pydantic import SecretStr
 from agentkey import AuthError, ConfigurationError
 from agentkey.auth import EncryptedFileTokenStore, MemoryTokenStore, RefreshTokenGrant, TokenStore
 from tests.auth._idp import IdP
-from tests.auth.conftest import PUBLIC_CLIENT
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, PUBLIC_CLIENT
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -69,7 +73,7 @@ def test_file_is_encrypted_private_and_replaced_atomically(tmp_path: Path) -> No
     assert b"rt-very-secret-value" not in blob
     assert b"refresh_token:client" not in blob
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert os.listdir(path.parent) == ["tokens.bin"]
+    assert sorted(os.listdir(path.parent)) == ["tokens.bin", "tokens.bin.lock"]  # no temp file
     assert "rt-very-secret-value" not in repr(store)
 
 
@@ -126,3 +130,148 @@ async def test_rotation_survives_a_restart_through_the_file(idp: IdP, tmp_path: 
     assert provider().get_token()  # a new process: reads the rotated token from the file
     assert idp.hits["refresh_token"] == 2
     assert first in idp.spent_refresh
+
+
+def test_two_store_objects_on_one_file_lose_no_write(tmp_path: Path) -> None:
+    """Two store objects on one file (as after a restart), saving from threads, lose nothing."""
+    key = os.urandom(32)
+    stores = [EncryptedFileTokenStore(tmp_path / "t.bin", key=key) for _ in range(2)]
+
+    def save_many(which: int) -> None:
+        for i in range(40):
+            stores[which].save(f"s{which}-{i}", SecretStr(f"v{i}"))
+
+    threads = [threading.Thread(target=save_many, args=(w,)) for w in (0, 1, 0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    fresh = EncryptedFileTokenStore(tmp_path / "t.bin", key=key)
+    missing = [(w, i) for w in (0, 1) for i in range(40) if fresh.load(f"s{w}-{i}") is None]
+    assert missing == []
+
+
+def test_a_killed_saves_temp_file_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    """A temporary file left by a save killed before its rename is deleted by the next save."""
+    path = tmp_path / "tokens.bin"
+    store = EncryptedFileTokenStore(path, key=os.urandom(32))
+    store.save("a", SecretStr("one"))
+    orphan = tmp_path / ".tokens.bin.k1ll3d_"  # what mkstemp had created when SIGKILL came
+    orphan.write_bytes(b"agentkey-token-store-v1\n half written")
+    store.save("b", SecretStr("two"))
+    assert not orphan.exists()
+    assert sorted(os.listdir(tmp_path)) == ["tokens.bin", "tokens.bin.lock"]
+
+
+def test_a_held_lock_times_out_with_an_auth_error(tmp_path: Path) -> None:
+    """A store whose lock another holder keeps raises AuthError after lock_timeout, not a hang."""
+    path = tmp_path / "tokens.bin"
+    holder = EncryptedFileTokenStore(path, key=os.urandom(32))
+    waiter = EncryptedFileTokenStore(path, key=os.urandom(32), lock_timeout=0.2)
+    with (
+        holder.rotation_lock("k"),
+        pytest.raises(AuthError, match="lock_timeout"),
+        waiter.rotation_lock("k"),
+    ):
+        pass
+
+
+_ROTATOR = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from agentkey.auth import EncryptedFileTokenStore, RefreshTokenGrant, TokenPolicy
+
+    url, client, secret, path, key, go, rounds = sys.argv[1:]
+    provider = RefreshTokenGrant(
+        url + "/token", client, secret,
+        store=EncryptedFileTokenStore(path, key=key),
+        policy=TokenPolicy(attempts=1),
+    )
+    Path(path + ".ready-" + str(id(provider))).touch()
+    while not Path(go).exists():
+        time.sleep(0.005)
+    for _ in range(int(rounds)):
+        provider.invalidate()  # every call now renews: a rotation each time
+        provider.get_token()
+    """
+)
+
+
+def test_two_processes_sharing_one_store_never_spend_a_refresh_token_twice(
+    idp: IdP, tmp_path: Path
+) -> None:
+    """Two processes rotating one stored refresh token take turns: no reuse, no lost rotation."""
+    first = idp.grant_refresh_token(CLIENT_ID)
+    key = EncryptedFileTokenStore.generate_key()
+    path = tmp_path / "tokens.bin"
+    seed = RefreshTokenGrant(
+        idp.url + "/token", CLIENT_ID, CLIENT_SECRET, store=EncryptedFileTokenStore(path, key=key)
+    )
+    seed_store = EncryptedFileTokenStore(path, key=key)
+    seed_store.save(seed.store_key, SecretStr(first))
+    go = tmp_path / "go"
+    rounds = 15
+    argv = [idp.url, CLIENT_ID, CLIENT_SECRET, str(path), key, str(go), str(rounds)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ROTATOR, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("tokens.bin.ready-*"))) < 2:
+        assert time.monotonic() < deadline, "the child processes did not start"
+        time.sleep(0.01)
+    go.touch()  # both start rotating at the same moment
+    outcomes = [child.communicate(timeout=120) for child in children]
+    assert [child.returncode for child in children] == [0, 0], outcomes
+    assert idp.hits["refresh_token"] == 2 * rounds
+    assert len(idp.spent_refresh) == 2 * rounds  # every rotation spent a live token, once
+    stored = seed_store.load(seed.store_key)
+    assert stored is not None
+    assert stored.get_secret_value() in idp.refresh  # the last rotation was kept, and is live
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_two_providers_on_one_store_take_turns_rotating(
+    idp: IdP, tmp_path: Path, kind: str
+) -> None:
+    """Two providers (own store objects on one file, or one memory store) never reuse a token."""
+    first = idp.grant_refresh_token(CLIENT_ID)
+    key = EncryptedFileTokenStore.generate_key()
+    shared = MemoryTokenStore()
+
+    def store() -> TokenStore:
+        if kind == "memory":
+            return shared
+        return EncryptedFileTokenStore(tmp_path / "tokens.bin", key=key)
+
+    providers = [
+        RefreshTokenGrant(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, store=store())
+        for _ in range(2)
+    ]
+    store().save(providers[0].store_key, SecretStr(first))
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def rotate(provider: RefreshTokenGrant) -> None:
+        barrier.wait()
+        try:
+            for _ in range(10):
+                provider.invalidate()
+                provider.get_token()
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rotate, args=(p,)) for p in providers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert idp.hits["refresh_token"] == 20
+    assert len(idp.spent_refresh) == 20
