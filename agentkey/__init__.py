@@ -31,7 +31,15 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
-from ._hooks import InvokeEvent, InvokeHook, LoggingHook, PollEvent, ReplayEvent, RetryEvent
+from ._hooks import (
+    GiveUpEvent,
+    InvokeEvent,
+    InvokeHook,
+    LoggingHook,
+    PollEvent,
+    ReplayEvent,
+    RetryEvent,
+)
 from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
 from ._keys import HeaderStyle, StepKey, step_key
 from ._plan import PlanSession, Step
@@ -49,6 +57,7 @@ __all__ = [
     "ClientCredentials",
     "ConfigurationError",
     "DelegationExpired",
+    "GiveUpEvent",
     "HeaderStyle",
     "InsecureTransport",
     "InvalidArguments",

@@ -1,7 +1,7 @@
 """Instrumentation: frozen event records and the hook Protocol that receives them.
 
 A hook is any callable taking one event. The invoker calls every hook, in
-order, for each retry, poll and replay. An exception raised by a hook
+order, for each retry, poll, replay and give-up. An exception raised by a hook
 propagates (a broken hook is a bug to see, not to hide). Events carry the
 key, never a token or a header value.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
+    "GiveUpEvent",
     "InvokeEvent",
     "InvokeHook",
     "LoggingHook",
@@ -57,8 +58,24 @@ class ReplayEvent:
     status_code: int
 
 
+@dataclass(frozen=True, slots=True)
+class GiveUpEvent:
+    """The invoker gave up on the step: its budget or deadline ran out.
+
+    ``error`` is the class name of the error about to be raised
+    (``OutcomeUnknown``, ``StepInProgress``, ``PollTimeout``).
+    """
+
+    idempotency_key: str
+    step: str | None
+    attempts: int
+    polls: int
+    reason: str  # the last answer: "in flight (409)", "ReadTimeout", ...
+    error: str
+
+
 #: Any event a hook receives.
-InvokeEvent: TypeAlias = RetryEvent | PollEvent | ReplayEvent
+InvokeEvent: TypeAlias = RetryEvent | PollEvent | ReplayEvent | GiveUpEvent
 
 
 @runtime_checkable
@@ -71,9 +88,10 @@ class InvokeHook(Protocol):
 class LoggingHook:
     """The default hook: one ``logging`` record per event on the ``agentkey`` logger.
 
-    Retries and polls log at INFO, replays at INFO too (a replay is the
-    protocol working, not a problem). Only the key, step, attempt, state and
-    wait are logged: never a token, a header or a body.
+    Visible at Python's default level (WARNING): the first retry of a step
+    and every give-up. Later retries, polls and replays (the protocol
+    working, not a problem) log at INFO. Only the key, step, attempt, state
+    and wait are logged: never a token, a header or a body.
     """
 
     def __init__(self, logger_: logging.Logger | None = None) -> None:
@@ -81,13 +99,25 @@ class LoggingHook:
 
     def __call__(self, event: InvokeEvent) -> None:
         if isinstance(event, RetryEvent):
-            self._logger.info(
-                "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs",
+            self._logger.log(
+                logging.WARNING if event.attempt == 1 else logging.INFO,
+                "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs "
+                "(same key: the tool runs the step at most once)",
                 event.idempotency_key,
                 event.step,
                 event.attempt,
-                event.reason,
+                _one_line(event.reason),
                 event.wait,
+            )
+        elif isinstance(event, GiveUpEvent):
+            self._logger.warning(
+                "giving up key=%s step=%s attempts=%d polls=%d last=%s raising=%s",
+                event.idempotency_key,
+                event.step,
+                event.attempts,
+                event.polls,
+                _one_line(event.reason),
+                event.error,
             )
         elif isinstance(event, PollEvent):
             self._logger.info(

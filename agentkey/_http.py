@@ -1,20 +1,42 @@
 """The one module that touches httpx: clients, requests, and the translation of its errors.
 
 Moving to another httpx-compatible client (the ``httpx2`` fork) changes this file only.
+
+Two hostile-server defences live here, because only here are bytes read:
+
+- **Bounded decoding.** Bodies are read raw and decoded by agentkey, never by httpx,
+  so a compressed answer can never inflate past ``max_response_bytes`` in memory.
+  One ``gzip`` or ``deflate`` coding is decoded; stacked (``gzip, gzip``) or unknown
+  codings are refused unread.
+- **The caller's deadline.** Each request carries the call's deadline: every timeout
+  is cut to the time left, the body read stops when it passes (a server dripping one
+  byte at a time never resets it), and the sync driver shuts the connection's
+  socket when it passes (the async driver cancels the whole exchange).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import sys
+import threading
+import time
+import types
+import zlib
 from collections.abc import Mapping
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 import httpx
 
 from ._exceptions import ConfigurationError
-from ._protocol import Answer, Failure, FailureKind, Reply
+from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
 
 __all__ = [
+    "ACCEPT_ENCODING",
     "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_TIMEOUT",
     "AsyncClient",
@@ -43,6 +65,11 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=5.0)
 #: The largest answer body (after content decoding) an invoker reads into memory: 32 MiB.
 DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
+#: The content codings agentkey decodes itself (with a size limit); it asks for no other.
+ACCEPT_ENCODING = "gzip, deflate"
+
+_DEADLINE = "the call's deadline passed before the answer was read"
+
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
@@ -50,7 +77,9 @@ class Outgoing:
 
     ``same_origin`` requests go through the invoker's auth and the client's
     defaults; any other request is built bare: no auth, no client headers or
-    cookies, no Idempotency-Key.
+    cookies, no Idempotency-Key, and sent past the client's cookie jar (so
+    another origin's cookies never land there, and never reach the tool).
+    ``deadline`` (``time.monotonic()`` seconds) bounds the whole exchange.
     """
 
     method: str
@@ -59,6 +88,7 @@ class Outgoing:
     headers: tuple[tuple[str, str], ...] = field(repr=False)
     content: bytes | None
     same_origin: bool
+    deadline: float | None = None
 
 
 def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | None:
@@ -93,71 +123,162 @@ def make_async_client(timeout: httpx.Timeout | None) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
 
 
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _cut(timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
+    """``timeout`` with every part cut to the ``left`` seconds of the call's deadline."""
+    if left is None:
+        return timeout
+
+    def part(value: float | None) -> float:
+        return left if value is None else min(value, left)
+
+    return httpx.Timeout(
+        connect=part(timeout.connect),
+        read=part(timeout.read),
+        write=part(timeout.write),
+        pool=part(timeout.pool),
+    )
+
+
 def _request(
     client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
 ) -> httpx.Request:
+    chosen = _cut(timeout if timeout is not None else client.timeout, _left(out.deadline))
+    headers = [*out.headers, ("Accept-Encoding", ACCEPT_ENCODING)]
     if out.same_origin:
         return client.build_request(
-            out.method,
-            out.url,
-            headers=list(out.headers),
-            content=out.content,
-            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            out.method, out.url, headers=headers, content=out.content, timeout=chosen
         )
     # Another origin: built bare so no client default header (Authorization!) or cookie leaks.
-    chosen = timeout if timeout is not None else client.timeout
     return httpx.Request(
         out.method,
         out.url,
-        headers=list(out.headers),
+        headers=headers,
         content=out.content,
         extensions={"timeout": chosen.as_dict()},
     )
 
 
-def _answer(response: httpx.Response, content: bytes, oversize: bool) -> Answer:
-    headers: Mapping[str, str] = {k.lower(): v for k, v in response.headers.items()}
-    url = str(response.request.url)
-    return Answer(response.status_code, headers, content, url, oversize=oversize)
+# --- reading a body: raw bytes, decoded here with a limit ------------------------------------
 
 
-def _declared_too_big(response: httpx.Response, limit: int) -> bool:
-    declared = response.headers.get("content-length", "")
-    return (
-        declared.isdigit() and int(declared) > limit and "content-encoding" not in response.headers
-    )
+class _Inflate:
+    """zlib decoding that never yields more than it is allowed (``max_length``)."""
+
+    def __init__(self, coding: str) -> None:
+        self._raw_fallback = coding == "deflate"  # servers send zlib-wrapped or raw deflate
+        wbits = zlib.MAX_WBITS | 16 if coding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+        self._z = zlib.decompressobj(wbits)
+        self._started = False
+
+    def decode(self, data: bytes, budget: int) -> list[bytes] | None:
+        """The decoded pieces of ``data``; None once more than ``budget`` bytes came out."""
+        try:
+            return self._decode(data, budget)
+        except zlib.error:
+            if self._started or not self._raw_fallback:
+                raise
+            self._raw_fallback, self._z = False, zlib.decompressobj(-zlib.MAX_WBITS)
+            return self._decode(data, budget)
+
+    def _decode(self, data: bytes, budget: int) -> list[bytes] | None:
+        pieces = []
+        while data and not self._z.eof:
+            piece = self._z.decompress(data, budget + 1)
+            self._started = True
+            budget -= len(piece)
+            if budget < 0:
+                return None
+            pieces.append(piece)
+            data = self._z.unconsumed_tail
+        return pieces
+
+    def flush(self, budget: int) -> list[bytes] | None:
+        piece = self._z.flush(budget + 1)
+        return None if len(piece) > budget else [piece]
 
 
-def _read_sync(response: httpx.Response, limit: int) -> Answer:
-    """Read at most ``limit`` decoded bytes of ``response``; it is closed on every path."""
-    try:
-        if _declared_too_big(response, limit):
-            return _answer(response, b"", True)
-        chunks, size = [], 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > limit:  # decoded size: a small gzip bomb is caught too
-                return _answer(response, b"", True)
-            chunks.append(chunk)
-        return _answer(response, b"".join(chunks), False)
-    finally:
-        response.close()
+class _Identity:
+    def decode(self, data: bytes, budget: int) -> list[bytes] | None:
+        return None if len(data) > budget else [data]
+
+    def flush(self, budget: int) -> list[bytes] | None:
+        return []
 
 
-async def _read_async(response: httpx.Response, limit: int) -> Answer:
-    """Read at most ``limit`` decoded bytes of ``response``; it is closed on every path."""
-    try:
-        if _declared_too_big(response, limit):
-            return _answer(response, b"", True)
-        chunks, size = [], 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > limit:
-                return _answer(response, b"", True)
-            chunks.append(chunk)
-        return _answer(response, b"".join(chunks), False)
-    finally:
-        await response.aclose()
+class _Body:
+    """One answer's body, fed raw chunks: bounded in size, in codings and in time."""
+
+    def __init__(self, response: httpx.Response, limit: int, deadline: float | None) -> None:
+        self._response, self._limit, self._deadline = response, limit, deadline
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.result: Reply | None = None
+        codings = [
+            c.strip().lower()
+            for c in response.headers.get("content-encoding", "").split(",")
+            if c.strip() and c.strip().lower() != "identity"
+        ]
+        self._decoder: _Inflate | _Identity = _Identity()
+        #: True while raw chunks must still be read from the network (and fed).
+        self.pending = not response.is_stream_consumed
+        if not self.pending:  # built in memory (a MockTransport answer): decoded already
+            self.feed(response.content)
+        elif len(codings) > 1:
+            self.result = self._answer(b"", unreadable=f"stacked content codings {codings!r}")
+        elif codings and codings[0] not in ("gzip", "x-gzip", "deflate"):
+            self.result = self._answer(b"", unreadable=f"the content coding {codings[0][:40]!r}")
+        elif codings:
+            self._decoder = _Inflate(codings[0])
+        else:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and len(declared) < 20 and int(declared) > limit:
+                self.result = self._answer(b"", oversize=True)
+
+    def _answer(self, content: bytes, *, oversize: bool = False, unreadable: str = "") -> Answer:
+        headers: Mapping[str, str] = {k.lower(): v for k, v in self._response.headers.items()}
+        url = str(self._response.request.url)
+        return Answer(
+            self._response.status_code,
+            headers,
+            content,
+            url,
+            oversize=oversize,
+            unreadable=unreadable or None,
+        )
+
+    def _take(self, pieces: list[bytes] | None) -> bool:
+        if pieces is None:
+            self.result = self._answer(b"", oversize=True)
+            return True
+        self._chunks += pieces
+        self._size += sum(map(len, pieces))
+        return False
+
+    def feed(self, raw: bytes) -> bool:
+        """Take one raw chunk; True when reading must stop (``result`` is then set)."""
+        left = _left(self._deadline)
+        if left is not None and left <= 0:
+            self.result = Failure(FailureKind.AMBIGUOUS, _DEADLINE)
+            return True
+        try:
+            return self._take(self._decoder.decode(raw, self._limit - self._size))
+        except zlib.error:
+            self.result = Failure(FailureKind.AMBIGUOUS, "DecodingError")
+            return True
+
+    def finish(self) -> Reply:
+        if self.result is None:
+            try:
+                self._take(self._decoder.flush(self._limit - self._size))
+            except zlib.error:
+                self.result = Failure(FailureKind.AMBIGUOUS, "DecodingError")
+        if self.result is None:
+            self.result = self._answer(b"".join(self._chunks))
+        return self.result
 
 
 def translate(exc: httpx.RequestError) -> Failure:
@@ -176,6 +297,123 @@ def translate(exc: httpx.RequestError) -> Failure:
     return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
 
 
+def _failed(exc: httpx.RequestError, deadline: float | None) -> Failure:
+    if isinstance(exc, httpx.RemoteProtocolError) and str(exc).startswith("Invalid URL in loc"):
+        # httpx builds the redirect request even when it does not follow it, and raises.
+        return Failure(FailureKind.UNSENDABLE, BAD_LOCATION)
+    failure = translate(exc)
+    left = _left(deadline)
+    if left is not None and left <= 0.001:  # the deadline, not the server, ended it
+        return Failure(failure.kind, f"{_DEADLINE} ({failure.description})")
+    return failure
+
+
+def _build(
+    client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
+) -> httpx.Request | Failure:
+    """The request, or why it cannot be sent: a URL from the tool that httpx cannot parse."""
+    left = _left(out.deadline)
+    if left is not None and left <= 0:
+        return Failure(FailureKind.NOT_SENT, "the call's deadline passed before the request")
+    try:
+        return _request(client, out, timeout)
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError, UnicodeError):
+        return Failure(FailureKind.UNSENDABLE, "a URL httpx cannot parse")
+
+
+class _Alarms:
+    """One daemon thread that shuts the sockets of sync requests whose deadline passed.
+
+    It holds only requests in flight (a lock and a dict entry each, cheaper than a
+    timer thread per request) and sleeps until the nearest deadline.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._live: dict[_Watchdog, socket.socket] = {}
+        self._thread: threading.Thread | None = None
+
+    def arm(self, dog: _Watchdog, sock: socket.socket) -> None:
+        with self._cond:
+            self._live[dog] = sock
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="agentkey-deadline")
+                self._thread.daemon = True
+                self._thread.start()
+            self._cond.notify()
+
+    def disarm(self, dog: _Watchdog) -> None:
+        with self._cond:
+            self._live.pop(dog, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for dog in [d for d in self._live if d.deadline <= now]:
+                    dog.fired = True
+                    with suppress(OSError):  # already closed: nothing left to stop
+                        self._live.pop(dog).shutdown(socket.SHUT_RDWR)
+                nearest = min((d.deadline for d in self._live), default=None)
+                self._cond.wait(None if nearest is None else nearest - now)
+
+
+_ALARMS = _Alarms()
+if hasattr(os, "register_at_fork"):  # a forked child has no alarm thread: start afresh
+    os.register_at_fork(after_in_child=_ALARMS._reset)
+
+
+class _Watchdog:
+    """Shuts the connection's socket at the deadline, so no blocking read outlives it.
+
+    Armed from httpcore's ``trace`` extension: with the stream it reports when a
+    connection opens, or, for a connection reused from the pool (httpcore reports
+    no stream then), with the stream of the connection that starts sending.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.fired = False  # the deadline shut the socket (set by the alarm thread)
+        self._armed = False
+
+    def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        if name == "connection.connect_tcp.complete":
+            stream = info.get("return_value")
+        elif name.endswith(".send_request_headers.started") and not self._armed:
+            stream = _sending_stream()
+        else:
+            return
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket) and not self._armed:
+            self._armed = True
+            _ALARMS.arm(self, sock)
+
+    def stop(self) -> None:
+        _ALARMS.disarm(self)
+
+
+def _sending_stream() -> Any:
+    """The network stream of the httpcore connection whose send called the trace hook.
+
+    httpcore calls the hook from the connection's ``handle_request``; its trace
+    carries the request only, so the stream is read from that frame. Should
+    httpcore change shape, nothing is found and the watchdog stays unarmed for
+    this request (its timeouts are still cut to the deadline).
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        stream = getattr(frame.f_locals.get("self"), "_network_stream", None)
+        if stream is not None and callable(getattr(stream, "get_extra_info", None)):
+            return stream
+        frame = frame.f_back
+    return None
+
+
 def send_sync(
     client: httpx.Client,
     out: Outgoing,
@@ -185,17 +423,41 @@ def send_sync(
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    request = _request(client, out, timeout)
+    request = _build(client, out, timeout)
+    if isinstance(request, Failure):
+        return request
+    watchdog = _Watchdog(out.deadline) if out.deadline is not None else None
+    if watchdog is not None:
+        request.extensions["trace"] = watchdog.trace
     try:
         # Auth and redirects are explicit, so a user client's own auth never applies and
-        # no redirect is followed behind our back. _read_sync closes the response, also on
-        # KeyboardInterrupt.
-        response = client.send(
-            request, auth=auth if out.same_origin else None, follow_redirects=False, stream=True
-        )
-        return _read_sync(response, max_bytes)
+        # no redirect is followed behind our back. Another origin's answer goes straight
+        # through the client's transport (its proxies and mounts): client.send would put
+        # its Set-Cookie in the jar, and the jar ignores ports, so a poll origin on the same
+        # host could plant cookies the tool then receives.
+        if out.same_origin:
+            response = client.send(request, auth=auth, follow_redirects=False, stream=True)
+        else:
+            response = client._transport_for_url(request.url).handle_request(request)
+            response.request = request  # what client.send does, minus the cookie jar
+        try:
+            body = _Body(response, max_bytes, out.deadline)
+            if body.pending and body.result is None:
+                for raw in response.iter_raw():
+                    if body.feed(raw):
+                        break
+            if watchdog is not None and watchdog.fired:
+                # The shut socket looks like a normal end to a read-until-close body:
+                # what was read may be cut short, so it is never taken as the answer.
+                return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
+            return body.finish()
+        finally:
+            response.close()  # also on KeyboardInterrupt
     except httpx.RequestError as exc:
-        return translate(exc)
+        return _failed(exc, out.deadline)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
 
 
 async def send_async(
@@ -203,15 +465,35 @@ async def send_async(
     out: Outgoing,
     *,
     auth: httpx.Auth | None,
-    timeout: httpx.Timeout | None,
+    timeout: httpx.Timeout | None,  # noqa: ASYNC109 - httpx per-phase timeouts; the call's deadline is out.deadline
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    request = _request(client, out, timeout)
+    request = _build(client, out, timeout)
+    if isinstance(request, Failure):
+        return request
+    left = _left(out.deadline)
     try:
-        response = await client.send(
-            request, auth=auth if out.same_origin else None, follow_redirects=False, stream=True
-        )
-        return await _read_async(response, max_bytes)
+        with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
+            if out.same_origin:
+                response = await client.send(
+                    request, auth=auth, follow_redirects=False, stream=True
+                )
+            else:  # past the cookie jar, as in send_sync
+                transport = client._transport_for_url(request.url)
+                response = await transport.handle_async_request(request)
+                response.request = request
+            try:
+                body = _Body(response, max_bytes, out.deadline)
+                if body.pending and body.result is None:
+                    async for raw in response.aiter_raw():
+                        if body.feed(raw):
+                            break
+                return body.finish()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+    except TimeoutError:
+        return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
     except httpx.RequestError as exc:
-        return translate(exc)
+        return _failed(exc, out.deadline)

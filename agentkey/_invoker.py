@@ -24,7 +24,15 @@ import tenacity
 from pydantic import BaseModel, ConfigDict, computed_field
 
 from ._exceptions import ConfigurationError, InsecureTransport, InvokeError, PollTimeout
-from ._hooks import InvokeHook, LoggingHook, PollEvent, ReplayEvent, RetryEvent
+from ._hooks import (
+    GiveUpEvent,
+    InvokeHook,
+    LoggingHook,
+    PollEvent,
+    ReplayEvent,
+    RetryEvent,
+    _one_line,
+)
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
     AsyncClient,
@@ -63,7 +71,14 @@ __all__ = ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"]
 
 KEY_HEADER = "Idempotency-Key"
 _RESERVED = frozenset(
-    {"idempotency-key", "authorization", "proxy-authorization", "content-type", "content-length"}
+    {
+        "idempotency-key",
+        "authorization",
+        "proxy-authorization",
+        "content-type",
+        "content-length",
+        "accept-encoding",  # agentkey decodes answers itself, with a size limit
+    }
 )
 _MAX_POLL_REDIRECTS = 10
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
@@ -289,7 +304,7 @@ class _InvokerBase:
     def _ctx(self, call: _Call, attempts: int, polls: int = 0) -> CallContext:
         return CallContext(call.key.format(), call.key.step_label, attempts, polls)
 
-    def _emit(self, event: RetryEvent | PollEvent | ReplayEvent) -> None:
+    def _emit(self, event: RetryEvent | PollEvent | ReplayEvent | GiveUpEvent) -> None:
         for hook in self._hooks:
             hook(event)
 
@@ -297,8 +312,9 @@ class _InvokerBase:
 
     def _flow(self, call: _Call) -> _Flow:
         start = time.monotonic()
+        deadline = start + self._retry.deadline  # the caller's: bounds every send and poll
         engine, state = retry_engine(self._retry)
-        url, attempts, saw_ambiguous = call.url, 0, False
+        url, attempts, saw_ambiguous, saw_in_flight = call.url, 0, False, False
         headers = (
             *call.headers,
             ("Content-Type", "application/json"),
@@ -310,11 +326,15 @@ class _InvokerBase:
         while True:
             action = engine.iter(state)
             if isinstance(action, tenacity.DoAttempt):
-                reply = yield Outgoing(call.method, url, headers, call.body, same_origin=True)
+                if decision is not None and time.monotonic() >= deadline:
+                    action = decision  # the deadline passed during the wait: the last answer stands
+                    break
+                reply = yield Outgoing(call.method, url, headers, call.body, True, deadline)
                 assert reply is not None
                 attempts += 1
                 decision = classify(reply, self._ctx(call, attempts), self._config)
                 saw_ambiguous = saw_ambiguous or decision.ambiguous
+                saw_in_flight = saw_in_flight or decision.in_flight
                 url = decision.url if decision.action is Action.FOLLOW and decision.url else url
                 state.set_result(decision)
             elif isinstance(action, tenacity.DoSleep):
@@ -338,7 +358,11 @@ class _InvokerBase:
         final: Decision = action
         ctx = self._ctx(call, attempts)
         if final.retry:
-            raise budget_exhausted(final, ctx, saw_ambiguous=saw_ambiguous)
+            error = budget_exhausted(
+                final, ctx, saw_ambiguous=saw_ambiguous, saw_in_flight=saw_in_flight
+            )
+            self._give_up(ctx, final.reason, error)
+            raise error
         if final.replayed:
             assert isinstance(reply, Answer)
             self._emit(ReplayEvent(ctx.idempotency_key, ctx.step, reply.status_code))
@@ -365,6 +389,13 @@ class _InvokerBase:
             )
         )
 
+    def _give_up(self, ctx: CallContext, reason: str, error: InvokeError) -> None:
+        self._emit(
+            GiveUpEvent(
+                ctx.idempotency_key, ctx.step, ctx.attempts, ctx.polls, reason, type(error).__name__
+            )
+        )
+
     def _poll(
         self,
         call: _Call,
@@ -376,7 +407,9 @@ class _InvokerBase:
         *,
         result_only: bool = False,
     ) -> _Flow:
-        deadline = time.monotonic() + self._polling.deadline
+        # Polls end at the poll deadline or the caller's deadline, whichever comes first.
+        call_deadline = start + self._retry.deadline
+        deadline = min(time.monotonic() + self._polling.deadline, call_deadline)
         url, polls, hops = status_url, 0, 0
         while True:
             same_origin = poll_target(url, ctx, self._config)  # raises UnsafeRedirect
@@ -392,7 +425,8 @@ class _InvokerBase:
                 if same_origin
                 else (("Accept", "application/json"),)
             )
-            reply = yield Outgoing("GET", url, headers, None, same_origin=same_origin)
+            # The caller's deadline cuts a poll short; the poll deadline only stops new polls.
+            reply = yield Outgoing("GET", url, headers, None, same_origin, call_deadline)
             assert reply is not None
             polls += 1
             ctx = CallContext(ctx.idempotency_key, ctx.step, ctx.attempts, polls)
@@ -413,18 +447,24 @@ class _InvokerBase:
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PollTimeout(
-                    f"{ctx.where()} was still {decision.reason!r} at "
-                    f"{_redact(status_url)} after {polls} poll(s) and the poll deadline "
-                    f"({self._polling.deadline:g} s); it has not failed. Call "
-                    "invoker.resume_poll(error.status_url, error.idempotency_key) later to "
-                    "finish it without sending the step again",
+                which = (
+                    f"the call's deadline (RetryPolicy.deadline={self._retry.deadline:g} s)"
+                    if deadline >= call_deadline
+                    else f"the poll deadline (PollPolicy.deadline={self._polling.deadline:g} s)"
+                )
+                error = PollTimeout(
+                    f"{ctx.where()} was still {_one_line(decision.reason)!r} at "
+                    f"{_redact(status_url)} after {polls} poll(s) and {which}; it has not "
+                    "failed. Call invoker.resume_poll(error.status_url, error.idempotency_key) "
+                    "later to finish it without sending the step again",
                     status_url=status_url,
                     idempotency_key=ctx.idempotency_key,
                     step=ctx.step,
                     attempts=ctx.attempts,
                     status_code=decision.status_code,
                 )
+                self._give_up(ctx, decision.reason, error)
+                raise error
             hint = decision.retry_after
             wait = self._polling.wait(polls) if hint is None else hint
             wait = min(wait, self._polling.max_interval, remaining)
@@ -515,7 +555,8 @@ def _check_headers(headers: Mapping[str, str] | None) -> tuple[tuple[str, str], 
         if name.lower() in _RESERVED:
             raise ConfigurationError(
                 f"headers= cannot set {name!r}: agentkey sets it (the key comes from the step "
-                "or idempotency_key=, credentials from auth=, the body is canonical JSON)"
+                "or idempotency_key=, credentials from auth=, the body is canonical JSON, and "
+                "answers are decoded by agentkey with a size limit)"
             )
         out.append((name, value))
     return tuple(out)

@@ -19,8 +19,8 @@ from ._exceptions import ConfigurationError
 
 __all__ = ["DEFAULT_RETRY_STATUSES", "PollPolicy", "RetryPolicy", "retry_engine"]
 
-#: 409 (in flight), 429/503 (overloaded), 500/502/504 (ambiguous: may have run).
-DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 429, 500, 502, 503, 504})
+#: 409 and 423 (in flight), 429/503 (overloaded), 500/502/504 (ambiguous: may have run).
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503, 504})
 
 
 def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -41,12 +41,14 @@ class RetryPolicy:
     turn one step into two side effects.
 
     - ``max_attempts``: requests sent for one step, the first one included.
-    - ``deadline``: seconds from the first send after which no new wait starts.
+    - ``deadline``: seconds the whole call may take, from the first send: every
+      attempt, read, wait and poll falls within it (a dripping answer is cut off).
     - ``initial_backoff`` / ``max_backoff``: the window of the jittered
       ("full jitter") exponential backoff used when the server gives no
       usable ``Retry-After``.
     - ``max_retry_after``: the cap on any single wait a server asks for.
-    - ``retry_statuses``: HTTP statuses that are resent (the rest are final).
+    - ``retry_statuses``: HTTP statuses that are resent (the rest are final). 409 and
+      423 are resent only while their problem code does not say "mismatch".
     """
 
     max_attempts: int = 8
@@ -86,7 +88,8 @@ class PollPolicy:
 
     The first wait is ``interval``; each later one is ``backoff`` times the
     previous, up to ``max_interval``. A ``Retry-After`` on a poll answer wins
-    (capped by ``max_interval``). After ``deadline`` seconds of polling,
+    (capped by ``max_interval``). After ``deadline`` seconds of polling, or at
+    the call's ``RetryPolicy.deadline`` if that comes first,
     :class:`~agentkey.PollTimeout` carries the status URL so polling can be
     resumed later with ``resume_poll``.
     """

@@ -28,18 +28,23 @@ from ._exceptions import (
     AuthenticationError,
     InvokeError,
     KeyRejected,
+    KeyReused,
     OutcomeUnknown,
     PayloadMismatch,
     StepFailed,
     StepInProgress,
     ToolError,
+    ToolRejected,
     UnsafeRedirect,
 )
-from ._retry_after import parse_retry_after
+from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
+    "BAD_LOCATION",
     "DEFAULT_REPLAY_HEADERS",
     "DEFAULT_STATUS_URL_STRATEGIES",
+    "IN_FLIGHT_STATUSES",
+    "PROBLEM_CODES",
     "Action",
     "Answer",
     "BodyFieldStrategy",
@@ -48,6 +53,7 @@ __all__ = [
     "Failure",
     "FailureKind",
     "HeaderStrategy",
+    "Meaning",
     "Origin",
     "ProtocolConfig",
     "Reply",
@@ -60,12 +66,16 @@ __all__ = [
     "origin_of",
     "parse_json",
     "poll_target",
+    "problem_code",
     "replay_header",
+    "retry_after",
+    "short_reason",
 ]
 
 #: Replay headers recognised by default (compared case-insensitively, value ``true``).
 DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
     "Idempotent-Replayed",
+    "Idempotency-Replayed",
     "Idempotent-Replay",
     "X-Idempotent-Replayed",
     "X-Idempotency-Replayed",
@@ -76,11 +86,16 @@ _FAILED = frozenset({"failed", "failure", "canceled", "cancelled", "error"})
 _REDIRECTS = frozenset({301, 302, 307, 308})
 
 
+#: The description of an UNSENDABLE failure for a redirect whose Location cannot be parsed.
+BAD_LOCATION = "a redirect whose Location cannot be parsed"
+
+
 class FailureKind(enum.Enum):
     """What a transport error says about whether the request reached the tool."""
 
     NOT_SENT = "not sent"  # connect error, connect or pool timeout: the tool never saw it
     AMBIGUOUS = "ambiguous"  # read/write timeout, reset, protocol error: it may have run
+    UNSENDABLE = "unsendable"  # a URL from the tool that the HTTP client cannot parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +115,7 @@ class Answer:
     content: bytes
     url: str
     oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
+    unreadable: str | None = None  # why the body was refused unread (stacked codings, ...)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -190,6 +206,7 @@ class CallContext:
         *,
         status_code: int | None = None,
         body: object = None,
+        reason: str | None = None,
     ) -> InvokeError:
         return cls(
             message,
@@ -198,6 +215,7 @@ class CallContext:
             attempts=self.attempts,
             status_code=status_code,
             body=body,
+            reason=reason,
         )
 
 
@@ -223,6 +241,7 @@ class Decision:
     error: InvokeError | None = None
     replayed: bool = False
     status_code: int | None = None
+    in_flight: bool = False  # the answer said the same key is in flight (409/423)
 
     @property
     def retry(self) -> bool:
@@ -248,60 +267,206 @@ def replay_header(answer: Answer, names: Sequence[str]) -> bool:
     return False
 
 
+def retry_after(value: str | None) -> float | None:
+    """The seconds a ``Retry-After`` value asks for, or None (then the caller backs off).
+
+    Never raises: a delay of hundreds or thousands of digits (which ``float``
+    cannot hold, or ``int`` refuses to parse) means "longer than any cap", so it
+    is the largest finite float and the caller's caps and deadline apply.
+    """
+    return parse_retry_after(value)
+
+
 def _retry_after(answer: Answer) -> float | None:
-    return parse_retry_after(answer.header("retry-after"))
+    return retry_after(answer.header("retry-after"))
+
+
+# --- the dialects of "the key is the problem", "mismatch" and "in flight" --------------------
+
+
+class Meaning(enum.Enum):
+    """What a server's problem code says about the key."""
+
+    KEY = "key"  # the key itself is missing or malformed: KeyRejected
+    MISMATCH = "mismatch"  # the key was used with another body: PayloadMismatch
+    REUSED = "reused"  # the key belongs to another route or tool: KeyReused
+    IN_FLIGHT = "in flight"  # the same key is running now: wait and resend
+
+
+#: The one table of server dialects. A code is read from an RFC 9457 problem ``type``
+#: (its last ``:``/``/``/``#`` segment), a JSON ``error`` or ``code`` string, or a
+#: Stripe-style ``error.type``/``error.code``; it is compared lowercase, ``-`` as ``_``.
+#: Codes not listed here say nothing about the key: the answer is the tool's own.
+PROBLEM_CODES: Mapping[str, Meaning] = {
+    # agentkey's middleware: type "urn:agentkey:problem:<code>" and legacy "error": "<code>"
+    "idempotency_key_missing": Meaning.KEY,
+    "idempotency_key_invalid": Meaning.KEY,
+    "args_hash_mismatch": Meaning.MISMATCH,
+    "payload_mismatch": Meaning.MISMATCH,  # also idemkit's "urn:idemkit:payload-mismatch"
+    "key_reused": Meaning.REUSED,
+    "in_progress": Meaning.IN_FLIGHT,  # also idemkit's "urn:idemkit:in-progress"
+    # idemkit 1.0 (default and Stripe-compatible modes)
+    "missing_key": Meaning.KEY,
+    # Stripe's API: 400/409 with error.type "idempotency_error" ("Keys for idempotent
+    # requests can only be used with the same parameters they were first used with")
+    "idempotency_error": Meaning.MISMATCH,
+    "idempotency_key_in_use": Meaning.IN_FLIGHT,
+    "idempotency_key_mismatch": Meaning.MISMATCH,
+}
+
+#: Answers that mean "the same key is in flight": 409 (the contract, Stripe, idemkit's
+#: Stripe mode) and 423 Locked (idemkit's default mode), unless their code says otherwise.
+IN_FLIGHT_STATUSES: frozenset[int] = frozenset({409, 423})
+
+#: Words in a Stripe-style message that mark an "idempotency_error" as in flight.
+_IN_FLIGHT_WORDS = ("in progress", "in-progress", "currently being processed")
+
+
+def _code_of(value: object) -> str | None:
+    if not isinstance(value, str) or not value.strip() or len(value) > 200:
+        return None
+    tail = value.strip().rstrip("/").replace("#", "/").replace(":", "/").rsplit("/", 1)[-1]
+    code = tail.lower().replace("-", "_")
+    return code if code and not any(ch.isspace() for ch in code) else None  # not a sentence
+
+
+def problem_code(body: object) -> tuple[str | None, Meaning | None]:
+    """The body's problem code and what it means for the key (either may be None)."""
+    if not isinstance(body, dict):
+        return None, None
+    error = body.get("error")
+    candidates = [body.get("type"), error, body.get("code")]
+    if isinstance(error, dict):  # Stripe: {"error": {"type": ..., "code": ..., "message": ...}}
+        candidates += [error.get("code"), error.get("type")]
+    first = None
+    for candidate in candidates:
+        code = _code_of(candidate)
+        first = first or code
+        if code is not None and code in PROBLEM_CODES:
+            meaning = PROBLEM_CODES[code]
+            if code == "idempotency_error":
+                text = (short_reason(body) or "").lower()
+                if any(word in text for word in _IN_FLIGHT_WORDS):
+                    meaning = Meaning.IN_FLIGHT
+            return code, meaning
+    return first, None
+
+
+def short_reason(body: object, key: str | None = None, *, limit: int = 200) -> str | None:
+    """The server's short reason: problem ``detail``/``title``, JSON ``message``/``error``.
+
+    Control and formatting characters are dropped, whitespace is folded, the text
+    is cut to ``limit`` characters, and ``key`` (the Idempotency-Key) never appears.
+    """
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    found = [body.get("detail"), body.get("message")]
+    if isinstance(error, dict):
+        found.append(error.get("message"))
+    found += [body.get("title"), error, body.get("error_description")]
+    text = next((v for v in found if isinstance(v, str) and v.strip()), None)
+    if text is None:
+        return None
+    text = text[: limit * 4]
+    if key:
+        text = text.replace(key, "<key>")
+    text = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    if key:
+        text = text.replace(key, "<key>")
+    if len(text) > limit:
+        text = text[: limit - 3].rstrip() + "..."
+    return text or None
+
+
+def _join(base: str, ref: str) -> str | None:
+    """``ref`` resolved against ``base``; None when it is no http(s) URL agentkey can send.
+
+    Refused: URLs Python's parser rejects (``https://[zz]/``), non-ASCII or
+    control characters (``https://exämple/``), and anything without an http(s)
+    origin (``data:``).
+    """
+    try:
+        url = urljoin(base, ref.strip())
+    except ValueError:
+        return None
+    return url if _usable(url) else None
+
+
+def _usable(url: str) -> bool:
+    return url.isascii() and not _unsendable(url) and origin_of(url) is not None
+
+
+_ACCEPTED = (
+    "The tool accepted the step (202), so it has run or is still running: do not send it "
+    "as a new step. Invoking it again with the same key replays the acceptance; ask the "
+    "tool for the operation's outcome"
+)
+_SEE_OTHER = (
+    "The step already ran (303 See Other points at its result): invoking it again with the "
+    "same key replays that answer; ask the tool for the result"
+)
+
+
+def _ran_note(status: int | None) -> str:
+    return {202: _ACCEPTED, 303: _SEE_OTHER}.get(status or 0, "")
 
 
 def _redirect_target(answer: Answer, ctx: CallContext, cfg: ProtocolConfig) -> str | Decision:
+    status = answer.status_code
     location = answer.header("location")
     if not location:
         return Decision(
             Action.RAISE,
             "redirect without Location",
-            status_code=answer.status_code,
+            status_code=status,
             error=ctx.error(
                 ToolError,
-                f"the tool answered {answer.status_code} without a Location header for "
-                f"{ctx.where()}; fix the tool or the route",
-                status_code=answer.status_code,
+                f"the tool answered {status} without a Location header for "
+                f"{ctx.where()}; fix the tool or the route. {_ran_note(status)}".rstrip(". ")
+                + ".",
+                status_code=status,
                 body=parse_json(answer.content),
             ),
         )
-    target = urljoin(answer.url, location.strip())
-    if _unsendable(target):
+    target = _join(answer.url, location)
+    if target is None:
         return Decision(
             Action.RAISE,
             "unusable Location",
-            status_code=answer.status_code,
-            error=_bad_url(ctx, "a redirect", answer.status_code),
+            status_code=status,
+            error=_bad_url(ctx, "the Location of a redirect", status, _ran_note(status)),
         )
     if not cfg.same_origin(target):
         return Decision(
             Action.RAISE,
             "cross-origin redirect",
-            status_code=answer.status_code,
-            error=_unsafe(ctx, target, "a redirect", answer.status_code),
+            status_code=status,
+            error=_unsafe(ctx, target, "a redirect", status, _ran_note(status)),
         )
     return target
 
 
-def _bad_url(ctx: CallContext, what: str, status: int | None) -> ToolError:
+def _bad_url(ctx: CallContext, what: str, status: int | None, ran: str = "") -> ToolError:
     error = ctx.error(
         ToolError,
-        f"{what} for {ctx.where()} holds control characters, so it is not a URL agentkey can "
-        "send; the tool must percent-encode its URLs",
+        f"{what} for {ctx.where()} is not a URL agentkey can send (unparseable, non-ASCII, "
+        "control characters, or not http(s)); the tool must send absolute or relative "
+        f"http(s) URLs, percent-encoded. {ran}".rstrip(),
         status_code=status,
     )
     assert isinstance(error, ToolError)
     return error
 
 
-def _unsafe(ctx: CallContext, url: str, what: str, status: int | None) -> UnsafeRedirect:
+def _unsafe(
+    ctx: CallContext, url: str, what: str, status: int | None, ran: str = ""
+) -> UnsafeRedirect:
     return UnsafeRedirect(
-        f"{what} for {ctx.where()} points at {origin_of(url) or url!r}, another origin; "
-        "agentkey never sends the key or credentials there. If that origin is yours, add it "
-        "to allowed_poll_origins (polls only); redirects of the step itself are never followed "
-        "across origins",
+        f"{what} for {ctx.where()} points at {origin_of(url) or 'an unusable URL'}, another "
+        "origin; agentkey never sends the key or credentials there. If that origin is yours, "
+        "add it to allowed_poll_origins (polls only); redirects of the step itself are never "
+        f"followed across origins. {ran}".rstrip(),
         url=url,
         idempotency_key=ctx.idempotency_key,
         step=ctx.step,
@@ -313,16 +478,28 @@ def _unsafe(ctx: CallContext, url: str, what: str, status: int | None) -> Unsafe
 def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
     """Decide what one answer to the step's request means (contract section 3)."""
     if isinstance(reply, Failure):
+        if reply.kind is FailureKind.UNSENDABLE:
+            what, ran = "the request URL", ""
+            if reply.description == BAD_LOCATION:
+                what, ran = "the Location of the tool's redirect", f"If it was a 303: {_SEE_OTHER}"
+            return Decision(Action.RAISE, reply.description, error=_bad_url(ctx, what, None, ran))
         ambiguous = reply.kind is FailureKind.AMBIGUOUS
         return Decision(Action.RETRY, reply.description, ambiguous=ambiguous)
 
-    if reply.oversize:
-        return _oversize(reply, ctx, "the tool")
+    if reply.oversize or reply.unreadable:
+        return _unread(reply, ctx, "the tool")
     status = reply.status_code
     replayed = replay_header(reply, cfg.replay_headers)
     if 200 <= status < 300:
         if status == 202:
             url = find_status_url(reply, cfg.strategies)
+            if url is not None and not _usable(url):
+                return Decision(
+                    Action.RAISE,
+                    "unusable status URL",
+                    status_code=status,
+                    error=_bad_url(ctx, "the status URL of a 202", status, _ACCEPTED),
+                )
             if url is not None:
                 return Decision(
                     Action.POLL, "accepted", url=url, replayed=replayed, status_code=status
@@ -330,6 +507,8 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
         return Decision(Action.DONE, "done", replayed=replayed, status_code=status)
 
     body = parse_json(reply.content)
+    reason = short_reason(body, ctx.idempotency_key)
+    said = f" ({reason})" if reason else ""
     if status == 401:
         return Decision(
             Action.RAISE,
@@ -337,18 +516,21 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             status_code=status,
             error=ctx.error(
                 AuthenticationError,
-                f"the tool refused the credentials (401) for {ctx.where()}, even after the "
-                "auth layer's refresh; check the token's scopes and audience"
+                f"the tool refused the credentials (401){said} for {ctx.where()}, even after "
+                "the auth layer's refresh; check the token's scopes and audience"
                 if cfg.has_auth
-                else f"the tool answered 401 for {ctx.where()}: it wants credentials and the "
-                "invoker has no auth=; pass a token provider such as "
+                else f"the tool answered 401{said} for {ctx.where()}: it wants credentials and "
+                "the invoker has no auth=; pass a token provider such as "
                 "agentkey.ClientCredentials(...) or StaticToken(...) as auth=",
                 status_code=status,
                 body=body,
+                reason=reason,
             ),
         )
+    _code, meaning = problem_code(body)
     if replayed:
-        cls: type[InvokeError] = {400: KeyRejected, 422: PayloadMismatch}.get(status, ToolError)
+        cls = _final_class(status, meaning, reason, body)
+        cls = cls if issubclass(cls, ToolError) else ToolError  # stored: never "resend later"
         return Decision(
             Action.RAISE,
             "replayed error",
@@ -356,11 +538,12 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             replayed=True,
             error=ctx.error(
                 cls,
-                f"the tool replayed the stored outcome {status} of an earlier attempt of "
+                f"the tool replayed the stored outcome {status}{said} of an earlier attempt of "
                 f"{ctx.where()}; it is final: resending the same key replays it again. "
                 "Inspect the error body and decide (a new step or args give a new key)",
                 status_code=status,
                 body=body,
+                reason=reason,
             ),
         )
     if status == 303:
@@ -375,101 +558,159 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
         return Decision(
             Action.FOLLOW, f"redirect {status}", url=target, retry_after=0.0, status_code=status
         )
-    if status in cfg.retry_statuses:
-        if status == 409:
-            reason, ambiguous, hint = "conflict: in flight", False, _retry_after(reply)
+    in_flight = status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT)
+    if status in cfg.retry_statuses and (in_flight or status not in IN_FLIGHT_STATUSES):
+        if in_flight:
+            label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply)
         elif status in (429, 503):
-            reason, ambiguous, hint = f"overloaded ({status})", False, _retry_after(reply)
+            label, ambiguous, hint = f"overloaded ({status})", False, _retry_after(reply)
         elif status >= 500:
-            reason, ambiguous, hint = f"server error {status}", True, None
+            label, ambiguous, hint = f"server error {status}", True, None
         else:
-            reason, ambiguous, hint = f"status {status}", False, _retry_after(reply)
+            label, ambiguous, hint = f"status {status}", False, _retry_after(reply)
         return Decision(
-            Action.RETRY, reason, retry_after=hint, ambiguous=ambiguous, status_code=status
+            Action.RETRY,
+            label,
+            retry_after=hint,
+            ambiguous=ambiguous,
+            status_code=status,
+            in_flight=in_flight,
         )
     return Decision(
-        Action.RAISE, f"status {status}", status_code=status, error=_final(reply, body, ctx)
+        Action.RAISE,
+        f"status {status}",
+        status_code=status,
+        error=_final(reply, body, ctx, reason, meaning),
     )
 
 
-def _oversize(answer: Answer, ctx: CallContext, who: str) -> Decision:
+def _unread(answer: Answer, ctx: CallContext, who: str) -> Decision:
     status = answer.status_code
     ran = (
         "the step ran; invoking it again with the same key replays the stored answer"
-        if 200 <= status < 300
+        if 200 <= status < 300 and status != 202
+        else _ACCEPTED
+        if status == 202
         else "the answer was not read"
     )
+    if answer.unreadable:
+        what = (
+            f"with a body encoded as {answer.unreadable}, which agentkey refuses to decode "
+            "(it decodes one gzip or deflate coding, within max_response_bytes)"
+        )
+        advice = "Fix the tool's compression"
+    else:
+        what = "with a body larger than max_response_bytes"
+        advice = "Raise max_response_bytes on the invoker if such answers are expected"
     return Decision(
         Action.RAISE,
-        "answer too large",
+        "answer unreadable" if answer.unreadable else "answer too large",
         status_code=status,
         error=ctx.error(
             ToolError,
-            f"{who} answered {status} for {ctx.where()} with a body larger than "
-            f"max_response_bytes, so agentkey did not read it ({ran}). Raise "
-            "max_response_bytes on the invoker if such answers are expected",
+            f"{who} answered {status} for {ctx.where()} {what}, so agentkey did not read it "
+            f"({ran}). {advice}",
             status_code=status,
         ),
     )
 
 
-def _final(answer: Answer, body: object, ctx: CallContext) -> InvokeError:
-    status = answer.status_code
-    if status == 422:
-        return ctx.error(
-            PayloadMismatch,
-            f"the tool answered 422 for {ctx.where()}: the body does not match the key's "
-            "args_hash. The key and body must come from the same Step; do not edit either",
-            status_code=status,
-            body=body,
-        )
-    if status == 400:
-        return ctx.error(
-            KeyRejected,
-            f"the tool answered 400 for {ctx.where()}: it rejected the request or its "
-            "Idempotency-Key. See error.body for the tool's reason; for a key problem check "
-            "key_header_style ('raw' or 'sf-string')",
-            status_code=status,
-            body=body,
-        )
-    if status == 409:
-        return ctx.error(
-            StepInProgress,
-            f"the tool answered 409 for {ctx.where()}: the same key is still in flight and 409 "
-            "is not in retry_statuses; resend the same key later",
-            status_code=status,
-            body=body,
-        )
+def _validation_only(body: object, reason: str | None) -> bool:
+    """A 422 about the request's fields (FastAPI's list, a reason not about the key)."""
+    if isinstance(body, dict) and isinstance(body.get("detail"), list):
+        return True
+    text = (reason or "").lower()
+    return bool(text) and not any(w in text for w in ("idempot", "hash", "key", "payload"))
+
+
+def _final_class(
+    status: int, meaning: Meaning | None, reason: str | None, body: object
+) -> type[InvokeError]:
+    """The error class of a final 4xx (or 409/423 not retried)."""
+    if meaning is Meaning.REUSED:
+        return KeyReused
+    if meaning is Meaning.MISMATCH or (status == 422 and not _validation_only(body, reason)):
+        return PayloadMismatch
+    if meaning is Meaning.KEY or (status == 400 and reason is None):
+        return KeyRejected
+    if status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT):
+        return StepInProgress
+    if 400 <= status < 500:
+        return ToolRejected
     if status >= 500:
-        return ctx.error(
-            OutcomeUnknown,
-            f"the tool answered {status} for {ctx.where()} and {status} is not retried: the "
-            "step may have run. Resending later with the same key is safe",
-            status_code=status,
-            body=body,
-        )
+        return OutcomeUnknown
+    return ToolError
+
+
+_ADVICE: dict[type[InvokeError], str] = {
+    KeyReused: "the key is bound to another operation (route or tool), so its stored answer "
+    "is not replayed here. Give each tool call its own step",
+    PayloadMismatch: "the key was first used with another body. The key and body must come "
+    "from the same Step; do not edit either",
+    KeyRejected: "it rejected the Idempotency-Key itself. Check key_header_style ('raw' or "
+    "'sf-string') and that the server accepts the key's format",
+    StepInProgress: "the same key is still in flight and this status is not in "
+    "retry_statuses; resend the same key later",
+    ToolRejected: "the tool refused the request for a reason of its own; this is final "
+    "(resending the same step gets the same answer). Change the arguments (a new key), the "
+    "route or the permissions",
+    OutcomeUnknown: "the status is not retried and the step may have run. Resending later "
+    "with the same key is safe",
+}
+
+
+def _final(
+    answer: Answer, body: object, ctx: CallContext, reason: str | None, meaning: Meaning | None
+) -> InvokeError:
+    status = answer.status_code
+    cls = _final_class(status, meaning, reason, body)
+    said = f": {reason}" if reason else ""
+    advice = _ADVICE.get(cls, "this is final (not retried). See error.body")
     return ctx.error(
-        ToolError,
-        f"the tool answered {status} for {ctx.where()}; this is final (not retried). "
-        "See error.body, then fix the request, route or permissions",
+        cls,
+        f"the tool answered {status} for {ctx.where()}{said}. {advice}",
         status_code=status,
         body=body,
+        reason=reason,
     )
 
 
-def budget_exhausted(last: Decision, ctx: CallContext, *, saw_ambiguous: bool) -> InvokeError:
-    """The error once the retry budget ran out with ``last`` still asking for a retry."""
-    if last.status_code == 409:
+def budget_exhausted(
+    last: Decision, ctx: CallContext, *, saw_ambiguous: bool, saw_in_flight: bool = False
+) -> InvokeError:
+    """The error once the retry budget ran out with ``last`` still asking for a retry.
+
+    The message says only what the answers showed: an ambiguous failure means the
+    step may have run; an in-flight answer means some request with this key held it.
+    """
+    if last.in_flight:
+        mine = (
+            " An earlier attempt of this very call may be that holder: its answer was lost."
+            if saw_ambiguous
+            else ""
+        )
+        lease = (
+            f", and its last answer asked to wait {last.retry_after:g} s more"
+            if last.retry_after is not None and last.retry_after < TOO_LONG
+            else ""
+        )
         return ctx.error(
             StepInProgress,
-            f"{ctx.where()} was still in flight (409) after {ctx.attempts} attempt(s): another "
-            "caller holds it. Resend the same key later to get its outcome",
-            status_code=409,
+            f"{ctx.where()} was still in flight ({last.status_code}) after {ctx.attempts} "
+            f"attempt(s): another request with this key holds it, or held it and died (the "
+            f"server frees the key when that holder's lease ends{lease}).{mine} Resend the "
+            "same key later to get its outcome",
+            status_code=last.status_code,
         )
     if saw_ambiguous:
         what = "the step may have run"
+    elif saw_in_flight:
+        what = (
+            "an earlier answer said another request with this key was in flight, so the step "
+            "may be running or may have run"
+        )
     else:
-        what = "as far as agentkey can tell the tool did not run it"
+        what = "no answer showed the step running: each said the tool was unreachable or overloaded"
     return ctx.error(
         OutcomeUnknown,
         f"gave up on {ctx.where()} after {ctx.attempts} attempt(s), last: {last.reason}; "
@@ -503,7 +744,8 @@ class HeaderStrategy:
         return bool((answer.header(self.name) or "").strip())
 
     def status_url(self, answer: Answer) -> str:
-        return urljoin(answer.url, (answer.header(self.name) or "").strip())
+        value = (answer.header(self.name) or "").strip()
+        return _join(answer.url, value) or value  # unusable: classify refuses it
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,7 +766,8 @@ class BodyFieldStrategy:
         return self._value(answer) is not None
 
     def status_url(self, answer: Answer) -> str:
-        return urljoin(answer.url, self._value(answer) or "")
+        value = self._value(answer) or ""
+        return _join(answer.url, value) or value  # unusable: classify refuses it
 
 
 DEFAULT_STATUS_URL_STRATEGIES: tuple[StatusUrlStrategy, ...] = (
@@ -549,16 +792,21 @@ def poll_target(url: str, ctx: CallContext, cfg: ProtocolConfig) -> bool:
     """Check a status URL: True when same-origin (auth applies), False when explicitly allowed.
 
     Raises :class:`UnsafeRedirect` for any other origin, :class:`ToolError` for a URL
-    holding control characters.
+    agentkey cannot send. Either way the step was accepted, and the message says so.
     """
-    if _unsendable(url):
-        raise _bad_url(ctx, "the status URL", None)
+    if not _usable(url):
+        raise _bad_url(ctx, "the status URL", None, _ACCEPTED)
     origin = origin_of(url)
     if origin == cfg.base_origin:
         return True
     if origin is not None and origin in cfg.allowed_poll_origins:
         return False
-    raise _unsafe(ctx, url, "the status URL", None)
+    raise _unsafe(ctx, url, "the status URL", None, _ACCEPTED)
+
+
+def _said(body: object, ctx: CallContext) -> str:
+    reason = short_reason(body, ctx.idempotency_key)
+    return f" ({reason})" if reason else ""
 
 
 def _state(body: object) -> str | None:
@@ -580,9 +828,15 @@ def interpret_poll(
     itself, whatever fields it has.
     """
     if isinstance(reply, Failure):
+        if reply.kind is FailureKind.UNSENDABLE:
+            return Decision(
+                Action.RAISE,
+                reply.description,
+                error=_bad_url(ctx, "the status URL", None, _ACCEPTED),
+            )
         return Decision(Action.WAIT, reply.description)
-    if reply.oversize:
-        return _oversize(reply, ctx, "a poll")
+    if reply.oversize or reply.unreadable:
+        return _unread(reply, ctx, "a poll")
     status = reply.status_code
     body = parse_json(reply.content)
     if status == 202:
@@ -601,7 +855,14 @@ def interpret_poll(
                     body=body,
                 ),
             )
-        target = urljoin(reply.url, location.strip())
+        target = _join(reply.url, location)
+        if target is None:
+            return Decision(
+                Action.RAISE,
+                "unusable Location",
+                status_code=status,
+                error=_bad_url(ctx, "the Location of a poll redirect", status, _ACCEPTED),
+            )
         action = Action.FETCH if status == 303 else Action.FOLLOW
         return Decision(action, f"poll redirect {status}", url=target, status_code=status)
     if 200 <= status < 300:
@@ -610,7 +871,7 @@ def interpret_poll(
         return _poll_state(reply, body, ctx)
     if status == 401:
         return classify(reply, ctx, cfg)
-    if status in (408, 409, 425, 429, 500, 502, 503, 504):
+    if status in (408, 409, 423, 425, 429, 500, 502, 503, 504):
         return Decision(
             Action.WAIT,
             f"poll answered {status}",
@@ -623,10 +884,12 @@ def interpret_poll(
         status_code=status,
         error=ctx.error(
             ToolError,
-            f"polling {ctx.where()} answered {status}; the status URL is no longer usable. "
-            "Ask the tool for the operation's outcome",
+            f"polling {ctx.where()} answered {status}{_said(body, ctx)}; the status URL is no "
+            "longer usable. The step was accepted (202): ask the tool for the operation's "
+            "outcome",
             status_code=status,
             body=body,
+            reason=short_reason(body, ctx.idempotency_key),
         ),
     )
 
@@ -647,10 +910,12 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
             status_code=status,
             error=ctx.error(
                 StepFailed,
-                f"the asynchronous operation of {ctx.where()} reported {state!r}; it is final. "
-                "See the error body; a retry needs a new step or new arguments",
+                f"the asynchronous operation of {ctx.where()} reported "
+                f"{state!r}{_said(body, ctx)}; it is final. See the error body; a "
+                "retry needs a new step or new arguments",
                 status_code=status,
                 body=body,
+                reason=short_reason(body, ctx.idempotency_key),
             ),
         )
     # running, pending, queued, in_progress, notstarted, or a state we do not know yet

@@ -6,7 +6,11 @@ import datetime as _dt
 import re
 from email.utils import parsedate_to_datetime
 
-__all__ = ["parse_retry_after"]
+__all__ = ["TOO_LONG", "parse_retry_after"]
+
+#: What a delay of more than 15 digits means: longer than any cap or deadline, yet finite
+#: (``float`` cannot hold 310 digits and ``int`` refuses to parse thousands).
+TOO_LONG = 1e15
 
 _DELAY_SECONDS = re.compile(r"[0-9]+")
 
@@ -25,7 +29,7 @@ def parse_retry_after(value: str | None, *, now: _dt.datetime | None = None) -> 
     if not text:
         return None
     if _DELAY_SECONDS.fullmatch(text):
-        return float(int(text))
+        return float(int(text)) if len(text) <= 15 else TOO_LONG
     if not any(ch.isalpha() for ch in text):
         return None  # "-1", "1.5", "1e3": numbers, but not delay-seconds
     try:

@@ -58,3 +58,24 @@ def test_never_raises(value: str) -> None:
     """No input makes the parser raise or return a negative or non-finite wait."""
     result = parse_retry_after(value, now=NOW)
     assert result is None or (0 <= result < float("inf"))
+
+
+@given(st.text(alphabet="0123456789", min_size=1, max_size=6000))
+def test_any_number_of_digits_is_a_finite_wait(digits: str) -> None:
+    """Delay-seconds of any length (310 digits overflow a float, 5,000 trip int()) never raise."""
+    from agentkey._protocol import retry_after
+
+    wait = retry_after(digits)
+    assert wait is not None
+    assert 0 <= wait < float("inf")
+    if len(digits) <= 15:
+        assert wait == float(int(digits))
+
+
+@given(st.text(max_size=400))
+def test_protocol_retry_after_never_raises(value: str) -> None:
+    """The core's Retry-After reading takes any header text without raising."""
+    from agentkey._protocol import retry_after
+
+    wait = retry_after(value)
+    assert wait is None or 0 <= wait < float("inf")

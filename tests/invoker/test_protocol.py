@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,12 +11,12 @@ from hypothesis import strategies as st
 from agentkey import (
     AuthenticationError,
     InvokeError,
-    KeyRejected,
     OutcomeUnknown,
     PayloadMismatch,
     StepFailed,
     StepInProgress,
     ToolError,
+    ToolRejected,
     UnsafeRedirect,
 )
 from agentkey._policy import DEFAULT_RETRY_STATUSES
@@ -106,29 +108,32 @@ def test_transport_failures_retry(kind: FailureKind, ambiguous: bool) -> None:
     [
         (401, AuthenticationError),
         (422, PayloadMismatch),
-        (400, KeyRejected),
-        (403, ToolError),
-        (404, ToolError),
-        (410, ToolError),
+        (400, ToolRejected),
+        (403, ToolRejected),
+        (404, ToolRejected),
+        (410, ToolRejected),
     ],
 )
 def test_final_statuses(status: int, error: type[InvokeError]) -> None:
-    """401, 422, 400 and other 4xx are final errors carrying key, step and status."""
-    decision = classify(answer(status, b'{"detail": "no"}'), CTX, CFG)
+    """401, a reasonless 422, and other 4xx with the tool's own reason are final errors."""
+    body = b'{"detail": "no"}' if status != 422 else b'{"detail": "the args_hash differs"}'
+    decision = classify(answer(status, body), CTX, CFG)
     assert decision.action is Action.RAISE
     assert type(decision.error) is error
     assert decision.error.idempotency_key == CTX.idempotency_key
     assert decision.error.step == "step_001"
     assert decision.error.status_code == status
-    assert decision.error.body == {"detail": "no"}
+    assert decision.error.body == json.loads(body)
+    assert decision.error.reason == json.loads(body)["detail"]
 
 
-@pytest.mark.parametrize("status", [409, 429, 500, 503, 404])
+@pytest.mark.parametrize("status", [409, 423, 429, 500, 503, 404])
 def test_replayed_non_2xx_is_final(status: int) -> None:
     """Any replayed non-2xx is the stored outcome: a final ToolError, never retried."""
     decision = classify(answer(status, Idempotent_Replayed="true"), CTX, CFG)
     assert decision.action is Action.RAISE
     assert isinstance(decision.error, ToolError)
+    assert decision.error.idempotency_key == CTX.idempotency_key
 
 
 def test_unretried_5xx_is_outcome_unknown() -> None:
@@ -152,7 +157,7 @@ def test_redirects() -> None:
 def test_budget_exhausted_errors() -> None:
     """Out of budget: 409 gives StepInProgress, else OutcomeUnknown saying a resend is safe."""
     conflict = budget_exhausted(
-        Decision(Action.RETRY, "c", status_code=409), CTX, saw_ambiguous=True
+        Decision(Action.RETRY, "c", status_code=409, in_flight=True), CTX, saw_ambiguous=True
     )
     assert isinstance(conflict, StepInProgress)
     unknown = budget_exhausted(Decision(Action.RETRY, "ReadTimeout"), CTX, saw_ambiguous=True)

@@ -19,12 +19,14 @@ from agentkey import (
     AuthenticationError,
     InvokeError,
     KeyRejected,
+    KeyReused,
     OutcomeUnknown,
     PayloadMismatch,
     PollTimeout,
     StepFailed,
     StepInProgress,
     ToolError,
+    ToolRejected,
     UnsafeRedirect,
 )
 from agentkey._hooks import PollEvent, ReplayEvent
@@ -117,6 +119,45 @@ def status_url_is(url: str) -> Callable[[ToolResult | InvokeError, Recorder], No
     return check
 
 
+STRIPE = (
+    "Keys for idempotent requests can only be used with the same parameters they were first "
+    "used with. Try using a key other than 'k' if you meant to execute a different request."
+)
+
+
+def problem(code: int, type_: str, *headers: str) -> httpx.Response:
+    """An RFC 9457 problem answer, with agentkey's legacy "error" field beside the type."""
+    extra = dict(zip(headers[::2], headers[1::2], strict=True))
+    body = {"type": type_, "title": "t", "status": code, "error": type_.rsplit(":", 1)[-1]}
+    return httpx.Response(
+        code, headers={"Content-Type": "application/problem+json", **extra}, json=body
+    )
+
+
+def reason_is(text: str) -> Callable[[ToolResult | InvokeError, Recorder], None]:
+    def check(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+        assert isinstance(result, InvokeError)
+        assert result.reason == text
+        assert text in str(result)
+
+    return check
+
+
+def honest_after_409(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """After 409s then 503s the message never claims the tool did not run the step."""
+    assert "did not run" not in str(result)
+    assert "in flight" in str(result)
+
+
+def says_accepted(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """An unusable status URL after a 202 says the step was accepted (has run or runs)."""
+    assert "accepted the step (202)" in str(result)
+
+
+def says_ran(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    assert "already ran" in str(result)
+
+
 ROWS = [
     # -- contract section 3, row by row --
     Row("2xx-done", [ok(201)], result_status=201),
@@ -155,8 +196,8 @@ ROWS = [
     Row("401-final", [status(401)], error=AuthenticationError),
     Row("422-final", [status(422)], error=PayloadMismatch),
     Row("400-final", [status(400)], error=KeyRejected),
-    Row("403-final", [status(403)], error=ToolError),
-    Row("404-final", [status(404)], error=ToolError),
+    Row("403-final", [status(403)], error=ToolRejected),
+    Row("404-final", [status(404)], error=ToolRejected),
     Row("replayed-422-final", [status(422, **REPLAYED)], error=PayloadMismatch),
     # -- the issue's extra cases --
     Row(
@@ -307,6 +348,99 @@ ROWS = [
         [status(409, "0")],
         error=StepInProgress,
         options={"retry_statuses": frozenset({429, 503})},
+    ),
+    # -- dialects of other idempotency servers (issue 15): one table in _protocol --
+    Row(
+        "idempotency-replayed-header",
+        [ok(200, {"Idempotency-Replayed": "true"})],
+        outcome=Outcome.REPLAYED,
+    ),
+    Row(
+        "423-locked-then-replay",
+        [problem(423, "urn:idemkit:in-progress", "Retry-After", "30"), ok(200, REPLAYED)],
+        posts=2,
+        outcome=Outcome.REPLAYED,
+        check=waits_capped,
+    ),
+    Row(
+        "409-idemkit-stripe-mode-mismatch",
+        [problem(409, "urn:idemkit:payload-mismatch")],
+        error=PayloadMismatch,
+    ),
+    Row(
+        "409-stripe-idempotency-error",
+        [httpx.Response(409, json={"error": {"type": "idempotency_error", "message": STRIPE}})],
+        error=PayloadMismatch,
+    ),
+    Row(
+        "400-stripe-idempotency-error",
+        [httpx.Response(400, json={"error": {"type": "idempotency_error", "message": STRIPE}})],
+        error=PayloadMismatch,
+    ),
+    Row("422-key-reused", [problem(422, "urn:agentkey:problem:key_reused")], error=KeyReused),
+    Row(
+        "422-legacy-key-reused",
+        [httpx.Response(422, json={"error": "key_reused", "detail": "bound to /tools/a"})],
+        error=KeyReused,
+    ),
+    Row(
+        "400-key-invalid",
+        [problem(400, "urn:agentkey:problem:idempotency_key_invalid")],
+        error=KeyRejected,
+    ),
+    Row("400-idemkit-missing-key", [problem(400, "urn:idemkit:missing-key")], error=KeyRejected),
+    Row(
+        "400-business-reason",
+        [httpx.Response(400, json={"error": "amount must be a positive integer"})],
+        error=ToolRejected,
+        check=reason_is("amount must be a positive integer"),
+    ),
+    Row(
+        "422-validation-list",
+        [httpx.Response(422, json={"detail": [{"loc": ["body", "gb"], "msg": "too big"}]})],
+        error=ToolRejected,
+    ),
+    Row(
+        "409s-then-503s-honest",
+        [status(409, "0"), *(status(503, "0") for _ in range(7))],
+        posts=8,
+        error=OutcomeUnknown,
+        check=honest_after_409,
+    ),
+    # -- hostile Retry-After values: capped, never OverflowError or ValueError --
+    Row("retry-after-400-digits", [status(409, "9" * 400), ok()], posts=2, check=waits_capped),
+    Row("retry-after-5000-digits", [status(503, "7" * 5000), ok()], posts=2, check=waits_capped),
+    Row(
+        "poll-retry-after-5000-digits",
+        [status(202, Location="/ops/1"), status(202, "8" * 5000), state("done")],
+        gets=2,
+    ),
+    # -- Location / status URLs httpx cannot parse: typed, keeping the key, "already ran" --
+    *(
+        Row(f"202-status-url-{name}", [answer], error=ToolError, check=says_accepted)
+        for name, answer in [
+            ("data", status(202, Location="data:text/plain,hi")),
+            ("bad-ipv6", status(202, Location="https://[zz]/ops")),
+            ("bad-port", status(202, Location="https://tool.test:99999/ops")),
+            (
+                "non-ascii-host",
+                httpx.Response(202, json={"status_url": "https://ex\u00e4mple.test/"}),
+            ),
+            ("non-ascii-path", httpx.Response(202, json={"status_url": "/ops/\u00e4"})),
+        ]
+    ),
+    Row(
+        "303-location-bad-ipv6",
+        [status(303, Location="https://[zz]/r")],
+        error=ToolError,
+        check=says_ran,
+    ),
+    Row(
+        "poll-303-location-bad-ipv6",
+        [status(202, Location="/ops/1"), status(303, Location="https://[zz]/r")],
+        gets=1,
+        error=ToolError,
+        check=says_accepted,
     ),
     # -- URLs from the tool that httpx cannot send: a typed ToolError, never httpx.InvalidURL --
     Row("202-location-with-nul", [status(202, Location="/ops/1\x00x")], error=ToolError),

@@ -1,0 +1,275 @@
+"""Hostile servers attacking the client, on real loopback sockets: bombs, drips, cookies."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import threading
+import time
+import tracemalloc
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from agentkey import (
+    AsyncToolInvoker,
+    OutcomeUnknown,
+    PlanSession,
+    PollTimeout,
+    RetryPolicy,
+    StepInProgress,
+    ToolError,
+    ToolInvoker,
+)
+
+Handler = Callable[[socket.socket, bytes], None]
+FAST = RetryPolicy(max_attempts=3, deadline=10.0, initial_backoff=0.01, max_backoff=0.02)
+
+
+@contextmanager
+def raw_server(handler: Handler) -> Iterator[str]:
+    """A raw TCP server on 127.0.0.1: ``handler`` writes whatever bytes it likes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                handler(conn, head)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _zeros_gzip(size: int) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    block = b"\0" * (1 << 20)
+    parts = [packer.compress(block) for _ in range(size >> 20)]
+    return b"".join(parts) + packer.flush()
+
+
+INNER = _zeros_gzip(256 << 20)  # 256 MiB of zeros, about 250 KB
+STACKED = gzip.compress(INNER, 9)  # a few KB on the wire
+
+
+def _answer(body: bytes, encoding: str) -> Handler:
+    def handler(conn: socket.socket, head: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            + f"Content-Encoding: {encoding}\r\nContent-Length: {len(body)}\r\n".encode()
+            + b"Connection: close\r\n\r\n"
+            + body
+        )
+
+    return handler
+
+
+def _step() -> Any:
+    return PlanSession.new().step(1, "t", {"a": 1})
+
+
+def _invoke(driver: str, base: str, **options: Any) -> Any:
+    options.setdefault("retry", FAST)
+    options.setdefault("hooks", ())
+    if driver == "sync":
+        with ToolInvoker(base, **options) as invoker:
+            return invoker.invoke(_step(), path="/t")
+
+    async def main() -> Any:
+        async with AsyncToolInvoker(base, **options) as invoker:
+            return await invoker.invoke(_step(), path="/t")
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize(
+    ("body", "encoding", "words"),
+    [(STACKED, "gzip, gzip", "stacked"), (INNER, "gzip", "larger than max_response_bytes")],
+    ids=["stacked-gzip", "single-gzip"],
+)
+def test_gzip_bomb_stays_bounded(driver: str, body: bytes, encoding: str, words: str) -> None:
+    """A gzip bomb (stacked or single) is a typed ToolError; memory stays near the cap."""
+    assert len(STACKED) < 10_000
+    limit = 1 << 20
+    with raw_server(_answer(body, encoding)) as base:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ToolError, match=words) as caught:
+                _invoke(driver, base, max_response_bytes=limit)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert caught.value.idempotency_key is not None
+    assert peak < 2 * limit + len(body) + (4 << 20), f"peak {peak} bytes"
+
+
+def _drip(from_start: bool) -> Handler:
+    def handler(conn: socket.socket, head: bytes) -> None:
+        if not from_start:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        payload = b"HTTP/1.1 200 OK\r\n" if from_start else b"{" + b" " * 10_000
+        for i in range(600):  # one byte per 100 ms: 60 s, far past any deadline here
+            conn.sendall(payload[i % len(payload) : i % len(payload) + 1])
+            time.sleep(0.1)
+
+    return handler
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize("from_start", [True, False], ids=["headers-drip", "body-drip"])
+def test_deadline_bounds_a_dripping_server(driver: str, from_start: bool) -> None:
+    """RetryPolicy(deadline=1) ends a one-byte-per-100-ms answer in time, as OutcomeUnknown."""
+    policy = FAST.replace(deadline=1.0)
+    with raw_server(_drip(from_start)) as base:
+        start = time.monotonic()
+        with pytest.raises(OutcomeUnknown, match="may have run") as caught:
+            _invoke(driver, base, retry=policy)
+        elapsed = time.monotonic() - start
+    assert caught.value.idempotency_key is not None
+    assert "deadline" in str(caught.value)
+    assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_poll_origin_cookies_never_reach_the_tool(driver: str) -> None:
+    """A cookie set by an allowed poll origin (another port) is never sent to the tool."""
+    seen: list[bytes] = []
+
+    def status(conn: socket.socket, head: bytes) -> None:
+        body = b'{"status": "succeeded"}'
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Set-Cookie: planted=evil; Path=/\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+    with raw_server(status) as poll_base:
+
+        def tool(conn: socket.socket, head: bytes) -> None:
+            seen.append(head)
+            conn.sendall(
+                b"HTTP/1.1 202 Accepted\r\n"
+                + f"Location: {poll_base}/ops/1\r\n".encode()
+                + b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+
+        with raw_server(tool) as base:
+            options: dict[str, Any] = {"allowed_poll_origins": [poll_base], "hooks": ()}
+            if driver == "sync":
+                with ToolInvoker(base, retry=FAST, **options) as invoker:
+                    for index in (1, 2):
+                        invoker.invoke(PlanSession.new().step(index, "t", {}), path="/t")
+            else:
+
+                async def main() -> None:
+                    async with AsyncToolInvoker(base, retry=FAST, **options) as invoker:
+                        for index in (1, 2):
+                            await invoker.invoke(PlanSession.new().step(index, "t", {}), path="/t")
+
+                asyncio.run(main())
+    assert len(seen) == 2
+    assert all(b"planted" not in head for head in seen)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_deadline_bounds_a_dripping_poll(driver: str) -> None:
+    """After a 202, a status URL that drips is cut at the caller's deadline: PollTimeout."""
+    drip = _drip(from_start=False)
+
+    def tool(conn: socket.socket, head: bytes) -> None:
+        if head.startswith(b"POST"):
+            conn.sendall(
+                b"HTTP/1.1 202 Accepted\r\nLocation: /ops/1\r\nRetry-After: 0\r\n"
+                b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+        else:
+            drip(conn, head)
+
+    with raw_server(tool) as base:
+        start = time.monotonic()
+        with pytest.raises(PollTimeout, match="the call's deadline") as caught:
+            _invoke(driver, base, retry=FAST.replace(deadline=1.0))
+        elapsed = time.monotonic() - start
+    assert caught.value.status_url == f"{base}/ops/1"
+    assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_locked_retry_after_is_capped_by_the_deadline(driver: str) -> None:
+    """423 Locked with Retry-After: 30 (idemkit's in flight) waits only until the deadline."""
+
+    def locked(conn: socket.socket, head: bytes) -> None:
+        body = b'{"type": "urn:idemkit:in-progress", "title": "Idempotency key in progress"}'
+        conn.sendall(
+            b"HTTP/1.1 423 Locked\r\nRetry-After: 30\r\nContent-Type: application/problem+json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+    policy = FAST.replace(deadline=0.5, max_retry_after=30.0, max_attempts=8)
+    with raw_server(locked) as base:
+        start = time.monotonic()
+        with pytest.raises(StepInProgress, match="in flight \\(423\\)"):
+            _invoke(driver, base, retry=policy)
+        elapsed = time.monotonic() - start
+    assert elapsed < 0.5 + 1.5, f"took {elapsed:.2f} s"
+
+
+def test_deadline_bounds_a_drip_on_a_reused_connection() -> None:
+    """Sync: headers dripping over a kept-alive connection (a retry reuses it) end in time."""
+    answered: list[int] = []
+
+    def handler(conn: socket.socket, head: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0\r\nContent-Length: 0\r\n\r\n"
+        )
+        answered.append(1)
+        conn.recv(65536)  # the retry, on the same connection
+        for _ in range(100):  # then the status line, one byte per 100 ms
+            conn.sendall(b"H")
+            time.sleep(0.1)
+
+    policy = FAST.replace(deadline=1.0)
+    with raw_server(handler) as base:
+        start = time.monotonic()
+        with pytest.raises(OutcomeUnknown, match="deadline"):
+            _invoke("sync", base, retry=policy)
+        elapsed = time.monotonic() - start
+    assert answered == [1], "the retry reused the kept-alive connection"
+    assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s"
