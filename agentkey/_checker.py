@@ -5,264 +5,585 @@ times (a fresh call, a concurrent burst, changed arguments and the header-style
 round trip); a broken one may run it more often. Point it at a test instance
 or a tool whose side effect is harmless.
 
-It is a client only (httpx), so it lives in the core package.
+Each row is labelled with its scope:
+
+- ``contract``: what any server following the IETF httpapi Idempotency-Key
+  draft must do, whatever key format it expects (a duplicate is replayed,
+  concurrent duplicates run once, a reused key with another body gets 422,
+  the same key on another route is never answered with the first route's
+  result). "Honours the contract" means these rows hold.
+- ``agentkey``: what agentkey's own contract adds (replay headers, 409 with
+  ``Retry-After``, the args hash in the key, 400 for a malformed or missing
+  key, both header styles, 422 ``key_reused``). Reported, not required.
+
+Executions are counted from what the answers show: a 2xx answer is a new
+execution unless a replay header (any dialect) marks it or it repeats an
+earlier answer's status and body exactly.
+
+A target that cannot be reached (down, DNS, TLS) gives no verdict at all: the
+report says "could not reach" with the cause. All HTTP goes through
+``_http``, which caps how much of an answer is read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
+import socket
+import ssl
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
+from . import _http
 from ._canonical import canonical_json, to_jsonable
 from ._exceptions import ConfigurationError, InsecureTransport
 from ._keys import HeaderStyle, StepKey
-from ._protocol import is_loopback
-from ._retry_after import parse_retry_after
+from ._protocol import (
+    DEFAULT_REPLAY_HEADERS,
+    IN_FLIGHT_STATUSES,
+    Answer,
+    Failure,
+    FailureKind,
+    Meaning,
+    is_loopback,
+    parse_json,
+    problem_code,
+    retry_after,
+)
 
-__all__ = ["CheckReport", "CheckResult", "Verdict", "acheck_server", "check_server"]
+__all__ = ["CheckReport", "CheckResult", "Scope", "Verdict", "acheck_server", "check_server"]
 
 Verdict = Literal["PASS", "FAIL", "SKIP"]
+Scope = Literal["contract", "agentkey"]
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 
-_REPLAY_HEADERS = (
-    "idempotent-replayed",
-    "idempotent-replay",
-    "x-idempotent-replayed",
-    "x-idempotency-replayed",
-)
+#: Answers that refuse a duplicate for now (in flight, overloaded): not an execution.
+_NOT_NOW = IN_FLIGHT_STATUSES | {425, 429, 503}
+#: Read at most this much of any answer (decoded): the checker compares bodies, no more.
+MAX_ANSWER_BYTES = 1024 * 1024
+#: A Retry-After beyond this is no advice a client can follow.
+_SANE_RETRY_AFTER = 3600.0
+MAX_CONCURRENCY = 64
 
 
 @dataclass(frozen=True, slots=True)
 class CheckResult:
-    """One point of the contract: its verdict and what was seen."""
+    """One point of the contract: its verdict, what was seen, and whose rule it is."""
 
     name: str
     verdict: Verdict
     detail: str
+    scope: Scope = "contract"
 
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
-    """Every point checked against one target; :attr:`ok` when none failed."""
+    """Every point checked against one target.
+
+    :attr:`ok` when the target was reached and no ``contract`` row failed;
+    ``agentkey`` rows are reported but not required. :attr:`unreachable`
+    holds "could not reach <target>: <cause>" when no verdict could be given.
+    """
 
     target: str
     style: HeaderStyle
     results: tuple[CheckResult, ...]
+    unreachable: str | None = field(default=None)
 
     @property
     def ok(self) -> bool:
-        return all(r.verdict != "FAIL" for r in self.results)
+        return self.unreachable is None and all(
+            r.verdict != "FAIL" for r in self.results if r.scope == "contract"
+        )
 
     def table(self) -> str:
-        """A plain-text pass/fail table."""
-        width = max(len(r.name) for r in self.results)
+        """A plain-text pass/fail table, then the verdict."""
         lines = [f"agentkey check {self.target}  (key header style: {self.style})", ""]
-        lines.append(f"  {'result':<6}  {'check':<{width}}  detail")
-        lines.append(f"  {'-' * 6}  {'-' * width}  {'-' * 40}")
-        lines += [f"  {r.verdict:<6}  {r.name:<{width}}  {r.detail}" for r in self.results]
+        if self.unreachable is not None:
+            lines.append(self.unreachable)
+            lines.append("")
+            lines.append("no verdict: the contract was not checked")
+            return "\n".join(lines)
+        width = max(len(r.name) for r in self.results)
+        lines.append(f"  {'result':<6}  {'scope':<8}  {'check':<{width}}  detail")
+        lines.append(f"  {'-' * 6}  {'-' * 8}  {'-' * width}  {'-' * 40}")
+        lines += [
+            f"  {r.verdict:<6}  {r.scope:<8}  {r.name:<{width}}  {r.detail}" for r in self.results
+        ]
         counts = {v: sum(r.verdict == v for r in self.results) for v in ("PASS", "FAIL", "SKIP")}
+        extra = sum(r.verdict == "FAIL" and r.scope == "agentkey" for r in self.results)
         lines.append("")
-        lines.append(
-            f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
-            + ("" if self.ok else "  -> the server does NOT honour the contract")
-        )
+        lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+        if not self.ok:
+            lines.append("-> the server does NOT honour the contract (a contract row failed)")
+        elif extra:
+            lines.append(
+                "-> the server honours the idempotency contract (IETF draft); "
+                f"{extra} agentkey-specific row(s) failed: reported, not required"
+            )
+        else:
+            lines.append("-> the server honours the idempotency contract, agentkey's rows included")
         return "\n".join(lines)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Sent:
     status: int
     body: bytes
-    replayed: bool
+    oversize: bool
+    replay_header: str | None  # the dialect header that said "true", if any
     retry_after: str | None
-    seconds: float
+    code: str | None  # the problem code of an error body (RFC 9457, Stripe, agentkey)
+    meaning: Meaning | None  # what that code says about the key, from _protocol's table
+
+    def same_answer(self, other: _Sent) -> bool:
+        """The same status and body: nothing here shows a second execution."""
+        return (
+            self.status == other.status
+            and not self.oversize
+            and not other.oversize
+            and self.body == other.body
+        )
+
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+class _NoAnswer(Exception):
+    """A request got no HTTP answer (its Failure is kept)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.description)
+        self.failure = failure
 
 
 class _Target:
-    def __init__(self, client: httpx.AsyncClient, url: str, token: str | None) -> None:
+    def __init__(self, client: _http.AsyncClient, url: str, token: str | None) -> None:
         self.client = client
         self.url = url
         self.token = token
 
-    async def post(self, body: bytes, key: str | None) -> _Sent:
-        headers = {"content-type": "application/json"}
+    async def post(self, body: bytes, key: str | None, *, url: str | None = None) -> _Sent:
+        headers = [("content-type", "application/json"), ("accept-encoding", "identity")]
         if key is not None:
-            headers["idempotency-key"] = key
+            headers.append(("idempotency-key", key))
         if self.token is not None:
-            headers["authorization"] = f"Bearer {self.token}"
-        started = time.monotonic()
-        response = await self.client.post(self.url, content=body, headers=headers)
-        replayed = any(
-            response.headers.get(h, "").strip().lower() == "true" for h in _REPLAY_HEADERS
+            headers.append(("authorization", f"Bearer {self.token}"))
+        out = _http.Outgoing("POST", url or self.url, tuple(headers), body, same_origin=True)
+        reply = await _http.send_async(
+            self.client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
         )
-        return _Sent(
-            response.status_code,
-            response.content,
-            replayed,
-            response.headers.get("retry-after"),
-            time.monotonic() - started,
-        )
+        if isinstance(reply, Failure):
+            raise _NoAnswer(reply)
+        return _sent(reply)
+
+
+def _sent(answer: Answer) -> _Sent:
+    marked = next(
+        (h for h in DEFAULT_REPLAY_HEADERS if (answer.header(h) or "").strip().lower() == "true"),
+        None,
+    )
+    error = not 200 <= answer.status_code < 300
+    code, meaning = problem_code(parse_json(answer.content)) if error else (None, None)
+    return _Sent(
+        answer.status_code,
+        answer.content,
+        answer.oversize,
+        marked,
+        answer.header("retry-after"),
+        code,
+        meaning,
+    )
+
+
+def _status(sent: _Sent) -> str:
+    return f"{sent.status}" + (
+        f" (over {MAX_ANSWER_BYTES // 1024} KiB, not read)" if sent.oversize else ""
+    )
+
+
+def _retry_after_problem(value: str | None) -> str | None:
+    """Why a 409's Retry-After is no usable advice, or None when it is."""
+    if value is None:
+        return "no Retry-After"
+    seconds = retry_after(value)  # never raises: hundreds of digits read as "very long"
+    if seconds is None:
+        return f"an unparseable Retry-After ({_clip(value)})"
+    if seconds > _SANE_RETRY_AFTER:
+        return f"an absurd Retry-After ({_clip(value)}: over {_SANE_RETRY_AFTER:g} s)"
+    return None
+
+
+def _clip(value: str, limit: int = 20) -> str:
+    flat = "".join(ch if ch.isprintable() else "?" for ch in value)
+    return repr(flat if len(flat) <= limit else f"{flat[:limit]}... {len(flat)} chars")
 
 
 def _other(style: HeaderStyle) -> HeaderStyle:
     return "sf-string" if style == "raw" else "raw"
 
 
-async def _fresh_and_duplicate(
-    target: _Target, plan: str, body: bytes, args: Mapping[str, Any], style: HeaderStyle
-) -> list[CheckResult]:
-    key = StepKey.build(plan, 0, args).header_value(style)
-    first = await target.post(body, key)
-    results = []
-    if 200 <= first.status < 300 and not first.replayed:
-        results.append(CheckResult("fresh request runs", "PASS", f"{first.status}"))
-    else:
-        results.append(
+@dataclass
+class _Run:
+    """The state the rows share: one plan, the first answer of step 0."""
+
+    target: _Target
+    plan: str
+    body: bytes
+    args: Mapping[str, Any]
+    changed: Mapping[str, Any]
+    style: HeaderStyle
+    other_url: str
+    first: _Sent | None = None
+
+    def key(self, step: int, args: Mapping[str, Any], style: HeaderStyle | None = None) -> str:
+        return StepKey.build(self.plan, step, args).header_value(style or self.style)
+
+
+async def _fresh_and_duplicate(run: _Run) -> list[CheckResult]:
+    key = run.key(0, run.args)
+    first = await run.target.post(run.body, key)
+    if not first.ok() or first.replay_header:
+        why = f" with a replay header ({first.replay_header})" if first.replay_header else ""
+        return [
             CheckResult(
                 "fresh request runs",
                 "FAIL",
-                f"{first.status}{' with a replay header' if first.replayed else ''}; "
-                "expected a 2xx: check --path, --args and --token",
-            )
-        )
-        return [*results, CheckResult("duplicate is replayed", "SKIP", "no fresh result")]
-    again = await target.post(body, key)
-    problems = []
-    if again.status != first.status:
-        problems.append(f"status {again.status} != {first.status}")
-    if again.body != first.body:
-        problems.append("body differs from the first answer")
-    if not again.replayed:
-        problems.append("no Idempotent-Replayed: true header")
-    if problems:
-        results.append(CheckResult("duplicate is replayed", "FAIL", "; ".join(problems)))
+                f"{_status(first)}{why}; expected a 2xx: check --path, --args and --token",
+            ),
+            CheckResult("duplicate is replayed", "SKIP", "no fresh result"),
+            CheckResult("replays carry a replay header", "SKIP", "no fresh result", "agentkey"),
+        ]
+    run.first = first
+    results = [CheckResult("fresh request runs", "PASS", _status(first))]
+    again = await run.target.post(run.body, key)
+    if again.same_answer(first) or (
+        again.replay_header and again.status == first.status and first.oversize
+    ):
+        how = "same status and body" if not first.oversize else "same status, replay header"
+        results.append(CheckResult("duplicate is replayed", "PASS", f"{again.status}, {how}"))
     else:
-        results.append(
-            CheckResult(
-                "duplicate is replayed", "PASS", f"{again.status}, same body, replay header"
-            )
+        problems = []
+        if again.status != first.status:
+            problems.append(f"status {_status(again)} != {first.status}")
+        elif first.oversize or again.oversize:
+            problems.append("the answers were too large to compare and carry no replay header")
+        else:
+            problems.append("the body differs from the first answer: the tool ran again")
+        results.append(CheckResult("duplicate is replayed", "FAIL", "; ".join(problems)))
+    if again.replay_header:
+        verdict: Verdict = "PASS"
+        detail = f"{again.replay_header}: true"
+    else:
+        verdict, detail = (
+            "FAIL",
+            "the duplicate's answer carries no replay header (Idempotent-Replayed: true or "
+            "a known dialect); clients then cannot tell a replay from a run",
         )
+    results.append(CheckResult("replays carry a replay header", verdict, detail, "agentkey"))
     return results
 
 
-async def _concurrent(
-    target: _Target, plan: str, body: bytes, args: Mapping[str, Any], style: HeaderStyle, n: int
-) -> CheckResult:
-    name = "concurrent duplicate gets 409"
-    key = StepKey.build(plan, 1, args).header_value(style)
-    sent = await asyncio.gather(*(target.post(body, key) for _ in range(n)))
-    ran = [s for s in sent if 200 <= s.status < 300 and not s.replayed]
-    conflicts = [s for s in sent if s.status == 409]
-    replays = [s for s in sent if 200 <= s.status < 300 and s.replayed]
-    others = sorted({s.status for s in sent if s not in ran + conflicts + replays})
+async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
+    key = run.key(1, run.args)
+    sent = await asyncio.gather(*(run.target.post(run.body, key) for _ in range(n)))
+    done = [s for s in sent if s.ok()]
+    waiting = [s for s in sent if s.status in _NOT_NOW]
+    others = sorted({s.status for s in sent if not s.ok() and s.status not in _NOT_NOW})
+    # An execution shows as a 2xx answer that no replay header marks and that repeats no
+    # other answer's body: replays under an unknown header name still count once.
+    executed: list[_Sent] = []
+    for s in done:
+        if not s.replay_header and not any(s.same_answer(e) for e in executed):
+            executed.append(s)
+    replays = [s for s in done if s.replay_header]
+    name = "concurrent duplicates run once"
     problems = []
-    if not ran and not replays:
+    if not done:
         problems.append(
             f"none of the {n} answers was a 2xx: the step never ran (a key stuck in "
             "progress answers 409 forever)"
         )
-    if len(ran) > 1:
-        problems.append(
-            f"{len(ran)} of {n} answers were 2xx without a replay header (the step ran "
-            f"{len(ran)} times, or replays are not marked)"
-        )
-    if any(parse_retry_after(s.retry_after) is None for s in conflicts):
-        problems.append("a 409 came without a valid Retry-After")
+    if len(executed) > 1:
+        problems.append(f"the answers show {len(executed)} executions of one key")
     if others:
         problems.append(f"unexpected statuses {others}")
-    if ran and any(r.body != ran[0].body for r in replays):
-        problems.append("a replay's body differs from the executed answer")
-    if problems:
-        return CheckResult(name, "FAIL", "; ".join(problems))
-    if not conflicts:
-        return CheckResult(
-            name,
-            "SKIP",
-            f"all {n - 1} duplicates were replays: the tool finished before they arrived; "
-            "check a slower tool to prove this point",
-        )
-    return CheckResult(
-        name,
-        "PASS",
-        f"{n} at once: {len(ran)} ran, {len(conflicts)} got 409 + Retry-After, "
-        f"{len(replays)} replayed",
+    if executed and any(not r.same_answer(executed[0]) for r in replays):
+        problems.append("a replay's answer differs from the executed one")
+    counts = (
+        f"{n} at once: {len(executed)} ran, {len(done) - len(executed)} replayed, "
+        f"{len(waiting)} refused for now ({sorted({s.status for s in waiting}) or 'none'})"
     )
-
-
-async def _changed_args(
-    target: _Target, plan: str, args: Mapping[str, Any], changed: Mapping[str, Any]
-) -> list[CheckResult]:
-    key = StepKey.build(plan, 0, changed).header_value("raw")
-    sent = await target.post(canonical_json(changed), key)
-    results = []
-    if 200 <= sent.status < 300 and not sent.replayed:
-        results.append(CheckResult("changed args are a new operation", "PASS", f"{sent.status}"))
-    else:
-        why = "replayed the old answer" if sent.replayed else f"answered {sent.status}"
+    results = [CheckResult(name, "FAIL" if problems else "PASS", "; ".join(problems) or counts)]
+    name = "in-flight duplicate gets 409 + Retry-After"
+    if not waiting:
         results.append(
             CheckResult(
-                "changed args are a new operation",
+                name,
+                "SKIP",
+                "no duplicate was answered while the step was in flight (the tool finished "
+                "first, or the server held the duplicates and replayed); use a slower tool",
+                "agentkey",
+            )
+        )
+        return results
+    bad = sorted({s.status for s in waiting if s.status != 409})
+    advice = [p for p in map(_retry_after_problem, (s.retry_after for s in waiting)) if p]
+    problems = []
+    if bad:
+        problems.append(f"in-flight duplicates got {bad}, not 409")
+    if advice:
+        problems.append(f"a refusal came with {advice[0]}")
+    detail = "; ".join(problems) or f"{len(waiting)} got 409 with a usable Retry-After"
+    results.append(CheckResult(name, "FAIL" if problems else "PASS", detail, "agentkey"))
+    return results
+
+
+async def _changed_args(run: _Run) -> list[CheckResult]:
+    changed_body = canonical_json(run.changed)
+    sent = await run.target.post(changed_body, run.key(0, run.changed, "raw"))
+    results = []
+    name = "changed args are a new operation"
+    if sent.ok() and not sent.replay_header:
+        results.append(CheckResult(name, "PASS", _status(sent)))
+    else:
+        why = "replayed the old answer" if sent.replay_header else f"answered {_status(sent)}"
+        results.append(
+            CheckResult(
+                name,
                 "FAIL",
                 f"same step, new args_hash: the server {why}; if the tool rejects the changed "
                 "arguments, pass --changed-args with a variant it accepts",
             )
         )
-    # The key claims `args`, the body carries `changed`.
-    mismatched = StepKey.build(plan, 3, args).header_value("raw")
-    bad = await target.post(canonical_json(changed), mismatched)
-    results.append(
-        CheckResult(
-            "mismatched hash gets 422",
-            "PASS" if bad.status == 422 else "FAIL",
-            f"{bad.status}" + ("" if bad.status == 422 else "; expected 422"),
-        )
-    )
+    # The key of step 0 was used with `args`; the same key now carries another body.
+    reused = await run.target.post(changed_body, run.key(0, run.args))
+    results.append(_expect_mismatch("same key, other body is refused (422)", reused, "contract"))
+    # A fresh key whose args_hash names `args` while the body is `changed`.
+    mismatched = await run.target.post(changed_body, run.key(3, run.args, "raw"))
+    results.append(_expect_mismatch("hash does not match body gets 422", mismatched, "agentkey"))
     return results
 
 
-async def _malformed(target: _Target, body: bytes) -> list[CheckResult]:
+def _expect_mismatch(name: str, sent: _Sent, scope: Scope) -> CheckResult:
+    """422, or a 4xx whose problem code means "another body" in a known dialect (Stripe's)."""
+    if sent.status == 422:
+        return CheckResult(name, "PASS", "422" + (f" {sent.code}" if sent.code else ""), scope)
+    if 400 <= sent.status < 500 and sent.meaning is Meaning.MISMATCH:
+        return CheckResult(
+            name,
+            "PASS",
+            f"{sent.status} {sent.code} (a mismatch dialect; the draft says 422)",
+            scope,
+        )
+    ran = " (the tool ran or replayed with a body its key was not made for)" if sent.ok() else ""
+    return CheckResult(name, "FAIL", f"{_status(sent)}; expected 422{ran}", scope)
+
+
+async def _other_route(run: _Run) -> list[CheckResult]:
+    """The key of step 0, already used on the tool's route, sent to another route."""
+    first = run.first
+    if first is None:
+        return [
+            CheckResult("key on another route is never replayed", "SKIP", "no fresh result"),
+            CheckResult(
+                "key on another route gets 422 key_reused", "SKIP", "no fresh result", "agentkey"
+            ),
+        ]
+    sent = await run.target.post(run.body, run.key(0, run.args), url=run.other_url)
+    replayed = sent.ok() and (sent.replay_header is not None or sent.same_answer(first))
+    if replayed:
+        contract = CheckResult(
+            "key on another route is never replayed",
+            "FAIL",
+            f"{sent.status}: the other route was answered with the first route's stored "
+            "result, a silent wrong answer",
+        )
+    else:
+        seen = "ran as its own operation" if sent.ok() else f"answered {_status(sent)}"
+        contract = CheckResult("key on another route is never replayed", "PASS", seen)
+    name = "key on another route gets 422 key_reused"
+    if sent.status == 422 and sent.meaning is Meaning.REUSED:
+        mine = CheckResult(name, "PASS", "422 key_reused", "agentkey")
+    elif sent.status == 422:
+        mine = CheckResult(name, "FAIL", "422, but not the problem type key_reused", "agentkey")
+    else:
+        hint = (
+            "; if that path is no protected route, name one with --other-path"
+            if sent.status in (404, 405)
+            else ""
+        )
+        mine = CheckResult(
+            name, "FAIL", f"{_status(sent)}; expected 422 key_reused{hint}", "agentkey"
+        )
+    return [contract, mine]
+
+
+async def _malformed(run: _Run) -> list[CheckResult]:
     results = []
     for name, key in (
         ("malformed key gets 400", "not-a-valid:key"),
         ("missing key gets 400", None),
     ):
-        sent = await target.post(body, key)
-        results.append(
-            CheckResult(
-                name,
-                "PASS" if sent.status == 400 else "FAIL",
-                f"{sent.status}" + ("" if sent.status == 400 else "; expected 400"),
-            )
-        )
+        sent = await run.target.post(run.body, key)
+        verdict: Verdict = "PASS" if sent.status == 400 else "FAIL"
+        detail = _status(sent) + ("" if sent.status == 400 else "; expected 400")
+        results.append(CheckResult(name, verdict, detail, "agentkey"))
     return results
 
 
-async def _styles(
-    target: _Target, plan: str, body: bytes, args: Mapping[str, Any], style: HeaderStyle
-) -> CheckResult:
+async def _styles(run: _Run) -> CheckResult:
     name = "both header styles accepted"
-    key = StepKey.build(plan, 2, args)
-    other = _other(style)
-    first = await target.post(body, key.header_value(other))
-    if not (200 <= first.status < 300):
-        return CheckResult(name, "FAIL", f"{other} style answered {first.status}; expected 2xx")
-    second = await target.post(body, key.header_value(style))
-    if second.replayed and second.body == first.body:
-        return CheckResult(name, "PASS", f"{other} ran, {style} replayed it: one key")
+    key = StepKey.build(run.plan, 2, run.args)
+    other = _other(run.style)
+    first = await run.target.post(run.body, key.header_value(other))
+    if not first.ok():
+        return CheckResult(
+            name, "FAIL", f"{other} style answered {_status(first)}; expected 2xx", "agentkey"
+        )
+    second = await run.target.post(run.body, key.header_value(run.style))
+    if second.same_answer(first) or (second.replay_header and second.status == first.status):
+        return CheckResult(
+            name, "PASS", f"{other} ran, {run.style} replayed it: one key", "agentkey"
+        )
     return CheckResult(
         name,
         "FAIL",
-        f"{other} then {style} with the same key: the second answer ({second.status}) was "
+        f"{other} then {run.style} with the same key: the second answer ({_status(second)}) was "
         "not a replay, so the styles are not treated as one key",
+        "agentkey",
     )
+
+
+def _shown(url: str) -> str:
+    """``url`` fit to print: no user info, query or fragment."""
+    try:
+        parts = urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<an unparseable URL>"
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    query = "?<query hidden>" if parts.query else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}{query}"
+
+
+def _ssl_context() -> ssl.SSLContext:
+    try:
+        import certifi  # httpx's own CA bundle, so the diagnosis sees what httpx saw
+
+        return ssl.create_default_context(cafile=certifi.where())
+    except ImportError:  # pragma: no cover - certifi comes with httpx
+        return ssl.create_default_context()
+
+
+async def _why_unreachable(url: str, failure: Failure, timeout: float) -> str:
+    """The cause of a failed first request: DNS, refused, TLS, or no answer."""
+    if failure.kind is FailureKind.AMBIGUOUS:
+        return (
+            f"connected, but no HTTP answer came ({failure.description}); the server "
+            "closed the connection or took longer than --timeout"
+        )
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+    except socket.gaierror as exc:
+        return f"the DNS lookup of {host} failed ({exc.strerror})"
+    except (TimeoutError, asyncio.TimeoutError):
+        return f"the DNS lookup of {host} timed out"
+    tls = _ssl_context() if parts.scheme == "https" else None
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=tls, server_hostname=host if tls else None),
+            timeout,
+        )
+    except ssl.SSLCertVerificationError as exc:
+        return f"the TLS certificate was refused ({exc.verify_message})"
+    except ssl.SSLError as exc:
+        return f"the TLS handshake failed ({exc.reason or type(exc).__name__})"
+    except ConnectionRefusedError:
+        return f"connection refused on port {port} (is the server running?)"
+    except (TimeoutError, asyncio.TimeoutError):
+        return f"connecting to port {port} timed out"
+    except OSError as exc:
+        return f"cannot connect to port {port} ({exc.strerror or type(exc).__name__})"
+    writer.close()
+    return f"the request failed before it was sent ({failure.description})"
+
+
+def _validate(
+    base_url: str,
+    path: str,
+    token: str | None,
+    style: str,
+    concurrency: int,
+    timeout: float,
+    other_path: str | None,
+) -> tuple[str, str]:
+    """The tool URL and the other-route URL; ConfigurationError before any request."""
+    joined = str(base_url).rstrip("/") + "/" + str(path).lstrip("/")
+    try:
+        parts = urlsplit(joined)
+        host, _port = parts.hostname, parts.port  # the port is checked when read
+    except (ValueError, TypeError):
+        raise ConfigurationError(
+            f"the target must be an http(s) URL and a path, got {_shown(str(base_url))!r} "
+            f"and {str(path)!r}"
+        ) from None
+    if "@" in parts.netloc:
+        # Neither printed nor sent: httpx would send it as Basic auth to whoever answers.
+        raise ConfigurationError(
+            "the target URL carries a user name or password (user:password@host); it was "
+            "not sent and is not shown: drop it, and pass a bearer token with --token or "
+            "$AGENTKEY_CHECK_TOKEN"
+        )
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigurationError(f"the target must be an http(s) URL, got {_shown(joined)!r}")
+    if token is not None and not _TOKEN.fullmatch(token):
+        # Checked here, never echoed: httpx would fail deep inside with the token in
+        # the exception (UnicodeEncodeError carries the whole header value).
+        raise ConfigurationError(
+            "the token must be printable ASCII without spaces or line breaks (a bearer "
+            "token as issued); it was not sent"
+        )
+    if token is not None and parts.scheme == "http" and not is_loopback(host):
+        raise InsecureTransport(
+            f"refusing to send a bearer token over plain http to {host}; use https "
+            "(plain http is allowed to loopback only)"
+        )
+    if style not in ("raw", "sf-string"):
+        raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
+    if (
+        isinstance(concurrency, bool)
+        or not isinstance(concurrency, int)
+        or not 2 <= concurrency <= MAX_CONCURRENCY
+    ):
+        raise ConfigurationError(
+            f"concurrency must be a whole number from 2 to {MAX_CONCURRENCY}, got {concurrency!r}"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
+        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if other_path is None:
+        other = parts.path.rstrip("/") + "/agentkey-check-other-route"
+    else:
+        other = "/" + str(other_path).lstrip("/")
+        if other == parts.path:
+            raise ConfigurationError(
+                "other_path (--other-path) must name another route than path (--path)"
+            )
+    return joined, urlunsplit(parts._replace(path=other))
 
 
 async def acheck_server(
@@ -275,38 +596,15 @@ async def acheck_server(
     style: HeaderStyle = "raw",
     concurrency: int = 8,
     timeout: float = 30.0,
+    other_path: str | None = None,
 ) -> CheckReport:
-    """Check every point of the contract against ``base_url + path``. Real side effects!"""
-    try:
-        url = httpx.URL(base_url.rstrip("/") + "/" + path.lstrip("/"))
-    except (httpx.InvalidURL, TypeError, AttributeError):
-        raise ConfigurationError(
-            f"the target must be an http(s) URL and path, got {base_url!r} and {path!r}"
-        ) from None
-    if token is not None and not _TOKEN.fullmatch(token):
-        # Checked here, never echoed: httpx would fail deep inside with the token in
-        # the exception (UnicodeEncodeError carries the whole header value).
-        raise ConfigurationError(
-            "the token must be printable ASCII without spaces or line breaks (a bearer "
-            "token as issued); it was not sent"
-        )
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ConfigurationError(f"the target must be an http(s) URL, got {base_url!r}")
-    if token is not None and url.scheme == "http" and not is_loopback(url.host):
-        raise InsecureTransport(
-            f"refusing to send a bearer token over plain http to {url.host}; use https "
-            "(plain http is allowed to loopback only)"
-        )
-    if style not in ("raw", "sf-string"):
-        raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 2:
-        raise ConfigurationError(f"concurrency must be a whole number >= 2, got {concurrency!r}")
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < float("inf")
-    ):
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    """Check every point of the contract against ``base_url + path``. Real side effects!
+
+    ``other_path`` is a second route the step's key is sent to (default: ``path`` plus
+    ``/agentkey-check-other-route``, a route no tool serves that a prefix rule such as
+    ``/tools/*`` still protects).
+    """
+    url, other_url = _validate(base_url, path, token, style, concurrency, timeout, other_path)
     plain = to_jsonable(args)
     changed = (
         to_jsonable(changed_args, root="changed_args")
@@ -315,27 +613,42 @@ async def acheck_server(
     )
     if canonical_json(changed) == canonical_json(plain):
         raise ConfigurationError("changed_args must differ from args")
-    body = canonical_json(plain)
     plan = "agentkey-check-" + uuid.uuid4().hex[:16]
+    shown = _shown(url)
     results: list[CheckResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(
-        timeout=timeout, follow_redirects=False, limits=limits, trust_env=False
-    ) as client:
-        target = _Target(client, str(url), token)
+    async with _http.make_async_client(_http.make_timeout(timeout)) as client:
+        target = _Target(client, url, token)
+        run = _Run(target, plan, canonical_json(plain), plain, changed, style, other_url)
         try:
-            results += await _fresh_and_duplicate(target, plan, body, plain, style)
-            results.append(await _concurrent(target, plan, body, plain, style, concurrency))
-            results += await _changed_args(target, plan, plain, changed)
-            results += await _malformed(target, body)
-            results.append(await _styles(target, plan, body, plain, style))
-        except httpx.HTTPError as exc:
-            results.append(
-                CheckResult("request", "FAIL", f"{type(exc).__name__}: could not talk to {url}")
-            )
+            results += await _fresh_and_duplicate(run)
+        except _NoAnswer as exc:
+            cause = await _why_unreachable(url, exc.failure, float(timeout))
+            return CheckReport(shown, style, (), unreachable=f"could not reach {shown}: {cause}")
+        steps: Sequence[Any] = (
+            lambda: _concurrent(run, concurrency),
+            lambda: _changed_args(run),
+            lambda: _other_route(run),
+            lambda: _malformed(run),
+            lambda: _styles(run),
+        )
+        for step in steps:
+            try:
+                produced = await step()
+            except _NoAnswer as exc:
+                results.append(
+                    CheckResult(
+                        "request",
+                        "FAIL",
+                        f"no answer from {shown} ({exc.failure.description}) in mid-check",
+                    )
+                )
+                break
+            results += produced if isinstance(produced, list) else [produced]
     if token:
-        results = [CheckResult(r.name, r.verdict, r.detail.replace(token, "***")) for r in results]
-    return CheckReport(str(url), style, tuple(results))
+        results = [
+            CheckResult(r.name, r.verdict, r.detail.replace(token, "***"), r.scope) for r in results
+        ]
+    return CheckReport(shown, style, tuple(results))
 
 
 def check_server(
@@ -348,6 +661,7 @@ def check_server(
     style: HeaderStyle = "raw",
     concurrency: int = 8,
     timeout: float = 30.0,
+    other_path: str | None = None,
 ) -> CheckReport:
     """Blocking form of :func:`acheck_server`."""
     return asyncio.run(
@@ -360,5 +674,6 @@ def check_server(
             style=style,
             concurrency=concurrency,
             timeout=timeout,
+            other_path=other_path,
         )
     )

@@ -89,9 +89,21 @@ async def _run(out: Callable[[str], None]) -> int:
             hooks=[hook],
         )
 
+    explained: list[bool] = []
+
     def show(title: str, result: ToolResult, task: str = "main") -> None:
         out(f"  {title}")
         out(f"    key       {_short(result.idempotency_key)}")
+        if not explained:
+            explained.append(True)
+            out(
+                "              (Idempotency-Key = <plan session id>:<step>:<sha256 of the "
+                "canonical JSON args>,"
+            )
+            out(
+                f"               {len(result.idempotency_key)} characters, shortened here; "
+                "same plan, step and args always give the same key)"
+            )
         for line in events.pop(task, []):
             out(f"    event     {line}")
         verdict = "REPLAYED (no new side effect)" if result.replayed else "EXECUTED"
@@ -147,7 +159,18 @@ async def _run(out: Callable[[str], None]) -> int:
         if ok
         else "CONTRACT BROKEN: a repeat ran twice or a changed step was replayed"
     )
+    if ok:
+        out("")
+        out(_READ_NEXT)
     return 0 if ok else 1
+
+
+_DOCS = "https://github.com/agentkey-idempotency/agentkey/tree/main/docs"
+_READ_NEXT = f"""read next ({_DOCS}):
+  quickstart.md   your own plan and invoker in ten lines
+  protocol.md     the wire contract this demo just exercised
+  server.md       protect your own tool server with IdempotencyMiddleware
+  cli.md          agentkey key, and agentkey check <url> to test a server you run"""
 
 
 def run_demo(out: Callable[[str], None] = print) -> int:

@@ -1,4 +1,9 @@
-"""The ``agentkey`` command: ``key``, ``demo`` and ``check``."""
+"""The ``agentkey`` command: ``key``, ``demo``, ``serve`` and ``check`` (see docs/cli.md).
+
+Exit codes: 0 success (for ``check``: the server honours the contract), 1 the
+server does NOT honour the contract (or the demo saw the contract broken), 2 a
+usage error (bad option or value), 3 ``check`` could not reach the target.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._exceptions import AgentKeyError
+from ._exceptions import AgentKeyError, ConfigurationError, InsecureTransport
 from ._plan import PlanSession
 from ._version import __version__
 
-__all__ = ["main"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # check: a contract row failed; demo: the contract broke
+EXIT_USAGE = 2  # argparse's own code for usage errors
+EXIT_UNREACHABLE = 3  # check: no verdict, the target could not be reached
 
 
 def _step_index(text: str) -> tuple[int, ...]:
@@ -24,22 +34,72 @@ def _step_index(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _cmd_key(ns: argparse.Namespace) -> int:
+def _concurrency(text: str) -> int:
+    from ._checker import MAX_CONCURRENCY
+
     try:
-        args = json.loads(ns.args)
-    except json.JSONDecodeError as exc:
-        print(f"agentkey: --args is not valid JSON: {exc}", file=sys.stderr)
-        return 2
-    plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
-    step = plan.step(ns.step, ns.tool, args)
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 2 to {MAX_CONCURRENCY}, got {text!r}"
+        )
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _cmd_key(ns: argparse.Namespace) -> int:
+    args = _json_object(ns.args, "--args")
+    if args is None:
+        return EXIT_USAGE
+    try:
+        plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
+        step = plan.step(ns.step, ns.tool, args)
+    except AgentKeyError as exc:  # an unusable --plan or --args value
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(step.key.header_value(ns.style))
-    return 0
+    return EXIT_OK
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from ._demo import run_demo  # imports the server half only when asked
 
     return run_demo()
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .server import MemoryStore, RedisStore, example_app
+    except ImportError as exc:
+        print(
+            f"agentkey: serve needs the server extra ({exc.name or 'a package'} is missing): "
+            "pip install 'agentkey-idempotency[server]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    store = RedisStore(ns.redis) if ns.redis else MemoryStore()
+    app = example_app(store, work_seconds=ns.work_seconds)
+    where = "Redis" if ns.redis else "memory (lost on exit)"
+    print(
+        f"agentkey example tool server on http://{ns.host}:{ns.port}: POST /tools/charge, "
+        f"/tools/provision, /tools/report; GET /executions counts runs; records in {where}",
+        flush=True,
+    )
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    return EXIT_OK
 
 
 _CHECK_WARNING = (
@@ -62,26 +122,63 @@ def _json_object(text: str, option: str) -> dict[str, object] | None:
 
 
 def _cmd_check(ns: argparse.Namespace) -> int:
+    from ._canonical import canonical_json
     from ._checker import check_server  # the checker loads only when used
 
     args = _json_object(ns.args, "--args")
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")
     if args is None or (ns.changed_args is not None and changed is None):
-        return 2
+        return EXIT_USAGE
+    try:
+        if changed is not None and canonical_json(changed) == canonical_json(args):
+            print("agentkey: --changed-args must differ from --args", file=sys.stderr)
+            return EXIT_USAGE
+    except AgentKeyError as exc:
+        print(f"agentkey: --args or --changed-args: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     token = ns.token if ns.token is not None else os.environ.get("AGENTKEY_CHECK_TOKEN")
     print(_CHECK_WARNING, file=sys.stderr)
-    report = check_server(
-        ns.url,
-        path=ns.path,
-        args=args,
-        changed_args=changed,
-        token=token or None,
-        style=ns.style,
-        concurrency=ns.concurrency,
-        timeout=ns.timeout,
-    )
+    try:
+        report = check_server(
+            ns.url,
+            path=ns.path,
+            args=args,
+            changed_args=changed,
+            token=token or None,
+            style=ns.style,
+            concurrency=ns.concurrency,
+            timeout=ns.timeout,
+            other_path=ns.other_path,
+        )
+    except (ConfigurationError, InsecureTransport) as exc:
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(report.table())
-    return 0 if report.ok else 1
+    if report.unreachable is not None:
+        return EXIT_UNREACHABLE
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+_DEMO_DESCRIPTION = """\
+Runs a four-step agent plan against agentkey's example tool server, in this
+process (no network, no Redis, nothing to set up), and shows what the
+Idempotency-Key does:
+
+  1. a charge whose answer is lost after the server committed: the invoker
+     resends the same key and gets the stored answer, so the card is charged once;
+  2. two workers racing the same step: one runs it, the other gets 409 and then
+     the replay;
+  3. the orchestrator restarts and restores the plan: the same step with the same
+     arguments (in another order) has the same key and is replayed;
+  4. the planner changes an argument: a new key, so a new operation.
+
+It ends with the side effects counted on the server and exits 0 if the
+contract held, 1 if it did not."""
+
+_CHECK_EPILOG = """\
+exit status: 0 the server honours the contract (agentkey-specific rows may
+still fail: they are reported, not required); 1 a contract row failed; 2 a
+usage error; 3 the target could not be reached (down, DNS, TLS): no verdict."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,28 +189,77 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"agentkey {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    key = sub.add_parser("key", help="print the Idempotency-Key of one step")
-    key.add_argument("--plan", help="plan session id (default: a new random one)")
+    key = sub.add_parser(
+        "key",
+        help="print the Idempotency-Key of one step",
+        description="Print the Idempotency-Key agentkey sends for one step of a plan: "
+        "<plan>:step_<index>:<sha256 of the canonical JSON args>. Use it to compute, "
+        "from a shell or another language, the key a server will see.",
+    )
+    key.add_argument(
+        "--plan",
+        help="plan session id (default: a new random one); a framework's own id such as a "
+        "LangGraph thread_id is used as is when it fits [A-Za-z0-9._~-]{1,64}",
+    )
     key.add_argument("--step", type=_step_index, required=True, help="step index, e.g. 3 or 3.1")
     key.add_argument("--tool", default="tool", help="tool name (not part of the key)")
     key.add_argument("--args", required=True, help="the arguments as a JSON object")
-    key.add_argument("--style", choices=("raw", "sf-string"), default="raw")
+    key.add_argument(
+        "--style",
+        choices=("raw", "sf-string"),
+        default="raw",
+        help="header value style: raw (the default, as Stripe and most servers expect) or "
+        "sf-string (an RFC 8941 quoted string, as the IETF draft specifies)",
+    )
     key.set_defaults(func=_cmd_key)
 
     demo = sub.add_parser(
         "demo",
         help="run a plan against an in-process tool server: lost answers, races, restarts, "
         "replans (no outside services)",
+        description=_DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.set_defaults(func=_cmd_demo)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the example tool server (behind agentkey's middleware) on a port",
+        description="Serve agentkey's example tool server, the one the demo and the docs use, "
+        "so an agent, `agentkey check` or curl can call it. Tools: POST /tools/charge "
+        '{"amount": <positive int>, "currency": "EUR"}; POST /tools/provision {"region": "..."} '
+        '(works a moment before its side effect); POST /tools/report {"rows": 0..100000}; '
+        "GET /executions returns how often each tool really ran. Every tool needs an "
+        "Idempotency-Key header.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--redis",
+        metavar="URL",
+        help="keep records in this Redis (redis://host:6379/0) instead of in memory",
+    )
+    serve.add_argument(
+        "--work-seconds",
+        type=float,
+        default=0.2,
+        help="how long provision works before its side effect (default 0.2)",
+    )
+    serve.set_defaults(func=_cmd_serve)
 
     check = sub.add_parser(
         "check",
         help="check that a tool server honours the idempotency contract (real side effects!)",
         description="Check each point of the idempotency contract against a live tool server "
-        "and print a pass/fail table; exit status 1 if any point fails. " + _CHECK_WARNING,
+        "and print a pass/fail table. Rows marked 'contract' are the IETF Idempotency-Key "
+        "draft's rules, which any server should follow; rows marked 'agentkey' are what "
+        "agentkey's own server adds. " + _CHECK_WARNING,
+        epilog=_CHECK_EPILOG,
     )
-    check.add_argument("url", help="base URL of the tool server, e.g. https://tools.example.com")
+    check.add_argument(
+        "url",
+        help="base URL of the tool server, e.g. https://tools.example.com (no user:password@)",
+    )
     check.add_argument("--path", required=True, help="the tool's path, e.g. /tools/provision")
     check.add_argument("--args", required=True, help="valid tool arguments as a JSON object")
     check.add_argument(
@@ -121,13 +267,34 @@ def _parser() -> argparse.ArgumentParser:
         help="a different valid argument object (default: --args plus a nonce field)",
     )
     check.add_argument(
+        "--other-path",
+        help="another route the same key is sent to, which must not replay the first route's "
+        "answer (default: --path plus '/agentkey-check-other-route', which no tool serves; "
+        "name another tool's route if the server routes every sub-path to a tool)",
+    )
+    check.add_argument(
         "--token",
         help="bearer token (never printed; default: $AGENTKEY_CHECK_TOKEN, which keeps it "
         "out of the process list)",
     )
-    check.add_argument("--style", choices=("raw", "sf-string"), default="raw")
-    check.add_argument("--concurrency", type=int, default=8, help="size of the concurrent burst")
-    check.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    check.add_argument(
+        "--style",
+        choices=("raw", "sf-string"),
+        default="raw",
+        help="key header style of the main requests: raw (the default, as Stripe sends it) "
+        "or sf-string (RFC 8941 quoted, as the IETF draft specifies); the other style is "
+        "checked once as well",
+    )
+    check.add_argument(
+        "--concurrency",
+        type=_concurrency,
+        default=8,
+        help="how many identical requests are sent at once to prove a concurrent duplicate "
+        "does not run the tool twice (2 to 64, default 8)",
+    )
+    check.add_argument(
+        "--timeout", type=_seconds, default=30.0, help="seconds per request (default 30)"
+    )
     check.set_defaults(func=_cmd_check)
     return parser
 
@@ -139,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = ns.func(ns)
     except AgentKeyError as exc:
         print(f"agentkey: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return code
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
 from agentkey import StepKey, step_key
 from agentkey.cli import main
+from tests._loopback import free_port
 
 
 def test_key_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,8 +40,8 @@ def test_key_command_sf_string(capsys: pytest.CaptureFixture[str]) -> None:
 def test_key_command_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Bad input exits non-zero with a one-line message, not a traceback."""
-    assert main(argv) != 0
+    """Bad input is a usage error (exit 2) with a one-line message, not a traceback."""
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
@@ -52,6 +55,24 @@ def test_demo_end_to_end() -> None:
     assert "contract held" in out.stdout
     assert '{"charge": 2, "provision": 1}' in out.stdout
     assert out.stdout.count("REPLAYED") == 3
+    lines = out.stdout.splitlines()
+    first_key = next(i for i, line in enumerate(lines) if line.strip().startswith("key "))
+    assert "<plan session id>:<step>:<sha256 of the canonical JSON args>" in lines[first_key + 1]
+    assert out.stdout.count("<plan session id>") == 1  # explained once, on the first key
+    assert "read next" in out.stdout
+    assert lines[-1].strip().startswith("cli.md")
+
+
+def test_demo_help_says_what_the_demo_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    """`agentkey demo --help` explains the four scenes and the exit status."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "answer is lost after the server committed" in out
+    assert "two workers racing the same step" in out
+    assert "restarts and restores the plan" in out
+    assert "changes an argument: a new key" in out
 
 
 def test_demo_reports_a_broken_contract(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,3 +95,37 @@ def test_demo_reports_a_broken_contract(monkeypatch: pytest.MonkeyPatch) -> None
     lines: list[str] = []
     assert _demo.run_demo(lines.append) == 1
     assert "CONTRACT BROKEN" in lines[-1]
+
+
+def test_serve_runs_the_example_tool_server_on_a_port() -> None:
+    """`agentkey serve` answers on its port: a resent key is replayed and the tool ran once."""
+    port = free_port()
+    argv = [sys.executable, "-m", "agentkey.cli", "serve", "--port", str(port)]
+    with subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            assert f"http://127.0.0.1:{port}" in proc.stdout.readline()
+            key = step_key("serve-test", 0, {"amount": 5, "currency": "EUR"})
+            sent = {
+                "content": b'{"amount":5,"currency":"EUR"}',
+                "headers": {"Idempotency-Key": key},
+            }
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                deadline = time.monotonic() + 30
+                while True:  # uvicorn binds just after the banner
+                    try:
+                        first = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
+                        break
+                    except httpx.ConnectError:
+                        assert time.monotonic() < deadline, "agentkey serve did not listen"
+                        time.sleep(0.05)
+                second = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
+                counts = client.get("/executions").json()
+        finally:
+            proc.terminate()
+    assert first.status_code == second.status_code == 201
+    assert second.headers["idempotent-replayed"] == "true"
+    assert second.json() == first.json()
+    assert counts == {"charge": 1}
