@@ -239,6 +239,7 @@ class _Run:
     style: HeaderStyle
     other_url: str
     first: _Sent | None = None
+    marks_replays: bool = False  # the duplicate came back with a replay header
 
     def key(self, step: int, args: Mapping[str, Any], style: HeaderStyle | None = None) -> str:
         return StepKey.build(self.plan, step, args).header_value(style or self.style)
@@ -275,6 +276,7 @@ async def _fresh_and_duplicate(run: _Run) -> list[CheckResult]:
         else:
             problems.append("the body differs from the first answer: the tool ran again")
         results.append(CheckResult("duplicate is replayed", "FAIL", "; ".join(problems)))
+    run.marks_replays = again.replay_header is not None
     if again.replay_header:
         verdict: Verdict = "PASS"
         detail = f"{again.replay_header}: true"
@@ -395,13 +397,22 @@ async def _other_route(run: _Run) -> list[CheckResult]:
             ),
         ]
     sent = await run.target.post(run.body, run.key(0, run.args), url=run.other_url)
-    replayed = sent.ok() and (sent.replay_header is not None or sent.same_answer(first))
-    if replayed:
+    # A server that marked the duplicate as a replay would mark this one too, so an
+    # unmarked answer ran anew even when a deterministic tool answers byte for byte alike.
+    if sent.ok() and sent.replay_header is not None:
         contract = CheckResult(
             "key on another route is never replayed",
             "FAIL",
-            f"{sent.status}: the other route was answered with the first route's stored "
-            "result, a silent wrong answer",
+            f"{sent.status} {sent.replay_header}: true: the other route was answered with the "
+            "first route's stored result, a silent wrong answer",
+        )
+    elif sent.ok() and not run.marks_replays and sent.same_answer(first):
+        contract = CheckResult(
+            "key on another route is never replayed",
+            "FAIL",
+            f"{sent.status}: the other route gave the first route's answer byte for byte and "
+            "the server marks no replays, so it looks like a silent wrong answer; if this tool "
+            "answers identically every time, name one that does not with --other-path",
         )
     else:
         seen = "ran as its own operation" if sent.ok() else f"answered {_status(sent)}"

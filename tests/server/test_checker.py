@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -83,13 +84,17 @@ def _stuck_step_app(retry_after: str = "1") -> Starlette:
     return Starlette(routes=[Route("/tools/x", tool, methods=["POST"])])
 
 
-def _opaque_key_app(*, by_route: bool = True) -> Starlette:
+def _opaque_key_app(
+    *, by_route: bool = True, deterministic: bool = False, every_path: bool = False
+) -> Starlette:
     """An IETF-draft server with opaque keys: fingerprints the body, knows no agentkey format.
 
     Runs a request whose key it has not seen (any string), answers 409 + Retry-After while
     it runs, replays with ``Idempotent-Replayed``, refuses another body under a used key
     with 422, and a missing key with 400. ``by_route=False`` forgets the route in its
     records (and serves every path), so a key is replayed on another route.
+    ``deterministic=True`` answers every run with the same bytes; ``every_path=True`` serves
+    the tool on every path.
     """
     records: dict[tuple[str, str], tuple[bytes, bytes | None]] = {}
     runs = {"n": 0}
@@ -110,11 +115,11 @@ def _opaque_key_app(*, by_route: bool = True) -> Starlette:
         records[slot] = (body, None)
         await asyncio.sleep(0.1)
         runs["n"] += 1
-        answer = b'{"run":%d}' % runs["n"]
+        answer = b'{"ok":true}' if deterministic else b'{"run":%d}' % runs["n"]
         records[slot] = (body, answer)
         return Response(answer, media_type="application/json")
 
-    path = "/tools/x" if by_route else "/{path:path}"
+    path = "/tools/x" if by_route and not every_path else "/{path:path}"
     return Starlette(routes=[Route(path, tool, methods=["POST"])])
 
 
@@ -222,6 +227,13 @@ def test_an_opaque_key_server_honours_the_contract_without_agentkey_rows(
     assert "same key, other body is refused (422)" not in _failed_rows(out)
     assert _failed_rows(out) == AGENTKEY_ONLY | {"both header styles accepted"}
     assert "4 agentkey-specific row(s) failed: reported, not required" in out
+
+
+def test_a_deterministic_tool_that_runs_anew_on_another_route_is_not_called_a_replay() -> None:
+    """Identical bytes without a replay header, from a server that marks replays, ran anew."""
+    with serve(_opaque_key_app(deterministic=True, every_path=True)) as url:
+        report = check_server(url, path="/tools/x", args=json.loads(ARGS), other_path="/tools/x/y")
+    assert _verdicts(report)["key on another route is never replayed"] == "PASS", report
 
 
 def test_replays_under_another_header_name_and_held_duplicates_count_once() -> None:
