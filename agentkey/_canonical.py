@@ -12,6 +12,15 @@ Two profiles:
 Before serialising, arguments become plain JSON values (:func:`to_jsonable`).
 Anything that cannot be carried exactly raises :class:`InvalidArguments`
 naming its path, such as ``args.items[2].price``.
+
+Speed: arguments that already are plain JSON (exact ``dict``/``list``/``str``/
+``int``/``float``/``bool``/``None``, string keys, finite floats, integers a server
+can read: what ``json.loads`` gives) take a lean walk that builds no paths and
+converts nothing: :func:`_check_plain` when only the bytes are needed
+(:func:`canonical_json`, :func:`args_hash`), :func:`_plain_copy` when the value is
+kept (:func:`to_jsonable`). Anything else takes :func:`_convert`, the
+precise walk that converts values and names the path of the first bad one. Both
+give the same value (``tests/test_canonical.py`` checks it on generated inputs).
 """
 
 from __future__ import annotations
@@ -21,13 +30,15 @@ import enum
 import hashlib
 import json
 import math
+import sys
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias, cast
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 from ._exceptions import ConfigurationError, InvalidArguments
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = [
     "JSONObject",
@@ -60,6 +71,82 @@ def check_profile(profile: object) -> Profile:
     return profile  # type: ignore[return-value]
 
 
+_STR_ONLY = frozenset({str})
+
+
+class _NotPlain(Exception):
+    """Raised by :func:`_plain_copy` at the first value it does not handle itself."""
+
+
+def _plain_copy(value: Any) -> Any:
+    """Copy a ``dict`` or ``list`` that is already plain JSON; else raise :class:`_NotPlain`.
+
+    The common case of :func:`to_jsonable`: exact ``dict`` (with exact ``str``
+    keys), ``list``, ``str``, ``bool``, ``None``, finite ``float`` and ``int`` of at
+    most ``_SMALL_INT_BITS`` bits, which :func:`_convert` would return unchanged.
+    It keeps no paths and converts nothing; anything else (a subclass, an enum, a
+    tuple, a huge int, NaN, a non-string key...) raises :class:`_NotPlain` and the
+    caller runs the precise walk, which converts it or names its path. A cycle or
+    absurd nesting raises ``RecursionError``, which goes the same way.
+    """
+    if type(value) is dict:
+        out: Any = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _NotPlain
+            out[key] = _plain_item(item)
+        return out
+    return [_plain_item(item) for item in value]
+
+
+def _plain_item(item: Any) -> Any:
+    kind = type(item)
+    if kind is str or kind is bool or item is None:
+        return item
+    if kind is dict or kind is list:
+        return _plain_copy(item)
+    if kind is int:
+        if item.bit_length() <= _SMALL_INT_BITS:
+            return item
+    elif kind is float and math.isfinite(item):
+        return item
+    raise _NotPlain
+
+
+def _check_plain(value: Any) -> None:
+    """:func:`_plain_copy` without the copy, for when only the bytes are needed.
+
+    The same acceptance, written out again rather than shared: a call per value
+    would cost what this walk saves (tests check both against the precise walk).
+    """
+    if type(value) is dict:
+        if not _STR_ONLY.issuperset(map(type, value)):
+            raise _NotPlain
+        value = value.values()
+    for item in value:
+        kind = type(item)
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is dict or kind is list:
+            _check_plain(item)
+        elif kind is int:
+            if item.bit_length() > _SMALL_INT_BITS:
+                raise _NotPlain
+        elif kind is not float or not math.isfinite(item):
+            raise _NotPlain
+
+
+def _as_model(value: object) -> BaseModel | None:
+    """``value`` if it is a pydantic model, without importing pydantic for everyone.
+
+    Nothing can be a model unless pydantic was imported, so keys alone stay light.
+    """
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(value, pydantic.BaseModel):
+        return cast("BaseModel", value)
+    return None
+
+
 def to_jsonable(args: object, *, root: str = "args") -> JSONObject:
     """Convert tool arguments to a plain JSON object (dict with str keys).
 
@@ -68,8 +155,14 @@ def to_jsonable(args: object, *, root: str = "args") -> JSONObject:
     non-string keys and other values JSON cannot carry raise
     :class:`InvalidArguments` with the path of the offending value.
     """
-    if isinstance(args, BaseModel):
-        args = args.model_dump(mode="json")
+    if type(args) is dict:
+        try:
+            return cast(JSONObject, _plain_copy(args))  # the common case: already plain
+        except (_NotPlain, RecursionError):
+            pass  # the precise walk below converts, or names the offending path
+    model = _as_model(args)
+    if model is not None:
+        args = model.model_dump(mode="json")
     if not isinstance(args, Mapping):
         raise InvalidArguments(
             f"tool arguments must be a JSON object (a mapping with string keys), "
@@ -134,8 +227,9 @@ def _convert(value: object, path: str) -> Any:
                 f"{real!r} is not valid JSON; send null or a string instead", path=path
             )
         return real
-    if isinstance(value, BaseModel):
-        return _convert(value.model_dump(mode="json"), path)
+    model = _as_model(value)
+    if model is not None:
+        return _convert(model.model_dump(mode="json"), path)
     if isinstance(value, (Mapping, list, tuple)):
         return _convert_container(value, path)
     if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
@@ -168,7 +262,15 @@ def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
 
     These bytes are both the request body and the input of :func:`args_hash`.
     """
-    return encode_jsonable(to_jsonable(args), check_profile(profile))
+    profile = check_profile(profile)
+    if type(args) is dict:
+        try:
+            _check_plain(args)
+        except (_NotPlain, RecursionError):
+            pass  # to_jsonable() converts, or names the offending path
+        else:
+            return encode_jsonable(args, profile)  # already plain: no copy needed
+    return encode_jsonable(to_jsonable(args), profile)
 
 
 def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:

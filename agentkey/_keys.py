@@ -14,7 +14,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from ._canonical import Profile, args_hash
@@ -43,6 +43,8 @@ MAX_PLAN_ID_LENGTH = 64
 _PLAN_ID = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 _STEP = re.compile(r"step_(\d{3,})((?:\.\d{3,})*)")
 _HASH = re.compile(r"[0-9a-f]{64}")
+_INT_ONLY = frozenset({int})
+_LABEL_PART = "{:03d}".format
 
 
 def validate_plan_session_id(plan_session_id: object) -> str:
@@ -73,7 +75,7 @@ def plan_id_from_external(external_id: str) -> str:
 
 def normalize_step(step: object) -> tuple[int, ...]:
     """Turn an int or a sequence of ints into a validated step index tuple."""
-    if type(step) is tuple and step and all(type(p) is int and p >= 0 for p in step):
+    if type(step) is tuple and step and _INT_ONLY.issuperset(map(type, step)) and min(step) >= 0:
         return step  # already normalised
     parts: Sequence[object]
     if isinstance(step, int) and not isinstance(step, bool):
@@ -98,7 +100,7 @@ def normalize_step(step: object) -> tuple[int, ...]:
 
 def format_step(step: int | Sequence[int]) -> str:
     """Format a step index as the key's step label: ``step_003`` or ``step_003.001``."""
-    return "step_" + ".".join(f"{i:03d}" for i in normalize_step(step))
+    return "step_" + ".".join(map(_LABEL_PART, normalize_step(step)))
 
 
 def _parse_step(label: str, whole: str) -> tuple[int, ...]:
@@ -155,20 +157,25 @@ class StepKey:
     plan_session_id: str
     step: tuple[int, ...]
     args_hash: str
+    # The raw key, formatted once by __post_init__ (callers ask for it many times).
+    _raw: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         validate_plan_session_id(self.plan_session_id)
-        object.__setattr__(self, "step", normalize_step(self.step))
+        step = normalize_step(self.step)
+        object.__setattr__(self, "step", step)
         if not isinstance(self.args_hash, str) or not _HASH.fullmatch(self.args_hash):
             raise InvalidKey(
                 f"invalid args_hash {self.args_hash!r}: expected 64 lowercase hex digits "
                 "(sha256 of the canonical JSON of the arguments)"
             )
-        if len(self.format()) > MAX_KEY_LENGTH:
+        raw = f"{self.plan_session_id}:{format_step(step)}:{self.args_hash}"
+        if len(raw) > MAX_KEY_LENGTH:
             raise InvalidKey(
                 f"key for step {self.step_label} is longer than {MAX_KEY_LENGTH} "
                 "characters; use a shorter plan session id or fewer sub-step levels"
             )
+        object.__setattr__(self, "_raw", raw)
 
     @classmethod
     def build(
@@ -209,18 +216,18 @@ class StepKey:
 
     def format(self) -> str:
         """The raw key: ``<plan_session_id>:<step>:<args_hash>``."""
-        return f"{self.plan_session_id}:{self.step_label}:{self.args_hash}"
+        return self._raw
 
     def header_value(self, style: HeaderStyle = "raw") -> str:
         """The ``Idempotency-Key`` header value in ``raw`` or ``sf-string`` style."""
         if style == "raw":
-            return self.format()
+            return self._raw
         if style == "sf-string":
-            return f'"{self.format()}"'  # the key's alphabet needs no escaping
+            return f'"{self._raw}"'  # the key's alphabet needs no escaping
         raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
 
     def __str__(self) -> str:
-        return self.format()
+        return self._raw
 
 
 def step_key(

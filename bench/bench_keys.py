@@ -1,62 +1,251 @@
-"""Key derivation cost: agentkey's step key vs the bare hash any implementation must compute.
+"""Key derivation cost: agentkey against the bare hash any implementation must compute.
 
-Baseline: ``sha256(json.dumps(args, sort_keys=True, separators=(",", ":")))``, with no
-validation, no type conversion and no key formatting. The ratio is agentkey's price for
-checking every value (NaN, sets, paths) and building a validated ``StepKey``.
+Baseline (measured in the same run, interleaved)::
 
-    python bench/bench_keys.py            # full run
-    python bench/bench_keys.py --smoke    # a quick run for CI
+    sha256(json.dumps(args, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True, allow_nan=False).encode()).hexdigest()
+
+agentkey rows:
+
+- ``args_hash(args)``: validation (types, NaN, huge ints, key types, cycles) plus
+  the canonical bytes and their hash;
+- ``PlanSession.step(...).idempotency_key``: the above plus the plan's bookkeeping,
+  the frozen ``Step`` and the validated ``StepKey``.
+
+Method: for each input shape, rounds of A B B A (A = baseline, B = agentkey), each
+slot timing a batch of calls; a round's ratio is (B1 + B2) / (A1 + A2). The table gives
+the median of the per-round ratios, their spread (min-max and interquartile range) and
+N (rounds). Slots are timed in thread CPU time, and interleaving keeps the ratio
+meaningful on a shared, loaded machine: load that comes and goes hits both sides of a
+round alike. Absolute microseconds are shown too but depend on the load; the ratio is
+the figure of merit.
+
+``orjson`` (when installed) is shown for information only: it cannot give the
+python-profile bytes (it writes non-ASCII as UTF-8, formats floats differently and
+refuses integers beyond 64 bits), so it is not a drop-in accelerator.
+
+    python bench/bench_keys.py                  # full run, writes bench/results/keys.json
+    python bench/bench_keys.py --smoke          # a few seconds, for CI (writes nothing)
+    python bench/bench_keys.py --rounds 30 --out other.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import functools
 import hashlib
+import importlib
 import json
-import timeit
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from agentkey import PlanSession, step_key
+from agentkey import PlanSession, args_hash
 
-ARGS: dict[str, Any] = {
-    "region": "us-east-1",
-    "instance": {"type": "m5.large", "storage_gb": 200, "tags": {"team": "infra", "env": "prod"}},
-    "subnets": ["subnet-1", "subnet-2", "subnet-3"],
-    "spot": False,
-    "max_price": 0.052,
+orjson: Any
+try:
+    orjson = importlib.import_module("orjson")
+except ImportError:  # optional, informational only
+    orjson = None
+
+RESULTS = Path(__file__).parent / "results" / "keys.json"
+
+
+def _record(i: int) -> dict[str, Any]:
+    return {
+        "id": i,
+        "sku": f"SKU-{i:05d}",
+        "name": f"Widget number {i}",
+        "price": round(9.99 + i * 0.37, 2),
+        "qty": i % 7,
+        "tags": ["blue", "large"] if i % 2 else ["red"],
+        "gift": i % 3 == 0,
+        "note": None,
+    }
+
+
+def _flat(n: int) -> dict[str, Any]:
+    """A flat object of ``n`` scalar fields: strings, ints, floats, bools, nulls."""
+    kinds: list[Callable[[int], Any]] = [
+        lambda i: f"value number {i}",
+        lambda i: i * 37,
+        lambda i: i / 8 + 0.1,
+        lambda i: i % 2 == 0,
+        lambda i: None,
+    ]
+    return {f"field_{i:04d}": kinds[i % len(kinds)](i) for i in range(n)}
+
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "200 B nested": {
+        "region": "us-east-1",
+        "instance": {
+            "type": "m5.large",
+            "storage_gb": 200,
+            "tags": {"team": "infra", "env": "prod"},
+        },
+        "subnets": ["subnet-1", "subnet-2", "subnet-3"],
+        "spot": False,
+        "max_price": 0.052,
+    },
+    "1 KB flat": _flat(40),
+    "1 KB nested": {"order": "ord-77", "lines": [_record(i) for i in range(6)], "rush": True},
+    "100 KB flat": _flat(3600),
+    "100 KB nested": {"order": "ord-78", "lines": [_record(i) for i in range(720)]},
 }
 
 
-def baseline() -> str:
-    body = json.dumps(ARGS, sort_keys=True, separators=(",", ":"))
+def baseline_hash(args: dict[str, Any]) -> str:
+    body = json.dumps(
+        args, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-def agentkey_key() -> str:
-    return step_key("plan-1", (3, 1), ARGS)
+# CPU time of this thread: time spent descheduled while other processes run is not
+# counted, which matters on a shared machine (cache and frequency effects remain).
+_clock = getattr(time, "thread_time", time.perf_counter)
 
 
-def agentkey_step(plan: PlanSession) -> str:
-    return plan.step((3, 1), "provision", ARGS).idempotency_key
+def _time(fn: Callable[[], object], calls: int) -> float:
+    start = _clock()
+    for _ in range(calls):
+        fn()
+    return _clock() - start
+
+
+def _calls_for(fn: Callable[[], object], target: float) -> int:
+    """How many calls of ``fn`` take about ``target`` seconds (at least 1)."""
+    calls = 1
+    while True:
+        spent = _time(fn, calls)
+        if spent >= target / 4 or calls >= 1 << 20:
+            return max(1, round(calls * target / max(spent, 1e-9)))
+        calls *= 4
+
+
+def abba(
+    base: Callable[[], object], mine: Callable[[], object], rounds: int, slot: float
+) -> dict[str, Any]:
+    """Interleave ``base`` (A) and ``mine`` (B) in ABBA rounds; summarise the paired ratios."""
+    calls = _calls_for(base, slot)
+    _time(mine, calls)  # warm up both sides
+    ratios: list[float] = []
+    base_us: list[float] = []
+    mine_us: list[float] = []
+    for _ in range(rounds):
+        a1 = _time(base, calls)
+        b1 = _time(mine, calls)
+        b2 = _time(mine, calls)
+        a2 = _time(base, calls)
+        ratios.append((b1 + b2) / (a1 + a2))
+        base_us.append((a1 + a2) / (2 * calls) * 1e6)
+        mine_us.append((b1 + b2) / (2 * calls) * 1e6)
+    quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "ratio_iqr": [round(quart[0], 3), round(quart[2], 3)],
+        "baseline_us_median": round(statistics.median(base_us), 2),
+        "agentkey_us_median": round(statistics.median(mine_us), 2),
+        "rounds": rounds,
+        "calls_per_slot": calls,
+    }
+
+
+def cases() -> list[tuple[str, str, Callable[[dict[str, Any]], object]]]:
+    """(row, shape, measured call): what each row of the table compares to the baseline."""
+    plan = PlanSession(id="plan-1")
+    out: list[tuple[str, str, Callable[[dict[str, Any]], object]]] = []
+    for shape in SHAPES:
+        out.append(("args_hash", shape, args_hash))
+        out.append(
+            (
+                "PlanSession.step().idempotency_key",
+                shape,
+                lambda a: plan.step((3, 1), "provision", a).idempotency_key,
+            )
+        )
+        if orjson is not None:
+            out.append(
+                (
+                    "orjson sha256 (not byte-compatible; info)",
+                    shape,
+                    lambda a: hashlib.sha256(
+                        orjson.dumps(a, option=orjson.OPT_SORT_KEYS)
+                    ).hexdigest(),
+                )
+            )
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="few iterations, for CI")
-    number = 200 if parser.parse_args().smoke else 20_000
-    plan = PlanSession(id="plan-1")
-    assert agentkey_key().endswith(baseline())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI; no JSON")
+    parser.add_argument("--rounds", type=int, default=None, help="ABBA rounds per row (>= 10)")
+    parser.add_argument("--slot", type=float, default=None, help="seconds per timed slot")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    opts = parser.parse_args()
+    rounds = opts.rounds or (3 if opts.smoke else 15)
+    slot = opts.slot or (0.002 if opts.smoke else 0.05)
+    if not opts.smoke and rounds < 10:
+        parser.error("a full run needs --rounds >= 10")
 
-    def best(fn: Any) -> float:
-        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+    for shape, args in SHAPES.items():  # same bytes as the baseline, or the bench is void
+        size = len(json.dumps(args, sort_keys=True, separators=(",", ":")))
+        assert args_hash(args) == baseline_hash(args), shape
+        print(f"shape {shape!r}: {size} bytes of canonical JSON")
 
-    base = best(baseline)
-    key = best(agentkey_key)
-    step = best(lambda: agentkey_step(plan))
-    print(f"bench_keys ({number} calls x 5, best run, microseconds per call)")
-    print(f"  baseline sha256(json.dumps)   {base:8.2f} us")
-    print(f"  agentkey step_key()           {key:8.2f} us   ratio {key / base:5.2f}x")
-    print(f"  agentkey PlanSession.step()   {step:8.2f} us   ratio {step / base:5.2f}x")
+    rows = []
+    print(
+        f"\n{'row':44s} {'shape':14s} {'median':>7s} {'min-max':>13s} {'IQR':>13s}"
+        f" {'base us':>9s} {'agentkey us':>11s}  N"
+    )
+    for name, shape, fn in cases():
+        args = SHAPES[shape]
+        result = abba(
+            functools.partial(baseline_hash, args), functools.partial(fn, args), rounds, slot
+        )
+        rows.append({"row": name, "shape": shape, **result})
+        print(
+            f"{name:44s} {shape:14s} {result['ratio_median']:6.2f}x "
+            f"{result['ratio_min']:5.2f}-{result['ratio_max']:5.2f}x "
+            f"{result['ratio_iqr'][0]:5.2f}-{result['ratio_iqr'][1]:5.2f}x "
+            f"{result['baseline_us_median']:9.2f} {result['agentkey_us_median']:11.2f}"
+            f"  {result['rounds']}"
+        )
+    if opts.smoke:
+        return
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    doc = {
+        "bench": "bench/bench_keys.py",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "loadavg_at_end": load,
+        },
+        "method": "ABBA rounds timed in thread CPU time; ratio per round = (B1+B2)/(A1+A2); "
+        "A = baseline, B = agentkey",
+        "baseline": "sha256(json.dumps(args, sort_keys=True, separators=(',', ':'), "
+        "ensure_ascii=True, allow_nan=False).encode()).hexdigest()",
+        "shapes": {
+            s: len(json.dumps(a, sort_keys=True, separators=(",", ":"))) for s, a in SHAPES.items()
+        },
+        "rows": rows,
+    }
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote {opts.out}")
 
 
 if __name__ == "__main__":

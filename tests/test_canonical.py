@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import rfc8785
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -340,3 +340,179 @@ def test_key_order_does_not_matter(args: dict[str, Any], rnd: Any) -> None:
     rnd.shuffle(items)
     shuffled = dict(items)
     assert args_hash(shuffled) == args_hash(args)
+
+
+# --- the fast path (plain JSON straight to json.dumps) agrees with the precise walk ----
+
+
+class _Shout(str):
+    def __str__(self) -> str:
+        return "SHOUT"
+
+
+class _Hex(int):
+    def __repr__(self) -> str:
+        return hex(self)
+
+    __str__ = __repr__
+
+
+class _Half(float):
+    def __repr__(self) -> str:
+        return "0.5"
+
+
+class _Tone(str, enum.Enum):
+    LOW = "low"
+
+
+class _Ordered(dict):  # type: ignore[type-arg]
+    pass
+
+
+class _Rows(list):  # type: ignore[type-arg]
+    pass
+
+
+def _precise(args: Any, profile: Profile) -> tuple[object, object]:
+    """What _outcome gives with the lean walks switched off: the precise walk only."""
+    from unittest import mock
+
+    from agentkey import _canonical
+
+    off = _canonical._NotPlain
+    with (
+        mock.patch.object(_canonical, "_plain_copy", side_effect=off),
+        mock.patch.object(_canonical, "_check_plain", side_effect=off),
+    ):
+        return _outcome(args, profile)
+
+
+def _outcome(args: Any, profile: Profile) -> tuple[object, object]:
+    """canonical_json's bytes and to_jsonable's value, or (error, path) where refused."""
+    from agentkey._canonical import to_jsonable
+
+    def run(fn: Any) -> object:
+        try:
+            return fn()
+        except InvalidArguments as exc:
+            return (type(exc).__name__, str(exc.path))
+
+    return run(lambda: canonical_json(args, profile=profile)), run(lambda: to_jsonable(args))
+
+
+odd_scalars = (
+    json_scalars
+    | st.sampled_from(
+        [
+            math.nan,
+            -math.inf,
+            -0.0,
+            2**60,
+            True,
+            False,
+            _Shout("masked"),
+            _Hex(255),
+            _Half(2.5),
+            Level.HIGH,
+            _Tone.LOW,
+            Color.RED,
+            "\ud800",
+            "\ud83d\ude00",
+        ]
+    )
+    | st.builds(_Shout, st.text(max_size=4))
+    | st.builds(_Hex, st.integers())
+    # integers around the 4300-digit limit a Python server can read (built lazily:
+    # hypothesis cannot repr them in its strategy descriptions)
+    | st.tuples(st.integers(4299, 4301), st.sampled_from([1, -1])).map(lambda p: p[1] * 10 ** p[0])
+)
+odd_keys = st.text(max_size=4) | st.sampled_from([1, None, True, 2.5, _Shout("k")])
+odd_values = st.recursive(
+    odd_scalars,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=3).map(tuple)
+        | st.lists(children, max_size=3).map(_Rows)
+        | st.dictionaries(odd_keys, children, max_size=4)
+        | st.dictionaries(st.text(max_size=4), children, max_size=3).map(_Ordered)
+    ),
+    max_leaves=12,
+)
+
+
+@pytest.mark.parametrize("profile", ["python", "jcs"])
+@settings(max_examples=300)
+@given(args=st.dictionaries(odd_keys, odd_values, max_size=5))
+def test_fast_path_equals_precise_walk(profile: Profile, args: dict[str, Any]) -> None:
+    """On any JSON-ish input (subclasses, enums, NaN, huge ints, odd keys) both paths agree."""
+    assert _outcome(args, profile) == _precise(args, profile)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"s": _Shout("secret"), "i": _Hex(16), "f": _Half(2.5)},
+        {"d": _Ordered(b=1, a=2), "l": _Rows([1, 2])},
+        {"flag": True, "one": 1, "zero": -0.0},
+        {1: "int key"},
+        {"nested": {None: 1}},
+        {"t": Level.HIGH, "c": _Tone.LOW},
+    ],
+    ids=[
+        "str-int-float subclasses",
+        "dict-list subclasses",
+        "bool-int--0.0",
+        "int key",
+        "None key",
+        "enums",
+    ],
+)
+def test_fast_path_edges_match_the_precise_walk(args: dict[str, Any]) -> None:
+    """Named edges of the fast path: same bytes or the same refusal and path as the walk."""
+    for profile in ("python", "jcs"):
+        assert _outcome(args, profile) == _precise(args, profile)
+    assert canonical_json({"flag": True, "one": 1}) == b'{"flag":true,"one":1}'
+
+
+def test_plain_arguments_skip_the_python_walk() -> None:
+    """Plain JSON arguments skip the precise walk (its paths and conversions) entirely."""
+    from unittest import mock
+
+    from agentkey import _canonical
+
+    args = {"a": [1, 2.5, {"b": None, "c": "x"}], "d": True}
+    slow = AssertionError("slow path")
+    with (
+        mock.patch.object(_canonical, "_convert", side_effect=slow),
+        mock.patch.object(_canonical, "_plain_copy", side_effect=slow),
+    ):
+        assert canonical_json(args) == dumps(args)
+    with mock.patch.object(_canonical, "_convert", side_effect=slow):
+        assert _canonical.to_jsonable(args) == args
+
+
+def test_to_jsonable_returns_an_independent_copy() -> None:
+    """The fast path still copies: editing the caller's dict later changes nothing validated."""
+    from agentkey._canonical import to_jsonable
+
+    args: dict[str, Any] = {"items": [{"sku": "a"}], "s": "\ud800", "n": 10**4000}
+    plain = to_jsonable(args)
+    args["items"][0]["sku"] = "changed"
+    args["items"].append(1)
+    assert plain == {"items": [{"sku": "a"}], "s": "\ud800", "n": 10**4000}
+
+
+def _list_cycle() -> dict[str, Any]:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    return {"loop": [loop, loop]}
+
+
+def test_list_cycles_and_shared_values() -> None:
+    """A cycle through lists is refused with its path; a value shared twice is written twice."""
+    with pytest.raises(InvalidArguments, match="nested too deeply") as info:
+        canonical_json(_list_cycle())
+    assert info.value.path == "args"
+    shared = [1, {"x": 2}]
+    assert canonical_json({"a": shared, "b": shared}) == b'{"a":[1,{"x":2}],"b":[1,{"x":2}]}'
