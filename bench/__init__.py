@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints agentkey against its baseline from one run."""
