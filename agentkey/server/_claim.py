@@ -1,17 +1,28 @@
-"""The claim a handler holds while its step runs, and how the handler reaches it."""
+"""The claim a handler holds while its step runs, and how the handler reaches it.
+
+The lease is renewed by a background loop while the handler runs (the default),
+or by the handler itself (``auto_renew=False``: :meth:`Claim.renew`,
+:meth:`Claim.keep_alive`). The loop stops on an event, never by cancellation
+alone: on CPython <= 3.11 a cancellation that lands as a store call completes can
+be swallowed inside ``asyncio.wait_for`` (redis-py uses it), and a loop stopped
+only by ``cancel()`` then renews forever. Waiting for the loop is bounded, and a
+cancellation aimed at the handler always propagates.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
 from starlette.requests import HTTPConnection
 
 from .._exceptions import ConfigurationError, StoreError
 from .._keys import StepKey
+from ._records import Binding, InProgress, decode_record, encode_in_progress
 from ._stores import Store
 
 __all__ = ["SCOPE_STATE_KEY", "Claim", "current_claim", "get_claim"]
@@ -19,10 +30,17 @@ __all__ = ["SCOPE_STATE_KEY", "Claim", "current_claim", "get_claim"]
 #: Where the middleware puts the claim in ``scope["state"]`` (``request.state``).
 SCOPE_STATE_KEY = "agentkey_claim"
 
+#: The longest leaving a renewal loop waits for a renewal in flight.
+STOP_WAIT_SECONDS = 5.0
+
 _logger = logging.getLogger("agentkey.server")
 _current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
     "agentkey_claim", default=None
 )
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class Claim:
@@ -31,16 +49,28 @@ class Claim:
     - :meth:`begin_mutation` says the side effect has started: from then on a
       failure (an exception, a 5xx, a 401...) is recorded as ``FAILED`` and
       replayed, instead of releasing the key for a blind retry.
-    - :meth:`renew` extends the lease by the middleware's ``lock_ttl``;
-      :meth:`keep_alive` does it every ``lock_ttl / 3`` for long work.
+    - The lease (the middleware's ``lock_ttl``) is renewed every third of it
+      while the handler runs, unless the middleware has ``auto_renew=False``;
+      then :meth:`renew` extends it once and :meth:`keep_alive` renews it for a
+      block of work.
+    - :attr:`lost` is true only when another request took the key.
     """
 
     __slots__ = (
-        "_lock_ttl_ms",
+        "_binding",
+        "_clock",
+        "_lease_ms",
         "_lost",
         "_mutation_started",
         "_owner",
+        "_renew_ms",
+        "_settled",
+        "_started_ms",
+        "_stop",
         "_store",
+        "_task",
+        "auto_renew",
+        "idempotency_key",
         "key",
         "principal",
         "record_key",
@@ -49,29 +79,50 @@ class Claim:
     def __init__(
         self,
         *,
-        key: StepKey,
+        key: StepKey | None,
+        idempotency_key: str,
         principal: str,
         record_key: str,
         owner: str,
         store: Store,
         lock_ttl_ms: int,
+        auto_renew: bool = True,
+        binding: Binding | None = None,
+        started_ms: int | None = None,
+        clock: Callable[[], int] = _wall_ms,
     ) -> None:
+        #: The parsed agentkey key; None for an opaque key (a UUID, ``ik_...``).
         self.key = key
+        #: The key as received (raw form; an sf-string is unquoted).
+        self.idempotency_key = idempotency_key
         self.principal = principal
         self.record_key = record_key
+        self.auto_renew = auto_renew
         self._owner = owner
         self._store = store
-        self._lock_ttl_ms = lock_ttl_ms
+        self._lease_ms = lock_ttl_ms
+        self._renew_ms = max(1, lock_ttl_ms // 3)
+        self._binding = binding
+        self._clock = clock
+        self._started_ms = clock() if started_ms is None else started_ms
         self._mutation_started = False
         self._lost = False
+        self._settled = False
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
-        return f"Claim(key={self.key.format()!r}, mutation_started={self._mutation_started})"
+        return f"Claim(key={self.idempotency_key!r}, mutation_started={self._mutation_started})"
 
     @property
     def owner(self) -> str:
         """The random fencing token of this claim."""
         return self._owner
+
+    @property
+    def binding(self) -> Binding | None:
+        """The operation (method, route, opaque body) the key is bound to."""
+        return self._binding
 
     @property
     def mutation_started(self) -> bool:
@@ -80,56 +131,151 @@ class Claim:
 
     @property
     def lost(self) -> bool:
-        """True once a renewal found that the lease expired and another request took it."""
+        """True once a renewal found that another request took the key.
+
+        A lease that merely expired, with nobody else claiming the key, is taken
+        back by the next renewal and is not lost.
+        """
         return self._lost
 
     def begin_mutation(self) -> None:
         """Mark that the side effect has started; later failures are recorded as FAILED.
 
-        Raises :class:`~agentkey.StoreError` when a renewal already found the lease
-        lost: another request may be running this step, so this one must not mutate.
+        Raises :class:`~agentkey.StoreError` when a renewal found that another
+        request took the key: it may be running this step, so this one must not.
         """
         if self._lost:
             raise StoreError(
-                f"the lease on {self.key.format()} was lost (it expired and may be claimed "
-                "by another request), so the side effect must not start here; the client "
-                "retries with the same key and gets the other request's answer"
+                f"another request took the key {self.idempotency_key} after this request's "
+                "lease expired, so the side effect must not start here; the client retries "
+                "with the same key and gets the other request's answer"
             )
         self._mutation_started = True
 
+    def in_progress_record(self) -> bytes:
+        """This claim's ``IN_PROGRESS`` value, its lease starting now."""
+        now = self._clock()
+        return encode_in_progress(
+            self._owner,
+            self._started_ms,
+            lease_end_ms=now + self._lease_ms,
+            renew_ms=self._renew_ms if self._task is not None or self.auto_renew else 0,
+            binding=self._binding,
+        )
+
     async def renew(self) -> bool:
-        """Extend the lease by ``lock_ttl``; False (and :attr:`lost`) if it was lost."""
-        held = await self._store.renew(self.record_key, self._owner, ttl_ms=self._lock_ttl_ms)
-        if not held:
+        """Extend the lease by ``lock_ttl`` from now; False (and :attr:`lost`) if another
+        request took the key.
+
+        The record is rewritten (compare-and-set on the owner), so it says when
+        its lease ends. If the lease had expired and nobody claimed the key, it
+        is claimed again.
+        """
+        if self._settled:
+            return not self._lost
+        value = self.in_progress_record()
+        store, key = self._store, self.record_key
+        if await store.finish(key, self._owner, value, ttl_ms=self._lease_ms):
+            return True
+        # "Not owned": a write the client library re-sent after it landed, or an
+        # expired lease. Only a record of someone else means the key was taken.
+        current = await store.get(key)
+        if current is None and not self._settled:
+            current = await store.claim(key, value, ttl_ms=self._lease_ms)
+            if current is None:
+                _logger.warning(
+                    "the lease on %s had expired (nobody claimed the key meanwhile) and was "
+                    "taken back; if the event loop or the store stalls for a whole lease, "
+                    "another request may run this step",
+                    self.idempotency_key,
+                )
+                return True
+        if current is None or current == value or self._is_ours(current):
+            return True
+        if not self._settled:
             self._lost = True
             _logger.warning(
-                "lease on %s was lost (it expired and may be claimed by another request); "
+                "another request took the key %s after this request's lease expired; "
                 "this request's result will not be stored",
-                self.key.format(),
+                self.idempotency_key,
             )
-        return held
+        return False
+
+    def _is_ours(self, value: bytes) -> bool:
+        try:
+            record = decode_record(value, key=self.idempotency_key)
+        except StoreError:
+            return False
+        return isinstance(record, InProgress) and record.owner == self._owner
+
+    # --- the renewal loop ------------------------------------------------------
+
+    async def _loop(self, stop: asyncio.Event) -> None:
+        interval = self._renew_ms / 1000
+        while not stop.is_set():
+            with suppress(asyncio.TimeoutError):  # the interval passed: renew
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set() or self._settled:
+                return
+            try:
+                if not await self.renew():
+                    return
+            except Exception:  # a failed renewal must not kill the handler
+                _logger.exception("renewing the lease on %s failed", self.idempotency_key)
+
+    def start_renewing(self) -> bool:
+        """Start the renewal loop in the running asyncio loop; False if none runs."""
+        if self._task is not None:
+            return True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # trio, or no loop: the handler renews by itself
+            return False
+        self._stop = asyncio.Event()
+        self._task = loop.create_task(self._loop(self._stop))
+        return True
+
+    async def stop_renewing(self) -> None:
+        """Stop the loop: set its event, wait (bounded) for a renewal in flight.
+
+        A cancellation of the caller propagates; the loop is then told to stop
+        and cancelled, and exits at its next check even if that cancellation is
+        swallowed below it.
+        """
+        task, stop = self._task, self._stop
+        if task is None or stop is None:
+            return
+        self._task = self._stop = None
+        stop.set()
+        try:
+            await asyncio.wait({task}, timeout=min(STOP_WAIT_SECONDS, self._lease_ms / 1000))
+        finally:
+            if not task.done():
+                task.cancel()
+                _logger.warning(
+                    "a lease renewal of %s was still running when its handler finished; "
+                    "it was cancelled",
+                    self.idempotency_key,
+                )
+
+    def mark_settled(self) -> None:
+        """The outcome is being recorded: no renewal may write the record again."""
+        self._settled = True
 
     @asynccontextmanager
     async def keep_alive(self) -> AsyncIterator[Claim]:
-        """Renew the lease every ``lock_ttl / 3`` while the block runs."""
-        interval = self._lock_ttl_ms / 3000
+        """Renew the lease every ``lock_ttl / 3`` while the block runs.
 
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    if not await self.renew():
-                        return
-                except Exception:  # a failed renewal must not kill the handler
-                    _logger.exception("renewing the lease on %s failed", self.key.format())
-
-        task = asyncio.get_running_loop().create_task(loop())
+        With automatic renewal (the default) the lease is already renewed and
+        this only yields.
+        """
+        if self._task is not None or not self.start_renewing():
+            yield self
+            return
         try:
             yield self
         finally:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+            await self.stop_renewing()
 
 
 def current_claim() -> Claim:

@@ -36,7 +36,7 @@ def example_app(
     *,
     blob_store: BlobStore | None = None,
     work_seconds: float = 0.2,
-    lock_ttl: float = 120.0,
+    lock_ttl: float = 15.0,
 ) -> Starlette:
     """A tool server with ``POST /tools/charge``, ``/tools/provision`` and ``/tools/report``.
 

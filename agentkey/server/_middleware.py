@@ -1,18 +1,28 @@
 """IdempotencyMiddleware: pure ASGI, in front of any Starlette or FastAPI app.
 
 ```
-request ─▶ key? ─400─▶  body JSON object? ─400/413─▶  hash matches? ─422─▶
-        ─▶ claim (one store round trip)
+request ─▶ protected method and route? (the path relative to root_path / the mount) ─no─▶ app
+        ─▶ key? ─400─▶ key well formed? ─400─▶ body within max_body_bytes? ─413─▶
+             agentkey key <plan>:<step>:<hash>: body a JSON object ─400─▶ hash matches ─422─▶
+             opaque key (UUID, ik_...): fingerprint = digest of the canonical body
+        ─▶ claim (one store round trip; the record binds METHOD + route path)
              ├─ store down ............ 503 + Retry-After, handler never runs
-             ├─ IN_PROGRESS ........... 409 + Retry-After, at once
+             ├─ bound to another route  422 key_reused (never a replay, never a 409)
+             ├─ opaque key, other body  422 payload_mismatch
+             ├─ IN_PROGRESS ........... 409 + Retry-After (the lease's end if its holder
+             │                          stopped renewing), at once or after hold_in_flight
+             │                          (a held duplicate replays if the first finishes)
              ├─ COMPLETED / FAILED .... replay status, headers, body + Idempotent-Replayed: true
-             └─ claimed ─▶ handler ─▶ finish (compare-and-set on the owner token)
+             └─ claimed ─▶ handler, lease renewed every lock_ttl/3 (unless auto_renew=False)
+                    ─▶ finish (compare-and-set on the owner token)
                     storable answer (2xx, 3xx, request 4xx) ... COMPLETED
                     other answer or exception, mutation begun .. FAILED
                     other answer or exception, no mutation ..... released (retry is safe)
 ```
 The final chunk of a response is held back until its record is written, so a
-client never holds a result the store does not know about.
+client never holds a result the store does not know about. The middleware's own
+errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
+``urn:agentkey:problem:<code>``) that keep an ``"error": <code>`` member.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
@@ -32,13 +43,22 @@ import anyio
 
 from .._canonical import Profile, canonical_json, check_profile
 from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
-from .._keys import StepKey
+from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import SCOPE_STATE_KEY, Claim, reset_current, set_current
-from ._records import InProgress, Outcome, decode_record, encode_in_progress, encode_outcome
+from ._claim import SCOPE_STATE_KEY, Claim, _wall_ms, reset_current, set_current
+from ._records import Binding, InProgress, Outcome, decode_record, digest, encode_outcome
 from ._stores import Store
 
-__all__ = ["REPLAY_HEADER", "IdempotencyMiddleware", "PrincipalFunc", "is_storable"]
+__all__ = [
+    "REPLAY_HEADER",
+    "IdempotencyMiddleware",
+    "KeyFormat",
+    "OpaqueKey",
+    "PrincipalFunc",
+    "in_progress_retry_after",
+    "is_storable",
+    "route_path",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -47,6 +67,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PrincipalFunc = Callable[[Scope], "str | Awaitable[str]"]
 RoutesFunc = Callable[[Scope], bool]
+KeyFormat = Literal["any", "agentkey"]
 
 #: The header every replayed answer carries.
 REPLAY_HEADER = "Idempotent-Replayed"
@@ -74,6 +95,8 @@ _DROP_HEADERS = frozenset(
 _MAX_PRINCIPAL = 128
 # The longest a shielded finish/release may hold a cancelled request.
 _SETTLE_SECONDS = 10.0
+# How often a held duplicate (hold_in_flight) asks the store again: one round trip each.
+_HOLD_POLL_SECONDS = 0.1
 
 
 def is_storable(status: int) -> bool:
@@ -107,33 +130,88 @@ def _default_principal(scope: Scope) -> str:
     return identity
 
 
-def _route_matcher(routes: Collection[str] | RoutesFunc | None) -> RoutesFunc:
-    if routes is None:
-        return lambda scope: True
-    if callable(routes):
-        return routes
-    if isinstance(routes, str):
-        raise ConfigurationError("routes is a collection of paths, not one string: use [path]")
-    routes = list(routes)
-    for route in routes:
-        if (
-            not isinstance(route, str)
-            or not route.startswith("/")
-            or ("*" in route and (not route.endswith("/*") or "*" in route[:-1]))
-        ):
-            # "/tools*" or "tools/*" would silently match nothing and leave tools unprotected.
-            raise ConfigurationError(
-                f"invalid route {route!r}: use an exact path such as '/tools/charge' or a "
-                "prefix pattern ending in '/*' such as '/tools/*'"
-            )
-    prefixes = tuple(r.rstrip("/") for r in routes if r.endswith("/*"))
-    exact = frozenset(r for r in routes if not r.endswith("/*"))
+def route_path(scope: Scope) -> str:
+    """The path the app's router matches: ``path`` relative to ``root_path``.
 
-    def match(scope: Scope) -> bool:
-        path: str = scope.get("path", "")
-        return path in exact or any(path.startswith(p[:-1]) for p in prefixes)
+    Starlette's ``Mount`` and ``uvicorn --root-path`` keep the prefix in
+    ``scope["path"]`` and name it in ``scope["root_path"]`` (older Starlette
+    strips it from ``path``: then there is nothing to remove).
+    """
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        if path == root:
+            return "/"
+        if path[len(root)] == "/":
+            return path[len(root) :]
+    return path
 
-    return match
+
+class _Routes:
+    """Which route paths are protected; warns once when a pattern looks misplaced."""
+
+    def __init__(self, routes: Collection[str] | RoutesFunc | None) -> None:
+        self._func: RoutesFunc | None = None
+        self._exact: frozenset[str] = frozenset()
+        self._prefixes: tuple[str, ...] = ()
+        self._warned = False
+        if routes is None:
+            self._func = lambda scope: True
+            self._unmatched: set[str] = set()
+            return
+        if callable(routes):
+            self._func = routes
+            self._unmatched = {"<the routes function>"}
+            return
+        if isinstance(routes, str):
+            raise ConfigurationError("routes is a collection of paths, not one string: use [path]")
+        routes = list(routes)
+        for route in routes:
+            if (
+                not isinstance(route, str)
+                or not route.startswith("/")
+                or ("*" in route and (not route.endswith("/*") or "*" in route[:-1]))
+            ):
+                # "/tools*" or "tools/*" would silently match nothing and leave tools unprotected.
+                raise ConfigurationError(
+                    f"invalid route {route!r}: use an exact path such as '/tools/charge' or a "
+                    "prefix pattern ending in '/*' such as '/tools/*'"
+                )
+        self._exact = frozenset(r for r in routes if not r.endswith("/*"))
+        self._prefixes = tuple(r[:-1] for r in routes if r.endswith("/*"))
+        self._unmatched = set(routes)
+
+    def match(self, scope: Scope, path: str) -> bool:
+        if self._func is not None:
+            hit = bool(self._func(scope))
+            if hit and self._unmatched:
+                self._unmatched.clear()
+            return hit
+        if path in self._exact:
+            self._unmatched.discard(path)
+            return True
+        for prefix in self._prefixes:
+            if path.startswith(prefix):
+                self._unmatched.discard(prefix + "*")
+                return True
+        return False
+
+    def passed_unprotected(self, scope: Scope, path: str) -> None:
+        """A request carrying an Idempotency-Key matched no route: warn once if a
+        configured pattern never matched anything (a prefix or mount mismatch)."""
+        if self._warned or not self._unmatched:
+            return
+        self._warned = True
+        _logger.warning(
+            "IdempotencyMiddleware: routes %s have not matched any request yet, while a "
+            "request carrying an Idempotency-Key reached the unprotected path %r (root_path "
+            "%r): it ran without idempotency protection. Routes are matched against the "
+            "path relative to root_path, as the router sees it; check them against your "
+            "mounts and --root-path",
+            sorted(self._unmatched),
+            path[:200],
+            str(scope.get("root_path", ""))[:200],
+        )
 
 
 @dataclass
@@ -154,16 +232,36 @@ class IdempotencyMiddleware:
         A :class:`Store` (``RedisStore`` in production, ``MemoryStore`` for tests).
     ``routes``
         Paths to protect: exact paths, ``/prefix/*`` patterns, or a callable
-        ``(scope) -> bool``. Default: every request whose method is in ``methods``.
+        ``(scope) -> bool``. Paths are relative to ``root_path`` (a ``Mount``,
+        ``uvicorn --root-path``), as the router matches them. Default: every
+        request whose method is in ``methods``.
     ``methods``
         HTTP methods to protect (default ``POST``).
     ``require_key``
         Answer 400 when the key is missing (default). False lets keyless
         requests through unprotected.
-    ``lock_ttl``, ``result_ttl``
-        Seconds an in-progress claim and a finished record live (120 s, 24 h).
+    ``key_format``
+        ``"any"`` (default): agentkey keys (``<plan>:<step>:<hash>``, checked
+        against the body) and opaque keys such as UUIDs or ``ik_...`` (bound to
+        a digest of the body). ``"agentkey"``: only agentkey keys.
+    ``lock_ttl``
+        Seconds a claim's lease lasts (15 s). It is renewed every third of that
+        while the handler runs, so a claim whose server died clears within one
+        lease.
+    ``auto_renew``
+        False turns the automatic renewal off: the claim then lives ``lock_ttl``
+        unless the handler calls ``claim.renew()`` or ``claim.keep_alive()``
+        (set ``lock_ttl`` to the tool's timeout plus slack).
+    ``hold_in_flight``
+        Seconds a duplicate of a request in flight waits for it to finish and
+        then gets its replay, before a 409 (default 0: a 409 at once). Each
+        held duplicate asks the store again every 0.1 s and keeps its
+        connection open; keep it below your clients' read timeout.
+    ``result_ttl``
+        Seconds a finished record lives (24 h).
     ``retry_after``
-        Seconds sent in ``Retry-After`` with 409 and 503 (default 1).
+        Seconds sent in ``Retry-After`` with 409 and 503 (default 1). A 409 for
+        a claim whose holder stopped renewing says when its lease ends instead.
     ``principal``
         ``(scope) -> str`` (or async): the tenant, user or client the request
         acts for. Records are scoped by it. Default: Starlette's authenticated
@@ -187,7 +285,10 @@ class IdempotencyMiddleware:
         routes: Collection[str] | RoutesFunc | None = None,
         methods: Sequence[str] = ("POST",),
         require_key: bool = True,
-        lock_ttl: float = 120.0,
+        key_format: KeyFormat = "any",
+        lock_ttl: float = 15.0,
+        auto_renew: bool = True,
+        hold_in_flight: float = 0.0,
         result_ttl: float = 86_400.0,
         retry_after: int = 1,
         principal: PrincipalFunc | None = None,
@@ -203,10 +304,21 @@ class IdempotencyMiddleware:
         for name, value in (("lock_ttl", lock_ttl), ("result_ttl", result_ttl)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0.001:
                 raise ConfigurationError(f"{name} must be a positive number of seconds")
+        if (
+            isinstance(hold_in_flight, bool)
+            or not isinstance(hold_in_flight, (int, float))
+            or not 0 <= hold_in_flight <= 60
+        ):
+            raise ConfigurationError("hold_in_flight must be 0 to 60 seconds")
         if result_ttl < lock_ttl:
             raise ConfigurationError("result_ttl must be at least lock_ttl")
         if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
             raise ConfigurationError("retry_after must be a whole number of seconds >= 0")
+        if key_format not in ("any", "agentkey"):
+            raise ConfigurationError(
+                f"key_format must be 'any' (agentkey and opaque keys) or 'agentkey', "
+                f"got {key_format!r}"
+            )
         for name, size in (
             ("max_inline_bytes", max_inline_bytes),
             ("max_body_bytes", max_body_bytes),
@@ -229,17 +341,21 @@ class IdempotencyMiddleware:
             )
         self.app = app
         self.store = store
-        self._match = _route_matcher(routes)
+        self._routes = _Routes(routes)
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
-        self.lock_ttl_ms = max(1, round(lock_ttl * 1000))
-        self.result_ttl_ms = max(1, round(result_ttl * 1000))
+        self.key_format: KeyFormat = key_format
+        self.lock_ttl_ms = max(3, round(lock_ttl * 1000))
+        self.auto_renew = bool(auto_renew)
+        self.hold_in_flight = float(hold_in_flight)
+        self.result_ttl_ms = max(self.lock_ttl_ms, round(result_ttl * 1000))
         self.retry_after = retry_after
         self._principal: PrincipalFunc = principal or _default_principal
         self.hash_profile = check_profile(hash_profile)
         self.max_inline_bytes = max_inline_bytes
         self.max_body_bytes = max_body_bytes
         self._blob_store = blob_store
+        self._clock: Callable[[], int] = _wall_ms  # Unix ms; tests inject their own
 
     @property
     def blob_store(self) -> BlobStore:
@@ -250,93 +366,129 @@ class IdempotencyMiddleware:
     # --- ASGI ----------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope.get("method", "GET").upper() not in self.methods
-            or not self._match(scope)
-        ):
+        method = str(scope.get("method", "GET")).upper()
+        if scope["type"] != "http" or method not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
+        if not self._routes.match(scope, path):
+            if values:
+                self._routes.passed_unprotected(scope, path)
             await self.app(scope, receive, send)
             return
 
-        values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
         if not values:
             if self.require_key:
-                await _error(
+                await _problem(
                     send,
                     400,
                     "idempotency_key_missing",
                     "this endpoint needs an Idempotency-Key header: "
-                    "<plan_session_id>:<step>:<args_hash>",
+                    + (
+                        "<plan_session_id>:<step>:<args_hash>"
+                        if self.key_format == "agentkey"
+                        else "a unique value per operation, such as a UUID or "
+                        "<plan_session_id>:<step>:<args_hash>"
+                    ),
                 )
                 return
             await self.app(scope, receive, send)
             return
-        key = _parse_key(values)
+        key = _parse_key(values, opaque=self.key_format == "any")
         if isinstance(key, str):
-            await _error(send, 400, "idempotency_key_invalid", key)
+            await _problem(send, 400, "idempotency_key_invalid", key)
             return
 
         body = await _read_body(scope, receive, self.max_body_bytes)
         if body is None:
             return  # the client went away
         if isinstance(body, int):
-            await _error(
+            await _problem(
                 send, 413, "body_too_large", f"the request body exceeds {self.max_body_bytes} bytes"
             )
             return
-        problem = _check_body(body, key, self.hash_profile)
-        if problem is not None:
-            await _error(send, *problem)
-            return
+        if isinstance(key, StepKey):
+            problem = _check_body(body, key, self.hash_profile)
+            if problem is not None:
+                await _problem(send, *problem)
+                return
+            binding = Binding(digest(f"{method} {path}".encode("utf-8", "surrogatepass")))
+        else:
+            binding = Binding(
+                digest(f"{method} {path}".encode("utf-8", "surrogatepass")),
+                _body_digest(body, self.hash_profile),
+            )
 
         principal = await self._principal_of(scope)
-        record_key = _record_key(principal, key)
-        owner = secrets.token_hex(16)
-        try:
-            existing = await self.store.claim(
-                record_key,
-                encode_in_progress(owner, int(time.time() * 1000)),
-                ttl_ms=self.lock_ttl_ms,
-            )
-            record = None if existing is None else decode_record(existing, key=key.format())
-        except StoreError as exc:
-            _logger.error("idempotency store failed while claiming %s: %s", key.format(), exc)
-            await _error(
-                send,
-                503,
-                "store_unavailable",
-                "the idempotency store is unavailable, so the request was not run; "
-                "retry with the same key",
-                retry_after=self.retry_after,
-            )
-            return
-
-        if isinstance(record, InProgress) and record.owner == owner:
-            # Our own claim, read back: the client library re-sent a SET that had
-            # already succeeded (a retry after a timeout). The key is ours.
-            record = None
+        claim = Claim(
+            key=key if isinstance(key, StepKey) else None,
+            idempotency_key=key.format(),
+            principal=principal,
+            record_key=_record_key(principal, key),
+            owner=secrets.token_hex(16),
+            store=self.store,
+            lock_ttl_ms=self.lock_ttl_ms,
+            auto_renew=self.auto_renew,
+            binding=binding,
+            clock=self._clock,
+        )
+        hold_until = time.monotonic() + self.hold_in_flight
+        while True:
+            try:
+                existing = await self.store.claim(
+                    claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
+                )
+                record = None if existing is None else decode_record(existing, key=key.format())
+            except StoreError as exc:
+                _logger.error("idempotency store failed while claiming %s: %s", key.format(), exc)
+                await _problem(
+                    send,
+                    503,
+                    "store_unavailable",
+                    "the idempotency store is unavailable, so the request was not run; "
+                    "retry with the same key",
+                    retry_after=self.retry_after,
+                )
+                return
+            if isinstance(record, InProgress) and record.owner == claim.owner:
+                # Our own claim, read back: the client library re-sent a SET that had
+                # already succeeded (a retry after a timeout). The key is ours.
+                record = None
+            if record is not None:
+                mismatch = _binding_mismatch(record.binding, binding)
+                if mismatch is not None:
+                    await _problem(send, 422, *mismatch)
+                    return
+            left = hold_until - time.monotonic()
+            if not isinstance(record, InProgress) or left <= 0:
+                break
+            # hold_in_flight: wait for the first request, then replay or claim.
+            await anyio.sleep(min(_HOLD_POLL_SECONDS, left))
         if isinstance(record, InProgress):
-            await _error(
+            retry_after, lease_left = in_progress_retry_after(
+                record, self._clock(), retry_after=self.retry_after
+            )
+            where = f"step {key.step_label}" if isinstance(key, StepKey) else "the operation"
+            lease = (
+                ""
+                if lease_left is None
+                else f"; if the request holding it stopped (its server may have died), "
+                f"its lease ends within {lease_left} s and a retry then runs the step"
+            )
+            await _problem(
                 send,
                 409,
                 "in_progress",
-                f"step {key.step_label} is already running with this key; retry "
-                "with the same key after Retry-After",
-                retry_after=self.retry_after,
+                f"{where} is already running with this key{lease}; retry with the same "
+                "key after Retry-After",
+                retry_after=retry_after,
+                extra={} if lease_left is None else {"lease_expires_in": lease_left},
             )
             return
         if isinstance(record, Outcome):
-            await self._replay(send, record, key)
+            await self._replay(send, record, key.format())
             return
-
-        claim = Claim(
-            key=key,
-            principal=principal,
-            record_key=record_key,
-            owner=owner,
-            store=self.store,
-            lock_ttl_ms=self.lock_ttl_ms,
-        )
         await self._run(scope, receive, send, body, claim)
 
     async def _principal_of(self, scope: Scope) -> str:
@@ -352,14 +504,14 @@ class IdempotencyMiddleware:
             )
         return value
 
-    async def _replay(self, send: Send, record: Outcome, key: StepKey) -> None:
+    async def _replay(self, send: Send, record: Outcome, key: str) -> None:
         body = record.body
         if record.blob_uri is not None:
             try:
                 body = await self.blob_store.get(record.blob_uri)
             except StoreError as exc:
-                _logger.error("stored response of %s is unreadable: %s", key.format(), exc)
-                await _error(
+                _logger.error("stored response of %s is unreadable: %s", key, exc)
+                await _problem(
                     send,
                     503,
                     "store_unavailable",
@@ -408,6 +560,12 @@ class IdempotencyMiddleware:
         state = scope.setdefault("state", {})
         state[SCOPE_STATE_KEY] = claim
         token = set_current(claim)
+        if claim.auto_renew and not claim.start_renewing():
+            _logger.warning(
+                "no asyncio loop runs this request, so the lease on %s is not renewed "
+                "automatically; renew it from the handler or raise lock_ttl",
+                claim.idempotency_key,
+            )
         try:
             await self.app(scope, receive_body, send_through)
         except BaseException:
@@ -421,24 +579,26 @@ class IdempotencyMiddleware:
             await self._finish(claim, capture, error=True)
 
     async def _finish(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
-        """Settle the claim, shielded: a request cancelled from outside (a client gone
-        under an anyio cancel scope, a server shutting down) still records FAILED or
-        releases its key, instead of leaving it locked until lock_ttl and letting a
-        retry repeat a side effect that already began."""
+        """Stop renewing, then settle the claim, shielded: a request cancelled from
+        outside (a client gone under an anyio cancel scope, a server shutting down)
+        still records FAILED or releases its key, instead of leaving it locked until
+        its lease ends and letting a retry repeat a side effect that already began."""
         with anyio.move_on_after(_SETTLE_SECONDS, shield=True) as scope:
+            await claim.stop_renewing()
+            claim.mark_settled()
             await self._settle(claim, capture, error=error)
         if scope.cancelled_caught:
             _logger.error(
                 "settling %s took over %s s and was abandoned; the key stays locked "
-                "until lock_ttl passes",
-                claim.key.format(),
+                "until its lease (lock_ttl) ends",
+                claim.idempotency_key,
                 _SETTLE_SECONDS,
             )
 
     async def _settle(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
         """Record the outcome (compare-and-set on the owner), or release the claim."""
         status = capture.status if capture.started and not error else 500
-        key = claim.key.format()
+        key = claim.idempotency_key
         try:
             state: Literal["COMPLETED", "FAILED"]
             if is_storable(status) and not error:
@@ -448,20 +608,25 @@ class IdempotencyMiddleware:
             else:
                 await self.store.release(claim.record_key, claim.owner)
                 return
-            outcome = await self._outcome(state, status, capture, error=error)
+            outcome = await self._outcome(state, status, capture, claim, error=error)
             encoded = encode_outcome(outcome)
-            stored = await self.store.finish(
-                claim.record_key, claim.owner, encoded, ttl_ms=self.result_ttl_ms
-            )
+            ttl = self.result_ttl_ms
+            stored = await self.store.finish(claim.record_key, claim.owner, encoded, ttl_ms=ttl)
             if not stored:
                 # A finish that the client library re-sent after it had succeeded also
                 # answers "not owned": the record is then exactly ours, blob and all.
-                stored = await self.store.get(claim.record_key) == encoded
+                current = await self.store.get(claim.record_key)
+                if current is None:
+                    # The lease lapsed (a stalled loop or store) and nobody took the
+                    # key: the outcome is still this request's, so record it.
+                    current = await self.store.claim(claim.record_key, encoded, ttl_ms=ttl)
+                stored = current is None or current == encoded
             if not stored:
                 _logger.warning(
-                    "the lease on %s expired before the handler finished and another request "
-                    "owns the key now; this result was not stored (raise lock_ttl or use "
-                    "claim.keep_alive())",
+                    "the lease on %s lapsed before the handler finished and another request "
+                    "owns the key now; this result was not stored (the lease is renewed "
+                    "automatically unless auto_renew=False; it lapses when the store or the "
+                    "event loop stalls for a whole lock_ttl)",
                     key,
                 )
                 if outcome.blob_uri is not None:
@@ -469,7 +634,7 @@ class IdempotencyMiddleware:
         except StoreError as exc:
             _logger.error(
                 "could not record the outcome of %s (%s); the key stays locked until "
-                "lock_ttl passes",
+                "its lease (lock_ttl) ends",
                 key,
                 exc,
             )
@@ -479,19 +644,20 @@ class IdempotencyMiddleware:
         state: Literal["COMPLETED", "FAILED"],
         status: int,
         capture: _Capture,
+        claim: Claim,
         *,
         error: bool,
     ) -> Outcome:
+        binding = claim.binding
         if error:
-            headers: tuple[tuple[str, str], ...] = (("content-type", "application/json"),)
-            body = json.dumps(
-                {
-                    "error": "step_failed",
-                    "detail": "the tool failed after its side effect started; the outcome "
-                    "is unknown to the server and is not retried automatically. Inspect "
-                    "the target system before running the step again under a new key",
-                }
-            ).encode()
+            headers: tuple[tuple[str, str], ...] = (("content-type", _PROBLEM_TYPE),)
+            body = _problem_body(
+                status,
+                "step_failed",
+                "the tool failed after its side effect started; the outcome is unknown to "
+                "the server and is not retried automatically. Inspect the target system "
+                "before running the step again under a new key",
+            )
         else:
             headers = tuple(
                 (k.decode("latin-1").lower(), v.decode("latin-1"))
@@ -499,41 +665,125 @@ class IdempotencyMiddleware:
                 if k.lower() not in _DROP_HEADERS
             )
             body = bytes(capture.body)
-        now = int(time.time() * 1000)
+        now = self._clock()
         if len(body) > self.max_inline_bytes:
             try:
                 uri = await self.blob_store.put(body)
             except StoreError as exc:
                 # The handler has run: an unrecorded outcome would free the key after
-                # lock_ttl and let a retry run the side effect again. Keep it inline.
+                # its lease and let a retry run the side effect again. Keep it inline.
                 _logger.warning(
                     "blob store failed (%s); keeping the %d-byte response inline in the record",
                     exc,
                     len(body),
                 )
             else:
-                return Outcome(state, status, headers, b"", uri, now)
-        return Outcome(state, status, headers, body, None, now)
+                return Outcome(state, status, headers, b"", uri, now, binding)
+        return Outcome(state, status, headers, body, None, now, binding)
+
+
+def in_progress_retry_after(
+    record: InProgress, now_ms: int, *, retry_after: int
+) -> tuple[int, int | None]:
+    """``(Retry-After, seconds until the lease ends or None)`` for a 409 (pure).
+
+    A holder renews every ``renew_ms``; one that let 1.5 renewals pass looks
+    stopped (its server may have died), so the client is told to come back when
+    its lease ends. Otherwise the configured ``retry_after``, capped by the lease.
+    """
+    if record.lease_end_ms <= 0:  # a v1 record: nothing known about the lease
+        return retry_after, None
+    left = max(1, -(-(record.lease_end_ms - now_ms) // 1000))
+    if record.renew_ms > 0 and now_ms > record.lease_end_ms - record.renew_ms * 3 // 2:
+        return left, left
+    return min(retry_after, left), left
 
 
 # --- request checks (pure) ------------------------------------------------------
 
 
-def _parse_key(values: list[bytes]) -> StepKey | str:
-    """The parsed key, or the 400 message."""
+@dataclass(frozen=True, slots=True)
+class OpaqueKey:
+    """A key that is not an agentkey key: a UUID, a Stripe-style ``ik_...``.
+
+    It is bound to a digest of the request's canonical body instead of carrying one.
+    """
+
+    text: str
+
+    def format(self) -> str:
+        return self.text
+
+
+def _parse_key(values: list[bytes], *, opaque: bool = True) -> StepKey | OpaqueKey | str:
+    """The parsed key, or the 400 message.
+
+    A key containing ``:`` claims agentkey's format and must parse as one, so a
+    broken agentkey client gets a precise 400 rather than losing its hash check.
+    Any other key of 1-255 printable ASCII characters is opaque (when allowed).
+    Both header styles, raw and RFC 8941 sf-string, name the same key.
+    """
     if len(values) > 1:
         return "send exactly one Idempotency-Key header"
     raw = values[0]
     if len(raw) > 300:
-        return f"Idempotency-Key is {len(raw)} bytes; a key is at most 255 characters"
+        return f"Idempotency-Key is {len(raw)} bytes; a key is at most {MAX_KEY_LENGTH} characters"
     try:
-        text = raw.decode("ascii")
+        text = raw.decode("ascii").strip(" \t")
     except UnicodeDecodeError:
-        return "Idempotency-Key must be ASCII: <plan_session_id>:<step>:<args_hash>"
+        return "Idempotency-Key must be ASCII"
     try:
-        return StepKey.parse(text.strip(" \t"))
+        if ":" in text or not opaque:
+            return StepKey.parse(text)
+        value = _parse_sf_string(text) if text.startswith('"') else text
     except InvalidKey as exc:
-        return str(exc)
+        return str(exc) + (
+            "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
+        )
+    if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
+        return _OPAQUE_RULE
+    return OpaqueKey(value)
+
+
+_PRINTABLE = re.compile(r"[\x20-\x7e]+")
+_OPAQUE_RULE = (
+    f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key "
+    "containing ':' must be an agentkey key <plan_session_id>:<step>:<args_hash>"
+)
+
+
+def _body_digest(body: bytes, profile: Profile) -> str:
+    """An opaque key's body fingerprint: its canonical JSON when it is a JSON object,
+    else its bytes. Equivalent JSON (spacing, member order) is one body."""
+    try:
+        parsed = json.loads(
+            body, parse_constant=_reject_constant, object_pairs_hook=_unique_members
+        )
+        if isinstance(parsed, dict):
+            return digest(b"json:" + canonical_json(parsed, profile=profile))
+    except (ValueError, RecursionError, InvalidArguments):
+        pass
+    return digest(b"bytes:" + body)
+
+
+def _binding_mismatch(stored: Binding | None, ours: Binding) -> tuple[str, str] | None:
+    """The 422 problem when a record is bound to another operation, else None."""
+    if stored is None:  # a record written before bindings existed
+        return None
+    if stored.route != ours.route:
+        return (
+            "key_reused",
+            "this Idempotency-Key was first used with another method or route; a key "
+            "belongs to one operation and is never replayed for another. Send this call "
+            "with its own key (its own step)",
+        )
+    if stored.body != ours.body:
+        return (
+            "payload_mismatch",
+            "this Idempotency-Key was first used with another request body; send changed "
+            "arguments with a new key",
+        )
+    return None
 
 
 def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
@@ -595,12 +845,16 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _record_key(principal: str, key: StepKey) -> str:
+def _record_key(principal: str, key: StepKey | OpaqueKey) -> str:
     scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
     if len(scoped) > _MAX_PRINCIPAL:
         # "!" is never left bare by quote(), so no short principal can spell this.
         scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{scoped}:{key.format()}"
+    if isinstance(key, StepKey):
+        return f"{scoped}:{key.format()}"
+    # Quoted: no brace breaks the Redis Cluster hash tag, and with no ':' left an
+    # opaque key can never spell an agentkey key's record.
+    return f"{scoped}:{quote(key.text, safe='')}"
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int | None:
@@ -624,12 +878,48 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int 
             return bytes(chunks)
 
 
-async def _error(
-    send: Send, status: int, code: str, detail: str, *, retry_after: int | None = None
+_PROBLEM_TYPE = "application/problem+json"
+_TITLES = {
+    "idempotency_key_missing": "Idempotency-Key missing",
+    "idempotency_key_invalid": "Idempotency-Key malformed",
+    "body_not_json": "Request body is not a JSON object",
+    "body_too_large": "Request body too large",
+    "args_hash_mismatch": "Request body does not match the key's args_hash",
+    "payload_mismatch": "Idempotency-Key reused with another request body",
+    "key_reused": "Idempotency-Key reused for another operation",
+    "in_progress": "A request with this Idempotency-Key is in progress",
+    "store_unavailable": "Idempotency store unavailable",
+    "step_failed": "The step failed after its side effect began",
+}
+
+
+def _problem_body(
+    status: int, code: str, detail: str, extra: dict[str, Any] | None = None
+) -> bytes:
+    """RFC 9457 problem details, plus ``"error": <code>`` for clients that read that."""
+    doc: dict[str, Any] = {
+        "type": f"urn:agentkey:problem:{code}",
+        "title": _TITLES[code],
+        "status": status,
+        "detail": detail,
+        "error": code,
+        **(extra or {}),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+async def _problem(
+    send: Send,
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    retry_after: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    body = json.dumps({"error": code, "detail": detail}).encode()
+    body = _problem_body(status, code, detail, extra)
     headers = [
-        (b"content-type", b"application/json"),
+        (b"content-type", _PROBLEM_TYPE.encode()),
         (b"content-length", str(len(body)).encode()),
     ]
     if retry_after is not None:

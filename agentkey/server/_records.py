@@ -1,15 +1,26 @@
 """The stored record: one encoding, decoded in one place.
 
 ```
-P:<owner>:<started_ms>        IN_PROGRESS  (the owner token fences every later write)
-C:<json>                      COMPLETED    status, chosen headers, body or blob URI
-F:<json>                      FAILED       the mutation started and did not finish
+P:<owner>:<started_ms>:<lease_end_ms>:<renew_ms>:<binding>  IN_PROGRESS (v2)
+P:<owner>:<started_ms>                                      IN_PROGRESS (v1, still read)
+C:<json>                                   COMPLETED  status, headers, body or blob URI
+F:<json>                                   FAILED     the mutation began, did not finish
 ```
+
+- The owner token fences every later write: a store compares the prefix
+  ``P:<owner>:`` and never parses a record.
+- ``lease_end_ms`` is when the claim clears unless renewed (a renewal rewrites the
+  record); ``renew_ms`` is how often its holder renews it (0: it does not).
+- ``<binding>`` is what the key is bound to (:class:`Binding`): a digest of the
+  method and route path, and for an opaque key a digest of the canonical body.
+  The outcome's JSON carries it as ``"fp"``. Records written before bindings
+  existed (v1) have none and replay as they always did.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -17,17 +28,60 @@ from typing import Literal
 
 from .._exceptions import StoreError
 
-__all__ = ["InProgress", "Outcome", "decode_record", "encode_in_progress", "encode_outcome"]
+__all__ = [
+    "Binding",
+    "InProgress",
+    "Outcome",
+    "decode_record",
+    "digest",
+    "encode_in_progress",
+    "encode_outcome",
+]
 
 _OWNER = re.compile(r"[0-9a-f]{32}")
+_DIGEST = re.compile(r"[A-Za-z0-9_-]{22}")
+
+
+def digest(data: bytes) -> str:
+    """A compact digest for a binding: 128 bits of SHA-256, base64url (22 characters)."""
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:16]).decode("ascii")[:22]
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The one operation a key belongs to.
+
+    ``route``: digest of ``"<METHOD> <route path>"``; ``body``: digest of the
+    canonical body, kept for opaque keys only (an agentkey key carries its own
+    ``args_hash``).
+    """
+
+    route: str
+    body: str | None = None
+
+    def encode(self) -> str:
+        return self.route if self.body is None else f"{self.route}.{self.body}"
+
+    @classmethod
+    def decode(cls, text: str) -> Binding:
+        route, dot, body = text.partition(".")
+        if not _DIGEST.fullmatch(route) or (dot and not _DIGEST.fullmatch(body)):
+            raise ValueError("bad binding")
+        return cls(route, body if dot else None)
 
 
 @dataclass(frozen=True, slots=True)
 class InProgress:
-    """A claim held by ``owner`` since ``started_ms`` (Unix milliseconds)."""
+    """A claim held by ``owner`` since ``started_ms`` (Unix milliseconds).
+
+    ``lease_end_ms`` and ``renew_ms`` are 0 and ``binding`` None in a v1 record.
+    """
 
     owner: str
     started_ms: int
+    lease_end_ms: int = 0
+    renew_ms: int = 0
+    binding: Binding | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,23 +94,36 @@ class Outcome:
     body: bytes = b""
     blob_uri: str | None = None
     finished_ms: int = 0
+    binding: Binding | None = None
 
 
-def encode_in_progress(owner: str, started_ms: int) -> bytes:
+def encode_in_progress(
+    owner: str,
+    started_ms: int,
+    *,
+    lease_end_ms: int = 0,
+    renew_ms: int = 0,
+    binding: Binding | None = None,
+) -> bytes:
     if not _OWNER.fullmatch(owner):
         raise ValueError("owner tokens are 32 lowercase hex digits")
-    return f"P:{owner}:{started_ms}".encode("ascii")
+    if binding is None:
+        return f"P:{owner}:{started_ms}".encode("ascii")
+    return f"P:{owner}:{started_ms}:{lease_end_ms}:{renew_ms}:{binding.encode()}".encode("ascii")
 
 
 def encode_outcome(outcome: Outcome) -> bytes:
-    doc = {
-        "v": 1,
+    doc: dict[str, object] = {
+        "v": 2,
         "status": outcome.status,
         "headers": [list(h) for h in outcome.headers],
         "body": base64.b64encode(outcome.body).decode("ascii"),
-        "blob": outcome.blob_uri,
         "finished_ms": outcome.finished_ms,
     }
+    if outcome.blob_uri is not None:
+        doc["blob"] = outcome.blob_uri
+    if outcome.binding is not None:
+        doc["fp"] = outcome.binding.encode()
     tag = b"C:" if outcome.state == "COMPLETED" else b"F:"
     return tag + json.dumps(doc, separators=(",", ":")).encode("ascii")
 
@@ -65,14 +132,20 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
     """Decode a stored value; a value this module did not write raises StoreError."""
     try:
         if value.startswith(b"P:"):
-            _, owner, started = value.decode("ascii").split(":")
-            if not _OWNER.fullmatch(owner):
+            fields = value.decode("ascii").split(":")
+            if not _OWNER.fullmatch(fields[1]):
                 raise ValueError("bad owner")
-            return InProgress(owner, int(started))
+            if len(fields) == 3:  # v1
+                return InProgress(fields[1], int(fields[2]))
+            _, owner, started, lease_end, renew, binding = fields
+            return InProgress(
+                owner, int(started), int(lease_end), int(renew), Binding.decode(binding)
+            )
         if value[:2] in (b"C:", b"F:"):
             doc = json.loads(value[2:])
             headers = tuple((str(k), str(v)) for k, v in doc["headers"])
             blob = doc.get("blob")
+            fp = doc.get("fp")
             return Outcome(
                 "COMPLETED" if value[:1] == b"C" else "FAILED",
                 int(doc["status"]),
@@ -80,6 +153,7 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
                 base64.b64decode(doc["body"], validate=True),
                 None if blob is None else str(blob),
                 int(doc.get("finished_ms", 0)),
+                None if fp is None else Binding.decode(str(fp)),
             )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         pass

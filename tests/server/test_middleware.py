@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from agentkey import StepKey, StoreError, canonical_json
 from agentkey._canonical import Profile
 from agentkey.server import FileBlobStore, MemoryStore, RedisStore, Store
-from agentkey.server._middleware import _check_body, _parse_key, _record_key
+from agentkey.server._middleware import OpaqueKey, _check_body, _parse_key, _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import free_port
 from tests.server._apps import tool_app
@@ -107,7 +107,9 @@ def _key_for(body: bytes) -> str:
 _GOOD = canonical_json({"amount": 5})
 _REQUEST_TABLE: list[tuple[str, str | None, bytes, int, str]] = [
     ("missing key", None, _GOOD, 400, "idempotency_key_missing"),
-    ("garbage key", "hello", _GOOD, 400, "idempotency_key_invalid"),
+    ("garbage key with a colon", "hel:lo", _GOOD, 400, "idempotency_key_invalid"),
+    ("empty sf-string", '""', _GOOD, 400, "idempotency_key_invalid"),
+    ("blank sf-string", '" "', _GOOD, 400, "idempotency_key_invalid"),
     ("uppercase hash", _key_for(_GOOD).upper(), _GOOD, 400, "idempotency_key_invalid"),
     ("bad sf-string escape", '"' + _key_for(_GOOD) + '\\x"', _GOOD, 400, "idempotency_key_invalid"),
     ("unterminated sf-string", '"' + _key_for(_GOOD), _GOOD, 400, "idempotency_key_invalid"),
@@ -137,9 +139,13 @@ def test_bad_requests_get_a_clear_4xx_and_never_run(
     headers = {"content-type": "application/json"}
     if header is not None:
         headers["idempotency-key"] = header
-    status, got, _ = call(s.client, "/ok", headers, body)
+    status, got, h = call(s.client, "/ok", headers, body)
     assert (status, got["error"]) == (expected, code)
     assert got["detail"]
+    # RFC 9457 problem details, with the "error" member kept for existing clients.
+    assert h["content-type"] == "application/problem+json"
+    assert (got["type"], got["status"]) == (f"urn:agentkey:problem:{code}", status)
+    assert got["title"]
     assert s.runs["ok"] == 0
 
 
@@ -338,12 +344,40 @@ def test_in_progress_gets_409_with_retry_after_at_once(served: Callable[..., Ser
     assert s.runs["wait"] == 1
 
 
+@pytest.mark.parametrize("finishes", [True, False], ids=["first finishes", "hold runs out"])
+def test_hold_in_flight_replays_when_the_first_finishes(
+    served: Callable[..., Served], finishes: bool
+) -> None:
+    """With hold_in_flight, a duplicate waits and replays the first answer; else a late 409."""
+    s = served(hold_in_flight=0.6 if not finishes else 10)
+    headers, body = request_for({"gate": f"hold-{finishes}"})
+    first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
+    _wait_entered(s, f"hold-{finishes}")
+    started = time.monotonic()
+    dup = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
+    if finishes:
+        time.sleep(0.3)
+        assert not dup.done()  # held, not answered 409
+        s.app.state.gates.setdefault(f"hold-{finishes}", threading.Event()).set()
+        got = dup.result(timeout=10)
+        assert (got.status_code, got.headers["idempotent-replayed"]) == (200, "true")
+        assert got.content == first.result(timeout=10).content
+    else:
+        got = dup.result(timeout=10)
+        assert got.status_code == 409
+        assert time.monotonic() - started >= 0.6
+        s.app.state.gates.setdefault(f"hold-{finishes}", threading.Event()).set()
+        assert first.result(timeout=10).status_code == 200
+    assert s.runs["wait"] == 1
+
+
 def test_expired_lease_cannot_overwrite_the_new_owner(served: Callable[..., Served]) -> None:
     """A handler whose lease expired finishes late; the second owner's record survives.
 
-    This is the documented cost of a lease that is not renewed: the step runs twice.
+    This is the documented cost of a lease that is not renewed (auto_renew=False): the step
+    runs twice.
     """
-    s = served(lock_ttl=0.3)
+    s = served(lock_ttl=0.3, auto_renew=False)
     plan = new_plan()
     headers, body = request_for({"gate": "slow"}, plan=plan)
     first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
@@ -364,7 +398,7 @@ def test_expired_lease_cannot_overwrite_the_new_owner(served: Callable[..., Serv
 
 def test_keep_alive_renews_the_lease_past_lock_ttl(served: Callable[..., Served]) -> None:
     """claim.keep_alive() renews every lock_ttl/3, so a long handler keeps its key."""
-    s = served(lock_ttl=0.3)
+    s = served(lock_ttl=0.3, auto_renew=False)
     headers, body = request_for({"gate": "long", "keep_alive": True})
     first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
     _wait_entered(s, "long")
@@ -372,6 +406,19 @@ def test_keep_alive_renews_the_lease_past_lock_ttl(served: Callable[..., Served]
     assert s.client.post("/wait", headers=headers, content=body).status_code == 409
     s.app.state.gates.setdefault("long", threading.Event()).set()
     assert first.result(timeout=10).json() == {"run": 1, "gate": "long", "lost": False}
+    assert s.runs["wait"] == 1
+
+
+def test_lease_is_renewed_automatically_by_default(served: Callable[..., Served]) -> None:
+    """Without keep_alive, a handler running three leases keeps its key: a duplicate gets 409."""
+    s = served(lock_ttl=0.3)
+    headers, body = request_for({"gate": "auto"})
+    first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
+    _wait_entered(s, "auto")
+    time.sleep(0.9)  # three lock_ttls
+    assert s.client.post("/wait", headers=headers, content=body).status_code == 409
+    s.app.state.gates.setdefault("auto", threading.Event()).set()
+    assert first.result(timeout=10).json() == {"run": 1, "gate": "auto", "lost": False}
     assert s.runs["wait"] == 1
 
 
@@ -531,7 +578,8 @@ _JSONISH = st.recursive(
 def test_any_key_header_bytes_give_a_key_or_a_400_message(raw: bytes) -> None:
     """Whatever bytes a hostile client sends as the key, parsing returns a key or a message."""
     parsed = _parse_key([raw])
-    assert isinstance(parsed, (StepKey, str))
+    assert isinstance(parsed, (StepKey, OpaqueKey, str))
+    assert isinstance(_parse_key([raw], opaque=False), (StepKey, str))
 
 
 @given(

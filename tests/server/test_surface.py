@@ -25,7 +25,7 @@ from agentkey.server import (
     current_claim,
     get_claim,
 )
-from agentkey.server._middleware import _parse_key, _record_key
+from agentkey.server._middleware import OpaqueKey, _parse_key, _record_key
 from tests.server._util import request_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_any_header_bytes_parse_or_give_a_message(raw: bytes) -> None:
 def test_any_header_text_parse_or_give_a_message(text: str) -> None:
     """Unicode, control characters and quotes in a key give a message, never an exception."""
     result = _parse_key([text.encode("utf-8", "surrogatepass")])
-    assert isinstance(result, (StepKey, str))
+    assert isinstance(result, (StepKey, OpaqueKey, str))
 
 
 def test_two_key_headers_are_refused() -> None:
@@ -145,6 +145,9 @@ def _plain(app: Any) -> Any:
         {"retry_after": 1.5},
         {"max_inline_bytes": -1},
         {"hash_profile": "xml"},
+        {"key_format": "uuid"},
+        {"hold_in_flight": -1},
+        {"hold_in_flight": 3600},
         {"routes": "/x"},
         {"routes": ["/tools*"]},  # would match nothing
         {"routes": ["tools/*"]},
@@ -318,6 +321,7 @@ def test_fastapi_dependency_reaches_the_claim() -> None:
     @app.post("/tools/provision")
     async def provision(args: dict[str, str], claim: Claim = Depends(get_claim)) -> dict[str, str]:  # noqa: B008 - FastAPI's idiom
         claim.begin_mutation()
+        assert claim.key is not None
         seen.append(claim.key.step_label)
         return {"vm": "vm-1", "region": args["region"]}
 
