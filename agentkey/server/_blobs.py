@@ -8,6 +8,7 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
@@ -16,7 +17,8 @@ from .._exceptions import ConfigurationError, StoreError
 
 __all__ = ["BlobStore", "FileBlobStore"]
 
-_NAME = re.compile(r"[0-9a-f]{32}\.blob")
+# <32 hex>.<expiry, whole Unix seconds>.blob; names without the expiry predate it.
+_NAME = re.compile(r"[0-9a-f]{32}(?:\.([0-9]{1,15}))?\.blob")
 
 
 @runtime_checkable
@@ -41,15 +43,45 @@ class BlobStore(Protocol):
 
 
 class FileBlobStore:
-    """Blobs as files in one directory, written atomically.
+    """Blobs as files in one directory, written atomically, expiring after ``ttl``.
 
     Without ``directory``, a private per-user directory under the system temp
     dir is used. Every replica that can replay a record must see the same
-    directory (a shared volume), else use an object store. Files do not expire by
-    themselves: call :meth:`purge` from a periodic job with the result TTL.
+    directory (a shared volume), else use an object store.
+
+    Each blob expires ``ttl`` seconds (set it to the middleware's
+    ``result_ttl``; default 24 h) plus ``GRACE`` after it is written: its
+    record, finished just after, is gone by then. The expiry is part of the
+    file name. A :meth:`put` removes expired blobs (and temp files left by a
+    killed write) at most once every ``SWEEP_INTERVAL`` seconds, so the
+    directory holds only the blobs of live records. An expired blob is never
+    served: :meth:`get` raises :class:`~agentkey.StoreError` as for a missing one.
+    ``clock`` (wall-clock seconds, shared by every replica) is for tests.
     """
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+    #: Seconds a blob outlives ``ttl``: its record's TTL starts a moment later, at
+    #: finish, and replicas' clocks differ a little.
+    GRACE = 300.0
+    #: Least seconds between two sweeps of expired blobs (each lists the directory once).
+    SWEEP_INTERVAL = 60.0
+    #: Seconds after which a temp file is taken for the leftover of a killed write.
+    STALE_TEMP = 3600.0
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        ttl: float = 86_400.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < 1e10:
+            raise ConfigurationError(
+                f"FileBlobStore ttl is a positive number of seconds (the middleware's "
+                f"result_ttl), got {ttl!r}"
+            )
+        self.ttl = float(ttl)
+        self._clock = clock
+        self._next_sweep = float("-inf")
         default = directory is None
         if directory is None:
             suffix = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
@@ -77,19 +109,22 @@ class FileBlobStore:
     def __repr__(self) -> str:
         return f"FileBlobStore({str(self.directory)!r})"
 
-    def _path(self, uri: str) -> Path:
+    def _path(self, uri: str) -> tuple[Path, float | None]:
+        """The file of ``uri`` and its expiry (None for a blob named before expiries)."""
         parts = urlsplit(uri)
         path = Path(unquote(parts.path))
-        if (
-            parts.scheme != "file"
-            or path.parent != self.directory
-            or not _NAME.fullmatch(path.name)
-        ):
+        name = _NAME.fullmatch(path.name)
+        if parts.scheme != "file" or path.parent != self.directory or name is None:
             raise StoreError(f"blob URI {uri!r} does not belong to {self!r}")
-        return path
+        return path, None if name[1] is None else float(name[1])
 
     def _put(self, data: bytes) -> str:
-        name = f"{secrets.token_hex(16)}.blob"
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.SWEEP_INTERVAL
+            self._sweep(now)
+        expires = int(now + self.ttl + self.GRACE) + 1
+        name = f"{secrets.token_hex(16)}.{expires}.blob"
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -101,8 +136,16 @@ class FileBlobStore:
         return (self.directory / name).as_uri()
 
     def _get(self, uri: str) -> bytes:
+        path, expires = self._path(uri)
+        if expires is not None and expires <= self._clock():
+            path.unlink(missing_ok=True)
+            raise StoreError(
+                f"blob {uri!r} expired and was purged; its record outlived the blob "
+                "store's ttl, so set FileBlobStore(ttl=...) to at least the middleware's "
+                "result_ttl"
+            )
         try:
-            return self._path(uri).read_bytes()
+            return path.read_bytes()
         except OSError as exc:
             raise StoreError(
                 f"blob {uri!r} could not be read ({exc.strerror}); it was purged or the "
@@ -116,15 +159,38 @@ class FileBlobStore:
         return await asyncio.to_thread(self._get, uri)
 
     async def delete(self, uri: str) -> None:
-        path = self._path(uri)
+        path, _ = self._path(uri)
         await asyncio.to_thread(path.unlink, missing_ok=True)
 
-    def purge(self, *, older_than: float) -> int:
-        """Delete blobs older than ``older_than`` seconds; return how many went."""
-        cutoff = time.time() - older_than
+    def _sweep(self, now: float) -> int:
+        """Delete expired blobs and stale temp files; return how many blobs went."""
         removed = 0
-        for path in self.directory.glob("*.blob"):
-            removed += self._unlink_if_older(path, cutoff)
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return 0  # the next put raises the real problem
+        for entry in entries:
+            if entry.name.startswith(".tmp-"):
+                self._unlink_if_older(Path(entry.path), now - self.STALE_TEMP)
+                continue
+            name = _NAME.fullmatch(entry.name)
+            if name is None:
+                continue
+            if name[1] is None:  # written before expiries: by its age
+                removed += self._unlink_if_older(Path(entry.path), now - self.ttl - self.GRACE)
+            elif float(name[1]) <= now:
+                removed += self._unlink_if_older(Path(entry.path), float("inf"))
+        return removed
+
+    def purge(self, *, older_than: float | None = None) -> int:
+        """Delete expired blobs now; with ``older_than`` (seconds), every blob written
+        longer ago than that too. Return how many went."""
+        now = self._clock()
+        removed = self._sweep(now)
+        if older_than is not None:
+            cutoff = now - older_than
+            for path in self.directory.glob("*.blob"):
+                removed += self._unlink_if_older(path, cutoff)
         return removed
 
     @staticmethod

@@ -22,18 +22,33 @@ release    Lua compare-and-``DEL``                  1
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
 from redis import asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 
 __all__ = ["MemoryStore", "RedisStore", "Store", "owner_prefix"]
+
+_logger = logging.getLogger("agentkey.server")
+
+#: Seconds a pooled connection may sit idle before it is PINGed ahead of its next command.
+HEALTH_CHECK_INTERVAL = 30
+#: Re-sends of a command whose connection broke or timed out (a stale pooled connection
+#: after a Redis restart or its idle ``timeout``), after a jittered wait of up to 0.1 s, on
+#: a fresh connection. One is enough for a stale connection; redis-py retries the connection
+#: handshake with the same policy, so a Redis that stops answering costs (1 + RETRIES) ** 2
+#: timeouts before the store gives up, and more retries would multiply that.
+RETRIES = 1
 
 
 def owner_prefix(owner: str) -> bytes:
@@ -164,6 +179,10 @@ class MemoryStore:
         return None
 
 
+def _text(value: object) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else None
+
+
 # KEYS[1] record key; ARGV[1] owner prefix; then per script.
 _RENEW = """
 local v = redis.call('GET', KEYS[1])
@@ -198,9 +217,19 @@ class RedisStore:
     (``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``). Record keys become
     ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store opens a
     blocking pool of ``max_connections``, so a burst waits up to ``timeout``
-    seconds for a free connection instead of failing. Connection problems raise
+    seconds for a free connection instead of failing. Its connections re-send a
+    command ``RETRIES`` time(s) after a connection error or timeout (a
+    connection Redis closed, by a restart or its idle ``timeout``, reconnects
+    instead of failing) and PING first when idle for ``HEALTH_CHECK_INTERVAL``
+    seconds. A re-sent write is safe: a re-sent claim reads back its own owner
+    token and a re-sent finish finds its own record (the middleware checks both).
+    Connection problems that outlast the retries raise
     :class:`~agentkey.StoreUnavailable`; the middleware then answers 503 and
     never runs the handler.
+
+    Beside its first claim (never delaying it) the store asks Redis for
+    ``appendonly`` and logs one WARNING when it is ``no``: a restart then loses
+    finished records, and a retry of their steps runs them again.
     """
 
     def __init__(
@@ -231,6 +260,9 @@ class RedisStore:
                 timeout=timeout,
                 socket_connect_timeout=connect_timeout,
                 socket_timeout=timeout,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
+                retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
+                health_check_interval=HEALTH_CHECK_INTERVAL,
             )
             self._client: Any = aioredis.Redis.from_pool(pool)
             self._owns_client = True
@@ -248,6 +280,7 @@ class RedisStore:
         self._renew: AsyncScript = self._client.register_script(_RENEW)
         self._finish: AsyncScript = self._client.register_script(_FINISH)
         self._release: AsyncScript = self._client.register_script(_RELEASE)
+        self._persistence_check: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:  # never shows the URL: it may carry a password
         return f"RedisStore(prefix={self.prefix!r})"
@@ -282,8 +315,38 @@ class RedisStore:
         """
         return f"{self.prefix}:{{{key}}}"
 
+    def _start_persistence_check(self) -> None:
+        """Ask once, beside the first claim: never on a claim's path, where a slow answer
+        would delay a handler whose lease is already running."""
+        if self._persistence_check is None:
+            self._persistence_check = asyncio.get_running_loop().create_task(
+                self._check_persistence()
+            )
+
+    async def _check_persistence(self) -> None:
+        """Warn once when Redis keeps records only in memory; never fail anything over it."""
+        try:
+            config = await self._client.config_get("appendonly")
+            # A cluster client may answer per node: {node: {"appendonly": ...}}.
+            answers = [v for v in config.values() if isinstance(v, dict)] or [config]
+            values = {_text(a.get("appendonly", a.get(b"appendonly"))) for a in answers}
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
+            self._persistence_check = None  # unreachable: ask again with the next claim
+            return
+        except Exception as exc:  # CONFIG refused or renamed, as on managed Redis
+            _logger.debug("could not read Redis's appendonly setting: %s", type(exc).__name__)
+            return
+        if "no" in values:
+            _logger.warning(
+                "Redis runs without persistence (appendonly no) under RedisStore(prefix=%r): "
+                "a Redis restart loses every finished record, and a retry of those steps "
+                "runs them again; set appendonly yes with appendfsync always",
+                self.prefix,
+            )
+
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         ttl = _check_ttl(ttl_ms)
+        self._start_persistence_check()
         key = self.redis_key(key)
         # Redis >= 7: NX and GET together; one round trip claims or reads.
         result = await self._run(
@@ -322,5 +385,9 @@ class RedisStore:
         return None if result is None else bytes(result)
 
     async def aclose(self) -> None:
+        check, loop = self._persistence_check, asyncio.get_running_loop()
+        if check is not None and not check.done() and check.get_loop() is loop:
+            check.cancel()
+            await asyncio.gather(check, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()

@@ -1,4 +1,5 @@
-"""Fixtures: every store test runs against MemoryStore, a real Redis and a real Redis Cluster."""
+"""Fixtures: every store test runs against MemoryStore, a real Redis and PostgreSQL, and under
+``-m long`` a real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from agentkey.server import MemoryStore, RedisStore, Store
 from tests._loopback import RedisServer, free_port
+from tests._postgres import postgres_proc, postgres_store_factory  # noqa: F401 - fixtures
 
 StoreFactory = Callable[[], Store]
 
@@ -79,9 +81,12 @@ def redis_cluster_port() -> Iterator[int]:
         yield ports[0]
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+@pytest.fixture(
+    params=["memory", "redis", pytest.param("cluster", marks=pytest.mark.long), "postgres"]
+)
 def store_kind(request: pytest.FixtureRequest) -> str:
-    """Which store backs the test."""
+    """Which store backs the test. The Redis Cluster runs under ``-m long`` (three nodes to
+    start, a slower client), so the default run stays fast."""
     kind: str = request.param
     return kind
 
@@ -102,6 +107,9 @@ def make_store(store_kind: str, request: pytest.FixtureRequest) -> Iterator[Stor
             return ClusterStore(client, prefix=f"c{uuid.uuid4().hex[:12]}")
 
         yield cluster_factory
+        return
+    if store_kind == "postgres":
+        yield request.getfixturevalue("postgres_store_factory")
         return
     redis_proc: RedisServer = request.getfixturevalue("redis_proc")
 
