@@ -272,7 +272,9 @@ class IdempotencyMiddleware:
     ``max_inline_bytes``
         Larger response bodies go to ``blob_store`` (default 100 KiB).
     ``blob_store``
-        A :class:`BlobStore`; default a :class:`FileBlobStore` in the temp dir.
+        A :class:`BlobStore`; default a :class:`FileBlobStore` in the temp dir
+        whose blobs live as long as ``result_ttl``. A ``FileBlobStore`` with a
+        shorter ``ttl`` is refused.
     ``max_body_bytes``
         Larger request bodies get 413 (default 1 MiB).
     """
@@ -339,6 +341,12 @@ class IdempotencyMiddleware:
                 "blob_store must implement agentkey.server.BlobStore (put, get, delete), "
                 f"got {type(blob_store).__name__}"
             )
+        if isinstance(blob_store, FileBlobStore) and blob_store.ttl < result_ttl:
+            raise ConfigurationError(
+                f"the FileBlobStore's ttl ({blob_store.ttl:g} s) is shorter than result_ttl "
+                f"({result_ttl:g} s): large answers would expire before their records; give "
+                "it ttl=result_ttl"
+            )
         self.app = app
         self.store = store
         self._routes = _Routes(routes)
@@ -360,7 +368,7 @@ class IdempotencyMiddleware:
     @property
     def blob_store(self) -> BlobStore:
         if self._blob_store is None:
-            self._blob_store = FileBlobStore()
+            self._blob_store = FileBlobStore(ttl=self.result_ttl_ms / 1000)
         return self._blob_store
 
     # --- ASGI ----------------------------------------------------------------
@@ -440,6 +448,13 @@ class IdempotencyMiddleware:
                     claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
                 )
                 record = None if existing is None else decode_record(existing, key=key.format())
+                if isinstance(record, InProgress) and record.owner == claim.owner:
+                    # Our own claim, read back: the client library re-sent a SET that had
+                    # already succeeded (a retry after a timeout). The key is ours, but its
+                    # lease started at the first send: renew it now, not a third of a
+                    # lease from now.
+                    record = None
+                    await claim.renew()
             except StoreError as exc:
                 _logger.error("idempotency store failed while claiming %s: %s", key.format(), exc)
                 await _problem(
@@ -451,10 +466,6 @@ class IdempotencyMiddleware:
                     retry_after=self.retry_after,
                 )
                 return
-            if isinstance(record, InProgress) and record.owner == claim.owner:
-                # Our own claim, read back: the client library re-sent a SET that had
-                # already succeeded (a retry after a timeout). The key is ours.
-                record = None
             if record is not None:
                 mismatch = _binding_mismatch(record.binding, binding)
                 if mismatch is not None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from agentkey import ConfigurationError, StoreError
-from agentkey.server import FileBlobStore, MemoryStore
+from agentkey.server import FileBlobStore, IdempotencyMiddleware, MemoryStore
 from tests.server._apps import tool_app
 from tests.server._util import request_for
 
@@ -90,18 +90,29 @@ def test_blob_ttl_must_be_positive_seconds(tmp_path: Path, ttl: Any) -> None:
 
 
 async def test_replay_of_a_record_whose_blob_expired_is_refused_not_rerun(tmp_path: Path) -> None:
-    """A record that outlives its blob (blob ttl below result_ttl) answers 503 with the key kept:
-    the stored answer is never replaced by a new run nor by a wrong body."""
+    """A record that outlives its blob (a blob host's clock ran ahead) answers 503 with the key
+    kept: the stored answer is never replaced by a new run nor by a wrong body."""
     clock = Clock()
     store = MemoryStore()
-    blobs = FileBlobStore(tmp_path, ttl=HOUR, clock=clock)
+    blobs = FileBlobStore(tmp_path, ttl=48 * HOUR, clock=clock)
     app = tool_app(store, blob_store=blobs, max_inline_bytes=100, result_ttl=48 * HOUR)
     headers, body = request_for({"size": 500})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         first = await c.post("/big", headers=headers, content=body)
         assert first.status_code == 200
         assert (await c.post("/big", headers=headers, content=body)).content == first.content
-        clock.now += HOUR + FileBlobStore.GRACE + 1
+        clock.now += 48 * HOUR + FileBlobStore.GRACE + 1
         late = await c.post("/big", headers=headers, content=body)
     assert late.status_code == 503
     assert app.state.runs["big"] == 1
+
+
+def test_a_blob_store_that_would_expire_before_its_records_is_refused(tmp_path: Path) -> None:
+    """A FileBlobStore ttl below result_ttl is a ConfigurationError; the default follows it."""
+    inner = tool_app(MemoryStore())
+    short = FileBlobStore(tmp_path, ttl=HOUR)
+    with pytest.raises(ConfigurationError, match="result_ttl"):
+        IdempotencyMiddleware(inner, store=MemoryStore(), blob_store=short, result_ttl=48 * HOUR)
+    default = IdempotencyMiddleware(inner, store=MemoryStore(), result_ttl=48 * HOUR).blob_store
+    assert isinstance(default, FileBlobStore)
+    assert default.ttl == 48 * HOUR

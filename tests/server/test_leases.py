@@ -283,3 +283,40 @@ def test_a_killed_servers_claim_clears_within_one_lease(
     assert waits
     assert all(w <= lease + 1 for w in waits)
     assert len(runs.read_text().splitlines()) == 1
+
+
+class _ResentClaimStore(MemoryStore):
+    """The first claim lands, but the client library 'resends' it and reads back its own record.
+
+    ``events`` logs each in-progress rewrite (a renewal) and when the handler ran.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        first = await super().claim(key, value, ttl_ms=ttl_ms)
+        return value if first is None else first  # the re-sent SET finds its own record
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        if value.startswith(b"P:"):
+            self.events.append("renew")
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
+async def test_a_claim_read_back_after_a_resend_renews_its_lease_before_the_handler() -> None:
+    """A re-sent claim's lease began at the first send: it is renewed before the handler runs."""
+    store = _ResentClaimStore()
+
+    async def tool(request: Request) -> JSONResponse:
+        store.events.append("handler")
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/x", tool, methods=["POST"])])
+    wrapped = IdempotencyMiddleware(app, store=store, lock_ttl=60)
+    headers, body = request_for({"a": 1})
+    transport = httpx.ASGITransport(app=wrapped)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        assert (await client.post("/x", headers=headers, content=body)).status_code == 200
+    assert store.events[:2] == ["renew", "handler"]
