@@ -6,6 +6,8 @@ agentkey`` never imports this package.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._exceptions import MissingExtra
 
 try:
@@ -23,6 +25,21 @@ from ._example import example_app
 from ._middleware import REPLAY_HEADER, IdempotencyMiddleware, PrincipalFunc, is_storable
 from ._stores import MemoryStore, RedisStore, Store
 
+if TYPE_CHECKING:
+    from ._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
+
+_POSTGRES = frozenset({"PostgresStore", "PostgresTransaction", "RecoveryPoint"})
+
+
+def __getattr__(name: str) -> object:
+    """The PostgreSQL store loads on first use: it needs the ``postgres`` extra (psycopg)."""
+    if name in _POSTGRES:
+        from . import _postgres
+
+        return getattr(_postgres, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "REPLAY_HEADER",
     "BlobStore",
@@ -30,7 +47,10 @@ __all__ = [
     "FileBlobStore",
     "IdempotencyMiddleware",
     "MemoryStore",
+    "PostgresStore",
+    "PostgresTransaction",
     "PrincipalFunc",
+    "RecoveryPoint",
     "RedisStore",
     "Store",
     "current_claim",

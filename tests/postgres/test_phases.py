@@ -10,21 +10,17 @@ import httpx
 import psycopg
 import pytest
 
-import agentkey.server
 from agentkey import PlanSession
-from agentkey.server._postgres import PostgresStore
 from tests._postgres import PostgresServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "postgres.md"
 MARK = "# not run: needs a PostgreSQL server; tests/postgres/test_phases.py runs it"
 
 
-def _example(dsn: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+def _example(dsn: str) -> dict[str, Any]:
     """Execute the page's worked example with DSN pointing at the test server."""
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text("utf-8"), re.DOTALL | re.MULTILINE)
     (code,) = [b for b in blocks if b.startswith(MARK)]
-    # Until agentkey.server re-exports it, the page's import finds it here.
-    monkeypatch.setattr(agentkey.server, "PostgresStore", PostgresStore, raising=False)
     namespace: dict[str, Any] = {"DSN": dsn, "__name__": "docs_postgres"}
     exec(compile(code, "docs/postgres.md[phases]", "exec"), namespace)  # noqa: S102
     return namespace
@@ -42,11 +38,9 @@ def rides(postgres_proc: PostgresServer) -> str:
 
 
 @pytest.mark.parametrize("crash", ["during the charge", "after the charged phase"])
-async def test_a_retry_resumes_after_the_last_finished_phase(
-    rides: str, monkeypatch: pytest.MonkeyPatch, crash: str
-) -> None:
+async def test_a_retry_resumes_after_the_last_finished_phase(rides: str, crash: str) -> None:
     """A crash between phases: the retry resumes, so one ride and one charge exist, then replays."""
-    ns = _example(rides, monkeypatch)
+    ns = _example(rides)
     payments, store = ns["payments"], ns["store"]
     real_charge = payments.charge
     calls: list[str] = []

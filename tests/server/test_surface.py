@@ -40,7 +40,10 @@ def test_public_surface() -> None:
         "FileBlobStore",
         "IdempotencyMiddleware",
         "MemoryStore",
+        "PostgresStore",
+        "PostgresTransaction",
         "PrincipalFunc",
+        "RecoveryPoint",
         "RedisStore",
         "Store",
         "current_claim",
@@ -49,6 +52,18 @@ def test_public_surface() -> None:
         "is_storable",
     ]
     assert server.__all__ == sorted(server.__all__, key=lambda n: (not n.isupper(), n))
+    assert all(getattr(server, name) is not None for name in server.__all__)
+
+
+def test_the_postgres_store_needs_only_its_extra() -> None:
+    """agentkey.server imports without psycopg; PostgresStore then names the extra to install."""
+    result = _run(
+        "import sys\nsys.modules['psycopg'] = None\n"
+        "import agentkey.server as s\nfrom agentkey import MissingExtra\n"
+        "try:\n    s.PostgresStore\nexcept MissingExtra as exc:\n    print(exc.extra)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "postgres"
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
