@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -188,9 +189,20 @@ def _state(ctx: ToolCallContext) -> Any:
     return {"messages": messages} if isinstance(messages, list) else None
 
 
+# LangGraph's add_messages gives a message without an id ``str(uuid4())``; chat models name
+# theirs ``run-<uuid>``. An id a program chose (``"system-prompt"``) is the same in every
+# conversation, so it cannot tell one lifetime of a thread from the next.
+_DRAWN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
+
+
 def _lifetime(state: Any) -> str | None:
-    """The id of the first message with an id in the state's message lists, messages first."""
-    ids = (m.id for lst in _message_lists(state) for m in lst if _is_message(m) and m.id)
+    """The first randomly drawn message id in the state's message lists, messages first."""
+    ids = (
+        m.id
+        for lst in _message_lists(state)
+        for m in lst
+        if _is_message(m) and isinstance(m.id, str) and _DRAWN_ID.search(m.id)
+    )
     return next(ids, None)
 
 

@@ -11,7 +11,14 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import pytest
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, ToolCall, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolCall,
+    ToolMessage,
+)
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tracers.base import BaseTracer
 from langchain_core.tracers.schemas import Run
@@ -222,6 +229,27 @@ async def test_reused_thread_id_after_lost_history_runs_again(
     await close(invoker)
     assert [a["outcome"] for a in answers] == ["executed", "executed"]
     assert answers[0]["idempotency_key"] != answers[1]["idempotency_key"]
+    assert app.state.executions["charge"] == 2
+
+
+async def test_a_fixed_system_prompt_id_does_not_make_two_conversations_one(
+    ledger: tuple[str, Any],
+) -> None:
+    """A first message with a program-chosen id (the same every time) is no lifetime marker."""
+    url, app = ledger
+    invoker = make_invoker("sync", url)
+    answers = []
+    for _ in range(2):
+        model = scripted(
+            AIMessage("", tool_calls=[call("charge", "call_1", amount=5)]), AIMessage("Charged.")
+        )
+        graph = build_graph(tools_for(invoker), model, checkpointer=InMemorySaver())
+        prompt = SystemMessage("You take payments.", id="system-prompt")
+        start = {"messages": [prompt, HumanMessage("charge the order")]}
+        final = await run("sync", graph, start, _config("1"))
+        answers.append(tool_messages(final)[0].artifact)
+    await close(invoker)
+    assert [a["outcome"] for a in answers] == ["executed", "executed"]
     assert app.state.executions["charge"] == 2
 
 
