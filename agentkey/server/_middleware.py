@@ -416,17 +416,17 @@ class IdempotencyMiddleware:
                 send, 413, "body_too_large", f"the request body exceeds {self.max_body_bytes} bytes"
             )
             return
+        # The binding names the route with its mount prefix: two mounted apps that share
+        # a store both serve "/create", and must never answer with each other's records.
+        route = f"{method} {scope.get('root_path', '')}{path}".encode("utf-8", "surrogatepass")
         if isinstance(key, StepKey):
             problem = _check_body(body, key, self.hash_profile)
             if problem is not None:
                 await _problem(send, *problem)
                 return
-            binding = Binding(digest(f"{method} {path}".encode("utf-8", "surrogatepass")))
+            binding = Binding(digest(route))
         else:
-            binding = Binding(
-                digest(f"{method} {path}".encode("utf-8", "surrogatepass")),
-                _body_digest(body, self.hash_profile),
-            )
+            binding = Binding(digest(route), _body_digest(body, self.hash_profile))
 
         principal = await self._principal_of(scope)
         claim = Claim(

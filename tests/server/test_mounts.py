@@ -129,3 +129,30 @@ def test_a_pattern_that_never_matches_is_reported_once(caplog: pytest.LogCapture
 def test_route_path_is_relative_to_root_path(path: str, root: str, expected: str) -> None:
     """The route path strips root_path only on a segment boundary, as Starlette's router does."""
     assert route_path({"path": path, "root_path": root}) == expected
+
+
+def test_two_mounted_apps_sharing_a_store_never_answer_with_each_others_records() -> None:
+    """/billing/create and /shipping/create are one relative path but two routes: 422, no replay."""
+    store = MemoryStore()
+    runs: Counter[str] = Counter()
+
+    def sub_app(name: str) -> Starlette:
+        async def create(request: Request) -> JSONResponse:
+            runs[name] += 1
+            return JSONResponse({"created_by": name}, status_code=201)
+
+        return Starlette(
+            routes=[Route("/create", create, methods=["POST"])],
+            middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        )
+
+    app = Starlette(
+        routes=[Mount("/billing", sub_app("billing")), Mount("/shipping", sub_app("shipping"))]
+    )
+    headers = {"Idempotency-Key": "3f0c6a3e-8f1d-4a2b-9c1e-5d7f0a9b2c41"}
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        first = client.post("/billing/create", headers=headers, json={"n": 1})
+        other = client.post("/shipping/create", headers=headers, json={"n": 1})
+    assert first.status_code == 201
+    assert (other.status_code, other.json()["error"]) == (422, "key_reused")
+    assert runs == {"billing": 1}
