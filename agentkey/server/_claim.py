@@ -211,15 +211,28 @@ class Claim:
     # --- the renewal loop ------------------------------------------------------
 
     async def _loop(self, stop: asyncio.Event) -> None:
-        interval = self._renew_ms / 1000
+        interval, lease = self._renew_ms / 1000, self._lease_ms / 1000
+        renewed = time.monotonic()
         while not stop.is_set():
             with suppress(asyncio.TimeoutError):  # the interval passed: renew
                 await asyncio.wait_for(stop.wait(), interval)
             if stop.is_set() or self._settled:
                 return
+            stalled = time.monotonic() - renewed
+            if stalled > lease:
+                _logger.warning(
+                    "the lease on %s lapsed: no renewal for %.1f s, longer than the %g s "
+                    "lease (the event loop was blocked, or the store was slow), so another "
+                    "request may have run this step; keep blocking calls out of async "
+                    "handlers (use a def endpoint or a thread) or raise lock_ttl",
+                    self.idempotency_key,
+                    stalled,
+                    lease,
+                )
             try:
                 if not await self.renew():
                     return
+                renewed = time.monotonic()
             except Exception:  # a failed renewal must not kill the handler
                 _logger.exception("renewing the lease on %s failed", self.idempotency_key)
 

@@ -320,3 +320,21 @@ async def test_a_claim_read_back_after_a_resend_renews_its_lease_before_the_hand
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         assert (await client.post("/x", headers=headers, content=body)).status_code == 200
     assert store.events[:2] == ["renew", "handler"]
+
+
+async def test_a_blocked_event_loop_that_outlives_the_lease_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A handler that blocks the loop past the lease gets a WARNING naming the cause and the fix."""
+    store = MemoryStore()
+    claim = _claim(store, lease_ms=90, auto_renew=True)
+    assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=90) is None
+    assert claim.start_renewing()
+    with caplog.at_level("WARNING", logger="agentkey.server"):
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # noqa: ASYNC251 - the blocking call under test: no renewal can run
+        await asyncio.sleep(0.05)
+        await claim.stop_renewing()
+    [record] = [r for r in caplog.records if "lapsed" in r.getMessage()]
+    assert claim.idempotency_key in record.getMessage()
+    assert "blocking calls" in record.getMessage()
