@@ -76,7 +76,11 @@ _OWNED = f"key = %(k)s AND substr(value, 1, %(n)s) = %(p)s AND {_LIVE}"
 _UNTIL = "clock_timestamp() + %(ttl)s * interval '1 millisecond'"
 
 # A live record in the statement's snapshot is returned as is: a replay or a 409
-# writes nothing (no row lock, no transaction id, no commit to flush). Otherwise the
+# writes nothing (no row lock, no transaction id, no commit to flush). A released claim
+# that holds a recovery point is taken over only by a claim of the same operation (the
+# binding, field 6 of an in-progress record): for any other, its old record is returned
+# and the middleware refuses the request (422), so a recovery point never reaches
+# another route's or another body's handler. Otherwise the
 # INSERT claims the key or takes over an expired record; it sees the newest row
 # version, while the last SELECT sees the snapshot. If a concurrent claim committed
 # in between, the statement returns no row and the claim is re-run.
@@ -90,6 +94,9 @@ WITH cur AS (
     SET value = excluded.value, expires_at = excluded.expires_at, sealed_by = NULL,
         recovery = CASE WHEN substr(r.value, 1, 2) = 'P:'::bytea THEN r.recovery END
     WHERE r.expires_at <= clock_timestamp()
+      AND (r.recovery IS NULL OR substr(r.value, 1, 2) <> 'P:'::bytea
+           OR split_part(convert_from(r.value, 'SQL_ASCII'), ':', 6)
+              = split_part(convert_from(excluded.value, 'SQL_ASCII'), ':', 6))
     RETURNING 1
 )
 SELECT NULL::bytea, true FROM won

@@ -451,3 +451,46 @@ async def test_the_inline_sweep_purges_every_sweep_every_claims(
             assert await cur.fetchone() == (1,)
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        ("/b", b'{"amount":100}', 422),  # another route: key_reused
+        ("/a", b'{"amount":5000}', 422),  # another body under an opaque key: payload_mismatch
+        ("/a", b'{"amount":100}', 200),  # the same operation resumes from its recovery point
+    ],
+    ids=["other route", "other body", "same operation"],
+)
+async def test_a_recovery_point_is_resumed_only_by_the_same_operation(
+    postgres_store_factory: Factory, path: str, body: bytes, expected: int
+) -> None:
+    """A released claim's recovery point never reaches another route's or body's handler."""
+    store = postgres_store_factory()
+    seen: list[object] = []
+
+    async def handler(request: Request) -> JSONResponse:
+        claim = get_claim(request)
+        point = await store.recovery_point(claim)
+        seen.append(None if point is None else dict(point.data))
+        if point is None:
+            async with store.transaction(claim) as tx:
+                await tx.advance("charged", {"charge_id": "ch_1"})
+            raise RuntimeError("crash after the first phase")
+        return JSONResponse({"resumed": dict(point.data)})
+
+    routes = [Route(p, handler, methods=["POST"]) for p in ("/a", "/b")]
+    app = IdempotencyMiddleware(Starlette(routes=routes), store=store)
+    headers = {"idempotency-key": "order-7f3a"}
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            first = await client.post("/a", headers=headers, content=b'{"amount":100}')
+            again = await client.post(path, headers=headers, content=body)
+    finally:
+        await store.aclose()
+    assert first.status_code == 500
+    assert again.status_code == expected
+    if expected == 200:
+        assert again.json() == {"resumed": {"charge_id": "ch_1"}}
+    assert seen == [None] + ([{"charge_id": "ch_1"}] if expected == 200 else [])
