@@ -155,8 +155,8 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
                 int(doc.get("finished_ms", 0)),
                 None if fp is None else Binding.decode(str(fp)),
             )
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        pass
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError, RecursionError):
+        pass  # a status of 1e400, JSON nested past the recursion limit: not ours either
     raise StoreError(
         f"the stored record for {key!r} is not an agentkey record; something else wrote "
         "to the store's key space. Use a dedicated prefix or database for agentkey"

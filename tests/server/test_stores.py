@@ -104,7 +104,9 @@ def test_records_round_trip() -> None:
     assert decode_record(encode_outcome(outcome), key="k") == outcome
     blob = Outcome("COMPLETED", 201, (), b"", "file:///x/y.blob", 1)
     assert decode_record(encode_outcome(blob), key="k") == blob
-    for junk in (b"", b"hello", b"P:short:1", b"C:{not json", b'C:{"status":1}'):
+    deep = b"C:" + b"[" * 100_000 + b"]" * 100_000
+    overflow = b'C:{"status":1e400,"headers":[],"body":""}'
+    for junk in (b"", b"hello", b"P:short:1", b"C:{not json", b'C:{"status":1}', deep, overflow):
         with pytest.raises(StoreError, match="'k'"):
             decode_record(junk, key="k")
 
