@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
 from ._middleware import _DROP_HEADERS, is_storable
 from ._records import Outcome, encode_outcome
-from ._stores import _check_ttl, owner_prefix
+from ._stores import _check_ttl, owner_prefix, shown
 
 try:
     import psycopg
@@ -369,13 +369,13 @@ class PostgresStore:
             return exc
         if isinstance(exc, (psycopg.OperationalError, PoolTimeout, OSError)):
             return StoreUnavailable(
-                f"PostgreSQL could not be reached during {what} of record {key!r} "
+                f"PostgreSQL could not be reached during {what} of record {shown(key)} "
                 f"({type(exc).__name__}); the request was refused, not run. Check that the "
                 "database is up and reachable, then retry with the same key"
             )
         state = getattr(exc, "sqlstate", None)
         return StoreError(
-            f"PostgreSQL failed during {what} of record {key!r}: {type(exc).__name__}"
+            f"PostgreSQL failed during {what} of record {shown(key)}: {type(exc).__name__}"
             + (f" (SQLSTATE {state})" if state else "")
         )
 
@@ -429,7 +429,7 @@ class PostgresStore:
                 return None if rows[0][1] else bytes(rows[0][0])
             # A concurrent claim committed between this statement's snapshot and its
             # INSERT: the record exists now, so the next attempt reads it.
-        raise StoreError(f"claiming record {key!r} kept racing with other claims; retry")
+        raise StoreError(f"claiming record {shown(key)} kept racing with other claims; retry")
 
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         prefix = owner_prefix(owner)

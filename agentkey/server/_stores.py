@@ -37,7 +37,7 @@ from redis.commands.core import AsyncScript
 
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 
-__all__ = ["MemoryStore", "RedisStore", "Store", "owner_prefix"]
+__all__ = ["MemoryStore", "RedisStore", "Store", "owner_prefix", "shown"]
 
 _logger = logging.getLogger("agentkey.server")
 
@@ -49,6 +49,16 @@ HEALTH_CHECK_INTERVAL = 30
 #: handshake with the same policy, so a Redis that stops answering costs (1 + RETRIES) ** 2
 #: timeouts before the store gives up, and more retries would multiply that.
 RETRIES = 1
+
+
+def shown(record_key: str) -> str:
+    """A record key fit for a message or log: the Idempotency-Key, never the principal.
+
+    Record keys are ``<principal>:<key>``; a principal may be an e-mail address or a
+    client id that logs must not collect.
+    """
+    _, sep, key = record_key.partition(":")
+    return repr(f"<principal>:{key}" if sep else "<record>")
 
 
 def owner_prefix(owner: str) -> bytes:
@@ -286,24 +296,25 @@ class RedisStore:
         return f"RedisStore(prefix={self.prefix!r})"
 
     async def _run(self, what: str, key: str, coro: Any) -> Any:
+        """Await ``coro`` (an operation on record ``key``), translating redis-py's errors."""
         try:
             return await coro
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
             raise StoreUnavailable(
-                f"Redis could not be reached during {what} of record {key!r} "
+                f"Redis could not be reached during {what} of record {shown(key)} "
                 f"({type(exc).__name__}); the request was refused, not run. "
                 "Check that Redis is up and reachable, then retry with the same key"
             ) from None
         except redis_errors.RedisError as exc:
             raise StoreError(
-                f"Redis failed during {what} of record {key!r}: {type(exc).__name__}: {exc}"
+                f"Redis failed during {what} of record {shown(key)}: {type(exc).__name__}: {exc}"
             ) from None
         except Exception as exc:
             # A bug inside the client library (redis-py's cluster client can raise
             # AttributeError on a connection closed under load) must still fail
             # closed with a 503, not escape as a 500 or break the finish.
             raise StoreError(
-                f"the Redis client failed unexpectedly during {what} of record {key!r} "
+                f"the Redis client failed unexpectedly during {what} of record {shown(key)} "
                 f"({type(exc).__name__}); the request was refused, not run"
             ) from None
 
@@ -347,41 +358,40 @@ class RedisStore:
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         ttl = _check_ttl(ttl_ms)
         self._start_persistence_check()
-        key = self.redis_key(key)
+        rkey = self.redis_key(key)
         # Redis >= 7: NX and GET together; one round trip claims or reads.
         result = await self._run(
             "claim",
             key,
-            self._client.execute_command("SET", key, value, "NX", "PX", ttl, "GET", get=True),
+            self._client.execute_command("SET", rkey, value, "NX", "PX", ttl, "GET", get=True),
         )
         return None if result is None else bytes(result)
 
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
-        key = self.redis_key(key)
+        rkey = self.redis_key(key)
         done = await self._run(
-            "renew", key, self._renew(keys=[key], args=[owner_prefix(owner), ttl])
+            "renew", key, self._renew(keys=[rkey], args=[owner_prefix(owner), ttl])
         )
         return bool(done)
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
-        key = self.redis_key(key)
+        rkey = self.redis_key(key)
         done = await self._run(
-            "finish", key, self._finish(keys=[key], args=[owner_prefix(owner), value, ttl])
+            "finish", key, self._finish(keys=[rkey], args=[owner_prefix(owner), value, ttl])
         )
         return bool(done)
 
     async def release(self, key: str, owner: str) -> bool:
-        key = self.redis_key(key)
+        rkey = self.redis_key(key)
         done = await self._run(
-            "release", key, self._release(keys=[key], args=[owner_prefix(owner)])
+            "release", key, self._release(keys=[rkey], args=[owner_prefix(owner)])
         )
         return bool(done)
 
     async def get(self, key: str) -> bytes | None:
-        key = self.redis_key(key)
-        result = await self._run("get", key, self._client.get(key))
+        result = await self._run("get", key, self._client.get(self.redis_key(key)))
         return None if result is None else bytes(result)
 
     async def aclose(self) -> None:

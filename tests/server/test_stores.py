@@ -241,3 +241,16 @@ async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_clo
         await store.finish("k", _owner(), _done(), ttl_ms=1000)
     with pytest.raises(StoreError):
         await store.release("k", _owner())
+
+
+async def test_store_errors_name_the_key_but_never_the_principal() -> None:
+    """A failing store's message carries the Idempotency-Key, not the principal (an e-mail)."""
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", connect_timeout=0.5, timeout=0.5)
+    record = "alice%40example.com:plan-1:step_000:" + "a" * 64
+    try:
+        with pytest.raises(StoreUnavailable) as caught:
+            await store.claim(record, b"P:x", ttl_ms=1000)
+    finally:
+        await store.aclose()
+    assert "alice" not in str(caught.value)
+    assert "plan-1:step_000:" in str(caught.value)
