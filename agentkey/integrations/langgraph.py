@@ -164,9 +164,9 @@ def earlier_result(ctx: ToolCallContext, step: Step) -> tuple[str, Mapping[str, 
                 and key.step != step.index
             ):
                 content = message.content
-                return (content if isinstance(content, str) else json.dumps(content)), dict(
-                    message.artifact
-                )
+                text = content if isinstance(content, str) else json.dumps(content)
+                # The step label comes from the parsed key, not from what the artifact says.
+                return text, {**message.artifact, "step": key.step_label}
     return None
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from agentkey import ConfigurationError, PlanSession, ToolInvoker
 from agentkey.integrations.langchain import ToolCallContext
-from agentkey.integrations.langgraph import graph_step, remote_tool, thread_plan
+from agentkey.integrations.langgraph import earlier_result, graph_step, remote_tool, thread_plan
 from tests.integrations._graph import Order
 
 
@@ -240,3 +240,19 @@ def test_integrations_package_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_repeat_takes_its_step_label_from_the_key_not_the_artifact() -> None:
+    """An earlier ToolMessage whose artifact lost its "step" still names the step it repeats."""
+    plan = PlanSession.new()
+    earlier = plan.step((1, 7, 0), "charge", {"amount": 5})
+    done = ToolMessage(
+        "charged",
+        tool_call_id="c1",
+        name="charge",
+        artifact={"idempotency_key": earlier.idempotency_key},  # pruned: no "step"
+    )
+    again = PlanSession(id=plan.id).step((3, 7, 0), "charge", {"amount": 5}, on_repeat="allow")
+    found = earlier_result(_ctx({"messages": [done]}, "c2"), again)
+    assert found is not None
+    assert found[1]["step"] == earlier.label
