@@ -211,7 +211,7 @@ class EncryptedFileTokenStore:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._remove_orphans()
-            fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", dir=directory)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", suffix=_TMP, dir=directory)
             try:
                 with os.fdopen(fd, "wb") as handle:  # mkstemp creates it with mode 0600
                     handle.write(blob)
@@ -229,10 +229,19 @@ class EncryptedFileTokenStore:
             ) from None
 
     def _remove_orphans(self) -> None:
-        """Delete temporary files of saves that were killed (the caller holds the lock)."""
-        for orphan in self._path.parent.glob(f".{_glob_escape(self._path.name)}.*"):
+        """Delete temporary files of saves that were killed (the caller holds the lock).
+
+        Exactly mkstemp's eight random characters: the store at ``tokens`` must never
+        delete ``.tokens.prod.XXXXXXXX.tmp``, the save in flight of the store at
+        ``tokens.prod``, which holds another lock.
+        """
+        pattern = f".{_glob_escape(self._path.name)}.{'?' * 8}{_TMP}"
+        for orphan in self._path.parent.glob(pattern):
             with contextlib.suppress(OSError):
                 orphan.unlink()
+
+
+_TMP = ".agentkey-tmp"
 
 
 def _glob_escape(name: str) -> str:

@@ -152,14 +152,19 @@ def test_two_store_objects_on_one_file_lose_no_write(tmp_path: Path) -> None:
 
 
 def test_a_killed_saves_temp_file_is_removed_by_the_next_save(tmp_path: Path) -> None:
-    """A temporary file left by a save killed before its rename is deleted by the next save."""
+    """A killed save's temp file goes at the next save; another store's save in flight stays."""
     path = tmp_path / "tokens.bin"
     store = EncryptedFileTokenStore(path, key=os.urandom(32))
     store.save("a", SecretStr("one"))
-    orphan = tmp_path / ".tokens.bin.k1ll3d_"  # what mkstemp had created when SIGKILL came
+    orphan = tmp_path / ".tokens.bin.k1ll3d_x.agentkey-tmp"  # what mkstemp made before SIGKILL
     orphan.write_bytes(b"agentkey-token-store-v1\n half written")
+    # The save in flight of another store, whose file name starts with this one's.
+    neighbour = tmp_path / ".tokens.bin.prod.a1b2c3d4.agentkey-tmp"
+    neighbour.write_bytes(b"agentkey-token-store-v1\n being written")
     store.save("b", SecretStr("two"))
     assert not orphan.exists()
+    assert neighbour.exists()
+    neighbour.unlink()
     assert sorted(os.listdir(tmp_path)) == ["tokens.bin", "tokens.bin.lock"]
 
 
