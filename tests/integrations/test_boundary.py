@@ -466,8 +466,10 @@ async def test_tool_invoked_in_a_custom_node_replays_after_a_retry(
     def act(state: MessagesState) -> dict[str, Any]:
         return after([tool.invoke(c) for c in _calls(state)])
 
-    async def aact(state: MessagesState) -> dict[str, Any]:
-        return after([await tool.ainvoke(c) for c in _calls(state)])
+    async def aact(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        # Python 3.10's asyncio tasks do not carry the run's context, so LangGraph's
+        # async nodes must hand their config on explicitly there (as LangGraph documents).
+        return after([await tool.ainvoke(c, config) for c in _calls(state)])
 
     builder = StateGraph(MessagesState)
     builder.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
