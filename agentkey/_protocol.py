@@ -153,7 +153,17 @@ def origin_of(url: str) -> Origin | None:
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
         return None
+    if "[" in parts.netloc and not _is_ipv6(parts.hostname):
+        return None  # Python 3.10's urlsplit lets "https://[zz]/" through; 3.11 refuses it
     return Origin(scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80))
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host.partition("%")[0])
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
