@@ -47,6 +47,7 @@ from .._exceptions import (
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import normalize_step
 from .._plan import OnRepeat, PlanSession, Step, check_on_repeat, repeated_error
+from .._protocol import short_reason
 
 try:
     from langchain_core.runnables import RunnableConfig
@@ -422,13 +423,8 @@ def _for_model(
 
 def _reason(exc: ToolError) -> str:
     """The server's short reason, cleaned and cut; never the Idempotency-Key."""
-    reason = exc.reason
-    if not reason and isinstance(exc.body, Mapping):
-        texts = (exc.body.get(f) for f in ("detail", "title", "error", "message"))
-        reason = next((t for t in texts if isinstance(t, str) and t.strip()), None)
-    text = " ".join(str(reason or f"the tool answered HTTP {exc.status_code}").split())[:300]
-    key = exc.idempotency_key
-    return text.replace(key, "<idempotency key>") if key else text
+    reason = exc.reason or short_reason(exc.body, exc.idempotency_key)
+    return reason or f"the tool answered HTTP {exc.status_code}"
 
 
 def _traced(callbacks: Any, content: str, artifact: dict[str, Any]) -> tuple[str, dict[str, Any]]:

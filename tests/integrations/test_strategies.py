@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from typing import Any
 
 import pytest
@@ -44,7 +45,12 @@ def _ctx(
 
 def _message(*ids: str) -> AIMessage:
     calls = [{"name": "charge", "args": {}, "id": i} for i in ids]
-    return AIMessage("", id="ai-" + "-".join(ids), tool_calls=calls)
+    return AIMessage("", id=_drawn("ai-" + "-".join(ids)), tool_calls=calls)
+
+
+def _drawn(name: str) -> str:
+    """A UUID-shaped message id, like the ones add_messages and chat models draw."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, name))
 
 
 names = st.sampled_from(["charge", "provision", "report", "refund"])
@@ -67,7 +73,7 @@ def test_every_call_of_a_message_gets_its_own_stable_key(
         "",
         tool_calls=[{"name": n, "args": a, "id": f"call_{i}"} for i, (n, a) in enumerate(calls)],
     )
-    state = {"messages": [HumanMessage("go", id="h1"), message]}
+    state = {"messages": [HumanMessage("go", id=_drawn("h1")), message]}
 
     def key(i: int, where: dict[str, Any]) -> str:
         name, args = calls[i]
@@ -80,7 +86,7 @@ def test_every_call_of_a_message_gets_its_own_stable_key(
     assert all(f":step_{superstep:03d}." in k for k in keys)
     # A re-asked model answering the same calls in reverse order: the same set of keys.
     reordered = AIMessage("", tool_calls=list(reversed(message.tool_calls)))
-    again = {"messages": [HumanMessage("go", id="h1"), reordered]}
+    again = {"messages": [HumanMessage("go", id=_drawn("h1")), reordered]}
     assert sorted(key(i, again) for i in range(len(calls))) == sorted(keys)
 
 
@@ -160,9 +166,9 @@ def test_graph_step_refuses_what_it_cannot_name(ctx: ToolCallContext, match: str
 
 def test_thread_plan_follows_the_thread_lifetime() -> None:
     """Same thread and first message: one plan; a new conversation under the same id: another."""
-    first = {"messages": [HumanMessage("hi", id="m-1")]}
-    resumed = {"messages": [HumanMessage("hi", id="m-1"), _message("a")]}
-    new_life = {"messages": [HumanMessage("hi", id="m-2")]}
+    first = {"messages": [HumanMessage("hi", id=_drawn("m-1"))]}
+    resumed = {"messages": [HumanMessage("hi", id=_drawn("m-1")), _message("a")]}
+    new_life = {"messages": [HumanMessage("hi", id=_drawn("m-2"))]}
     plan = thread_plan(_ctx(first, None, thread="1"))
     assert plan == thread_plan(_ctx(resumed, None, thread="1"))
     assert plan != thread_plan(_ctx(new_life, None, thread="1"))
