@@ -51,6 +51,7 @@ from ._protocol import (
     is_loopback,
     parse_json,
     problem_code,
+    replay_header,
     retry_after,
 )
 
@@ -183,10 +184,7 @@ class _Target:
 
 
 def _sent(answer: Answer) -> _Sent:
-    marked = next(
-        (h for h in DEFAULT_REPLAY_HEADERS if (answer.header(h) or "").strip().lower() == "true"),
-        None,
-    )
+    marked = replay_header(answer, DEFAULT_REPLAY_HEADERS)
     error = not 200 <= answer.status_code < 300
     code, meaning = problem_code(parse_json(answer.content)) if error else (None, None)
     return _Sent(

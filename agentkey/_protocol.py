@@ -268,13 +268,13 @@ def parse_json(content: bytes) -> object:
         return None
 
 
-def replay_header(answer: Answer, names: Sequence[str]) -> bool:
-    """True when one of the replay headers ``names`` says ``true``."""
+def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
+    """The first of the replay headers ``names`` that says ``true``, or None."""
     for name in names:
         value = answer.header(name)
         if value is not None and value.strip().lower() == "true":
-            return True
-    return False
+            return name
+    return None
 
 
 def retry_after(value: str | None) -> float | None:
@@ -499,7 +499,7 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
     if reply.oversize or reply.unreadable:
         return _unread(reply, ctx, "the tool")
     status = reply.status_code
-    replayed = replay_header(reply, cfg.replay_headers)
+    replayed = replay_header(reply, cfg.replay_headers) is not None
     if 200 <= status < 300:
         if status == 202:
             url = find_status_url(reply, cfg.strategies)

@@ -34,7 +34,14 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection, MutableMapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
@@ -58,6 +65,7 @@ __all__ = [
     "in_progress_retry_after",
     "is_storable",
     "route_path",
+    "stored_headers",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -128,6 +136,15 @@ def _default_principal(scope: Scope) -> str:
             "IdempotencyMiddleware"
         )
     return identity
+
+
+def stored_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
+    """The answer's headers a record keeps: per-connection and credential headers dropped."""
+    return tuple(
+        (bytes(k).decode("latin-1").lower(), bytes(v).decode("latin-1"))
+        for k, v in raw
+        if bytes(k).lower() not in _DROP_HEADERS
+    )
 
 
 def route_path(scope: Scope) -> str:
@@ -670,11 +687,7 @@ class IdempotencyMiddleware:
                 "before running the step again under a new key",
             )
         else:
-            headers = tuple(
-                (k.decode("latin-1").lower(), v.decode("latin-1"))
-                for k, v in capture.headers
-                if k.lower() not in _DROP_HEADERS
-            )
+            headers = stored_headers(capture.headers)
             body = bytes(capture.body)
         now = self._clock()
         if len(body) > self.max_inline_bytes:

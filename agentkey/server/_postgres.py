@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
-from ._middleware import _DROP_HEADERS, is_storable
+from ._middleware import is_storable, stored_headers
 from ._records import Outcome, encode_outcome
 from ._stores import _check_ttl, owner_prefix, shown
 
@@ -243,11 +243,7 @@ class PostgresTransaction:
             )
         if self._done == "complete":
             raise ConfigurationError("complete() was already called in this transaction")
-        headers = tuple(
-            (bytes(k).decode("latin-1").lower(), bytes(v).decode("latin-1"))
-            for k, v in raw
-            if bytes(k).lower() not in _DROP_HEADERS
-        )
+        headers = stored_headers(raw)
         finished = int(time.time() * 1000)
         outcome = Outcome(
             "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
