@@ -407,11 +407,15 @@ uvicorn.run(Starlette(routes=[Route("/tools/x", tool, methods=["POST"])]),
 """
 
 
+# VmHWM is this process's own peak. getrusage's ru_maxrss is not: Linux carries the
+# forking parent's RSS into it across fork and exec, so a big pytest worker inflated it.
 _MEASURED_CHECK = """
-import resource, sys
+import sys
 from agentkey.cli import main
 code = main(sys.argv[1:])
-print("peak-rss-kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+with open("/proc/self/status") as status:
+    peak = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+print("peak-rss-kib", peak, file=sys.stderr)
 sys.exit(code)
 """
 
