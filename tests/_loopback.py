@@ -27,8 +27,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: Any, *, timeout_keep_alive: int = 5) -> Iterator[str]:
-    """Run an ASGI ``app`` under uvicorn on 127.0.0.1 in a thread; yield its base URL."""
+def serve(app: Any, *, timeout_keep_alive: int = 5, root_path: str = "") -> Iterator[str]:
+    """Run an ASGI ``app`` under uvicorn on 127.0.0.1 in a thread; yield its base URL.
+
+    ``root_path`` is what ``uvicorn --root-path`` sets (a proxy's path prefix).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted sockets inherit this on Linux; without it Nagle and delayed ACKs add ~40 ms
@@ -42,6 +45,7 @@ def serve(app: Any, *, timeout_keep_alive: int = 5) -> Iterator[str]:
         lifespan="off",
         timeout_keep_alive=timeout_keep_alive,
         access_log=False,
+        root_path=root_path,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -40,27 +34,6 @@ def _tools(runs: Counter[str], **options: Any) -> Starlette:
     )
 
 
-@contextmanager
-def _serve_root_path(app: Any, root_path: str) -> Iterator[str]:
-    """uvicorn on loopback with ``root_path`` (what ``uvicorn --root-path`` sets)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", root_path=root_path)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 def _check_protected(url: str, path: str, runs: Counter[str]) -> None:
     headers, body = request_for({"amount": 5})
     with httpx.Client(base_url=url, timeout=30) as client:
@@ -85,7 +58,7 @@ def test_routes_under_a_starlette_mount_are_protected() -> None:
 def test_routes_under_uvicorn_root_path_are_protected() -> None:
     """Under uvicorn --root-path /api, routes=["/tools/*"] protects /tools/charge."""
     runs: Counter[str] = Counter()
-    with _serve_root_path(_tools(runs), "/api") as url:
+    with serve(_tools(runs), root_path="/api") as url:
         _check_protected(url, "/tools/charge", runs)
 
 
