@@ -1,23 +1,25 @@
 """Retry and poll policies: frozen, keyword-only, with production defaults.
 
-``RetryPolicy`` is turned into a tenacity engine in exactly one place,
-:func:`retry_engine`; no tenacity type ever appears in a public signature.
+One vocabulary across ``RetryPolicy``, ``PollPolicy`` and ``TokenPolicy``:
+``max_attempts``, ``initial_backoff``, ``max_backoff``, ``backoff_multiplier``,
+``max_retry_after``, ``deadline`` and ``jitter``. Each policy's ``.schedule``
+is the one backoff formula, :class:`~agentkey._schedule.Backoff`. The names of
+the previous release are accepted (and readable) with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import InitVar, dataclass
 from typing import Any, TypeVar
 
-import tenacity
-from tenacity.wait import wait_base
-
 from ._exceptions import ConfigurationError
+from ._schedule import Backoff
 
-__all__ = ["DEFAULT_RETRY_STATUSES", "PollPolicy", "RetryPolicy", "retry_engine"]
+__all__ = ["DEFAULT_RETRY_STATUSES", "PollPolicy", "RetryPolicy"]
 
 #: 409 and 423 (in flight), 429/503 (overloaded), 500/502/504 (ambiguous: may have run).
 DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503, 504})
@@ -33,6 +35,98 @@ def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
     return number
 
 
+def _count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_backoff(policy: Any, prefix: str = "") -> None:
+    """Validate the shared backoff options of ``policy`` (names prefixed by ``prefix``)."""
+    for name in ("initial_backoff", "max_backoff", "max_retry_after"):
+        _positive(prefix + name, getattr(policy, name), allow_zero=True)
+    if _positive(prefix + "backoff_multiplier", policy.backoff_multiplier) < 1:
+        raise ConfigurationError(
+            f"{prefix}backoff_multiplier must be >= 1, got {policy.backoff_multiplier!r}"
+        )
+    if policy.max_backoff < policy.initial_backoff:
+        raise ConfigurationError(
+            f"{prefix}max_backoff ({policy.max_backoff}) must be >= initial_backoff "
+            f"({policy.initial_backoff})"
+        )
+    if not isinstance(policy.jitter, bool):
+        raise ConfigurationError(f"{prefix}jitter must be True or False, got {policy.jitter!r}")
+
+
+def schedule_of(policy: Any) -> Backoff:
+    """The :class:`Backoff` of a policy that has the shared backoff options."""
+    return Backoff(
+        policy.initial_backoff,
+        policy.max_backoff,
+        policy.backoff_multiplier,
+        policy.jitter,
+        policy.max_retry_after,
+    )
+
+
+def apply_aliases(
+    policy: object, aliases: Mapping[str, tuple[str, ...]], given: Mapping[str, object]
+) -> list[str]:
+    """Copy deprecated options that were ``given`` (not None) onto their new names.
+
+    Returns the old names used; the caller validates, then calls :func:`warn_aliases`.
+    """
+    used = [old for old, value in given.items() if value is not None]
+    for old in used:
+        for new in aliases[old]:
+            object.__setattr__(policy, new, given[old])
+    return used
+
+
+def warn_aliases(cls: type, aliases: Mapping[str, tuple[str, ...]], used: list[str]) -> None:
+    for old in used:
+        warnings.warn(
+            f"{cls.__name__}({old}=...) is deprecated; use "
+            f"{' and '.join(f'{new}=' for new in aliases[old])} (removed in the next release)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+
+
+def readable_aliases(cls: type, aliases: Mapping[str, tuple[str, ...]]) -> None:
+    """Make the deprecated names readable on instances of ``cls``, with a warning."""
+    for old, (new, *_) in aliases.items():
+
+        def read(self: object, old: str = old, new: str = new) -> Any:
+            warnings.warn(
+                f"{type(self).__name__}.{old} is deprecated; read .{new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(self, new)
+
+        setattr(cls, old, property(read, doc=f"Deprecated: use ``{new}``."))
+
+
+_P = TypeVar("_P")
+
+
+def replace(policy: _P, changes: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -> _P:
+    """``policy`` with ``changes`` applied, validated like the constructor."""
+    names = {f.name for f in dataclasses.fields(policy)}  # type: ignore[arg-type]
+    unknown = sorted(set(changes) - names - set(aliases))
+    if unknown:
+        raise ConfigurationError(
+            f"{type(policy).__name__} has no option(s) {', '.join(unknown)}; "
+            f"valid options: {', '.join(sorted(names))}"
+        )
+    current = {name: getattr(policy, name) for name in names}
+    renamed = {new: changes[old] for old in aliases if old in changes for new in aliases[old]}
+    fresh = {k: v for k, v in changes.items() if k not in aliases}
+    out = type(policy)(**{**current, **renamed, **fresh})
+    warn_aliases(type(policy), aliases, [old for old in aliases if old in changes])
+    return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
     """How hard one ``invoke`` tries before it gives up.
@@ -43,9 +137,10 @@ class RetryPolicy:
     - ``max_attempts``: requests sent for one step, the first one included.
     - ``deadline``: seconds the whole call may take, from the first send: every
       attempt, read, wait and poll falls within it (a dripping answer is cut off).
-    - ``initial_backoff`` / ``max_backoff``: the window of the jittered
-      ("full jitter") exponential backoff used when the server gives no
-      usable ``Retry-After``.
+    - ``initial_backoff`` / ``backoff_multiplier`` / ``max_backoff``: the wait after
+      attempt ``n`` is ``initial_backoff * backoff_multiplier ** (n - 1)``, capped at
+      ``max_backoff``, when the server gives no usable ``Retry-After``; ``jitter``
+      draws it uniformly below that ("full jitter").
     - ``max_retry_after``: the cap on any single wait a server asks for.
     - ``retry_statuses``: HTTP statuses that are resent (the rest are final). 409 and
       423 are resent only while their problem code does not say "mismatch".
@@ -55,71 +150,81 @@ class RetryPolicy:
     deadline: float = 120.0
     initial_backoff: float = 0.5
     max_backoff: float = 10.0
+    backoff_multiplier: float = 2.0
     max_retry_after: float = 30.0
+    jitter: bool = True
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or self.max_attempts < 1
-        ):
-            raise ConfigurationError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        _count("max_attempts", self.max_attempts)
         _positive("deadline", self.deadline)
-        _positive("initial_backoff", self.initial_backoff, allow_zero=True)
-        _positive("max_backoff", self.max_backoff, allow_zero=True)
-        _positive("max_retry_after", self.max_retry_after, allow_zero=True)
-        if self.max_backoff < self.initial_backoff:
-            raise ConfigurationError(
-                f"max_backoff ({self.max_backoff}) must be >= initial_backoff "
-                f"({self.initial_backoff})"
-            )
-        statuses = _statuses(self.retry_statuses)
-        object.__setattr__(self, "retry_statuses", statuses)
+        check_backoff(self)
+        object.__setattr__(self, "retry_statuses", _statuses(self.retry_statuses))
 
     def replace(self, **changes: Any) -> RetryPolicy:
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return _replace(self, changes)
+        return replace(self, changes, {})
+
+    @property
+    def schedule(self) -> Backoff:
+        """The wait between attempts, as one :class:`~agentkey._schedule.Backoff`."""
+        return schedule_of(self)
+
+
+_POLL_ALIASES: Mapping[str, tuple[str, ...]] = {
+    "interval": ("initial_backoff",),
+    "backoff": ("backoff_multiplier",),
+    "max_interval": ("max_backoff", "max_retry_after"),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PollPolicy:
     """How an asynchronous (202) step is polled.
 
-    The first wait is ``interval``; each later one is ``backoff`` times the
-    previous, up to ``max_interval``. A ``Retry-After`` on a poll answer wins
-    (capped by ``max_interval``). After ``deadline`` seconds of polling, or at
-    the call's ``RetryPolicy.deadline`` if that comes first,
+    The first wait is ``initial_backoff``; each later one is ``backoff_multiplier``
+    times the previous, up to ``max_backoff``. A ``Retry-After`` on a poll answer
+    wins (capped by ``max_retry_after``). After ``deadline`` seconds of polling, or
+    at the call's ``RetryPolicy.deadline`` if that comes first,
     :class:`~agentkey.PollTimeout` carries the status URL so polling can be
-    resumed later with ``resume_poll``.
+    resumed later with ``resume_poll``. ``interval``, ``backoff`` and
+    ``max_interval`` are the deprecated names of the first three.
     """
 
-    interval: float = 1.0
-    backoff: float = 1.5
-    max_interval: float = 30.0
+    initial_backoff: float = 1.0
+    backoff_multiplier: float = 1.5
+    max_backoff: float = 30.0
+    max_retry_after: float = 30.0
     deadline: float = 600.0
+    jitter: bool = False
+    interval: InitVar[float | None] = None
+    backoff: InitVar[float | None] = None
+    max_interval: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
-        _positive("interval", self.interval, allow_zero=True)
-        backoff = _positive("backoff", self.backoff)
-        if backoff < 1:
-            raise ConfigurationError(f"backoff must be >= 1, got {self.backoff!r}")
-        _positive("max_interval", self.max_interval, allow_zero=True)
+    def __post_init__(
+        self, interval: float | None, backoff: float | None, max_interval: float | None
+    ) -> None:
+        given = {"interval": interval, "backoff": backoff, "max_interval": max_interval}
+        used = apply_aliases(self, _POLL_ALIASES, given)
+        check_backoff(self)
         _positive("deadline", self.deadline)
-        if self.max_interval < self.interval:
-            raise ConfigurationError(
-                f"max_interval ({self.max_interval}) must be >= interval ({self.interval})"
-            )
+        warn_aliases(PollPolicy, _POLL_ALIASES, used)
 
     def replace(self, **changes: Any) -> PollPolicy:
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return _replace(self, changes)
+        return replace(self, changes, _POLL_ALIASES)
+
+    @property
+    def schedule(self) -> Backoff:
+        """The wait between polls, as one :class:`~agentkey._schedule.Backoff`."""
+        return schedule_of(self)
 
     def wait(self, poll_number: int) -> float:
         """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``."""
-        return float(
-            min(self.max_interval, self.interval * self.backoff ** max(0, poll_number - 1))
-        )
+        return self.schedule.delay(poll_number)
+
+
+readable_aliases(PollPolicy, _POLL_ALIASES)
 
 
 def _statuses(value: object) -> frozenset[int]:
@@ -133,82 +238,3 @@ def _statuses(value: object) -> frozenset[int]:
             raise ConfigurationError(f"retry_statuses cannot hold {status}: it is not an error")
         out.add(status)
     return frozenset(out)
-
-
-_P = TypeVar("_P", "RetryPolicy", "PollPolicy")
-
-
-def _replace(policy: _P, changes: dict[str, Any]) -> _P:
-    names = {f.name for f in dataclasses.fields(policy)}
-    unknown = sorted(set(changes) - names)
-    if unknown:
-        raise ConfigurationError(
-            f"{type(policy).__name__} has no option(s) {', '.join(unknown)}; "
-            f"valid options: {', '.join(sorted(names))}"
-        )
-    return dataclasses.replace(policy, **changes)
-
-
-class _WaitRetryAfter(wait_base):
-    """Wait what the server asked for (capped), else jittered backoff; never past the deadline.
-
-    The attempt's outcome is a decision object with a ``retry_after`` attribute
-    (seconds or None), set by the protocol core.
-    """
-
-    def __init__(self, policy: RetryPolicy) -> None:
-        self._policy = policy
-        self._fallback = tenacity.wait_random_exponential(
-            multiplier=policy.initial_backoff, max=policy.max_backoff
-        )
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
-        outcome = retry_state.outcome
-        hint = None if outcome is None or outcome.failed else outcome.result().retry_after
-        if hint is None:
-            wait = float(self._fallback(retry_state))
-        else:
-            wait = min(float(hint), self._policy.max_retry_after)
-        remaining = self._policy.deadline - (retry_state.seconds_since_start or 0.0)
-        return max(0.0, min(wait, remaining))
-
-
-class _StopAtDeadline(tenacity.stop.stop_base):
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        return (retry_state.seconds_since_start or 0.0) >= self._deadline
-
-
-def _wants_retry(retry_state: tenacity.RetryCallState) -> bool:
-    outcome = retry_state.outcome
-    return outcome is not None and not outcome.failed and bool(outcome.result().retry)
-
-
-def _last_decision(retry_state: tenacity.RetryCallState) -> Any:
-    assert retry_state.outcome is not None
-    return retry_state.outcome.result()
-
-
-def retry_engine(policy: RetryPolicy) -> tuple[tenacity.Retrying, tenacity.RetryCallState]:
-    """The one place ``RetryPolicy`` becomes tenacity: a fresh engine and its call state.
-
-    The caller records each attempt's decision with ``state.set_result`` and
-    asks ``engine.iter(state)`` what to do: ``DoAttempt``, ``DoSleep(seconds)``,
-    or (when the decision is final or the budget ran out) the last decision.
-    """
-    sleep: Callable[[float], None] = _never_sleep
-    engine = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.max_attempts) | _StopAtDeadline(policy.deadline),
-        wait=_WaitRetryAfter(policy),
-        retry=_wants_retry,
-        retry_error_callback=_last_decision,
-        sleep=sleep,
-    )
-    engine.begin()
-    return engine, tenacity.RetryCallState(engine, fn=None, args=(), kwargs={})
-
-
-def _never_sleep(seconds: float) -> None:  # pragma: no cover - the drivers sleep, not tenacity
-    raise AssertionError("agentkey drivers sleep; tenacity's own sleep must never run")

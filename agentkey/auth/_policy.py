@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 from .._exceptions import ConfigurationError
+from .._policy import (
+    apply_aliases,
+    check_backoff,
+    readable_aliases,
+    replace,
+    schedule_of,
+    warn_aliases,
+)
+from .._schedule import Backoff
 
 __all__ = ["TokenPolicy"]
+
+_ALIASES: Mapping[str, tuple[str, ...]] = {
+    "attempts": ("max_attempts",),
+    "backoff": ("initial_backoff",),
+    "max_wait": ("max_backoff", "max_retry_after"),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,11 +40,12 @@ class TokenPolicy:
     - ``lifetime_fraction``: never use a leeway larger than this fraction of
       the token's lifetime, so a 2-second token is used for a second instead
       of being refreshed before every call.
-    - ``attempts``: token requests per refresh, counting the first, when the
+    - ``max_attempts``: token requests per refresh, counting the first, when the
       endpoint answers 429 or 5xx or times out.
-    - ``backoff``: first wait between those attempts (doubled each time, with
-      jitter) when the endpoint sends no ``Retry-After``.
-    - ``max_wait``: cap on any single wait, ``Retry-After`` included.
+    - ``initial_backoff`` / ``backoff_multiplier`` / ``max_backoff`` / ``jitter``: the
+      wait between those attempts when the endpoint sends no ``Retry-After``
+      (the same formula as ``RetryPolicy``: see ``.schedule``).
+    - ``max_retry_after``: cap on any wait the endpoint asks for.
     - ``deadline``: cap on the whole refresh, waits included.
     - ``timeout``: HTTP timeout of one token request.
     - ``failure_ttl``: how long a failed refresh is remembered, so callers
@@ -38,21 +54,35 @@ class TokenPolicy:
       remembered failures are measured on (default ``time.monotonic``). Tests
       pass a fake clock they advance by hand, so a loaded machine cannot make
       a short-lived token expire between two lines of the test.
+
+    ``attempts``, ``backoff`` and ``max_wait`` are the deprecated names of
+    ``max_attempts``, ``initial_backoff`` and ``max_backoff`` (``max_wait`` also
+    sets ``max_retry_after``).
     """
 
     leeway: float = 60.0
     leeway_jitter: float = 0.1
     lifetime_fraction: float = 0.5
-    attempts: int = 4
-    backoff: float = 0.5
-    max_wait: float = 10.0
+    max_attempts: int = 4
+    initial_backoff: float = 0.5
+    max_backoff: float = 10.0
+    backoff_multiplier: float = 2.0
+    max_retry_after: float = 10.0
+    jitter: bool = True
     deadline: float = 30.0
     timeout: float = 10.0
     failure_ttl: float = 2.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    attempts: InitVar[int | None] = None
+    backoff: InitVar[float | None] = None
+    max_wait: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
-        for name in ("leeway", "leeway_jitter", "backoff", "max_wait", "failure_ttl"):
+    def __post_init__(
+        self, attempts: int | None, backoff: float | None, max_wait: float | None
+    ) -> None:
+        given = {"attempts": attempts, "backoff": backoff, "max_wait": max_wait}
+        used = apply_aliases(self, _ALIASES, given)
+        for name in ("leeway", "leeway_jitter", "failure_ttl"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ConfigurationError(
@@ -70,29 +100,32 @@ class TokenPolicy:
                 f"(a token must be used for part of its life), got {self.lifetime_fraction!r}"
             )
         if (
-            isinstance(self.attempts, bool)
-            or not isinstance(self.attempts, int)
-            or self.attempts < 1
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
         ):
             raise ConfigurationError(
-                f"TokenPolicy.attempts must be an integer >= 1, got {self.attempts!r}"
+                f"TokenPolicy.max_attempts must be an integer >= 1, got {self.max_attempts!r}"
             )
+        check_backoff(self, "TokenPolicy.")
         if not callable(self.clock):
             raise ConfigurationError(
                 "TokenPolicy.clock must be a function returning monotonic seconds, "
                 f"such as time.monotonic; got {type(self.clock).__name__}"
             )
+        warn_aliases(TokenPolicy, _ALIASES, used)
 
-    def replace(self, **changes: float | Callable[[], float]) -> TokenPolicy:
+    def replace(self, **changes: Any) -> TokenPolicy:
         """A copy with ``changes`` applied (validated like the original)."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - names)
-        if unknown:
-            raise ConfigurationError(
-                f"TokenPolicy has no option(s) {', '.join(unknown)}; "
-                f"valid options: {', '.join(sorted(names))}"
-            )
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return replace(self, changes, _ALIASES)
+
+    @property
+    def schedule(self) -> Backoff:
+        """The wait between token requests, as one :class:`~agentkey._schedule.Backoff`."""
+        return schedule_of(self)
+
+
+readable_aliases(TokenPolicy, _ALIASES)
 
 
 def _is_number(value: object) -> bool:

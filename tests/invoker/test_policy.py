@@ -1,20 +1,20 @@
-"""Policies: frozen, keyword-only, validated; tenacity waits capped and bounded by the deadline."""
+"""Policies: frozen, keyword-only, validated, one vocabulary; errors translated; the log hook."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import httpx
 import pytest
-import tenacity
-from hypothesis import given
-from hypothesis import strategies as st
 
 from agentkey import ConfigurationError, LoggingHook, PollEvent, PollPolicy, RetryEvent, RetryPolicy
+from agentkey._hooks import AttemptEvent, CallEndEvent, CallStartEvent
 from agentkey._http import translate
-from agentkey._policy import retry_engine
-from agentkey._protocol import Action, Decision, FailureKind
+from agentkey._protocol import FailureKind
+from agentkey._schedule import Backoff
+from agentkey.auth import TokenPolicy
 
 
 def test_policies_are_frozen_and_keyword_only() -> None:
@@ -36,7 +36,7 @@ def test_replace_validates() -> None:
     with pytest.raises(ConfigurationError, match="max_tries"):
         RetryPolicy().replace(max_tries=3)
     with pytest.raises(ConfigurationError):
-        PollPolicy().replace(backoff=0.5)
+        PollPolicy().replace(backoff_multiplier=0.5)
 
 
 @pytest.mark.parametrize(
@@ -61,57 +61,51 @@ def test_retry_policy_rejects_bad_values(bad: dict[str, object]) -> None:
 
 
 def test_poll_policy_backoff() -> None:
-    """Poll waits grow by backoff from interval and stop at max_interval."""
-    policy = PollPolicy(interval=1.0, backoff=2.0, max_interval=5.0)
+    """Poll waits grow by backoff_multiplier from initial_backoff and stop at max_backoff."""
+    policy = PollPolicy(initial_backoff=1.0, backoff_multiplier=2.0, max_backoff=5.0)
     assert [policy.wait(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
     with pytest.raises(ConfigurationError):
-        PollPolicy(interval=10.0, max_interval=1.0)
+        PollPolicy(initial_backoff=10.0, max_backoff=1.0)
 
 
-def _run_to_sleep(policy: RetryPolicy, decision: Decision) -> object:
-    engine, state = retry_engine(policy)
-    assert isinstance(engine.iter(state), tenacity.DoAttempt)
-    state.set_result(decision)
-    return engine.iter(state)
+@pytest.mark.parametrize(
+    ("cls", "old", "new"),
+    [
+        (RetryPolicy, {}, {}),
+        (PollPolicy, {"interval": 0.2}, {"initial_backoff": 0.2}),
+        (PollPolicy, {"backoff": 3.0}, {"backoff_multiplier": 3.0}),
+        (PollPolicy, {"max_interval": 7.0}, {"max_backoff": 7.0, "max_retry_after": 7.0}),
+        (TokenPolicy, {"attempts": 2}, {"max_attempts": 2}),
+        (TokenPolicy, {"backoff": 0.2}, {"initial_backoff": 0.2}),
+        (TokenPolicy, {"max_wait": 7.0}, {"max_backoff": 7.0, "max_retry_after": 7.0}),
+    ],
+)
+def test_old_option_names_are_deprecated_aliases(
+    cls: type[Any], old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    """Old names still work in the constructor, replace() and reads, with a DeprecationWarning."""
+    policy = cls(**new)
+    for name, value in old.items():
+        with pytest.warns(DeprecationWarning, match=name):
+            assert cls(**old) == policy
+        with pytest.warns(DeprecationWarning, match=name):
+            assert cls().replace(**old) == policy
+        with pytest.warns(DeprecationWarning, match=name):
+            assert getattr(policy, name) == value
+    schedule = policy.schedule
+    assert isinstance(schedule, Backoff)
+    assert (schedule.initial, schedule.cap) == (policy.initial_backoff, policy.max_backoff)
+    assert schedule.max_retry_after == policy.max_retry_after
 
 
-@given(hint=st.one_of(st.none(), st.floats(0, 1e9)), cap=st.floats(0, 100))
-def test_waits_are_capped(hint: float | None, cap: float) -> None:
-    """A wait never exceeds max_retry_after (hint) or max_backoff (fallback)."""
-    policy = RetryPolicy(max_retry_after=cap, initial_backoff=0.1, max_backoff=2.0)
-    action = _run_to_sleep(policy, Decision(Action.RETRY, "x", retry_after=hint))
-    assert isinstance(action, tenacity.DoSleep)
-    wait = float(action)
-    assert 0 <= wait <= (cap if hint is not None else 2.0)
-    if hint is not None:
-        assert wait == min(hint, cap)
-
-
-def test_no_wait_runs_past_the_deadline() -> None:
-    """A Retry-After longer than the remaining deadline is clipped to the deadline."""
-    policy = RetryPolicy(deadline=0.5, max_retry_after=100.0)
-    action = _run_to_sleep(policy, Decision(Action.RETRY, "x", retry_after=60.0))
-    assert isinstance(action, tenacity.DoSleep)
-    assert float(action) <= 0.5
-
-
-def test_engine_stops_after_max_attempts_and_returns_last_decision() -> None:
-    """After max_attempts the engine hands back the last decision instead of sleeping."""
-    engine, state = retry_engine(RetryPolicy(max_attempts=2, initial_backoff=0, max_backoff=0))
-    last = Decision(Action.RETRY, "second")
-    for decision in (Decision(Action.RETRY, "first"), last):
-        assert isinstance(engine.iter(state), tenacity.DoAttempt)
-        state.set_result(decision)
-        action = engine.iter(state)
-        if isinstance(action, tenacity.DoSleep):
-            state.prepare_for_next_attempt()
-    assert action is last
-
-
-def test_engine_returns_final_decisions_at_once() -> None:
-    """A decision that does not retry comes straight back."""
-    done = Decision(Action.DONE, "done")
-    assert _run_to_sleep(RetryPolicy(), done) is done
+def test_every_policy_speaks_one_vocabulary() -> None:
+    """Retry, poll and token policies share the backoff names and the one Backoff formula."""
+    shared = {"initial_backoff", "max_backoff", "backoff_multiplier", "max_retry_after", "jitter"}
+    for cls in (RetryPolicy, PollPolicy, TokenPolicy):
+        assert shared | {"deadline"} <= {f.name for f in dataclasses.fields(cls)}
+    assert {"max_attempts"} <= {f.name for f in dataclasses.fields(TokenPolicy)}
+    assert RetryPolicy().schedule == Backoff(0.5, 10.0, 2.0, True, 30.0)
+    assert PollPolicy().schedule == Backoff(1.0, 30.0, 1.5, False, 30.0)
 
 
 @pytest.mark.parametrize(
@@ -166,3 +160,20 @@ def test_logging_hook_cannot_be_made_to_forge_log_lines(caplog: pytest.LogCaptur
     assert "\r" not in message
     assert "state=running?CRITICAL" in message
     assert len(message) < 250
+
+
+def test_logging_hook_logs_call_start_and_end_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """CallStart/CallEnd log at DEBUG only (no URL, no headers); AttemptEvent logs nothing."""
+    hook = LoggingHook()
+    key = "p:step_001:" + "a" * 64
+    caplog.set_level(logging.INFO, logger="agentkey")
+    hook(CallStartEvent(key, "step_001", "POST", "https://x/tools/t?sig=SECRET"))
+    hook(CallEndEvent(key, "step_001", "executed", 1, 0, 200, None))
+    assert caplog.records == []
+    caplog.set_level(logging.DEBUG, logger="agentkey")
+    hook(CallStartEvent(key, "step_001", "POST", "https://x/tools/t?sig=SECRET"))
+    hook(AttemptEvent(key, "step_001", 1, "POST", "https://x/t", {"traceparent": "SECRET"}))
+    hook(CallEndEvent(key, "step_001", None, 3, 0, 503, "OutcomeUnknown"))
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]
+    assert "error=OutcomeUnknown" in caplog.text
+    assert "SECRET" not in caplog.text

@@ -1,0 +1,73 @@
+"""The one backoff formula: step retries, 409/423 waits, polls and token requests all use it.
+
+``Backoff.delay(attempt)`` is the wait before the next attempt after ``attempt``
+attempts: ``initial * multiplier ** (attempt - 1)``, capped at ``cap``, times a
+uniform draw in ``[0, 1)`` when ``jitter`` ("full jitter"). A server's
+``Retry-After`` wins over the formula, capped at ``max_retry_after``. The
+caller cuts the result to its deadline.
+
+The capped exponential is tenacity's ``wait_exponential`` (overflow-safe for any
+attempt count), called with a call state the schedule owns; tenacity's retry
+engine is not used. The jitter draw comes from the caller's ``rng``, so a test
+drives the schedule deterministically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import tenacity
+
+from ._exceptions import ConfigurationError
+
+__all__ = ["Backoff"]
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff from ``initial`` by ``multiplier``, capped at ``cap``."""
+
+    initial: float
+    cap: float
+    multiplier: float = 2.0
+    jitter: bool = True
+    max_retry_after: float = math.inf
+    _ceiling: tenacity.wait_exponential = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("initial", "cap", "multiplier", "max_retry_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigurationError(f"Backoff.{name} must be a number >= 0, got {value!r}")
+        if not (math.isfinite(self.initial) and math.isfinite(self.cap)) or self.cap < self.initial:
+            raise ConfigurationError(
+                f"Backoff needs finite 0 <= initial <= cap, got {self.initial!r}, {self.cap!r}"
+            )
+        if not 1 <= self.multiplier < math.inf:
+            raise ConfigurationError(f"Backoff.multiplier must be >= 1, got {self.multiplier!r}")
+        ceiling = tenacity.wait_exponential(
+            multiplier=self.initial, max=self.cap, exp_base=self.multiplier
+        )
+        object.__setattr__(self, "_ceiling", ceiling)
+
+    def delay(
+        self,
+        attempt: int,
+        retry_after: float | None = None,
+        *,
+        rng: Callable[[], float] = random.random,
+    ) -> float:
+        """Seconds to wait after ``attempt`` (>= 1) attempts; ``retry_after`` wins, capped."""
+        if retry_after is not None:
+            return max(0.0, min(float(retry_after), self.max_retry_after))
+        state = tenacity.RetryCallState(_NO_ENGINE, fn=None, args=(), kwargs={})
+        state.attempt_number = max(1, attempt)
+        base = float(self._ceiling(state))
+        return base * rng() if self.jitter else base
+
+
+#: The call state tenacity's wait strategies read names an engine; none ever runs.
+_NO_ENGINE = tenacity.Retrying(stop=tenacity.stop_after_attempt(1))
