@@ -1,9 +1,11 @@
 """Instrumentation: frozen event records and the hook Protocol that receives them.
 
 A hook is any callable taking one event. The invoker calls every hook, in
-order, for each retry, poll, replay and give-up. An exception raised by a hook
+order, when a call starts, before each request is sent, for each retry, poll,
+replay and give-up, and when the call ends. An exception raised by a hook
 propagates (a broken hook is a bug to see, not to hide). Events carry the
-key, never a token or a header value.
+key, never a token or a header value. An :class:`AttemptEvent` hook may add
+headers such as ``traceparent`` to the request about to be sent.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
+    "AttemptEvent",
+    "CallEndEvent",
+    "CallStartEvent",
     "GiveUpEvent",
     "InvokeEvent",
     "InvokeHook",
@@ -23,6 +28,54 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agentkey")
+
+
+@dataclass(frozen=True, slots=True)
+class CallStartEvent:
+    """One ``invoke`` (or ``resume_poll``) starts: ``url`` is the step's (or the status) URL."""
+
+    idempotency_key: str
+    step: str | None
+    method: str
+    url: str
+    tool: str | None = None  # the step's tool (None when resuming a poll)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptEvent:
+    """A request of the call is about to be sent.
+
+    ``attempt`` numbers the step's sends (1 for the first) and, for a poll (a
+    ``GET`` of the status URL), the polls. A hook may add headers to ``headers``
+    (it starts empty), e.g. trace context (``traceparent``); the names agentkey
+    sets itself (Authorization, Idempotency-Key, Cookie, Host, Accept,
+    Content-*) are refused with :class:`~agentkey.ConfigurationError`. Added
+    headers go to whatever ``url`` is, so a hook adds nothing secret.
+    """
+
+    idempotency_key: str
+    step: str | None
+    attempt: int
+    method: str
+    url: str
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class CallEndEvent:
+    """The call ended: with a result (``outcome`` "executed" or "replayed") or an ``error``.
+
+    ``error`` is the class name of the exception leaving ``invoke`` (None on success);
+    ``status_code`` is that of the final answer, or of the error when it has one.
+    """
+
+    idempotency_key: str
+    step: str | None
+    outcome: str | None
+    attempts: int
+    polls: int
+    status_code: int | None
+    error: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +128,15 @@ class GiveUpEvent:
 
 
 #: Any event a hook receives.
-InvokeEvent: TypeAlias = RetryEvent | PollEvent | ReplayEvent | GiveUpEvent
+InvokeEvent: TypeAlias = (
+    CallStartEvent
+    | AttemptEvent
+    | RetryEvent
+    | PollEvent
+    | ReplayEvent
+    | GiveUpEvent
+    | CallEndEvent
+)
 
 
 @runtime_checkable
@@ -90,8 +151,9 @@ class LoggingHook:
 
     Visible at Python's default level (WARNING): the first retry of a step
     and every give-up. Later retries, polls and replays (the protocol
-    working, not a problem) log at INFO. Only the key, step, attempt, state
-    and wait are logged: never a token, a header or a body.
+    working, not a problem) log at INFO; the start and end of each call at
+    DEBUG. Only the key, step, attempt, state and wait are logged: never a
+    token, a header or a body.
     """
 
     def __init__(self, logger_: logging.Logger | None = None) -> None:
@@ -128,7 +190,22 @@ class LoggingHook:
                 _one_line(event.state),
                 event.wait,
             )
-        else:
+        elif isinstance(event, CallStartEvent):
+            self._logger.debug(
+                "calling key=%s step=%s method=%s", event.idempotency_key, event.step, event.method
+            )
+        elif isinstance(event, CallEndEvent):
+            self._logger.debug(
+                "called key=%s step=%s outcome=%s attempts=%d polls=%d status=%s error=%s",
+                event.idempotency_key,
+                event.step,
+                event.outcome,
+                event.attempts,
+                event.polls,
+                event.status_code,
+                event.error,
+            )
+        elif isinstance(event, ReplayEvent):
             self._logger.info(
                 "replayed key=%s step=%s status=%d",
                 event.idempotency_key,

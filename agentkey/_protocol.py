@@ -17,12 +17,11 @@ section 4 (202 polling) onto the status-URL strategies and ``interpret_poll``.
 from __future__ import annotations
 
 import enum
-import ipaddress
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 from ._exceptions import (
     AuthenticationError,
@@ -37,6 +36,7 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
+from ._net import Origin, has_control_character, origin_of
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "FailureKind",
     "HeaderStrategy",
     "Meaning",
-    "Origin",
     "ProtocolConfig",
     "Reply",
     "StatusUrlStrategy",
@@ -62,8 +61,6 @@ __all__ = [
     "classify",
     "find_status_url",
     "interpret_poll",
-    "is_loopback",
-    "origin_of",
     "parse_json",
     "poll_target",
     "problem_code",
@@ -122,59 +119,6 @@ class Answer:
 
 
 Reply = Answer | Failure
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Origin:
-    """scheme://host:port, with the default port filled in."""
-
-    scheme: str
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
-
-
-def _unsendable(url: str) -> bool:
-    """True when ``url`` holds a control character: httpx refuses it with its own error."""
-    return any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url)
-
-
-def origin_of(url: str) -> Origin | None:
-    """The origin of an absolute http(s) URL, or None when it has none (or cannot be sent)."""
-    if _unsendable(url):
-        return None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        return None
-    if "[" in parts.netloc and not _is_ipv6(parts.hostname):
-        return None  # Python 3.10's urlsplit lets "https://[zz]/" through; 3.11 refuses it
-    return Origin(scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80))
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        ipaddress.IPv6Address(host.partition("%")[0])
-    except ValueError:
-        return False
-    return True
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1: the hosts plain http may carry secrets to."""
-    name = host.strip("[]").lower().rstrip(".")
-    if name == "localhost":
-        return True  # not "*.localhost": a resolver is free to send those elsewhere
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +185,7 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What to do with one answer. ``retry`` and ``retry_after`` drive tenacity."""
+    """What to do with one answer. ``retry`` and ``retry_after`` drive the flow's waits."""
 
     action: Action
     reason: str
@@ -404,7 +348,7 @@ def _join(base: str, ref: str) -> str | None:
 
 
 def _usable(url: str) -> bool:
-    return url.isascii() and not _unsendable(url) and origin_of(url) is not None
+    return url.isascii() and not has_control_character(url) and origin_of(url) is not None
 
 
 _ACCEPTED = (

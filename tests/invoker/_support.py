@@ -10,7 +10,7 @@ from typing import Any, Literal
 import httpx
 
 from agentkey import PlanSession, Step
-from agentkey._hooks import PollEvent, ReplayEvent, RetryEvent
+from agentkey._hooks import InvokeEvent, RetryEvent
 from agentkey._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from agentkey._policy import PollPolicy, RetryPolicy
 
@@ -35,9 +35,15 @@ DRIVERS: tuple[Driver, ...] = ("sync", "async")
 FAST_RETRY = RetryPolicy(
     max_attempts=8, deadline=10.0, initial_backoff=0.001, max_backoff=0.002, max_retry_after=0.05
 )
-FAST_POLL = PollPolicy(interval=0.001, backoff=1.0, max_interval=0.002, deadline=10.0)
+FAST_POLL = PollPolicy(
+    initial_backoff=0.001,
+    backoff_multiplier=1.0,
+    max_backoff=0.002,
+    max_retry_after=0.002,
+    deadline=10.0,
+)
 
-Event = RetryEvent | PollEvent | ReplayEvent
+Event = InvokeEvent
 Answer = httpx.Response | Exception | Callable[[httpx.Request], httpx.Response]
 
 

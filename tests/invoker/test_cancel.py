@@ -155,7 +155,8 @@ def test_keyboard_interrupt_during_wait(tool: tuple[ToolApp, str]) -> None:
 
     def interrupt(event: object) -> None:
         seen(event)  # type: ignore[arg-type]
-        raise KeyboardInterrupt
+        if isinstance(event, RetryEvent):
+            raise KeyboardInterrupt
 
     transport = Counting()
     with (

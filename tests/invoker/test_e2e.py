@@ -27,6 +27,7 @@ from agentkey import (
     ToolResult,
     UnsafeRedirect,
 )
+from agentkey._hooks import AttemptEvent, CallEndEvent, CallStartEvent, InvokeEvent
 from tests._loopback import serve
 
 from ._support import DRIVERS, FAST_POLL, FAST_RETRY, Bearer, Driver, Recorder, make_step
@@ -185,6 +186,34 @@ def test_202_three_polls_then_success(driver: Driver, tool: tuple[ToolApp, str])
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
+def test_attempt_hook_headers_reach_the_tool_on_every_send(
+    driver: Driver, tool: tuple[ToolApp, str]
+) -> None:
+    """A hook's traceparent goes out with each resend and poll; the call is framed by events."""
+    app, url = tool
+    step = make_step(tool="provision")
+    app.faults["provision"] = Faults(prelude=[(503, {"Retry-After": "0"})], async_polls=1)
+    seen = Recorder()
+
+    def trace(event: InvokeEvent) -> None:
+        seen(event)
+        if isinstance(event, AttemptEvent):
+            event.headers["traceparent"] = f"00-{'b' * 32}-{len(seen.events):016x}-01"
+
+    result = invoke(driver, url, step, hooks=[trace])
+    sent = [s.headers.get("traceparent", "")[36:52] for s in app.seen]
+    attempts = [e for e in seen.events if isinstance(e, AttemptEvent)]
+    assert len(sent) == len(attempts) == 4  # 503, 202, then two polls
+    assert len(set(sent)) == 4
+    assert [type(e) for e in (seen.events[0], seen.events[-1])] == [CallStartEvent, CallEndEvent]
+    assert seen.events[-1] == CallEndEvent(
+        step.idempotency_key, "step_003", "executed", 2, 2, 200, None
+    )
+    assert result.polls == 2
+    assert app.executions == {step.idempotency_key: 1}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_202_then_failure(driver: Driver, tool: tuple[ToolApp, str]) -> None:
     """An operation that reports 'failed' raises StepFailed with the key and the body."""
     app, url = tool
@@ -202,7 +231,9 @@ def test_202_timeout_then_resume(driver: Driver, tool: tuple[ToolApp, str]) -> N
     app, url = tool
     step = make_step(tool="provision")
     app.faults["provision"] = Faults(async_polls=10_000)
-    slow_poll = FAST_POLL.replace(interval=0.01, max_interval=0.01, deadline=0.1)
+    slow_poll = FAST_POLL.replace(
+        initial_backoff=0.01, max_backoff=0.01, max_retry_after=0.01, deadline=0.1
+    )
     with pytest.raises(PollTimeout) as caught:
         invoke(driver, url, step, polling=slow_poll)
     op = caught.value.status_url.rsplit("/", 1)[1]
@@ -291,7 +322,9 @@ def test_resume_poll_sends_the_callers_headers(driver: Driver, tool: tuple[ToolA
     app, url = tool
     step = make_step(tool="provision")
     app.faults["provision"] = Faults(async_polls=10_000)
-    slow_poll = FAST_POLL.replace(interval=0.01, max_interval=0.01, deadline=0.05)
+    slow_poll = FAST_POLL.replace(
+        initial_backoff=0.01, max_backoff=0.01, max_retry_after=0.01, deadline=0.05
+    )
     tenant = {"X-Tenant": "acme"}
     options: dict[str, Any] = {"retry": FAST_RETRY, "polling": slow_poll, "auth": Bearer()}
     options["route_template"] = "/tools/{tool}"

@@ -135,6 +135,10 @@ def test_reserved_headers_rejected(driver: Driver, name: str) -> None:
         ({"headers": "X-Tenant: a"}, "headers must be a mapping"),
         ({"path": "/t#frag"}, "fragment"),
         ({"path": "/t\x00x"}, "control characters"),
+        ({"path": "/t\x7f"}, "control characters"),
+        ({"path": "https://evil.test/t"}, "no scheme"),
+        ({"path": "//evil.test/t"}, "no scheme"),
+        ({"path": "/t?x=1"}, "query"),
     ],
 )
 def test_bad_call_arguments(driver: Driver, call: dict[str, Any], match: str) -> None:
@@ -257,6 +261,7 @@ def test_result_model() -> None:
     result = run_invoke("sync", Script([ok()]), make_step())
     assert result.outcome is Outcome.EXECUTED
     assert result.model_dump()["replayed"] is False
+    assert result.label == result.step == "step_003"
     with pytest.raises(Exception, match="frozen"):
         result.status_code = 500  # type: ignore[misc]
 

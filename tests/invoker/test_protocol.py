@@ -19,6 +19,7 @@ from agentkey import (
     ToolRejected,
     UnsafeRedirect,
 )
+from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
 from agentkey._protocol import (
     DEFAULT_REPLAY_HEADERS,
@@ -33,7 +34,6 @@ from agentkey._protocol import (
     classify,
     find_status_url,
     interpret_poll,
-    origin_of,
     poll_target,
 )
 

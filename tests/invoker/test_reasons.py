@@ -10,6 +10,7 @@ import pytest
 
 from agentkey import KeyRejected, OutcomeUnknown, PayloadMismatch, StepInProgress, ToolRejected
 from agentkey._hooks import GiveUpEvent, LoggingHook, RetryEvent
+from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
 from agentkey._protocol import (
     Action,
@@ -20,7 +21,6 @@ from agentkey._protocol import (
     ProtocolConfig,
     budget_exhausted,
     classify,
-    origin_of,
     problem_code,
     short_reason,
 )
