@@ -39,8 +39,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from . import _http
 from ._canonical import canonical_json, to_jsonable
-from ._exceptions import ConfigurationError, InsecureTransport
+from ._exceptions import ConfigurationError
 from ._keys import HeaderStyle, StepKey
+from ._net import redact_url, require_secure
 from ._protocol import (
     DEFAULT_REPLAY_HEADERS,
     IN_FLIGHT_STATUSES,
@@ -48,7 +49,6 @@ from ._protocol import (
     Failure,
     FailureKind,
     Meaning,
-    is_loopback,
     parse_json,
     problem_code,
     replay_header,
@@ -470,16 +470,7 @@ async def _styles(run: _Run) -> CheckResult:
 
 def _shown(url: str) -> str:
     """``url`` fit to print: no user info, query or fragment."""
-    try:
-        parts = urlsplit(url)
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        return "<an unparseable URL>"
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    query = "?<query hidden>" if parts.query else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}{query}"
+    return redact_url(url) + ("?<query hidden>" if "?" in url else "")
 
 
 def _ssl_context() -> ssl.SSLContext:
@@ -563,11 +554,8 @@ def _validate(
             "the token must be printable ASCII without spaces or line breaks (a bearer "
             "token as issued); it was not sent"
         )
-    if token is not None and parts.scheme == "http" and not is_loopback(host):
-        raise InsecureTransport(
-            f"refusing to send a bearer token over plain http to {host}; use https "
-            "(plain http is allowed to loopback only)"
-        )
+    if token is not None:
+        require_secure(joined, what="a bearer token")
     if style not in ("raw", "sf-string"):
         raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
     if (

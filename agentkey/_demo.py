@@ -1,8 +1,8 @@
 """``agentkey demo``: the whole contract, end to end, on embedded defaults.
 
 The client half (PlanSession, AsyncToolInvoker) talks to the server half
-(``agentkey.server.example_app`` on a MemoryStore) in-process through
-``httpx.ASGITransport``: no network, no Redis, nothing to set up. A fault
+(``agentkey.server.example_app`` on a MemoryStore) in-process, through an
+ASGI client (``_http.asgi_client``): no network, no Redis, nothing to set up. A fault
 injector between them loses one answer after the server committed, the way a
 read timeout does on a real network.
 """
@@ -14,8 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
-
+from . import _http
 from ._exceptions import MissingExtra
 from ._hooks import InvokeEvent, ReplayEvent, RetryEvent
 from ._invoker import AsyncToolInvoker, ToolResult
@@ -49,7 +48,7 @@ class _LoseFirstAnswer:
             return None
 
         await self.app(scope, receive, swallow)  # the charge happens and is recorded
-        raise httpx.ReadTimeout("simulated: the tool ran, but its answer never arrived")
+        raise _http.ReadTimeout("simulated: the tool ran, but its answer never arrived")
 
 
 def _short(key: str) -> str:
@@ -80,7 +79,7 @@ async def _run(out: Callable[[str], None]) -> int:
             lines.append(f"the server replayed its stored answer (status {event.status_code})")
 
     def invoker() -> AsyncToolInvoker:
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=faulty))
+        client = _http.asgi_client(faulty)
         return AsyncToolInvoker(
             "http://tools.internal",
             client=client,

@@ -1,6 +1,10 @@
 """The one module that touches httpx: clients, requests, and the translation of its errors.
 
-Moving to another httpx-compatible client (the ``httpx2`` fork) changes this file only.
+A user's client may also come from ``httpx2``, the fork with the same API: the
+drivers build requests, timeouts and errors from the module the client belongs
+to (see :func:`_lib`), and hand an ``httpx.Auth`` such as a token provider to
+an httpx2 client through a bridge. httpx2 is never imported here: a user's
+httpx2 client has already loaded it.
 
 Two hostile-server defences live here, because only here are bytes read:
 
@@ -16,9 +20,11 @@ Two hostile-server defences live here, because only here are bytes read:
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -26,13 +32,14 @@ import types
 import zlib
 from collections.abc import Mapping
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 
 from ._exceptions import ConfigurationError
+from ._flow import Outgoing
 from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
 
 __all__ = [
@@ -43,7 +50,12 @@ __all__ = [
     "Auth",
     "Client",
     "Outgoing",
+    "ReadTimeout",
+    "Request",
+    "Response",
     "Timeout",
+    "adapt_auth",
+    "asgi_client",
     "make_async_client",
     "make_client",
     "make_max_response_bytes",
@@ -53,10 +65,11 @@ __all__ = [
     "translate",
 ]
 
-Client = httpx.Client
-AsyncClient = httpx.AsyncClient
 Auth = httpx.Auth
 Timeout = httpx.Timeout
+Request = httpx.Request
+Response = httpx.Response
+ReadTimeout = httpx.ReadTimeout
 
 #: connect 5 s, read 30 s, write 30 s, pool 5 s.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=5.0)
@@ -69,26 +82,6 @@ DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 ACCEPT_ENCODING = "gzip, deflate"
 
 _DEADLINE = "the call's deadline passed before the answer was read"
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """One request the protocol flow wants sent.
-
-    ``same_origin`` requests go through the invoker's auth and the client's
-    defaults; any other request is built bare: no auth, no client headers or
-    cookies, no Idempotency-Key, and sent past the client's cookie jar (so
-    another origin's cookies never land there, and never reach the tool).
-    ``deadline`` (``time.monotonic()`` seconds) bounds the whole exchange.
-    """
-
-    method: str
-    url: str
-    # Kept out of repr: user headers carry API keys, and error trackers record frame locals.
-    headers: tuple[tuple[str, str], ...] = field(repr=False)
-    content: bytes | None
-    same_origin: bool
-    deadline: float | None = None
 
 
 def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout | None:
@@ -115,27 +108,129 @@ def make_max_response_bytes(limit: object) -> int:
     return limit
 
 
-def make_client(timeout: httpx.Timeout | None) -> httpx.Client:
-    return httpx.Client(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
+@cache
+def _default_ssl() -> ssl.SSLContext:
+    """One verifying SSL context for every client agentkey makes (each costs ~30 ms to build)."""
+    return httpx.create_ssl_context()
 
 
-def make_async_client(timeout: httpx.Timeout | None) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=timeout or DEFAULT_TIMEOUT, follow_redirects=False)
+def _options(
+    timeout: httpx.Timeout | None, verify: ssl.SSLContext | bool, pooled: bool
+) -> dict[str, Any]:
+    return {
+        "timeout": timeout or DEFAULT_TIMEOUT,
+        "follow_redirects": False,
+        "verify": _default_ssl() if verify is True else verify,
+        # An unpooled client keeps no connection open between requests, so it needs no
+        # closing to free a socket and is not tied to the event loop of its last request.
+        **({} if pooled else {"limits": httpx.Limits(max_keepalive_connections=0)}),
+    }
+
+
+def make_client(
+    timeout: httpx.Timeout | None, *, verify: ssl.SSLContext | bool = True, pooled: bool = True
+) -> httpx.Client:
+    """A client agentkey owns: no redirects followed, the shared SSL context when verifying."""
+    return httpx.Client(**_options(timeout, verify, pooled))
+
+
+def make_async_client(
+    timeout: httpx.Timeout | None, *, verify: ssl.SSLContext | bool = True, pooled: bool = True
+) -> httpx.AsyncClient:
+    """The async form of :func:`make_client`."""
+    return httpx.AsyncClient(**_options(timeout, verify, pooled))
+
+
+def asgi_client(app: Any) -> httpx.AsyncClient:
+    """An AsyncClient that calls the ASGI ``app`` in-process: no socket, no server."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+
+
+def _fork() -> Any:
+    return sys.modules.get("httpx2")  # loaded by whoever built an httpx2 client; never here
+
+
+if TYPE_CHECKING:
+    Client = httpx.Client
+    AsyncClient = httpx.AsyncClient
+else:
+
+    class Client(abc.ABC):  # noqa: B024 - a virtual base: isinstance only
+        """``isinstance(c, Client)``: c is an ``httpx.Client`` or an ``httpx2.Client``."""
+
+        @classmethod
+        def __subclasshook__(cls, other: type) -> bool:
+            fork = _fork()
+            return issubclass(other, httpx.Client) or (
+                fork is not None and issubclass(other, fork.Client)
+            )
+
+    class AsyncClient(abc.ABC):  # noqa: B024 - a virtual base: isinstance only
+        """``isinstance(c, AsyncClient)``: an ``httpx.AsyncClient`` or an ``httpx2.AsyncClient``."""
+
+        @classmethod
+        def __subclasshook__(cls, other: type) -> bool:
+            fork = _fork()
+            return issubclass(other, httpx.AsyncClient) or (
+                fork is not None and issubclass(other, fork.AsyncClient)
+            )
+
+
+def _lib(client: object) -> Any:
+    """The module ``client`` comes from: httpx, or its fork httpx2 (the same API)."""
+    if isinstance(client, (httpx.Client, httpx.AsyncClient)):
+        return httpx
+    fork = _fork()
+    if fork is not None and isinstance(client, (fork.Client, fork.AsyncClient)):
+        return fork
+    raise ConfigurationError(
+        f"expected an httpx or httpx2 client, got {type(client).__name__}"
+    )  # pragma: no cover - the invoker checks its client= first
+
+
+@cache
+def _bridge_class(lib: Any) -> Any:
+    class Bridge(lib.Auth):  # type: ignore[misc]
+        """An ``httpx.Auth`` (a token provider) as an Auth of ``lib``.
+
+        Both libraries drive an auth flow the same way, a generator that yields
+        requests and receives responses, so the flows are handed through as they are.
+        """
+
+        def __init__(self, inner: httpx.Auth) -> None:
+            self.inner = inner
+            self.requires_request_body = inner.requires_request_body
+            self.requires_response_body = inner.requires_response_body
+
+        def sync_auth_flow(self, request: Any) -> Any:
+            return self.inner.sync_auth_flow(request)
+
+        def async_auth_flow(self, request: Any) -> Any:
+            return self.inner.async_auth_flow(request)
+
+    return Bridge
+
+
+def adapt_auth(auth: httpx.Auth | None, client: Client | AsyncClient) -> Any:
+    """``auth`` as an Auth that ``client``'s library (httpx or httpx2) accepts."""
+    lib = _lib(client)
+    if auth is None or lib is httpx or isinstance(auth, lib.Auth):
+        return auth
+    return _bridge_class(lib)(auth)
 
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _cut(timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
-    """``timeout`` with every part cut to the ``left`` seconds of the call's deadline."""
-    if left is None:
-        return timeout
+def _cut(lib: Any, timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
+    """``timeout`` (as ``lib``'s Timeout) with every part cut to the ``left`` seconds."""
 
-    def part(value: float | None) -> float:
-        return left if value is None else min(value, left)
+    def part(value: float | None) -> float | None:
+        return value if left is None else left if value is None else min(value, left)
 
-    return httpx.Timeout(
+    timeout_type: type[httpx.Timeout] = lib.Timeout
+    return timeout_type(
         connect=part(timeout.connect),
         read=part(timeout.read),
         write=part(timeout.write),
@@ -146,14 +241,16 @@ def _cut(timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
 def _request(
     client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
 ) -> httpx.Request:
-    chosen = _cut(timeout if timeout is not None else client.timeout, _left(out.deadline))
+    lib = _lib(client)
+    chosen = _cut(lib, timeout if timeout is not None else client.timeout, _left(out.deadline))
     headers = [*out.headers, ("Accept-Encoding", ACCEPT_ENCODING)]
     if out.same_origin:
         return client.build_request(
             out.method, out.url, headers=headers, content=out.content, timeout=chosen
         )
     # Another origin: built bare so no client default header (Authorization!) or cookie leaks.
-    return httpx.Request(
+    request_type: type[httpx.Request] = lib.Request
+    return request_type(
         out.method,
         out.url,
         headers=headers,
@@ -281,11 +378,11 @@ class _Body:
         return self.result
 
 
-def translate(exc: httpx.RequestError) -> Failure:
-    """The one place httpx errors become the core's categories."""
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
+def translate(exc: httpx.RequestError, lib: Any = httpx) -> Failure:
+    """The one place httpx (or httpx2, ``lib``) errors become the core's categories."""
+    if isinstance(exc, (lib.ConnectError, lib.ConnectTimeout, lib.PoolTimeout)):
         return Failure(FailureKind.NOT_SENT, type(exc).__name__)
-    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)):
+    if isinstance(exc, (lib.UnsupportedProtocol, lib.LocalProtocolError, lib.InvalidURL)):
         # Not ``{exc}`` nor ``from exc``: h11 quotes the offending header value, which can be
         # a bearer token or an API key, and a traceback prints the whole cause chain.
         raise ConfigurationError(
@@ -297,11 +394,11 @@ def translate(exc: httpx.RequestError) -> Failure:
     return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
 
 
-def _failed(exc: httpx.RequestError, deadline: float | None) -> Failure:
-    if isinstance(exc, httpx.RemoteProtocolError) and str(exc).startswith("Invalid URL in loc"):
+def _failed(exc: httpx.RequestError, lib: Any, deadline: float | None) -> Failure:
+    if isinstance(exc, lib.RemoteProtocolError) and str(exc).startswith("Invalid URL in loc"):
         # httpx builds the redirect request even when it does not follow it, and raises.
         return Failure(FailureKind.UNSENDABLE, BAD_LOCATION)
-    failure = translate(exc)
+    failure = translate(exc, lib)
     left = _left(deadline)
     if left is not None and left <= 0.001:  # the deadline, not the server, ended it
         return Failure(failure.kind, f"{_DEADLINE} ({failure.description})")
@@ -315,9 +412,10 @@ def _build(
     left = _left(out.deadline)
     if left is not None and left <= 0:
         return Failure(FailureKind.NOT_SENT, "the call's deadline passed before the request")
+    lib = _lib(client)
     try:
         return _request(client, out, timeout)
-    except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError, UnicodeError):
+    except (lib.InvalidURL, lib.UnsupportedProtocol, ValueError, UnicodeError):
         return Failure(FailureKind.UNSENDABLE, "a URL httpx cannot parse")
 
 
@@ -426,6 +524,7 @@ def send_sync(
     request = _build(client, out, timeout)
     if isinstance(request, Failure):
         return request
+    lib = _lib(client)
     watchdog = _Watchdog(out.deadline) if out.deadline is not None else None
     if watchdog is not None:
         request.extensions["trace"] = watchdog.trace
@@ -436,7 +535,9 @@ def send_sync(
         # its Set-Cookie in the jar, and the jar ignores ports, so a poll origin on the same
         # host could plant cookies the tool then receives.
         if out.same_origin:
-            response = client.send(request, auth=auth, follow_redirects=False, stream=True)
+            response = client.send(
+                request, auth=adapt_auth(auth, client), follow_redirects=False, stream=True
+            )
         else:
             response = client._transport_for_url(request.url).handle_request(request)
             response.request = request  # what client.send does, minus the cookie jar
@@ -453,8 +554,8 @@ def send_sync(
             return body.finish()
         finally:
             response.close()  # also on KeyboardInterrupt
-    except httpx.RequestError as exc:
-        return _failed(exc, out.deadline)
+    except lib.RequestError as exc:
+        return _failed(exc, lib, out.deadline)
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -472,12 +573,13 @@ async def send_async(
     request = _build(client, out, timeout)
     if isinstance(request, Failure):
         return request
+    lib = _lib(client)
     left = _left(out.deadline)
     try:
         with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
             if out.same_origin:
                 response = await client.send(
-                    request, auth=auth, follow_redirects=False, stream=True
+                    request, auth=adapt_auth(auth, client), follow_redirects=False, stream=True
                 )
             else:  # past the cookie jar, as in send_sync
                 transport = client._transport_for_url(request.url)
@@ -495,5 +597,5 @@ async def send_async(
                     await response.aclose()
     except TimeoutError:
         return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
-    except httpx.RequestError as exc:
-        return _failed(exc, out.deadline)
+    except lib.RequestError as exc:
+        return _failed(exc, lib, out.deadline)

@@ -2,10 +2,12 @@
 
 Each provider is an ``httpx.Auth``: pass it as ``auth=`` to an httpx client
 or to agentkey's invokers. See docs/auth.md for which provider fits which
-situation.
+situation. A grant agentkey lacks is a subclass of :class:`OAuthProvider`
+that returns a :class:`TokenRequest` from ``token_request``.
 """
 
 from ._base import TokenProvider
+from ._endpoint import TokenRequest
 from ._policy import TokenPolicy
 from ._providers import (
     ACCESS_TOKEN_TYPE,
@@ -13,12 +15,14 @@ from ._providers import (
     JWT_TOKEN_TYPE,
     REFRESH_TOKEN_TYPE,
     ClientCredentials,
+    OAuthProvider,
     OnBehalfOf,
     RefreshTokenGrant,
     StaticToken,
     TokenExchange,
 )
 from ._stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
+from ._token import Token, TokenEvent, TokenHook
 
 __all__ = [
     "ACCESS_TOKEN_TYPE",
@@ -28,11 +32,16 @@ __all__ = [
     "ClientCredentials",
     "EncryptedFileTokenStore",
     "MemoryTokenStore",
+    "OAuthProvider",
     "OnBehalfOf",
     "RefreshTokenGrant",
     "StaticToken",
+    "Token",
+    "TokenEvent",
     "TokenExchange",
+    "TokenHook",
     "TokenPolicy",
     "TokenProvider",
+    "TokenRequest",
     "TokenStore",
 ]

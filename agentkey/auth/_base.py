@@ -1,4 +1,4 @@
-"""The httpx.Auth adapter: a single flight per credential across threads and coroutines.
+"""The token provider base: a single flight per credential across threads and coroutines.
 
 Every provider keeps one current token behind a short ``threading.Lock``
 (never held during I/O). A caller that finds the token due either joins the
@@ -15,7 +15,9 @@ refresh already in flight or becomes its leader:
   callers right behind it fail fast.
 
 Decisions are made once, under the lock, in ``_decide``; the sync and async
-paths only wait, send and await.
+paths only wait, send and await. Token requests go through ``_http`` on
+clients the provider owns (opened on first use, released by ``close``), so
+a refresh never builds a new HTTP client.
 """
 
 from __future__ import annotations
@@ -23,21 +25,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Generator
-from typing import TypeVar
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
+from types import TracebackType
+from typing import Literal, TypeVar
 
-import httpx
-
+from .. import _http
 from .._exceptions import AuthError, ConfigurationError
-from ._endpoint import TokenEndpoint, TokenRequest, require_secure
+from .._net import require_secure
+from .._protocol import Reply
+from ._endpoint import MAX_TOKEN_ANSWER_BYTES, Attempt, Exchange, TokenEndpoint, TokenRequest
 from ._policy import TokenPolicy
-from ._token import Token
+from ._token import Token, TokenEvent, TokenHook
 
 __all__ = ["Call", "Obtain", "TokenProvider", "call", "send"]
 
 T = TypeVar("T")
+_P = TypeVar("_P", bound="TokenProvider")
+_C = TypeVar("_C")
 
 _log = logging.getLogger("agentkey.auth")
 
@@ -137,7 +145,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class TokenProvider(httpx.Auth):
+class TokenProvider(_http.Auth):
     """Base of every agentkey token provider; an ``httpx.Auth`` usable with any httpx client.
 
     Before each request it makes sure the token has more than the policy's
@@ -149,15 +157,38 @@ class TokenProvider(httpx.Auth):
     the caller, who raises. A 403 never causes a refresh. When an early
     renewal fails while the current token still has a safe margin left, that
     token is used (with a warning) rather than failing the call.
+
+    Token requests go through HTTP clients the provider opens on first use;
+    ``close()`` / ``aclose()`` (or ``with`` / ``async with``) release them, and
+    a later token request opens new ones. Each hook in ``hooks`` receives a
+    :class:`TokenEvent` when a token request starts and ends.
     """
 
     requires_request_body = True  # the same request may be sent twice after a 401
 
     _can_refresh = True
 
-    def __init__(self, endpoint: TokenEndpoint | None, *, policy: TokenPolicy) -> None:
+    #: How the provider waits between token requests (tests replace them: nothing really waits).
+    _sleep: Callable[[float], None] = staticmethod(time.sleep)
+    _asleep: Callable[[float], Awaitable[None]] = staticmethod(asyncio.sleep)
+
+    def __init__(
+        self,
+        endpoint: TokenEndpoint | None,
+        *,
+        policy: TokenPolicy,
+        hooks: Sequence[TokenHook] | None = None,
+    ) -> None:
         if not isinstance(policy, TokenPolicy):
             raise ConfigurationError(f"policy must be an agentkey.auth.TokenPolicy, got {policy!r}")
+        chosen = () if hooks is None else hooks
+        if callable(chosen) or not isinstance(chosen, Iterable):
+            raise ConfigurationError(
+                f"hooks must be a sequence of callables, e.g. hooks=[my_hook], got {hooks!r}"
+            )
+        self._hooks: tuple[TokenHook, ...] = tuple(chosen)
+        if not all(callable(h) for h in self._hooks):
+            raise ConfigurationError(f"hooks must be callables taking one event, got {hooks!r}")
         self._endpoint = endpoint
         self._policy = policy
         self._lock = threading.Lock()
@@ -165,6 +196,8 @@ class TokenProvider(httpx.Auth):
         self._flight: _Flight | None = None
         self._failure: tuple[AuthError, float] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._client: _http.Client | None = None
+        self._async_client: _http.AsyncClient | None = None
 
     # -- subclasses -----------------------------------------------------------------
 
@@ -184,6 +217,46 @@ class TokenProvider(httpx.Auth):
         with self._lock:
             self._token = None
             self._failure = None
+
+    def close(self) -> None:
+        """Release the provider's HTTP clients (the token is kept; a refresh reopens them)."""
+        with self._lock:
+            client, self._client = self._client, None
+            self._async_client = None  # unpooled: it holds no connection to release
+        if client is not None:
+            client.close()
+
+    async def aclose(self) -> None:
+        """Awaitable ``close``."""
+        with self._lock:
+            client, self._client = self._client, None
+            async_client, self._async_client = self._async_client, None
+        if client is not None:
+            client.close()
+        if async_client is not None:
+            await async_client.aclose()
+
+    def __enter__(self: _P) -> _P:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self: _P) -> _P:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
     # -- decisions, under the lock ----------------------------------------------------
 
@@ -250,11 +323,74 @@ class TokenProvider(httpx.Auth):
 
     # -- sync path --------------------------------------------------------------------
 
+    def _emit(
+        self,
+        phase: Literal["start", "end"],
+        request: TokenRequest,
+        attempts: int = 0,
+        error: BaseException | None = None,
+    ) -> None:
+        endpoint = self._require_endpoint()
+        event = TokenEvent(
+            phase,
+            request.grant_name,
+            str(endpoint.origin),
+            attempts,
+            None if error is None else type(error).__name__,
+        )
+        for hook in self._hooks:
+            hook(event)
+
+    def _sync_client(self) -> _http.Client:
+        with self._lock:
+            if self._client is None:
+                self._client = self._open(_http.make_client)
+            return self._client
+
+    def _open(self, factory: Callable[..., _C]) -> _C:
+        # Unpooled: refreshes come minutes apart, long after an idle connection would have
+        # closed, and an async client with no pooled connection serves any event loop.
+        timeout = _http.make_timeout(self._policy.timeout)
+        return factory(timeout, verify=self._require_endpoint().verify, pooled=False)
+
+    @staticmethod
+    def _bounded(attempt: Attempt) -> _http.Outgoing:
+        return dataclasses.replace(attempt.outgoing, deadline=time.monotonic() + attempt.seconds)
+
+    def _exchange_sync(self, request: TokenRequest) -> Token:
+        """Drive the endpoint's exchange: each attempt through ``_http``, each wait slept."""
+        exchange: Exchange = self._require_endpoint().exchange(request)
+        attempts = 0
+        self._emit("start", request)
+        try:
+            effect = next(exchange)
+            while True:
+                reply: Reply | None = None
+                if isinstance(effect, Attempt):
+                    attempts += 1
+                    reply = _http.send_sync(
+                        self._sync_client(),
+                        self._bounded(effect),
+                        auth=None,
+                        timeout=None,
+                        max_bytes=MAX_TOKEN_ANSWER_BYTES,
+                    )
+                else:
+                    self._sleep(effect.seconds)
+                effect = exchange.send(reply)
+        except StopIteration as stop:
+            token: Token = stop.value
+        except BaseException as exc:
+            self._emit("end", request, attempts, exc)
+            raise
+        self._emit("end", request, attempts)
+        return token
+
     def _perform_sync(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
         try:
             if isinstance(op, Call):
                 return op.fn(), None
-            return self._require_endpoint().send_sync(op), None
+            return self._exchange_sync(op), None
         except AuthError as exc:
             return None, exc
 
@@ -298,11 +434,46 @@ class TokenProvider(httpx.Auth):
 
     # -- async path -------------------------------------------------------------------
 
+    def _async_http(self) -> _http.AsyncClient:
+        with self._lock:
+            if self._async_client is None:
+                self._async_client = self._open(_http.make_async_client)
+            return self._async_client
+
+    async def _exchange_async(self, request: TokenRequest) -> Token:
+        """Awaitable ``_exchange_sync``."""
+        exchange: Exchange = self._require_endpoint().exchange(request)
+        attempts = 0
+        self._emit("start", request)
+        try:
+            effect = next(exchange)
+            while True:
+                reply: Reply | None = None
+                if isinstance(effect, Attempt):
+                    attempts += 1
+                    reply = await _http.send_async(
+                        self._async_http(),
+                        self._bounded(effect),
+                        auth=None,
+                        timeout=None,
+                        max_bytes=MAX_TOKEN_ANSWER_BYTES,
+                    )
+                else:
+                    await self._asleep(effect.seconds)
+                effect = exchange.send(reply)
+        except StopIteration as stop:
+            token: Token = stop.value
+        except BaseException as exc:
+            self._emit("end", request, attempts, exc)
+            raise
+        self._emit("end", request, attempts)
+        return token
+
     async def _perform_async(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
         try:
             if isinstance(op, Call):
                 return await asyncio.to_thread(op.fn), None
-            return await self._require_endpoint().send_async(op), None
+            return await self._exchange_async(op), None
         except AuthError as exc:
             return None, exc
 
@@ -361,21 +532,23 @@ class TokenProvider(httpx.Auth):
 
     def _wait_cap(self) -> float:
         policy = self._policy
-        return policy.deadline + policy.timeout + policy.max_wait + 5.0
+        return (
+            policy.deadline + policy.timeout + max(policy.max_backoff, policy.max_retry_after) + 5.0
+        )
 
     # -- the httpx.Auth flows -------------------------------------------------------------
 
     @staticmethod
-    def _authorize(request: httpx.Request, token: Token) -> None:
+    def _authorize(request: _http.Request, token: Token) -> None:
         request.headers["Authorization"] = f"Bearer {token.access_token.get_secret_value()}"
 
-    def _retry_after_401(self, response: httpx.Response) -> bool:
+    def _retry_after_401(self, response: _http.Response) -> bool:
         return response.status_code == 401 and self._can_refresh
 
     def sync_auth_flow(
-        self, request: httpx.Request
-    ) -> Generator[httpx.Request, httpx.Response, None]:
-        require_secure(request.url, what="a bearer token")
+        self, request: _http.Request
+    ) -> Generator[_http.Request, _http.Response, None]:
+        require_secure(str(request.url), what="a bearer token")
         request.read()
         sent = self._token_sync()
         self._authorize(request, sent)
@@ -386,9 +559,9 @@ class TokenProvider(httpx.Auth):
             yield request
 
     async def async_auth_flow(
-        self, request: httpx.Request
-    ) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        require_secure(request.url, what="a bearer token")
+        self, request: _http.Request
+    ) -> AsyncGenerator[_http.Request, _http.Response]:
+        require_secure(str(request.url), what="a bearer token")
         await request.aread()
         sent = await self._token_async()
         self._authorize(request, sent)
@@ -398,7 +571,7 @@ class TokenProvider(httpx.Auth):
             self._authorize(request, renewed)
             yield request
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+    def auth_flow(self, request: _http.Request) -> Generator[_http.Request, _http.Response, None]:
         """Not used: httpx calls ``sync_auth_flow`` or ``async_auth_flow``, which do the I/O."""
         raise NotImplementedError("token providers run through httpx's sync or async auth flow")
 

@@ -1,53 +1,55 @@
-"""The token endpoint client: form POST, client authentication, retries, error parsing.
+"""The token endpoint without I/O: build a request, interpret an answer, schedule retries.
 
-Building a request and interpreting an answer are plain functions; the sync
-and async drivers only send and sleep, through tenacity configured in one
-place (``_retrying``).
+:meth:`TokenEndpoint.exchange` is a generator: it yields an :class:`Attempt` (a
+request to send, and how long it may take) or a :class:`Wait`, and receives
+the :class:`~agentkey._protocol.Reply` of each attempt. The provider sends it
+through ``_http`` on the client it owns and does the waiting. Time is read from
+the policy's clock only, and waits come from ``TokenPolicy.schedule``: the
+same backoff formula as step retries and polls.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
-import ssl
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
-import httpx
 from pydantic import SecretStr
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-)
 
-from .._exceptions import ConfigurationError, InsecureTransport, TokenError
-from .._protocol import is_loopback
+from .._exceptions import ConfigurationError, TokenError
+from .._http import Outgoing
+from .._net import origin_of, redact_url, require_secure
+from .._protocol import Failure, Reply, parse_json
 from .._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
 from ._policy import TokenPolicy
 from ._token import Token, header_safe, refresh_deadline
 
 if TYPE_CHECKING:
+    import ssl
+
     from ._oauth import PrivateKey
 
 __all__ = [
+    "MAX_TOKEN_ANSWER_BYTES",
+    "Attempt",
     "ClientAuthConfig",
+    "Exchange",
     "TokenEndpoint",
     "TokenRequest",
-    "is_loopback",
+    "Wait",
     "redact_url",
     "require_secure",
     "scope_text",
 ]
 
 _log = logging.getLogger("agentkey.auth")
+
+#: The largest token endpoint answer read: a token answer is a few kilobytes.
+MAX_TOKEN_ANSWER_BYTES = 1024 * 1024
 
 _HINTS = {
     "invalid_client": "check the client id and its secret or key with the identity provider",
@@ -60,29 +62,6 @@ _HINTS = {
     "unsupported_grant_type": "the identity provider does not support this grant type",
     "invalid_request": "the request is malformed; check the provider's options",
 }
-
-
-def redact_url(url: str | httpx.URL) -> str:
-    """``scheme://host[:port]/path`` of ``url``: no user info, query or fragment."""
-    parts = urlsplit(str(url))
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
-def require_secure(url: str | httpx.URL, *, what: str) -> None:
-    """Raise InsecureTransport unless ``url`` is https, or http to a loopback host."""
-    parsed = httpx.URL(str(url))
-    if parsed.scheme == "https":
-        return
-    if parsed.scheme == "http" and is_loopback(parsed.host):
-        return
-    raise InsecureTransport(
-        f"refusing to send {what} to {redact_url(url)}: credentials travel only over "
-        "https (plain http is allowed to loopback hosts alone); use an https:// URL"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +79,12 @@ class ClientAuthConfig:
 
 @dataclass(frozen=True, slots=True)
 class TokenRequest:
-    """The grant part of one token request; values that are secrets stay SecretStr."""
+    """The grant part of one token request: ``grant_type`` and its form parameters.
+
+    Values that are secrets stay ``SecretStr`` until the form body is built.
+    ``expect_issued_token_type``, when set, is the set of RFC 8693
+    ``issued_token_type`` values the answer may carry.
+    """
 
     grant_type: str
     params: tuple[tuple[str, str | SecretStr], ...] = ()
@@ -109,7 +93,27 @@ class TokenRequest:
 
     @property
     def grant_name(self) -> str:
+        """The grant type's last part: ``client_credentials``, ``token-exchange``..."""
         return self.grant_type.rsplit(":", 1)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """Send ``outgoing``; it may take ``seconds`` (the policy's timeout, cut to its deadline)."""
+
+    outgoing: Outgoing
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait ``seconds`` before the next attempt."""
+
+    seconds: float
+
+
+#: The effects of one token request: attempts and waits in, the Token out.
+Exchange = Generator[Attempt | Wait, Reply | None, Token]
 
 
 class _Retryable(Exception):
@@ -146,7 +150,7 @@ def _clean(text: object, limit: int = 300) -> str | None:
 
 
 class TokenEndpoint:
-    """Sends token requests for one client to one token URL."""
+    """Token requests of one client to one token URL: built, read and retried (no I/O)."""
 
     def __init__(
         self,
@@ -158,21 +162,21 @@ class TokenEndpoint:
     ) -> None:
         if not isinstance(token_url, str) or not token_url:
             raise ConfigurationError("token_url must be the URL of the token endpoint")
-        parsed = httpx.URL(token_url)
-        if parsed.scheme not in ("http", "https") or not parsed.host:
+        origin = origin_of(token_url)
+        if origin is None:
             raise ConfigurationError(
                 f"token_url {redact_url(token_url)!r} is not an absolute http(s) URL"
             )
-        if parsed.userinfo:
+        if "@" in urlsplit(token_url).netloc:
             raise ConfigurationError(
                 "token_url must not carry credentials; pass client_id and client_secret"
             )
         require_secure(token_url, what="client credentials")
         self.url = token_url
+        self.origin = origin
         self.client = client
         self.policy = policy
-        self._verify = verify
-        self._ssl: ssl.SSLContext | None = None  # built once: it costs ~50 ms per client
+        self.verify = verify  # for the HTTP client the provider opens
 
     def __repr__(self) -> str:
         return f"TokenEndpoint({redact_url(self.url)!r}, client_id={self.client.client_id!r})"
@@ -215,21 +219,37 @@ class TokenEndpoint:
         )
         return headers, body.encode("ascii")
 
-    def interpret(self, request: TokenRequest, response: httpx.Response, sent_at: float) -> Token:
+    def outgoing(self, request: TokenRequest) -> Outgoing:
+        """``request`` as the POST to send: form body, client authentication applied."""
+        headers, body = self.build(request)
+        # Sent bare (same_origin=False): no cookie jar, no client defaults, no auth flow.
+        return Outgoing("POST", self.url, tuple(headers.items()), body, same_origin=False)
+
+    def interpret(self, request: TokenRequest, reply: Reply, sent_at: float) -> Token:
         """The Token in a successful answer; raises TokenError or _Retryable otherwise."""
-        status = response.status_code
         where = f"token endpoint {redact_url(self.url)}"
         who = f"the {request.grant_name} request of client {self.client.client_id!r}"
+        if isinstance(reply, Failure):
+            said = reply.description
+            kind = (
+                "timed out" if "Timeout" in said or "deadline" in said else "could not be reached"
+            )
+            raise _Retryable(f"{where} {kind} ({said})", status_code=None, retry_after=None)
+        status = reply.status_code
         if status == 429 or status >= 500:
             raise _Retryable(
                 f"{where} answered {status}",
                 status_code=status,
-                retry_after=parse_retry_after(response.headers.get("Retry-After")),
+                retry_after=parse_retry_after(reply.header("Retry-After")),
             )
-        try:
-            payload: Any = response.json()
-        except ValueError:
-            payload = None
+        if reply.oversize or reply.unreadable:
+            why = reply.unreadable or f"a body over {MAX_TOKEN_ANSWER_BYTES} bytes"
+            raise TokenError(
+                f"{where} answered {who} with HTTP {status} and {why}, which agentkey does "
+                "not read; check that token_url is the token endpoint",
+                status_code=status,
+            )
+        payload: Any = parse_json(reply.content)
         if status != 200:
             error = _clean(payload.get("error"), 80) if isinstance(payload, dict) else None
             description = (
@@ -324,32 +344,31 @@ class TokenEndpoint:
             issued_token_type=issued_type if isinstance(issued_type, str) else None,
         )
 
-    # -- retry policy, in one place -------------------------------------------------
+    # -- the retry loop, as effects ------------------------------------------------
 
-    def _wait(self, state: RetryCallState) -> float:
+    def exchange(self, request: TokenRequest) -> Exchange:
+        """Obtain a token for ``request``, retrying as the policy allows; yields its effects."""
         policy = self.policy
-        outcome = state.outcome
-        exc = outcome.exception() if outcome is not None else None
-        retry_after = exc.retry_after if isinstance(exc, _Retryable) else None
-        if retry_after is not None:
-            wait = min(retry_after, policy.max_wait)
-        else:
-            ceiling = min(policy.max_wait, policy.backoff * 2 ** (state.attempt_number - 1))
-            wait = random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter, not security
-        elapsed = state.seconds_since_start or 0.0
-        wait = max(0.0, min(wait, policy.deadline - elapsed))
-        reason = exc.reason if isinstance(exc, _Retryable) else "failed"
-        _log.warning("%s; token request retried in %.2f s", reason, wait)
-        return wait
-
-    def _retrying(self) -> dict[str, Any]:
-        policy = self.policy
-        return {
-            "stop": stop_after_attempt(policy.attempts) | stop_after_delay(policy.deadline),
-            "wait": self._wait,
-            "retry": retry_if_exception_type(_Retryable),
-            "reraise": True,
-        }
+        start = policy.clock()
+        attempt = 0
+        while True:
+            attempt += 1
+            sent_at = policy.clock()
+            left = policy.deadline - (sent_at - start)
+            reply = yield Attempt(self.outgoing(request), max(0.001, min(policy.timeout, left)))
+            assert reply is not None
+            try:
+                token = self.interpret(request, reply, sent_at)
+            except _Retryable as exc:
+                wait = policy.schedule.delay(attempt, exc.retry_after)
+                left = policy.deadline - (policy.clock() - start)
+                if attempt >= policy.max_attempts or wait >= left:
+                    raise self._exhausted(request, exc, attempt) from None
+                _log.warning("%s; token request retried in %.2f s", exc.reason, wait)
+                yield Wait(wait)
+                continue
+            self._log_success(request, token)
+            return token
 
     def _exhausted(self, request: TokenRequest, exc: _Retryable, attempts: int) -> TokenError:
         return TokenError(
@@ -359,28 +378,6 @@ class TokenEndpoint:
             status_code=exc.status_code,
         )
 
-    def _transport_error(self, exc: httpx.TransportError) -> _Retryable:
-        kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "could not be reached"
-        return _Retryable(
-            f"token endpoint {redact_url(self.url)} {kind} ({type(exc).__name__})",
-            status_code=None,
-            retry_after=None,
-        )
-
-    def _client_options(self) -> dict[str, Any]:
-        if self._ssl is None:
-            verify = self._verify
-            self._ssl = (
-                verify
-                if isinstance(verify, ssl.SSLContext)
-                else httpx.create_ssl_context(verify=verify)
-            )
-        return {
-            "timeout": self.policy.timeout,
-            "follow_redirects": False,  # a redirect must not carry client credentials
-            "verify": self._ssl,
-        }
-
     def _log_success(self, request: TokenRequest, token: Token) -> None:
         _log.debug(
             "token obtained with the %s grant for client %r from %s (lifetime %s s)",
@@ -389,48 +386,6 @@ class TokenEndpoint:
             redact_url(self.url),
             "unknown" if token.lifetime is None else f"{token.lifetime:g}",
         )
-
-    # -- drivers --------------------------------------------------------------------
-
-    def send_sync(self, request: TokenRequest) -> Token:
-        """Obtain a token, retrying as the policy allows (blocking)."""
-        attempts = 0
-        try:
-            with httpx.Client(**self._client_options()) as http:
-                for attempt in Retrying(**self._retrying()):
-                    with attempt:
-                        attempts += 1
-                        headers, body = self.build(request)
-                        sent_at = self.policy.clock()
-                        try:
-                            response = http.post(self.url, headers=headers, content=body)
-                        except httpx.TransportError as exc:
-                            raise self._transport_error(exc) from None
-                        token = self.interpret(request, response, sent_at)
-        except _Retryable as exc:
-            raise self._exhausted(request, exc, attempts) from None
-        self._log_success(request, token)
-        return token
-
-    async def send_async(self, request: TokenRequest) -> Token:
-        """Obtain a token, retrying as the policy allows (awaitable)."""
-        attempts = 0
-        try:
-            async with httpx.AsyncClient(**self._client_options()) as http:
-                async for attempt in AsyncRetrying(**self._retrying()):
-                    with attempt:
-                        attempts += 1
-                        headers, body = self.build(request)
-                        sent_at = self.policy.clock()
-                        try:
-                            response = await http.post(self.url, headers=headers, content=body)
-                        except httpx.TransportError as exc:
-                            raise self._transport_error(exc) from None
-                        token = self.interpret(request, response, sent_at)
-        except _Retryable as exc:
-            raise self._exhausted(request, exc, attempts) from None
-        self._log_success(request, token)
-        return token
 
 
 def scope_text(scope: str | Sequence[str] | None) -> str | None:

@@ -11,12 +11,13 @@ from typing import get_args
 from pydantic import SecretStr
 
 from .._exceptions import AuthError, ConfigurationError, DelegationExpired, TokenError
+from .._net import redact_url
 from ._base import Obtain, TokenProvider, call, send
-from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, redact_url, scope_text
+from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, scope_text
 from ._oauth import AuthMethod, load_private_key
 from ._policy import TokenPolicy
 from ._stores import MemoryTokenStore, TokenStore
-from ._token import Token, header_safe, jwt_expired
+from ._token import Token, TokenHook, header_safe, jwt_expired
 
 __all__ = [
     "ACCESS_TOKEN_TYPE",
@@ -24,6 +25,7 @@ __all__ = [
     "JWT_TOKEN_TYPE",
     "REFRESH_TOKEN_TYPE",
     "ClientCredentials",
+    "OAuthProvider",
     "OnBehalfOf",
     "RefreshTokenGrant",
     "StaticToken",
@@ -118,8 +120,24 @@ def _client_auth(
     )
 
 
-class _OAuthProvider(TokenProvider):
-    """A provider that talks to a token endpoint as one OAuth client."""
+class OAuthProvider(TokenProvider):
+    """A provider that talks to a token endpoint as one OAuth client: the base for a new grant.
+
+    The constructor takes the token endpoint and the client's authentication,
+    as :class:`ClientCredentials` does. A subclass overrides
+    :meth:`token_request` to say what to ask for; everything else (client
+    authentication, retries, the single flight, refresh before expiry and
+    after a 401, hooks) is inherited::
+
+        class JwtBearer(OAuthProvider):
+            def __init__(self, token_url, client_id, client_secret, *, assertion):
+                super().__init__(token_url, client_id, client_secret)
+                self._assertion = SecretStr(assertion)
+
+            def token_request(self, current: Token | None) -> TokenRequest:
+                grant = "urn:ietf:params:oauth:grant-type:jwt-bearer"
+                return TokenRequest(grant, (("assertion", self._assertion),))
+    """
 
     _endpoint: TokenEndpoint
 
@@ -127,15 +145,16 @@ class _OAuthProvider(TokenProvider):
         self,
         token_url: str,
         client_id: str,
-        client_secret: SecretInput | None,
+        client_secret: SecretInput | None = None,
         *,
-        auth_method: AuthMethod,
-        private_key: SecretInput | bytes | None,
-        private_key_alg: str,
-        key_id: str | None,
-        assertion_lifetime: float,
-        policy: TokenPolicy,
-        verify: ssl.SSLContext | bool,
+        auth_method: AuthMethod = "client_secret_basic",
+        private_key: SecretInput | bytes | None = None,
+        private_key_alg: str = "RS256",
+        key_id: str | None = None,
+        assertion_lifetime: float = 60.0,
+        policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
+        verify: ssl.SSLContext | bool = True,
+        hooks: Sequence[TokenHook] | None = None,
     ) -> None:
         client = _client_auth(
             client_id,
@@ -147,7 +166,9 @@ class _OAuthProvider(TokenProvider):
             assertion_lifetime=assertion_lifetime,
         )
         super().__init__(
-            TokenEndpoint(token_url, client, policy=policy, verify=verify), policy=policy
+            TokenEndpoint(token_url, client, policy=policy, verify=verify),
+            policy=policy,
+            hooks=hooks,
         )
 
     def __repr__(self) -> str:
@@ -164,8 +185,19 @@ class _OAuthProvider(TokenProvider):
     def _who(self) -> str:
         return f"{type(self).__name__} for client {self.client_id!r}"
 
+    def token_request(self, current: Token | None) -> TokenRequest:
+        """The request that obtains a new token; ``current`` is the token being replaced.
 
-class ClientCredentials(_OAuthProvider):
+        ``current`` is None on the first request (and after ``invalidate()``);
+        its ``refresh_token``, when the endpoint sent one, can renew it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define token_request()")
+
+    def _obtain(self, current: Token | None) -> Obtain:
+        return (yield from send(self.token_request(current)))
+
+
+class ClientCredentials(OAuthProvider):
     """Machine-to-machine tokens: the OAuth 2.0 client credentials grant (RFC 6749 section 4.4).
 
     ``scope`` may be a string or a list; ``audience`` (Auth0 and others) and
@@ -192,6 +224,7 @@ class ClientCredentials(_OAuthProvider):
         assertion_lifetime: float = 60.0,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
+        hooks: Sequence[TokenHook] | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -204,6 +237,7 @@ class ClientCredentials(_OAuthProvider):
             assertion_lifetime=assertion_lifetime,
             policy=policy,
             verify=verify,
+            hooks=hooks,
         )
         params: list[tuple[str, str | SecretStr]] = []
         text = scope_text(scope)
@@ -213,11 +247,11 @@ class ClientCredentials(_OAuthProvider):
         params += [("resource", r) for r in _strings(resource, "resource")]
         self._request = TokenRequest("client_credentials", tuple(params))
 
-    def _obtain(self, current: Token | None) -> Obtain:
-        return (yield from send(self._request))
+    def token_request(self, current: Token | None) -> TokenRequest:
+        return self._request
 
 
-class RefreshTokenGrant(_OAuthProvider):
+class RefreshTokenGrant(OAuthProvider):
     """Tokens renewed from a refresh token (RFC 6749 section 6), e.g. a user's offline grant.
 
     The refresh token lives in ``store`` under ``store_key``. ``refresh_token``
@@ -249,6 +283,7 @@ class RefreshTokenGrant(_OAuthProvider):
         assertion_lifetime: float = 60.0,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
+        hooks: Sequence[TokenHook] | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -261,6 +296,7 @@ class RefreshTokenGrant(_OAuthProvider):
             assertion_lifetime=assertion_lifetime,
             policy=policy,
             verify=verify,
+            hooks=hooks,
         )
         if store is not None and not isinstance(store, TokenStore):
             raise ConfigurationError("store must implement load, save and delete (TokenStore)")
@@ -324,7 +360,7 @@ class RefreshTokenGrant(_OAuthProvider):
         return dataclasses.replace(token, refresh_token=None)  # the store holds it
 
 
-class _Delegated(_OAuthProvider):
+class _Delegated(OAuthProvider):
     """A delegated token obtained from a user's token, renewed by refresh token when one came."""
 
     _delegation_errors = frozenset({"invalid_grant"})
@@ -434,6 +470,7 @@ class TokenExchange(_Delegated):
         assertion_lifetime: float = 60.0,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
+        hooks: Sequence[TokenHook] | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -446,6 +483,7 @@ class TokenExchange(_Delegated):
             assertion_lifetime=assertion_lifetime,
             policy=policy,
             verify=verify,
+            hooks=hooks,
         )
         self._set_subject(subject_token)
         if not isinstance(subject_token_type, str) or not subject_token_type:
@@ -507,6 +545,7 @@ class OnBehalfOf(_Delegated):
         assertion_lifetime: float = 60.0,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
+        hooks: Sequence[TokenHook] | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -519,6 +558,7 @@ class OnBehalfOf(_Delegated):
             assertion_lifetime=assertion_lifetime,
             policy=policy,
             verify=verify,
+            hooks=hooks,
         )
         self._set_subject(user_token)
         text = scope_text(scope)

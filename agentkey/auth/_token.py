@@ -8,11 +8,13 @@ import json
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
 
 from pydantic import SecretStr
 
-__all__ = ["Token", "header_safe", "jwt_expired", "refresh_deadline"]
+__all__ = ["Token", "TokenEvent", "TokenHook", "header_safe", "jwt_expired", "refresh_deadline"]
 
 
 _VISIBLE = re.compile(r"[\x21-\x7e]+")
@@ -53,6 +55,29 @@ class Token:
     def expires_at(self) -> float | None:
         """The monotonic time the token expires, if it said."""
         return None if self.lifetime is None else self.obtained_at + self.lifetime
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A provider starts (``phase="start"``) or ends (``"end"``) one request to its token endpoint.
+
+    ``grant`` is the grant type's last part (``client_credentials``,
+    ``refresh_token``, ``token-exchange``, ``jwt-bearer``); ``endpoint_origin``
+    is ``scheme://host:port`` of the token URL; ``attempts`` counts the HTTP
+    requests made so far (0 at start); ``error`` is the class name of the
+    error the request ended with (``TokenError``, ``DelegationExpired``), or
+    None. Events never carry a token, a secret or a form parameter.
+    """
+
+    phase: Literal["start", "end"]
+    grant: str
+    endpoint_origin: str
+    attempts: int
+    error: str | None = None
+
+
+#: A hook receives each TokenEvent; an exception it raises fails the token request.
+TokenHook: TypeAlias = Callable[[TokenEvent], None]
 
 
 def refresh_deadline(

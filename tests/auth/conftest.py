@@ -11,6 +11,7 @@ import httpx
 import pytest
 from joserfc.jwk import RSAKey
 
+from agentkey.auth import TokenProvider
 from tests._loopback import serve
 from tests.auth._idp import IdP
 
@@ -39,6 +40,19 @@ def idp(_idp_server: IdP) -> IdP:
     """The loopback identity provider and tool, with counters reset."""
     _idp_server.reset()
     return _idp_server
+
+
+@pytest.fixture(autouse=True)
+def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Providers never really wait between token requests here: each wait is only recorded."""
+    waits: list[float] = []
+
+    async def asleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(TokenProvider, "_sleep", staticmethod(waits.append))
+    monkeypatch.setattr(TokenProvider, "_asleep", staticmethod(asleep))
+    return waits
 
 
 class FakeClock:

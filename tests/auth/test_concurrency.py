@@ -16,27 +16,27 @@ from agentkey.auth import ClientCredentials, TokenPolicy
 from agentkey.auth._base import _Flight
 from agentkey.auth._token import Token
 from tests.auth._idp import IdP, Reply
-from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
 
-POLICY = TokenPolicy(backoff=0.01, max_wait=0.05, attempts=1, failure_ttl=5.0)
-
-
-def _provider(idp: IdP) -> ClientCredentials:
-    return ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=POLICY)
+POLICY = TokenPolicy(initial_backoff=0.01, max_backoff=0.05, max_attempts=1, failure_ttl=5.0)
 
 
-async def _expire(idp: IdP, auth: ClientCredentials) -> None:
-    """Give ``auth`` a token that lives 1 s, then let it expire."""
-    idp.lifetime = 1.0
+def _provider(idp: IdP, clock: FakeClock | None = None) -> ClientCredentials:
+    policy = POLICY if clock is None else POLICY.replace(clock=clock)
+    return ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=policy)
+
+
+async def _expire(auth: ClientCredentials, clock: FakeClock) -> None:
+    """Give ``auth`` a token, then move its clock past the token's life (no real waiting)."""
     assert await auth.aget_token()
-    await asyncio.sleep(1.05)
-    idp.lifetime = 30.0
+    clock.advance(3600.0)
 
 
 async def test_1000_concurrent_async_calls_make_one_token_request(idp: IdP) -> None:
     """1,000 concurrent async tool calls over an expired token cause exactly one token request."""
-    auth = _provider(idp)
-    await _expire(idp, auth)
+    clock = FakeClock()
+    auth = _provider(idp, clock)
+    await _expire(auth, clock)
     before = idp.token_requests
     # The token endpoint is reached over loopback; the tool is the same app served in-process
     # (httpx.ASGITransport), so the 1,000 tool requests do not spend the test's time in sockets.
@@ -50,8 +50,9 @@ async def test_1000_concurrent_async_calls_make_one_token_request(idp: IdP) -> N
 
 def test_16_threads_make_one_token_request(idp: IdP) -> None:
     """16 threads calling at once over an expired token cause exactly one token request."""
-    auth = _provider(idp)
-    asyncio.run(_expire(idp, auth))
+    clock = FakeClock()
+    auth = _provider(idp, clock)
+    asyncio.run(_expire(auth, clock))
     before = idp.token_requests
     barrier = threading.Barrier(16)
 
@@ -68,8 +69,9 @@ def test_16_threads_make_one_token_request(idp: IdP) -> None:
 
 async def test_threads_and_coroutines_together_make_one_token_request(idp: IdP) -> None:
     """Threads and coroutines hitting one expired credential at once share a single refresh."""
-    auth = _provider(idp)
-    await _expire(idp, auth)
+    clock = FakeClock()
+    auth = _provider(idp, clock)
+    await _expire(auth, clock)
     idp.delay = 0.3  # keep the refresh in flight while everyone arrives
     before = idp.token_requests
 

@@ -40,7 +40,14 @@ from tests.auth.conftest import (
 )
 
 CLOCK = FakeClock()
-FAST = TokenPolicy(backoff=0.01, max_wait=0.05, attempts=3, failure_ttl=0.5, clock=CLOCK)
+FAST = TokenPolicy(
+    initial_backoff=0.01,
+    max_backoff=0.05,
+    max_retry_after=0.05,
+    max_attempts=3,
+    failure_ttl=0.5,
+    clock=CLOCK,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -478,7 +485,7 @@ async def test_no_bearer_over_plain_http(idp: IdP, driver: Driver, url: str) -> 
 async def test_token_endpoint_timeouts_are_retried_then_reported(idp: IdP, driver: Driver) -> None:
     """A token endpoint slower than the timeout is retried, then reported as timed out."""
     idp.delay = 0.5
-    auth = _cc(idp, policy=FAST.replace(timeout=0.1, attempts=2))
+    auth = _cc(idp, policy=FAST.replace(timeout=0.1, max_attempts=2))
     with pytest.raises(TokenError, match="timed out") as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)
     assert "2 attempt" in str(info.value)
@@ -490,7 +497,7 @@ async def test_unreachable_token_endpoint(driver: Driver) -> None:
     from tests._loopback import free_port
 
     url = f"http://127.0.0.1:{free_port()}/token"
-    auth = ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, policy=FAST.replace(attempts=2))
+    auth = ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, policy=FAST.replace(max_attempts=2))
     with pytest.raises(TokenError, match="could not be reached"):
         await driver.request("GET", "http://127.0.0.1:9/tool", auth=auth)
 
@@ -514,7 +521,7 @@ async def test_failed_early_renewal_keeps_the_still_valid_token(
     idp: IdP, driver: Driver, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A failed early renewal leaves calls on the unexpired token, until it nears expiry."""
-    auth = _cc(idp, policy=FAST.replace(attempts=1, failure_ttl=30.0))
+    auth = _cc(idp, policy=FAST.replace(max_attempts=1, failure_ttl=30.0))
     assert (await driver.request("GET", idp.url + "/tool", auth=auth)).status_code == 200
     CLOCK.advance(1.1)  # the 2 s token is due (half its life) but valid for 0.9 s more
     idp.replies = [Reply(503, {"error": "down"})]

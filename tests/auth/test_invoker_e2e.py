@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -16,16 +15,17 @@ from agentkey import (
     ToolInvoker,
     ToolResult,
 )
-from agentkey.auth import TokenPolicy
-from agentkey.auth._base import TokenProvider
+from agentkey.auth import TokenPolicy, TokenProvider
 from tests.auth._idp import IdP
-from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
 
 STEPS = 10
-INTERVAL = 0.6  # 10 steps over about 6 seconds
+INTERVAL = 0.6  # 10 steps over 6 seconds of the fake clock
 
 
-async def _run_plan(kind: str, idp: IdP, auth: TokenProvider, revoke_at: int) -> list[ToolResult]:
+async def _run_plan(
+    kind: str, idp: IdP, auth: TokenProvider, revoke_at: int, clock: FakeClock
+) -> list[ToolResult]:
     """Invoke STEPS steps INTERVAL apart; revoke every token just before step ``revoke_at``."""
     plan = PlanSession.new()
     routes = {"deploy": "/tool"}
@@ -36,7 +36,7 @@ async def _run_plan(kind: str, idp: IdP, auth: TokenProvider, revoke_at: int) ->
                 if i == revoke_at:
                     idp.revoke_all()
                 results.append(await invoker.invoke(plan.step(i, "deploy", {"n": i})))
-                await asyncio.sleep(INTERVAL)
+                clock.advance(INTERVAL)
         return results
 
     def run() -> None:
@@ -45,7 +45,7 @@ async def _run_plan(kind: str, idp: IdP, auth: TokenProvider, revoke_at: int) ->
                 if i == revoke_at:
                     idp.revoke_all()
                 results.append(invoker.invoke(plan.step(i, "deploy", {"n": i})))
-                time.sleep(INTERVAL)
+                clock.advance(INTERVAL)
 
     await asyncio.to_thread(run)
     return results
@@ -53,12 +53,14 @@ async def _run_plan(kind: str, idp: IdP, auth: TokenProvider, revoke_at: int) ->
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_plan_of_10_steps_with_2s_tokens_sees_no_401(idp: IdP, kind: str) -> None:
-    """10 steps over ~6 s with 2 s tokens (one revoked mid-plan) all succeed; no 401 reaches us."""
+    """10 steps over 6 s with 2 s tokens (one revoked mid-plan) all succeed; no 401 reaches us."""
+    clock = idp.clock = FakeClock()  # token lifetimes pass only between steps
     idp.lifetime = 2.0
-    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=TokenPolicy())
-    started = time.monotonic()
-    results = await _run_plan(kind, idp, auth, revoke_at=5)
-    elapsed = time.monotonic() - started
+    policy = TokenPolicy(clock=clock)
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=policy)
+    started = clock()
+    results = await _run_plan(kind, idp, auth, revoke_at=5, clock=clock)
+    elapsed = clock() - started
     assert [r.status_code for r in results] == [200] * STEPS
     assert [r.attempts for r in results] == [1] * STEPS  # the 401 was absorbed by the auth layer
     assert idp.tool_calls == STEPS
@@ -99,11 +101,16 @@ async def test_second_401_raises_authentication_error(idp: IdP, kind: str) -> No
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_polls_carry_a_fresh_token(idp: IdP, kind: str) -> None:
-    """A 202 operation polled for ~2.4 s with 1 s tokens: each poll is authorised, no 401."""
+    """A 202 operation polled for ~2.4 s with 1 s tokens: each poll is authorised, no 401.
+
+    End to end in real time: the invoker's own poll waits are what age the tokens.
+    """
     idp.lifetime = 1.0
     idp.polls_until_done = 8
     auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET)
-    polling = PollPolicy(interval=0.3, backoff=1.0, max_interval=0.3, deadline=30.0)
+    polling = PollPolicy(
+        initial_backoff=0.3, backoff_multiplier=1.0, max_backoff=0.3, deadline=30.0
+    )
     step = PlanSession.new().step(0, "build", {"image": "api:1.2"})
     routes = {"build": "/jobs"}
     if kind == "async":

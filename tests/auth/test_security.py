@@ -31,7 +31,7 @@ from tests.auth.conftest import (
     PUBLIC_CLIENT,
 )
 
-FAST = TokenPolicy(backoff=0.01, max_wait=0.05, attempts=2, failure_ttl=0.0)
+FAST = TokenPolicy(initial_backoff=0.01, max_backoff=0.05, max_attempts=2, failure_ttl=0.0)
 ACTOR = "actor-token-do-not-leak"
 STORE_KEY = EncryptedFileTokenStore.generate_key()
 

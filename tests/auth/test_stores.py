@@ -191,7 +191,7 @@ _ROTATOR = textwrap.dedent(
     provider = RefreshTokenGrant(
         url + "/token", client, secret,
         store=EncryptedFileTokenStore(path, key=key),
-        policy=TokenPolicy(attempts=1),
+        policy=TokenPolicy(max_attempts=1),
     )
     Path(path + ".ready-" + str(id(provider))).touch()
     while not Path(go).exists():
