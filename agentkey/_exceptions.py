@@ -18,14 +18,19 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   ├── PollTimeout                    the poll deadline passed; resume later
 │   └── UnsafeRedirect                 a redirect or status URL leads to another origin
 ├── AuthError                        credentials could not be obtained or were refused
-│   ├── AuthenticationError            the tool refused a freshly refreshed token
+│   ├── AuthenticationError (InvokeError)  the tool refused a freshly refreshed token
 │   ├── TokenError                     the token endpoint answered with an error
 │   │   └── DelegationExpired            the user's delegation cannot be renewed
-│   └── InsecureTransport              a bearer token would travel over plain http
+│   └── InsecureTransport (ConfigurationError)  a bearer token would travel over plain http
 ├── StepRepeated                     the model asked again for a call that already succeeded
 └── StoreError                       server side: the idempotency store failed
-    └── StoreUnavailable               the store cannot be reached
+    ├── StoreUnavailable               the store cannot be reached
+    └── LeaseLost                      another request took the key after this lease lapsed
 ```
+
+A name in parentheses is a second parent: ``except InvokeError`` also catches
+``AuthenticationError``, and ``except ConfigurationError`` (or ``ValueError``)
+also catches ``InsecureTransport``.
 
 Every message says what happened, which key or step it concerns, and what
 to do next. No message, ``str`` or ``repr`` ever contains a secret or token.
@@ -45,6 +50,7 @@ __all__ = [
     "InvokeError",
     "KeyRejected",
     "KeyReused",
+    "LeaseLost",
     "MissingExtra",
     "OutcomeUnknown",
     "PayloadMismatch",
@@ -267,4 +273,18 @@ class StoreError(AgentKeyError):
 
 
 class StoreUnavailable(StoreError):
-    """The idempotency store cannot be reached; requests are refused, not run."""
+    """The idempotency store cannot be reached.
+
+    During a claim the request is refused and not run; during a renewal or the
+    write of an outcome the handler runs or ran, and its outcome may not be
+    recorded yet (the middleware retries that write within its settle budget).
+    """
+
+
+class LeaseLost(StoreError):
+    """Another request took the key after this request's lease lapsed.
+
+    Not a store failure: the store works, and the step now belongs to the other
+    request, so this one must not start its side effect. A ``StoreError`` for
+    compatibility with code that catches ``StoreError`` around ``begin_mutation()``.
+    """

@@ -82,7 +82,13 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .server import MemoryStore, RedisStore, example_app
+        from .server import MemoryStore, Store, example_app
+
+        store: Store = MemoryStore()
+        if ns.redis:  # redis-py is needed only then: `agentkey serve` on memory runs without it
+            from .server import RedisStore
+
+            store = RedisStore(ns.redis)
     except ImportError as exc:
         print(
             f"agentkey: serve needs the server extra ({exc.name or 'a package'} is missing): "
@@ -90,7 +96,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    store = RedisStore(ns.redis) if ns.redis else MemoryStore()
     app = example_app(store, work_seconds=ns.work_seconds)
     where = "Redis" if ns.redis else "memory (lost on exit)"
     print(

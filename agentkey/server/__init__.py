@@ -1,7 +1,8 @@
 """The server half of the contract: idempotency middleware, stores and blob stores.
 
 Needs the ``server`` extra (``pip install 'agentkey-idempotency[server]'``). ``import
-agentkey`` never imports this package.
+agentkey`` never imports this package. ``RedisStore`` (redis-py) and ``PostgresStore``
+(psycopg) load on first use, so ``MemoryStore`` works with Starlette alone.
 """
 
 from __future__ import annotations
@@ -14,38 +15,44 @@ try:
     import starlette  # noqa: F401 - checked here so the error names the extra
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("server", "starlette") from None
-try:
-    import redis  # noqa: F401 - checked here so the error names the extra
-except ImportError:  # pragma: no cover - exercised in a subprocess test
-    raise MissingExtra("server", "redis") from None
 
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, current_claim, get_claim
+from ._claim import Claim, LeaseLost, current_claim, get_claim
+from ._decide import DecisionEvent
 from ._example import example_app
 from ._middleware import REPLAY_HEADER, IdempotencyMiddleware, PrincipalFunc, is_storable
-from ._stores import MemoryStore, RedisStore, Store
+from ._stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from ._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
+    from ._redis import RedisStore
 
-_POSTGRES = frozenset({"PostgresStore", "PostgresTransaction", "RecoveryPoint"})
+_LAZY = {
+    "PostgresStore": "_postgres",
+    "PostgresTransaction": "_postgres",
+    "RecoveryPoint": "_postgres",
+    "RedisStore": "_redis",
+}
 
 
 def __getattr__(name: str) -> object:
-    """The PostgreSQL store loads on first use: it needs the ``postgres`` extra (psycopg)."""
-    if name in _POSTGRES:
-        from . import _postgres
+    """Stores load on first use: ``RedisStore`` needs redis-py, ``PostgresStore`` psycopg."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        return getattr(_postgres, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 __all__ = [
     "REPLAY_HEADER",
     "BlobStore",
     "Claim",
+    "DecisionEvent",
     "FileBlobStore",
     "IdempotencyMiddleware",
+    "LeaseLost",
     "MemoryStore",
     "PostgresStore",
     "PostgresTransaction",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,18 +21,28 @@ from contextlib import asynccontextmanager, suppress
 
 from starlette.requests import HTTPConnection
 
-from .._exceptions import ConfigurationError, StoreError
+from .._exceptions import ConfigurationError, LeaseLost, StoreError
 from .._keys import StepKey
-from ._records import Binding, InProgress, decode_record, encode_in_progress
+from .._schedule import Backoff
+from ._records import (
+    Binding,
+    InProgress,
+    Outcome,
+    decode_record,
+    encode_in_progress,
+    encode_outcome,
+)
 from ._stores import Store
 
-__all__ = ["SCOPE_STATE_KEY", "Claim", "current_claim", "get_claim"]
+__all__ = ["SCOPE_STATE_KEY", "Claim", "LeaseLost", "current_claim", "get_claim"]
 
 #: Where the middleware puts the claim in ``scope["state"]`` (``request.state``).
 SCOPE_STATE_KEY = "agentkey_claim"
 
 #: The longest leaving a renewal loop waits for a renewal in flight.
 STOP_WAIT_SECONDS = 5.0
+#: The waits between renewals after one failed (full jitter; never beyond the interval).
+_RENEW_BACKOFF = Backoff(initial=0.05, cap=1.0)
 
 _logger = logging.getLogger("agentkey.server")
 _current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
@@ -64,11 +75,13 @@ class Claim:
         "_mutation_started",
         "_owner",
         "_renew_ms",
+        "_renewed",
         "_settled",
         "_started_ms",
         "_stop",
         "_store",
         "_task",
+        "_timer",
         "auto_renew",
         "idempotency_key",
         "key",
@@ -110,6 +123,8 @@ class Claim:
         self._settled = False
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
 
     def __repr__(self) -> str:
         return f"Claim(key={self.idempotency_key!r}, mutation_started={self._mutation_started})"
@@ -141,11 +156,11 @@ class Claim:
     def begin_mutation(self) -> None:
         """Mark that the side effect has started; later failures are recorded as FAILED.
 
-        Raises :class:`~agentkey.StoreError` when a renewal found that another
-        request took the key: it may be running this step, so this one must not.
+        Raises :class:`LeaseLost` when a renewal found that another request took
+        the key: it may be running this step, so this one must not.
         """
         if self._lost:
-            raise StoreError(
+            raise LeaseLost(
                 f"another request took the key {self.idempotency_key} after this request's "
                 "lease expired, so the side effect must not start here; the client retries "
                 "with the same key and gets the other request's answer"
@@ -159,7 +174,7 @@ class Claim:
             self._owner,
             self._started_ms,
             lease_end_ms=now + self._lease_ms,
-            renew_ms=self._renew_ms if self._task is not None or self.auto_renew else 0,
+            renew_ms=self._renew_ms if self.renewing or self.auto_renew else 0,
             binding=self._binding,
         )
 
@@ -211,15 +226,15 @@ class Claim:
     # --- the renewal loop ------------------------------------------------------
 
     async def _loop(self, stop: asyncio.Event) -> None:
+        """Renew every third of the lease; after a failed renewal (the store is away) retry
+        sooner, with backoff, so the lease is extended as soon as the store is back."""
         interval, lease = self._renew_ms / 1000, self._lease_ms / 1000
-        renewed = time.monotonic()
-        while not stop.is_set():
-            with suppress(asyncio.TimeoutError):  # the interval passed: renew
-                await asyncio.wait_for(stop.wait(), interval)
-            if stop.is_set() or self._settled:
-                return
-            stalled = time.monotonic() - renewed
-            if stalled > lease:
+        failures = 0
+        lapse_warned = False
+        while not stop.is_set() and not self._settled:  # an interval has passed: renew
+            stalled = time.monotonic() - self._renewed
+            if stalled > lease and not lapse_warned:
+                lapse_warned = True
                 _logger.warning(
                     "the lease on %s lapsed: no renewal for %.1f s, longer than the %g s "
                     "lease (the event loop was blocked, or the store was slow), so another "
@@ -232,20 +247,55 @@ class Claim:
             try:
                 if not await self.renew():
                     return
-                renewed = time.monotonic()
-            except Exception:  # a failed renewal must not kill the handler
-                _logger.exception("renewing the lease on %s failed", self.idempotency_key)
+            except Exception as exc:  # a failed renewal must not kill the handler
+                failures += 1
+                if failures == 1:
+                    _logger.warning(
+                        "renewing the lease on %s failed (%s); retrying until the store "
+                        "answers (the lease ends %.1f s after the last renewal)",
+                        self.idempotency_key,
+                        exc,
+                        lease,
+                    )
+                wait = min(interval, _RENEW_BACKOFF.delay(failures))
+            else:
+                if failures:
+                    _logger.warning(
+                        "renewed the lease on %s after %d failed attempts",
+                        self.idempotency_key,
+                        failures,
+                    )
+                self._renewed = time.monotonic()
+                failures, lapse_warned, wait = 0, False, interval
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+
+    def _spawn(self) -> None:
+        """The first interval passed with the handler still running: start the loop."""
+        self._timer = None
+        if not self._settled:
+            self._stop = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop(self._stop))
+
+    @property
+    def renewing(self) -> bool:
+        """True while the lease is renewed in the background."""
+        return self._timer is not None or self._task is not None
 
     def start_renewing(self) -> bool:
-        """Start the renewal loop in the running asyncio loop; False if none runs."""
-        if self._task is not None:
+        """Renew in the running asyncio loop from now on; False if none runs.
+
+        A timer waits for the first interval, so a handler that finishes within
+        ``lock_ttl / 3`` costs no task.
+        """
+        if self.renewing:
             return True
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, or no loop: the handler renews by itself
             return False
-        self._stop = asyncio.Event()
-        self._task = loop.create_task(self._loop(self._stop))
+        self._renewed = time.monotonic()
+        self._timer = loop.call_later(self._renew_ms / 1000, self._spawn)
         return True
 
     async def stop_renewing(self) -> None:
@@ -255,6 +305,9 @@ class Claim:
         and cancelled, and exits at its next check even if that cancellation is
         swallowed below it.
         """
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         task, stop = self._task, self._stop
         if task is None or stop is None:
             return
@@ -282,7 +335,7 @@ class Claim:
         With automatic renewal (the default) the lease is already renewed and
         this only yields.
         """
-        if self._task is not None or not self.start_renewing():
+        if self.renewing or not self.start_renewing():
             yield self
             return
         try:
@@ -323,3 +376,52 @@ def set_current(claim: Claim | None) -> contextvars.Token[Claim | None]:
 
 def reset_current(token: contextvars.Token[Claim | None]) -> None:
     _current.reset(token)
+
+
+#: Waits between retries of an outcome's write while the store is down (full jitter).
+SETTLE_BACKOFF = Backoff(initial=0.05, cap=1.0)
+
+
+async def record_outcome(store: Store, claim: Claim, outcome: Outcome, *, ttl_ms: int) -> bool:
+    """Write ``outcome`` over ``claim``'s record; False when another request owns the key now.
+
+    Idempotent, so it can be retried: a finish whose answer was lost finds its
+    own outcome; a record whose lease lapsed and that nobody took is claimed
+    with the outcome. Raises :class:`~agentkey.StoreError` when the store fails.
+    """
+    encoded = encode_outcome(outcome)
+    if await store.finish(claim.record_key, claim.owner, encoded, ttl_ms=ttl_ms):
+        return True
+    # A finish that the client library re-sent after it had succeeded also answers
+    # "not owned": the record is then exactly ours.
+    current = await store.get(claim.record_key)
+    if current is None:
+        # The lease lapsed (a stalled loop or store) and nobody took the key: the
+        # outcome is still this request's, so record it.
+        current = await store.claim(claim.record_key, encoded, ttl_ms=ttl_ms)
+    return current is None or current == encoded
+
+
+async def record_until_stored(store: Store, claim: Claim, outcome: Outcome, *, ttl_ms: int) -> bool:
+    """Retry :func:`record_outcome` with backoff until the store answers.
+
+    For a handler that has run: an unrecorded outcome would free the key after its
+    lease and let a retry run the side effect again. The caller's cancel scope (its
+    settle deadline) bounds the retries.
+    """
+    for attempt in itertools.count(1):
+        await asyncio.sleep(SETTLE_BACKOFF.delay(attempt))
+        try:
+            stored = await record_outcome(store, claim, outcome, ttl_ms=ttl_ms)
+        except StoreError as exc:
+            _logger.debug(
+                "recording the outcome of %s failed again: %s", claim.idempotency_key, exc
+            )
+            continue
+        _logger.warning(
+            "recorded the outcome of %s after %d retries (the store was unavailable)",
+            claim.idempotency_key,
+            attempt,
+        )
+        return stored
+    raise AssertionError("unreachable")  # pragma: no cover

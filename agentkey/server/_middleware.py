@@ -20,18 +20,17 @@ request ─▶ protected method and route? (the path relative to root_path / the
                     other answer or exception, no mutation ..... released (retry is safe)
 ```
 The final chunk of a response is held back until its record is written, so a
-client never holds a result the store does not know about. The middleware's own
-errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
+client never holds a result the store does not know about. When that write fails
+(a store outage), the answer is sent and the write retried, shielded, for up to
+10 s: the step has run, and an unrecorded outcome would let a retry run it again.
+The middleware's own errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
 ``urn:agentkey:problem:<code>``) that keep an ``"error": <code>`` member.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import (
@@ -42,27 +41,56 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from dataclasses import dataclass, field
-from typing import Any, Literal
-from urllib.parse import quote
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import anyio
 
-from .._canonical import Profile, canonical_json, check_profile
-from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
-from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string
+from .._canonical import Profile, check_profile
+from .._exceptions import ConfigurationError, StoreError
+from .._keys import StepKey
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import SCOPE_STATE_KEY, Claim, _wall_ms, reset_current, set_current
-from ._records import Binding, InProgress, Outcome, decode_record, digest, encode_outcome
-from ._stores import Store
+from ._claim import (
+    SCOPE_STATE_KEY,
+    Claim,
+    _wall_ms,
+    record_outcome,
+    record_until_stored,
+    reset_current,
+    set_current,
+)
+from ._decide import (
+    REPLAY_HEADER,
+    Checked,
+    Complete,
+    Conflict,
+    DecisionEvent,
+    Fail,
+    KeyFormat,
+    Problem,
+    Reject,
+    Release,
+    Replay,
+    Run,
+    Unavailable,
+    body_too_large,
+    check_body,
+    is_storable,
+    on_claimed,
+    on_finished,
+    parse_key,
+    stored_headers,
+    unavailable,
+)
+from ._records import Outcome
+from ._stores import SETTLE_SECONDS, Store
 
 __all__ = [
     "REPLAY_HEADER",
+    "DecisionHook",
     "IdempotencyMiddleware",
     "KeyFormat",
-    "OpaqueKey",
     "PrincipalFunc",
-    "in_progress_retry_after",
     "is_storable",
     "route_path",
     "stored_headers",
@@ -75,46 +103,14 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PrincipalFunc = Callable[[Scope], "str | Awaitable[str]"]
 RoutesFunc = Callable[[Scope], bool]
-KeyFormat = Literal["any", "agentkey"]
-
-#: The header every replayed answer carries.
-REPLAY_HEADER = "Idempotent-Replayed"
+DecisionHook = Callable[[DecisionEvent], object]
 
 _logger = logging.getLogger("agentkey.server")
-_NOT_STORED = frozenset({401, 403, 408, 409, 429})
-# Never stored or replayed: per-connection, recomputed, or credentials.
-_DROP_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"content-length",
-        b"date",
-        b"server",
-        b"set-cookie",
-        REPLAY_HEADER.lower().encode(),
-    }
-)
-_MAX_PRINCIPAL = 128
-# The longest a shielded finish/release may hold a cancelled request.
-_SETTLE_SECONDS = 10.0
+# The longest a shielded finish/release may take, its retries included (the answer is
+# sent once the first write fails, so a store outage holds no client that long).
+_SETTLE_SECONDS = SETTLE_SECONDS
 # How often a held duplicate (hold_in_flight) asks the store again: one round trip each.
 _HOLD_POLL_SECONDS = 0.1
-
-
-def is_storable(status: int) -> bool:
-    """Whether an answer is final for the key.
-
-    2xx, 3xx (a ``303 See Other`` after a POST reports success) and the 4xx
-    that are about the request. Not 401, 403, 408, 409, 429 or any 5xx: those
-    depend on the moment, not on the request.
-    """
-    return 200 <= status < 400 or (400 <= status < 500 and status not in _NOT_STORED)
 
 
 def _default_principal(scope: Scope) -> str:
@@ -136,15 +132,6 @@ def _default_principal(scope: Scope) -> str:
             "IdempotencyMiddleware"
         )
     return identity
-
-
-def stored_headers(raw: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str], ...]:
-    """The answer's headers a record keeps: per-connection and credential headers dropped."""
-    return tuple(
-        (bytes(k).decode("latin-1").lower(), bytes(v).decode("latin-1"))
-        for k, v in raw
-        if bytes(k).lower() not in _DROP_HEADERS
-    )
 
 
 def route_path(scope: Scope) -> str:
@@ -294,6 +281,10 @@ class IdempotencyMiddleware:
         shorter ``ttl`` is refused.
     ``max_body_bytes``
         Larger request bodies get 413 (default 1 MiB).
+    ``hooks``
+        Callables each receiving one :class:`DecisionEvent` per request once its
+        answer is sent (``claimed``, ``replay``, ``conflict``, ``rejected`` ...).
+        An exception in a hook propagates.
     """
 
     def __init__(
@@ -315,6 +306,7 @@ class IdempotencyMiddleware:
         max_inline_bytes: int = 100 * 1024,
         blob_store: BlobStore | None = None,
         max_body_bytes: int = 1024 * 1024,
+        hooks: Sequence[DecisionHook] = (),
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(
@@ -353,6 +345,10 @@ class IdempotencyMiddleware:
             raise ConfigurationError(
                 f"principal must be a function (scope) -> str, got {type(principal).__name__}"
             )
+        if callable(hooks) or not all(callable(h) for h in hooks):
+            raise ConfigurationError(
+                f"hooks must be a sequence of callables taking one DecisionEvent, got {hooks!r}"
+            )
         if blob_store is not None and not isinstance(blob_store, BlobStore):
             raise ConfigurationError(
                 "blob_store must implement agentkey.server.BlobStore (put, get, delete), "
@@ -380,6 +376,7 @@ class IdempotencyMiddleware:
         self.max_inline_bytes = max_inline_bytes
         self.max_body_bytes = max_body_bytes
         self._blob_store = blob_store
+        self._hooks = tuple(hooks)
         self._clock: Callable[[], int] = _wall_ms  # Unix ms; tests inject their own
 
     @property
@@ -392,132 +389,98 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = str(scope.get("method", "GET")).upper()
-        if scope["type"] != "http" or method not in self.methods:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
+        if method not in self.methods:
+            await self._pass(scope, receive, send, method, path)
+            return
         values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
         if not self._routes.match(scope, path):
             if values:
                 self._routes.passed_unprotected(scope, path)
-            await self.app(scope, receive, send)
+            await self._pass(scope, receive, send, method, path)
             return
-
-        if not values:
-            if self.require_key:
-                await _problem(
-                    send,
-                    400,
-                    "idempotency_key_missing",
-                    "this endpoint needs an Idempotency-Key header: "
-                    + (
-                        "<plan_session_id>:<step>:<args_hash>"
-                        if self.key_format == "agentkey"
-                        else "a unique value per operation, such as a UUID or "
-                        "<plan_session_id>:<step>:<args_hash>"
-                    ),
-                )
-                return
-            await self.app(scope, receive, send)
+        if not values and not self.require_key:
+            await self._pass(scope, receive, send, method, path)
             return
-        key = _parse_key(values, opaque=self.key_format == "any")
-        if isinstance(key, str):
-            await _problem(send, 400, "idempotency_key_invalid", key)
+        key = parse_key(values, key_format=self.key_format)
+        if isinstance(key, Reject):
+            await self._problem(send, key, "rejected", method, path, None)
             return
-
         body = await _read_body(scope, receive, self.max_body_bytes)
         if body is None:
             return  # the client went away
         if isinstance(body, int):
-            await _problem(
-                send, 413, "body_too_large", f"the request body exceeds {self.max_body_bytes} bytes"
-            )
+            reject = body_too_large(self.max_body_bytes)
+            await self._problem(send, reject, "rejected", method, path, key.format())
             return
         # The binding names the route with its mount prefix: two mounted apps that share
         # a store both serve "/create", and must never answer with each other's records.
-        route = f"{method} {scope.get('root_path', '')}{path}".encode("utf-8", "surrogatepass")
-        if isinstance(key, StepKey):
-            problem = _check_body(body, key, self.hash_profile)
-            if problem is not None:
-                await _problem(send, *problem)
-                return
-            binding = Binding(digest(route))
-        else:
-            binding = Binding(digest(route), _body_digest(body, self.hash_profile))
-
+        operation = (method, f"{scope.get('root_path', '')}{path}")
+        checked = check_body(key, operation, body, hash_profile=self.hash_profile)
+        if isinstance(checked, Reject):
+            await self._problem(send, checked, "rejected", method, path, key.format())
+            return
         principal = await self._principal_of(scope)
         claim = Claim(
             key=key if isinstance(key, StepKey) else None,
-            idempotency_key=key.format(),
+            idempotency_key=checked.idempotency_key,
             principal=principal,
-            record_key=_record_key(principal, key),
+            record_key=checked.record_key(principal),
             owner=secrets.token_hex(16),
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,
             auto_renew=self.auto_renew,
-            binding=binding,
+            binding=checked.binding,
             clock=self._clock,
         )
+        decision = await self._claim(claim, checked)
+        if isinstance(decision, Run):
+            await self._run(scope, receive, send, body, claim, method, path)
+        elif isinstance(decision, Replay):
+            await self._replay(send, decision, method, path, claim.idempotency_key)
+        else:
+            event = {Conflict: "conflict", Unavailable: "unavailable"}.get(
+                type(decision), "mismatch"
+            )
+            await self._problem(send, decision, event, method, path, claim.idempotency_key)
+
+    async def _claim(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
+        """Claim the key; with ``hold_in_flight``, wait for a request in flight to finish."""
         hold_until = time.monotonic() + self.hold_in_flight
         while True:
+            existing: bytes | StoreError | None
             try:
                 existing = await self.store.claim(
                     claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
                 )
-                record = None if existing is None else decode_record(existing, key=key.format())
-                if isinstance(record, InProgress) and record.owner == claim.owner:
-                    # Our own claim, read back: the client library re-sent a SET that had
-                    # already succeeded (a retry after a timeout). The key is ours, but its
-                    # lease started at the first send: renew it now, not a third of a
-                    # lease from now.
-                    record = None
-                    await claim.renew()
             except StoreError as exc:
-                _logger.error("idempotency store failed while claiming %s: %s", key.format(), exc)
-                await _problem(
-                    send,
-                    503,
-                    "store_unavailable",
-                    "the idempotency store is unavailable, so the request was not run; "
-                    "retry with the same key",
-                    retry_after=self.retry_after,
+                existing = exc
+            decision = on_claimed(
+                existing,
+                checked,
+                owner=claim.owner,
+                now_ms=self._clock(),
+                retry_after=self.retry_after,
+            )
+            if isinstance(decision, Run) and decision.renew:
+                try:
+                    await claim.renew()
+                except StoreError as exc:
+                    decision = unavailable(self.retry_after, str(exc))
+            if isinstance(decision, Unavailable):
+                _logger.error(
+                    "idempotency store failed while claiming %s: %s",
+                    claim.idempotency_key,
+                    decision.cause,
                 )
-                return
-            if record is not None:
-                mismatch = _binding_mismatch(record.binding, binding)
-                if mismatch is not None:
-                    await _problem(send, 422, *mismatch)
-                    return
             left = hold_until - time.monotonic()
-            if not isinstance(record, InProgress) or left <= 0:
-                break
+            if not isinstance(decision, Conflict) or left <= 0:
+                return decision
             # hold_in_flight: wait for the first request, then replay or claim.
             await anyio.sleep(min(_HOLD_POLL_SECONDS, left))
-        if isinstance(record, InProgress):
-            retry_after, lease_left = in_progress_retry_after(
-                record, self._clock(), retry_after=self.retry_after
-            )
-            where = f"step {key.step_label}" if isinstance(key, StepKey) else "the operation"
-            lease = (
-                ""
-                if lease_left is None
-                else f"; if the request holding it stopped (its server may have died), "
-                f"its lease ends within {lease_left} s and a retry then runs the step"
-            )
-            await _problem(
-                send,
-                409,
-                "in_progress",
-                f"{where} is already running with this key{lease}; retry with the same "
-                "key after Retry-After",
-                retry_after=retry_after,
-                extra={} if lease_left is None else {"lease_expires_in": lease_left},
-            )
-            return
-        if isinstance(record, Outcome):
-            await self._replay(send, record, key.format())
-            return
-        await self._run(scope, receive, send, body, claim)
 
     async def _principal_of(self, scope: Scope) -> str:
         value = self._principal(scope)
@@ -532,30 +495,59 @@ class IdempotencyMiddleware:
             )
         return value
 
-    async def _replay(self, send: Send, record: Outcome, key: str) -> None:
-        body = record.body
-        if record.blob_uri is not None:
+    def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
+        event = DecisionEvent(decision, method, path, key, status)
+        for hook in self._hooks:
+            hook(event)
+
+    async def _pass(
+        self, scope: Scope, receive: Receive, send: Send, method: str, path: str
+    ) -> None:
+        """Not protected: the app answers alone (watched only when hooks listen)."""
+        if not self._hooks:
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, watch)
+        self._emit("passthrough", method, path, None, status)
+
+    async def _problem(
+        self, send: Send, problem: Problem, event: str, method: str, path: str, key: str | None
+    ) -> None:
+        await _send(send, problem.status, problem.headers, problem.body)
+        if self._hooks:
+            self._emit(event, method, path, key, problem.status)
+
+    async def _replay(self, send: Send, replay: Replay, method: str, path: str, key: str) -> None:
+        body = replay.body
+        if replay.blob_uri is not None:
             try:
-                body = await self.blob_store.get(record.blob_uri)
+                body = await self.blob_store.get(replay.blob_uri)
             except StoreError as exc:
                 _logger.error("stored response of %s is unreadable: %s", key, exc)
-                await _problem(
-                    send,
-                    503,
-                    "store_unavailable",
-                    "the stored response of this key cannot be read right now; "
-                    "retry with the same key",
-                    retry_after=self.retry_after,
-                )
+                problem = unavailable(self.retry_after, reading=True)
+                await self._problem(send, problem, "unavailable", method, path, key)
                 return
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in record.headers]
-        headers.append((b"content-length", str(len(body)).encode()))
-        headers.append((REPLAY_HEADER.lower().encode(), b"true"))
-        await send({"type": "http.response.start", "status": record.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _send(send, replay.status, (*replay.headers, (REPLAY_HEADER.lower(), "true")), body)
+        if self._hooks:
+            self._emit("replay", method, path, key, replay.status)
 
     async def _run(
-        self, scope: Scope, receive: Receive, send: Send, body: bytes, claim: Claim
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        claim: Claim,
+        method: str,
+        path: str,
     ) -> None:
         capture = _Capture()
         delivered = False
@@ -580,8 +572,11 @@ class IdempotencyMiddleware:
                     await send(message)
                     return
                 capture.finished = True
-                await self._finish(claim, capture, error=False)
-                await send(message)
+                decision = await self._finish(
+                    claim, capture, error=False, deliver=lambda: send(message)
+                )
+                if self._hooks:
+                    self._emit(decision, method, path, claim.idempotency_key, capture.status)
             else:
                 await send(message)
 
@@ -598,287 +593,149 @@ class IdempotencyMiddleware:
             await self.app(scope, receive_body, send_through)
         except BaseException:
             if not capture.finished:
-                await self._finish(claim, capture, error=True)
+                decision = await self._finish(claim, capture, error=True)
+                if self._hooks:
+                    self._emit(decision, method, path, claim.idempotency_key, 500)
             raise
         finally:
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
         if not capture.finished:  # the app returned without a complete response
-            await self._finish(claim, capture, error=True)
+            decision = await self._finish(claim, capture, error=True)
+            if self._hooks:
+                self._emit(decision, method, path, claim.idempotency_key, 500)
 
-    async def _finish(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
+    async def _finish(
+        self,
+        claim: Claim,
+        capture: _Capture,
+        *,
+        error: bool,
+        deliver: Callable[[], Awaitable[None]] | None = None,
+    ) -> str:
         """Stop renewing, then settle the claim, shielded: a request cancelled from
         outside (a client gone under an anyio cancel scope, a server shutting down)
         still records FAILED or releases its key, instead of leaving it locked until
-        its lease ends and letting a retry repeat a side effect that already began."""
-        with anyio.move_on_after(_SETTLE_SECONDS, shield=True) as scope:
+        its lease ends and letting a retry repeat a side effect that already began.
+
+        ``deliver`` sends the final chunk of the answer: after the first write of
+        the outcome (so a client normally never holds an unrecorded result), or
+        at once when that write failed; the write is then retried, still shielded,
+        until it lands or the settle budget (``_SETTLE_SECONDS`` in all) runs out.
+        Returns the decision for the hooks: claimed, failed or released."""
+        decision = on_finished(
+            capture.status,
+            capture.headers,
+            bytes(capture.body),
+            error=error or not capture.started,
+            mutation_started=claim.mutation_started,
+            binding=claim.binding,
+            now_ms=self._clock(),
+            max_inline_bytes=self.max_inline_bytes,
+        )
+        deadline = anyio.current_time() + _SETTLE_SECONDS
+        pending: Outcome | None = None
+        settled = False
+        with anyio.CancelScope(deadline=deadline, shield=True):
             await claim.stop_renewing()
             claim.mark_settled()
-            await self._settle(claim, capture, error=error)
-        if scope.cancelled_caught:
+            pending = await self._settle(claim, decision)
+            if pending is not None and deliver is None:
+                await self._record_until_stored(claim, pending)
+                pending = None
+            settled = True
+        if deliver is not None:
+            try:
+                await deliver()
+            finally:
+                if pending is not None:
+                    with anyio.CancelScope(deadline=deadline, shield=True):
+                        await self._record_until_stored(claim, pending)
+                        pending = None
+        if not settled or pending is not None:
             _logger.error(
-                "settling %s took over %s s and was abandoned; the key stays locked "
-                "until its lease (lock_ttl) ends",
+                "settling %s did not finish within %s s (the store is unreachable or slow) "
+                "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
+                "and a retry after that runs the step again",
                 claim.idempotency_key,
                 _SETTLE_SECONDS,
             )
+        if isinstance(decision, Release):
+            return "released"
+        return "claimed" if isinstance(decision, Complete) else "failed"
 
-    async def _settle(self, claim: Claim, capture: _Capture, *, error: bool) -> None:
-        """Record the outcome (compare-and-set on the owner), or release the claim."""
-        status = capture.status if capture.started and not error else 500
+    async def _settle(self, claim: Claim, decision: Complete | Fail | Release) -> Outcome | None:
+        """Record the outcome (compare-and-set on the owner), or release the claim.
+
+        Returns the outcome when the store failed to record it: the handler has
+        run, so the caller retries (:meth:`_record_until_stored`).
+        """
         key = claim.idempotency_key
-        try:
-            state: Literal["COMPLETED", "FAILED"]
-            if is_storable(status) and not error:
-                state = "COMPLETED"
-            elif claim.mutation_started:
-                state = "FAILED"
-            else:
-                await self.store.release(claim.record_key, claim.owner)
-                return
-            outcome = await self._outcome(state, status, capture, claim, error=error)
-            encoded = encode_outcome(outcome)
-            ttl = self.result_ttl_ms
-            stored = await self.store.finish(claim.record_key, claim.owner, encoded, ttl_ms=ttl)
-            if not stored:
-                # A finish that the client library re-sent after it had succeeded also
-                # answers "not owned": the record is then exactly ours, blob and all.
-                current = await self.store.get(claim.record_key)
-                if current is None:
-                    # The lease lapsed (a stalled loop or store) and nobody took the
-                    # key: the outcome is still this request's, so record it.
-                    current = await self.store.claim(claim.record_key, encoded, ttl_ms=ttl)
-                stored = current is None or current == encoded
-            if not stored:
-                _logger.warning(
-                    "the lease on %s lapsed before the handler finished and another request "
-                    "owns the key now; this result was not stored (the lease is renewed "
-                    "automatically unless auto_renew=False; it lapses when the store or the "
-                    "event loop stalls for a whole lock_ttl)",
-                    key,
-                )
-                if outcome.blob_uri is not None:
-                    await self.blob_store.delete(outcome.blob_uri)
-        except StoreError as exc:
-            _logger.error(
-                "could not record the outcome of %s (%s); the key stays locked until "
-                "its lease (lock_ttl) ends",
-                key,
-                exc,
-            )
-
-    async def _outcome(
-        self,
-        state: Literal["COMPLETED", "FAILED"],
-        status: int,
-        capture: _Capture,
-        claim: Claim,
-        *,
-        error: bool,
-    ) -> Outcome:
-        binding = claim.binding
-        if error:
-            headers: tuple[tuple[str, str], ...] = (("content-type", _PROBLEM_TYPE),)
-            body = _problem_body(
-                status,
-                "step_failed",
-                "the tool failed after its side effect started; the outcome is unknown to "
-                "the server and is not retried automatically. Inspect the target system "
-                "before running the step again under a new key",
-            )
-        else:
-            headers = stored_headers(capture.headers)
-            body = bytes(capture.body)
-        now = self._clock()
-        if len(body) > self.max_inline_bytes:
+        if isinstance(decision, Release):
             try:
-                uri = await self.blob_store.put(body)
+                await self.store.release(claim.record_key, claim.owner)
+            except StoreError as exc:
+                # No side effect began: a retry after the lease runs the step cleanly.
+                _logger.error(
+                    "could not release %s (%s); the key stays locked until its lease "
+                    "(lock_ttl) ends",
+                    key,
+                    exc,
+                )
+            return None
+        outcome = decision.outcome
+        if decision.offload:
+            try:
+                uri = await self.blob_store.put(outcome.body)
             except StoreError as exc:
                 # The handler has run: an unrecorded outcome would free the key after
                 # its lease and let a retry run the side effect again. Keep it inline.
                 _logger.warning(
                     "blob store failed (%s); keeping the %d-byte response inline in the record",
                     exc,
-                    len(body),
+                    len(outcome.body),
                 )
             else:
-                return Outcome(state, status, headers, b"", uri, now, binding)
-        return Outcome(state, status, headers, body, None, now, binding)
-
-
-def in_progress_retry_after(
-    record: InProgress, now_ms: int, *, retry_after: int
-) -> tuple[int, int | None]:
-    """``(Retry-After, seconds until the lease ends or None)`` for a 409 (pure).
-
-    A holder renews every ``renew_ms``; one that let 1.5 renewals pass looks
-    stopped (its server may have died), so the client is told to come back when
-    its lease ends. Otherwise the configured ``retry_after``, capped by the lease.
-    """
-    if record.lease_end_ms <= 0:  # a v1 record: nothing known about the lease
-        return retry_after, None
-    left = max(1, -(-(record.lease_end_ms - now_ms) // 1000))
-    if record.renew_ms > 0 and now_ms > record.lease_end_ms - record.renew_ms * 3 // 2:
-        return left, left
-    return min(retry_after, left), left
-
-
-# --- request checks (pure) ------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class OpaqueKey:
-    """A key that is not an agentkey key: a UUID, a Stripe-style ``ik_...``.
-
-    It is bound to a digest of the request's canonical body instead of carrying one.
-    """
-
-    text: str
-
-    def format(self) -> str:
-        return self.text
-
-
-def _parse_key(values: list[bytes], *, opaque: bool = True) -> StepKey | OpaqueKey | str:
-    """The parsed key, or the 400 message.
-
-    A key containing ``:`` claims agentkey's format and must parse as one, so a
-    broken agentkey client gets a precise 400 rather than losing its hash check.
-    Any other key of 1-255 printable ASCII characters is opaque (when allowed).
-    Both header styles, raw and RFC 8941 sf-string, name the same key.
-    """
-    if len(values) > 1:
-        return "send exactly one Idempotency-Key header"
-    raw = values[0]
-    if len(raw) > 300:
-        return f"Idempotency-Key is {len(raw)} bytes; a key is at most {MAX_KEY_LENGTH} characters"
-    try:
-        text = raw.decode("ascii").strip(" \t")
-    except UnicodeDecodeError:
-        return "Idempotency-Key must be ASCII"
-    try:
-        if ":" in text or not opaque:
-            return StepKey.parse(text)
-        value = _parse_sf_string(text) if text.startswith('"') else text
-    except InvalidKey as exc:
-        return str(exc) + (
-            "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
-        )
-    if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
-        return _OPAQUE_RULE
-    return OpaqueKey(value)
-
-
-_PRINTABLE = re.compile(r"[\x20-\x7e]+")
-_OPAQUE_RULE = (
-    f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key "
-    "containing ':' must be an agentkey key <plan_session_id>:<step>:<args_hash>"
-)
-
-
-def _body_digest(body: bytes, profile: Profile) -> str:
-    """An opaque key's body fingerprint: its canonical JSON when it is a JSON object,
-    else its bytes. Equivalent JSON (spacing, member order) is one body."""
-    try:
-        parsed = json.loads(
-            body, parse_constant=_reject_constant, object_pairs_hook=_unique_members
-        )
-        if isinstance(parsed, dict):
-            return digest(b"json:" + canonical_json(parsed, profile=profile))
-    except (ValueError, RecursionError, InvalidArguments):
-        pass
-    return digest(b"bytes:" + body)
-
-
-def _binding_mismatch(stored: Binding | None, ours: Binding) -> tuple[str, str] | None:
-    """The 422 problem when a record is bound to another operation, else None."""
-    if stored is None:  # a record written before bindings existed
+                outcome = replace(outcome, body=b"", blob_uri=uri)
+        try:
+            await self._record(claim, outcome)
+        except StoreError as exc:
+            _logger.warning(
+                "could not record the outcome of %s (%s); the handler has run, so the "
+                "write is retried for up to %s s",
+                key,
+                exc,
+                _SETTLE_SECONDS,
+            )
+            return outcome
         return None
-    if stored.route != ours.route:
-        return (
-            "key_reused",
-            "this Idempotency-Key was first used with another method or route; a key "
-            "belongs to one operation and is never replayed for another. Send this call "
-            "with its own key (its own step)",
+
+    async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
+        """Retry the write until the store answers; the caller's deadline cuts it."""
+        ttl = self.result_ttl_ms
+        if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
+            await self._lost(claim, outcome)
+
+    async def _record(self, claim: Claim, outcome: Outcome) -> None:
+        """Write the outcome over this claim's record; raises StoreError when the store fails."""
+        if not await record_outcome(self.store, claim, outcome, ttl_ms=self.result_ttl_ms):
+            await self._lost(claim, outcome)
+
+    async def _lost(self, claim: Claim, outcome: Outcome) -> None:
+        _logger.warning(
+            "the lease on %s lapsed before the handler finished and another request "
+            "owns the key now; this result was not stored (the lease is renewed "
+            "automatically unless auto_renew=False; it lapses when the store or the "
+            "event loop stalls for a whole lock_ttl)",
+            claim.idempotency_key,
         )
-    if stored.body != ours.body:
-        return (
-            "payload_mismatch",
-            "this Idempotency-Key was first used with another request body; send changed "
-            "arguments with a new key",
-        )
-    return None
-
-
-def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
-    """None when the body is a JSON object hashing to the key's args_hash, else the error."""
-    try:
-        parsed = json.loads(
-            body, parse_constant=_reject_constant, object_pairs_hook=_unique_members
-        )
-    except _DuplicateMember as exc:
-        # Parsers disagree on which duplicate wins (Python keeps the last, others the
-        # first), so the hash would not pin down the arguments the handler acts on.
-        return (
-            400,
-            "body_not_json",
-            f"the request body repeats the member name {exc.name[:80]!r}; send each name once",
-        )
-    except (ValueError, RecursionError):
-        return 400, "body_not_json", "the request body must be a JSON object (UTF-8)"
-    if not isinstance(parsed, dict):
-        return (
-            400,
-            "body_not_json",
-            "the request body must be a JSON object, not " + (type(parsed).__name__),
-        )
-    if hashlib.sha256(body).hexdigest() == key.args_hash:
-        return None
-    try:
-        canonical = canonical_json(parsed, profile=profile)
-    except (InvalidArguments, RecursionError):
-        return 400, "body_not_json", "the request body holds values canonical JSON cannot carry"
-    if hashlib.sha256(canonical).hexdigest() == key.args_hash:
-        return None
-    return (
-        422,
-        "args_hash_mismatch",
-        f"the body does not hash to the key's args_hash for step {key.step_label}; "
-        "recompute the key from the arguments you send",
-    )
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _DuplicateMember(ValueError):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-
-def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for name, _ in pairs:
-            if name in seen:
-                raise _DuplicateMember(name)
-            seen.add(name)
-    return out
-
-
-def _record_key(principal: str, key: StepKey | OpaqueKey) -> str:
-    scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
-    if len(scoped) > _MAX_PRINCIPAL:
-        # "!" is never left bare by quote(), so no short principal can spell this.
-        scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
-    if isinstance(key, StepKey):
-        return f"{scoped}:{key.format()}"
-    # Quoted: no brace breaks the Redis Cluster hash tag, and with no ':' left an
-    # opaque key can never spell an agentkey key's record.
-    return f"{scoped}:{quote(key.text, safe='')}"
+        if outcome.blob_uri is not None:
+            try:
+                await self.blob_store.delete(outcome.blob_uri)
+            except StoreError as exc:
+                _logger.warning(
+                    "could not delete the unused blob of %s: %s", claim.idempotency_key, exc
+                )
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int | None:
@@ -902,51 +759,8 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int 
             return bytes(chunks)
 
 
-_PROBLEM_TYPE = "application/problem+json"
-_TITLES = {
-    "idempotency_key_missing": "Idempotency-Key missing",
-    "idempotency_key_invalid": "Idempotency-Key malformed",
-    "body_not_json": "Request body is not a JSON object",
-    "body_too_large": "Request body too large",
-    "args_hash_mismatch": "Request body does not match the key's args_hash",
-    "payload_mismatch": "Idempotency-Key reused with another request body",
-    "key_reused": "Idempotency-Key reused for another operation",
-    "in_progress": "A request with this Idempotency-Key is in progress",
-    "store_unavailable": "Idempotency store unavailable",
-    "step_failed": "The step failed after its side effect began",
-}
-
-
-def _problem_body(
-    status: int, code: str, detail: str, extra: dict[str, Any] | None = None
-) -> bytes:
-    """RFC 9457 problem details, plus ``"error": <code>`` for clients that read that."""
-    doc: dict[str, Any] = {
-        "type": f"urn:agentkey:problem:{code}",
-        "title": _TITLES[code],
-        "status": status,
-        "detail": detail,
-        "error": code,
-        **(extra or {}),
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-async def _problem(
-    send: Send,
-    status: int,
-    code: str,
-    detail: str,
-    *,
-    retry_after: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> None:
-    body = _problem_body(status, code, detail, extra)
-    headers = [
-        (b"content-type", _PROBLEM_TYPE.encode()),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+async def _send(send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
-from ._middleware import is_storable, stored_headers
+from ._decide import is_storable, stored_headers
 from ._records import Outcome, encode_outcome
-from ._stores import _check_ttl, owner_prefix, shown
+from ._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
     import psycopg
@@ -366,8 +366,8 @@ class PostgresStore:
         if isinstance(exc, (psycopg.OperationalError, PoolTimeout, OSError)):
             return StoreUnavailable(
                 f"PostgreSQL could not be reached during {what} of record {shown(key)} "
-                f"({type(exc).__name__}); the request was refused, not run. Check that the "
-                "database is up and reachable, then retry with the same key"
+                f"({type(exc).__name__}): {after_failure(what)}. Check that the "
+                "database is up and reachable"
             )
         state = getattr(exc, "sqlstate", None)
         return StoreError(

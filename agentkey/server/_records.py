@@ -3,8 +3,10 @@
 ```
 P:<owner>:<started_ms>:<lease_end_ms>:<renew_ms>:<binding>  IN_PROGRESS (v2)
 P:<owner>:<started_ms>                                      IN_PROGRESS (v1, still read)
-C:<json>                                   COMPLETED  status, headers, body or blob URI
-F:<json>                                   FAILED     the mutation began, did not finish
+C:<json>\n<body>                           COMPLETED  status, headers; the body's bytes or
+                                                      a blob URI in the JSON (v3)
+F:<json>\n<body>                           FAILED     the mutation began, did not finish
+C:<json> / F:<json>                        v2, still read: the body base64 in the JSON
 ```
 
 - The owner token fences every later write: a store compares the prefix
@@ -113,11 +115,11 @@ def encode_in_progress(
 
 
 def encode_outcome(outcome: Outcome) -> bytes:
+    """v3: the JSON head (ASCII, so never a raw newline), a newline, the body's bytes."""
     doc: dict[str, object] = {
-        "v": 2,
+        "v": 3,
         "status": outcome.status,
-        "headers": [list(h) for h in outcome.headers],
-        "body": base64.b64encode(outcome.body).decode("ascii"),
+        "headers": outcome.headers,
         "finished_ms": outcome.finished_ms,
     }
     if outcome.blob_uri is not None:
@@ -125,7 +127,10 @@ def encode_outcome(outcome: Outcome) -> bytes:
     if outcome.binding is not None:
         doc["fp"] = outcome.binding.encode()
     tag = b"C:" if outcome.state == "COMPLETED" else b"F:"
-    return tag + json.dumps(doc, separators=(",", ":")).encode("ascii")
+    return b"%s%s\n%s" % (tag, _ENCODER.encode(doc).encode("ascii"), outcome.body)
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
@@ -142,7 +147,10 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
                 owner, int(started), int(lease_end), int(renew), Binding.decode(binding)
             )
         if value[:2] in (b"C:", b"F:"):
-            doc = json.loads(value[2:])
+            head, newline, body = value[2:].partition(b"\n")
+            doc = json.loads(head)
+            if not newline:  # v2: the body base64 inside the JSON
+                body = base64.b64decode(doc["body"], validate=True)
             headers = tuple((str(k), str(v)) for k, v in doc["headers"])
             blob = doc.get("blob")
             fp = doc.get("fp")
@@ -150,7 +158,7 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
                 "COMPLETED" if value[:1] == b"C" else "FAILED",
                 int(doc["status"]),
                 headers,
-                base64.b64decode(doc["body"], validate=True),
+                body,
                 None if blob is None else str(blob),
                 int(doc.get("finished_ms", 0)),
                 None if fp is None else Binding.decode(str(fp)),

@@ -10,7 +10,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from agentkey.server import MemoryStore
-from agentkey.server._middleware import OpaqueKey, _parse_key, _record_key
+from agentkey.server._decide import OpaqueKey, _parse_key
+from agentkey.server._decide import record_key as _record_key
 from tests.server._apps import tool_app
 from tests.server._util import request_for, serve_closing
 

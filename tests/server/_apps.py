@@ -119,3 +119,52 @@ def tool_app(store: Store, **options: Any) -> Starlette:
     app.state.gates = gates
     app.state.entered = entered
     return app
+
+
+def charge_app(variant: str, redis_url: str = "") -> Any:
+    """One ``POST /tools/charge`` handler served four ways, for overhead measurements.
+
+    ``bare``: no idempotency. ``naive``: the usual hand-written guard on the same
+    Redis (``SET key IN_PROGRESS NX EX``, run, ``SET key result EX``; a duplicate
+    gets the stored result or 409). ``redis`` / ``memory``: IdempotencyMiddleware
+    on RedisStore / MemoryStore. ``uvicorn --factory tests.server._apps:bench_app``
+    serves the one named by ``AGENTKEY_BENCH_VARIANT`` (Redis at ``AGENTKEY_BENCH_REDIS``).
+    """
+
+    async def charge(request: Request) -> Response:
+        args = await request.json()
+        return JSONResponse({"charge_id": "ch_1", "amount": args["amount"]}, status_code=201)
+
+    if variant == "naive":
+        from redis import asyncio as aioredis
+
+        client = aioredis.Redis.from_url(redis_url)
+
+        async def naive(request: Request) -> Response:
+            key = "naive:" + request.headers["idempotency-key"]
+            if not await client.set(key, b"IN_PROGRESS", nx=True, ex=120):
+                stored = await client.get(key)
+                if stored is None or stored == b"IN_PROGRESS":
+                    return JSONResponse({"error": "in progress"}, status_code=409)
+                return Response(stored, 201, {"idempotent-replayed": "true"}, "application/json")
+            response = await charge(request)
+            await client.set(key, response.body, ex=86_400)
+            return response
+
+        return Starlette(routes=[Route("/tools/charge", naive, methods=["POST"])])
+    app = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
+    if variant == "bare":
+        return app
+    from agentkey.server import MemoryStore, RedisStore
+
+    store = RedisStore(redis_url) if variant == "redis" else MemoryStore()
+    return IdempotencyMiddleware(app, store=store)
+
+
+def bench_app() -> Any:
+    """The :func:`charge_app` named by the environment (a uvicorn factory)."""
+    import os
+
+    return charge_app(
+        os.environ["AGENTKEY_BENCH_VARIANT"], os.environ.get("AGENTKEY_BENCH_REDIS", "")
+    )

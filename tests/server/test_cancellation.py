@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from agentkey import ConfigurationError, StepKey
 from agentkey.server import IdempotencyMiddleware, MemoryStore, Store, current_claim
-from agentkey.server._middleware import _record_key
+from agentkey.server._decide import record_key as _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import serve
 from tests.server._util import request_for

@@ -22,9 +22,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentkey import StoreError
-from agentkey.server import Claim, IdempotencyMiddleware, MemoryStore, RedisStore, get_claim
-from agentkey.server._middleware import in_progress_retry_after
+from agentkey.server import (
+    Claim,
+    IdempotencyMiddleware,
+    LeaseLost,
+    MemoryStore,
+    RedisStore,
+    get_claim,
+)
+from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
 from tests._loopback import RedisServer, free_port, serve
 from tests.server._util import request_for
@@ -54,6 +60,16 @@ def test_retry_after_reflects_the_lease_that_remains(
     assert in_progress_retry_after(record, now, retry_after=1) == expected
 
 
+class _Clock:
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Claim:
     key = "k-" + uuid.uuid4().hex
     return Claim(
@@ -71,10 +87,11 @@ def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Cl
 
 async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
     """renew() after the lease lapsed with no competitor takes the key back: lost stays False."""
-    store = MemoryStore()
+    clock = _Clock()
+    store = MemoryStore(clock=clock)
     claim = _claim(store, lease_ms=50)
     assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=50) is None
-    await asyncio.sleep(0.12)  # the lease lapses; nobody else asks for the key
+    clock.now += 0.12  # the lease lapses; nobody else asks for the key
     assert await store.get(claim.record_key) is None
     assert await claim.renew() is True
     assert not claim.lost
@@ -84,18 +101,20 @@ async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
 
 async def test_lost_means_another_request_took_the_key() -> None:
     """Only a record of another request makes renew() False, lost True, begin_mutation() raise."""
-    store = MemoryStore()
+    clock = _Clock()
+    store = MemoryStore(clock=clock)
     mine, theirs = _claim(store, lease_ms=50), _claim(store, lease_ms=5000)
     theirs.record_key = mine.record_key
     assert await store.claim(mine.record_key, mine.in_progress_record(), ttl_ms=50) is None
-    await asyncio.sleep(0.12)
+    clock.now += 0.12
     assert await store.claim(mine.record_key, theirs.in_progress_record(), ttl_ms=5000) is None
     assert await mine.renew() is False
     assert mine.lost
-    with pytest.raises(StoreError, match="another request took the key"):
+    with pytest.raises(LeaseLost, match="another request took the key"):
         mine.begin_mutation()
 
 
+@pytest.mark.realtime
 def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
     """auto_renew=False, work past the lease, renew() + begin_mutation(): runs once, replays."""
     runs: list[int] = []
@@ -139,6 +158,7 @@ class _StubbornStore(MemoryStore):
         return await super().finish(key, owner, value, ttl_ms=ttl_ms)
 
 
+@pytest.mark.realtime
 async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> None:
     """keep_alive stops its loop with an event and a bounded wait: no endless renewals."""
     store = _StubbornStore()
@@ -152,6 +172,7 @@ async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> N
     assert store.writes == writes  # the loop is gone: it stopped renewing
 
 
+@pytest.mark.realtime
 async def test_a_cancelled_handler_stays_cancelled() -> None:
     """A cancellation aimed at the handler while keep_alive stops its loop propagates."""
     store = _StubbornStore()
@@ -173,6 +194,7 @@ async def test_a_cancelled_handler_stays_cancelled() -> None:
     assert after == []
 
 
+@pytest.mark.realtime
 async def test_keep_alive_exits_against_a_real_redis(redis_proc: RedisServer) -> None:
     """Leaving keep_alive just as a renewal is sent to a real Redis never hangs.
 
@@ -234,6 +256,7 @@ def _tool_server(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen[by
         proc.wait(timeout=10)
 
 
+@pytest.mark.realtime
 @pytest.mark.long  # a kill suite: `nox -s long` and CI
 def test_a_killed_servers_claim_clears_within_one_lease(
     redis_proc: RedisServer, tmp_path: Path
@@ -322,6 +345,7 @@ async def test_a_claim_read_back_after_a_resend_renews_its_lease_before_the_hand
     assert store.events[:2] == ["renew", "handler"]
 
 
+@pytest.mark.realtime
 async def test_a_blocked_event_loop_that_outlives_the_lease_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from agentkey import StepKey, StoreError, canonical_json
 from agentkey._canonical import Profile
 from agentkey.server import FileBlobStore, MemoryStore, RedisStore, Store
-from agentkey.server._middleware import OpaqueKey, _check_body, _parse_key, _record_key
+from agentkey.server._decide import OpaqueKey, _check_body, _parse_key
+from agentkey.server._decide import record_key as _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import free_port
 from tests.server._apps import tool_app

@@ -6,6 +6,7 @@ a 409 1, a handler failing before its mutation 2 (claim, release).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -124,3 +125,45 @@ async def test_each_store_operation_is_one_round_trip(redis_proc: RedisServer) -
     finally:
         await client.aclose()
         await pool.disconnect()
+
+
+def _clients(url: str) -> int:
+    with redis.Redis.from_url(url) as sync:
+        return int(sync.info("clients")["connected_clients"]) - 1  # less this INFO's own
+
+
+async def test_a_store_from_a_url_sends_one_command_per_operation(redis_proc: RedisServer) -> None:
+    """A URL store's lean path: one command per operation, a burst within max_connections."""
+    from agentkey.server._records import encode_in_progress
+
+    store = RedisStore(redis_proc.url, prefix="rt-lean", max_connections=2)
+    owner = "1" * 32
+    try:
+        idle = _clients(redis_proc.url)
+        with redis.Redis.from_url(redis_proc.url) as sync:
+            sync.script_flush()  # as after a Redis restart: each script loads on first use
+        for name in ("warm-1", "warm-2"):
+            await store.claim(name, encode_in_progress(owner, 1), ttl_ms=5000)
+            assert await store.renew(name, owner, ttl_ms=5000)
+        assert await store.finish("warm-1", owner, b"C:{}\n", ttl_ms=5000)
+        assert await store.release("warm-2", owner)
+        before = _commandstats(redis_proc.url)
+        await store.claim("k", encode_in_progress(owner, 1), ttl_ms=5000)
+        assert await store.renew("k", owner, ttl_ms=5000)
+        assert await store.release("k", owner)
+        await store.claim("k", encode_in_progress(owner, 2), ttl_ms=5000)
+        assert await store.finish("k", owner, b"C:{}\n", ttl_ms=5000)
+        assert await store.get("k") is not None
+        after = _commandstats(redis_proc.url)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert delta.get("cmdstat_set") == 3  # two claims, and the finish script's own SET
+        assert delta.get("cmdstat_get") == 4  # the get, and one inside each script
+        assert delta.get("cmdstat_evalsha") == 3
+        assert delta.get("cmdstat_script|load", 0) == 0
+        results = await asyncio.gather(
+            *(store.claim(f"b{i}", encode_in_progress(owner, 1), ttl_ms=5000) for i in range(30))
+        )
+        assert results == [None] * 30
+        assert _clients(redis_proc.url) - idle <= 2
+    finally:
+        await store.aclose()

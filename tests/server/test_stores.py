@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import replace
 
 import pytest
 import redis
@@ -11,8 +12,9 @@ import redis.asyncio as aioredis
 import redis.cluster
 
 from agentkey import ConfigurationError, StepKey, StoreError, StoreUnavailable
-from agentkey.server import Claim, MemoryStore, RedisStore, Store
+from agentkey.server import Claim, LeaseLost, MemoryStore, RedisStore, Store
 from agentkey.server._records import (
+    Binding,
     InProgress,
     Outcome,
     decode_record,
@@ -96,6 +98,20 @@ async def test_bad_ttl_is_a_configuration_error(store: Store, ttl: object) -> No
         await store.claim("p:k6", encode_in_progress(_owner(), 1), ttl_ms=ttl)  # type: ignore[arg-type]
 
 
+def test_v2_records_still_decode_and_v3_keeps_the_body_raw() -> None:
+    """A record written by the previous release (body base64 in the JSON) replays unchanged."""
+    v2 = (
+        b'F:{"v":2,"status":500,"headers":[["a","b"]],"body":"AP8=","finished_ms":9,'
+        b'"fp":"AAAAAAAAAAAAAAAAAAAAAA"}'
+    )
+    binding = Binding("A" * 22)
+    expected = Outcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9, binding)
+    assert decode_record(v2, key="k") == expected
+    v3 = encode_outcome(replace(expected, body=b"x" * 1000))
+    assert v3.endswith(b"\n" + b"x" * 1000)  # the bytes themselves: no base64, no escaping
+    assert len(v3) < 1100
+
+
 def test_records_round_trip() -> None:
     """Each record state decodes to what was encoded; garbage is a StoreError naming the key."""
     owner = _owner()
@@ -104,6 +120,9 @@ def test_records_round_trip() -> None:
     assert decode_record(encode_outcome(outcome), key="k") == outcome
     blob = Outcome("COMPLETED", 201, (), b"", "file:///x/y.blob", 1)
     assert decode_record(encode_outcome(blob), key="k") == blob
+    body = b'{"id":"\n"}\n\x00\xff'  # newlines in the body: only the first one ends the head
+    with_newlines = replace(outcome, body=body)
+    assert decode_record(encode_outcome(with_newlines), key="k") == with_newlines
     deep = b"C:" + b"[" * 100_000 + b"]" * 100_000
     overflow = b'C:{"status":1e400,"headers":[],"body":""}'
     for junk in (b"", b"hello", b"P:short:1", b"C:{not json", b'C:{"status":1}', deep, overflow):
@@ -216,8 +235,9 @@ async def test_lost_lease_refuses_to_begin_the_mutation(store: Store) -> None:
     assert await store.claim("p:lease", encode_in_progress(theirs, 1), ttl_ms=5000) is None
     assert not await claim.renew()
     assert claim.lost
-    with pytest.raises(StoreError, match="another request took the key"):
+    with pytest.raises(LeaseLost, match="another request took the key") as lost:
         claim.begin_mutation()
+    assert isinstance(lost.value, StoreError)  # still caught by code written for StoreError
     assert not claim.mutation_started
     assert not await store.release("p:lease", mine)  # and it cannot free the other's claim
 

@@ -25,7 +25,8 @@ from agentkey.server import (
     current_claim,
     get_claim,
 )
-from agentkey.server._middleware import OpaqueKey, _parse_key, _record_key
+from agentkey.server._decide import OpaqueKey, _parse_key
+from agentkey.server._decide import record_key as _record_key
 from tests.server._util import request_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +38,10 @@ def test_public_surface() -> None:
         "REPLAY_HEADER",
         "BlobStore",
         "Claim",
+        "DecisionEvent",
         "FileBlobStore",
         "IdempotencyMiddleware",
+        "LeaseLost",
         "MemoryStore",
         "PostgresStore",
         "PostgresTransaction",
@@ -82,18 +85,68 @@ def test_import_agentkey_never_imports_the_server_stack() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("missing", ["starlette", "redis"])
-def test_missing_extra_names_the_extra(missing: str) -> None:
-    """Without starlette or redis, importing agentkey.server raises MissingExtra naming it."""
+def test_missing_starlette_names_the_extra() -> None:
+    """Without starlette, importing agentkey.server raises MissingExtra naming the extra."""
     result = _run(
-        f"import sys\nsys.modules[{missing!r}] = None\n"
+        "import sys\nsys.modules['starlette'] = None\n"
         "from agentkey import MissingExtra\n"
         "try:\n    import agentkey.server\n"
         "except MissingExtra as exc:\n    print(exc.extra, exc.module, exc)\n"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"server {missing} ")
+    assert result.stdout.startswith("server starlette ")
     assert "pip install 'agentkey-idempotency[server]'" in result.stdout
+
+
+_NO_REDIS = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NoRedis(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("redis", "psycopg", "psycopg_pool"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoRedis())
+import anyio, httpx
+import agentkey.server as s
+from agentkey import MissingExtra, StepKey
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+async def ok(request):
+    return JSONResponse(await request.json(), status_code=201)
+
+app = s.IdempotencyMiddleware(
+    Starlette(routes=[Route("/ok", ok, methods=["POST"])]), store=s.MemoryStore()
+)
+key = StepKey.build("plan", 0, {"a": 1}).format()
+
+async def main():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        for _ in range(2):
+            r = await client.post("/ok", headers={"idempotency-key": key}, content=b'{"a":1}')
+            print(r.status_code, r.headers.get("idempotent-replayed"))
+
+anyio.run(main)
+assert not [m for m in sys.modules if m.partition(".")[0] in ("redis", "psycopg")]
+for name in ("RedisStore", "PostgresStore"):
+    try:
+        getattr(s, name)
+    except MissingExtra as exc:
+        print(exc.extra, exc.module)
+"""
+
+
+def test_memory_store_needs_no_redis() -> None:
+    """Without redis or psycopg, MemoryStore serves; RedisStore, PostgresStore name their extras."""
+    result = _run(_NO_REDIS)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines == ["201 None", "201 true", "server redis", "postgres psycopg"]
 
 
 @given(st.binary(max_size=400))
@@ -337,7 +390,7 @@ def test_fastapi_dependency_reaches_the_claim() -> None:
     async def provision(args: dict[str, str], claim: Claim = Depends(get_claim)) -> dict[str, str]:  # noqa: B008 - FastAPI's idiom
         claim.begin_mutation()
         assert claim.key is not None
-        seen.append(claim.key.step_label)
+        seen.append(claim.key.label)
         return {"vm": "vm-1", "region": args["region"]}
 
     headers, body = request_for({"region": "eu-west-1"})

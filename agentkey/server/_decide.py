@@ -1,0 +1,641 @@
+"""The server's decision table, pure: no ASGI, no I/O, no store calls, no clock.
+
+Every front end (the HTTP middleware, an MCP ``tools/call`` server, a queue
+consumer) drives the same three decisions and does the I/O between them::
+
+    check_request(key_values, operation, body)      ─▶ Reject | Checked
+        the front end resolves the principal, then
+        store.claim(checked.record_key(principal), claim.in_progress_record())
+    on_claimed(existing | StoreError, checked, ...)  ─▶ Run | Replay | Conflict | Unavailable
+        Run: run the tool (renew the claim first when ``Run.renew``)          | Reject
+    on_finished(status, headers, body, ...)          ─▶ Complete | Fail | Release
+        Complete / Fail: store.finish(record_key, owner, encode_outcome(outcome))
+        (a blob store first when ``offload``); Release: store.release(record_key, owner)
+
+What the inputs are, for a front end that is not HTTP:
+
+``key_values``
+    Every value the request carries for the key (HTTP: each ``Idempotency-Key``
+    header; MCP: the one ``_meta`` field), as ``bytes`` or ``str``. None or
+    empty means missing; two or more are refused. Raw and RFC 8941
+    ``sf-string`` forms name the same key.
+``operation``
+    What the key is bound to, as a tuple of strings joined by one space before
+    hashing: HTTP passes ``(METHOD, root_path + route path)``, MCP passes
+    ``("tools/call", tool_name)``, a queue ``("queue", topic)``. The same key
+    under another operation is refused with ``422 key_reused``, never replayed.
+``body``
+    The exact request bytes. An agentkey key (``<plan>:<step>:<args_hash>``)
+    needs a JSON object whose canonical JSON (or whose bytes) hash to
+    ``args_hash``: an MCP front end passes the canonical JSON of the tool's
+    arguments. An opaque key (a UUID, ``ik_...``) is bound to a digest of the
+    canonical body (equivalent JSON is one body; a body that is not a JSON
+    object is bound by its bytes).
+
+Every result is a frozen record of what to send: problems (:class:`Reject`,
+:class:`Conflict`, :class:`Unavailable`) carry ``status``, ``code``,
+``headers`` and an RFC 9457 ``body``; :class:`Replay` carries the stored
+outcome (fetch ``blob_uri`` from the blob store when set; mark the answer as a
+replay: HTTP sends ``Idempotent-Replayed: true``). :class:`DecisionEvent` is
+what a front end reports to its ``hooks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+from .._canonical import Profile, canonical_json
+from .._exceptions import InvalidArguments, InvalidKey, StoreError
+from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string
+from ._records import Binding, InProgress, Outcome, decode_record, digest
+
+__all__ = [
+    "PROBLEM_TYPE",
+    "REPLAY_HEADER",
+    "Checked",
+    "Complete",
+    "Conflict",
+    "DecisionEvent",
+    "Fail",
+    "KeyFormat",
+    "OpaqueKey",
+    "Problem",
+    "Reject",
+    "Release",
+    "Replay",
+    "Run",
+    "Unavailable",
+    "body_too_large",
+    "check_body",
+    "check_request",
+    "in_progress_retry_after",
+    "is_storable",
+    "on_claimed",
+    "on_finished",
+    "parse_key",
+    "record_key",
+    "stored_headers",
+    "unavailable",
+]
+
+KeyFormat = Literal["any", "agentkey"]
+
+#: The header every replayed HTTP answer carries.
+REPLAY_HEADER = "Idempotent-Replayed"
+PROBLEM_TYPE = "application/problem+json"
+
+_NOT_STORED = frozenset({401, 403, 408, 409, 429})
+# Never stored or replayed: per-connection, recomputed, or credentials.
+_DROP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "content-length",
+        "date",
+        "server",
+        "set-cookie",
+        REPLAY_HEADER.lower(),
+    }
+)
+_MAX_PRINCIPAL = 128
+_PRINTABLE = re.compile(r"[\x20-\x7e]+")
+# An agentkey key in raw form, each step index as format_step writes it (StepKey.parse's
+# rules in one match; anything else goes through StepKey.parse for its precise message).
+_INDEX = r"(?:[0-9]{3}|[1-9][0-9]{3,})"
+_RAW_KEY = re.compile(rf"([A-Za-z0-9._~-]{{1,64}}):step_({_INDEX}(?:\.{_INDEX})*):([0-9a-f]{{64}})")
+_OPAQUE_RULE = (
+    f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key "
+    "containing ':' must be an agentkey key <plan_session_id>:<step>:<args_hash>"
+)
+_TITLES = {
+    "idempotency_key_missing": "Idempotency-Key missing",
+    "idempotency_key_invalid": "Idempotency-Key malformed",
+    "body_not_json": "Request body is not a JSON object",
+    "body_too_large": "Request body too large",
+    "args_hash_mismatch": "Request body does not match the key's args_hash",
+    "payload_mismatch": "Idempotency-Key reused with another request body",
+    "key_reused": "Idempotency-Key reused for another operation",
+    "in_progress": "A request with this Idempotency-Key is in progress",
+    "store_unavailable": "Idempotency store unavailable",
+    "step_failed": "The step failed after its side effect began",
+}
+
+
+# --- results ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A refusal the front end sends as is: ``status``, ``headers``, ``body``.
+
+    ``body`` is RFC 9457 problem details (``type`` = ``urn:agentkey:problem:<code>``)
+    with an ``"error": <code>`` member; ``retry_after`` (seconds) goes into a
+    ``Retry-After`` header.
+    """
+
+    status: int
+    code: str
+    detail: str
+    retry_after: int | None = None
+    extra: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after is None:
+            return (("content-type", PROBLEM_TYPE),)
+        return (("content-type", PROBLEM_TYPE), ("retry-after", str(self.retry_after)))
+
+    @property
+    def body(self) -> bytes:
+        return problem_body(self.status, self.code, self.detail, dict(self.extra))
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(Problem):
+    """The request is refused before anything runs (400, 413, 422): final for the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict(Problem):
+    """409: another request holds the key; the client resends after ``retry_after``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable(Problem):
+    """503: the store failed; nothing ran. ``cause`` is for the log, never sent."""
+
+    cause: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A request whose key and body agree: claim ``record_key(principal)``."""
+
+    key: StepKey | OpaqueKey
+    binding: Binding
+
+    @property
+    def idempotency_key(self) -> str:
+        """The key as received (an sf-string unquoted)."""
+        return self.key.format()
+
+    @property
+    def where(self) -> str:
+        """``step step_003`` for an agentkey key, else ``the operation`` (for messages)."""
+        return f"step {self.key.label}" if isinstance(self.key, StepKey) else "the operation"
+
+    def record_key(self, principal: str) -> str:
+        """The store key of this request for ``principal``: see :func:`record_key`."""
+        return record_key(principal, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """The key is ours: run the tool. ``renew``: the store re-sent our own claim, so
+    its lease started earlier; renew it before running."""
+
+    renew: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Send the stored outcome, marked as a replay (fetch ``blob_uri`` when set)."""
+
+    outcome: Outcome
+
+    @property
+    def status(self) -> int:
+        return self.outcome.status
+
+    @property
+    def headers(self) -> tuple[tuple[str, str], ...]:
+        return self.outcome.headers
+
+    @property
+    def body(self) -> bytes:
+        return self.outcome.body
+
+    @property
+    def blob_uri(self) -> str | None:
+        return self.outcome.blob_uri
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Store ``outcome`` (COMPLETED). ``offload``: its body goes to the blob store."""
+
+    outcome: Outcome
+    offload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """Store ``outcome`` (FAILED): the side effect began and did not finish."""
+
+    outcome: Outcome
+    offload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Delete the claim: the tool failed before its side effect, a retry is safe."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionEvent:
+    """What a front end decided for one request, reported once to each hook.
+
+    ``decision``: ``claimed`` (the tool ran and its answer was recorded), ``failed``
+    (it ran; FAILED recorded), ``released`` (it ran and failed before its side
+    effect), ``replay``, ``conflict`` (409), ``mismatch`` (422 key_reused or
+    payload_mismatch), ``rejected`` (400/413/422 before any claim),
+    ``unavailable`` (503) or ``passthrough`` (not protected). ``route`` is the
+    path as the router matches it (MCP: the tool name). Never a body or a token.
+    """
+
+    decision: str
+    method: str
+    route: str
+    idempotency_key: str | None
+    status_code: int
+
+
+# --- the decisions ------------------------------------------------------------------
+
+
+def parse_key(
+    values: Sequence[bytes | str] | None, *, key_format: KeyFormat = "any"
+) -> Reject | StepKey | OpaqueKey:
+    """The key, or a 400. Two values, non-ASCII, or a malformed agentkey key: 400."""
+    if not values:
+        return Reject(
+            400,
+            "idempotency_key_missing",
+            "this endpoint needs an Idempotency-Key header: "
+            + (
+                "<plan_session_id>:<step>:<args_hash>"
+                if key_format == "agentkey"
+                else "a unique value per operation, such as a UUID or "
+                "<plan_session_id>:<step>:<args_hash>"
+            ),
+        )
+    parsed = _parse_key(values, opaque=key_format == "any")
+    if isinstance(parsed, str):
+        return Reject(400, "idempotency_key_invalid", parsed)
+    return parsed
+
+
+def check_body(
+    key: StepKey | OpaqueKey,
+    operation: Sequence[str],
+    body: bytes,
+    *,
+    hash_profile: Profile = "python",
+) -> Reject | Checked:
+    """Bind ``key`` to ``operation``; an agentkey key's ``args_hash`` must match ``body``."""
+    route = digest(" ".join(operation).encode("utf-8", "surrogatepass"))
+    if isinstance(key, StepKey):
+        problem = _check_body(body, key, hash_profile)
+        if problem is not None:
+            return Reject(*problem)
+        return Checked(key, Binding(route))
+    return Checked(key, Binding(route, _body_digest(body, hash_profile)))
+
+
+def check_request(
+    values: Sequence[bytes | str] | None,
+    operation: Sequence[str],
+    body: bytes,
+    *,
+    key_format: KeyFormat = "any",
+    hash_profile: Profile = "python",
+) -> Reject | Checked:
+    """:func:`parse_key` then :func:`check_body`, for a front end that has the body at once."""
+    key = parse_key(values, key_format=key_format)
+    if isinstance(key, Reject):
+        return key
+    return check_body(key, operation, body, hash_profile=hash_profile)
+
+
+def body_too_large(limit: int) -> Reject:
+    return Reject(413, "body_too_large", f"the request body exceeds {limit} bytes")
+
+
+def unavailable(retry_after: int, cause: str = "", *, reading: bool = False) -> Unavailable:
+    """503: the store (``reading``: a stored response) cannot be used; nothing ran."""
+    detail = (
+        "the stored response of this key cannot be read right now; retry with the same key"
+        if reading
+        else "the idempotency store is unavailable, so the request was not run; "
+        "retry with the same key"
+    )
+    return Unavailable(503, "store_unavailable", detail, retry_after, cause=cause)
+
+
+def on_claimed(
+    existing: bytes | StoreError | None,
+    checked: Checked,
+    *,
+    owner: str,
+    now_ms: int,
+    retry_after: int,
+) -> Run | Conflict | Replay | Unavailable | Reject:
+    """Decide on the store's answer to a claim: None (claimed), the record there, or an error."""
+    if isinstance(existing, StoreError):
+        return unavailable(retry_after, str(existing))
+    if existing is None:
+        return Run()
+    try:
+        record = decode_record(existing, key=checked.idempotency_key)
+    except StoreError as exc:
+        return unavailable(retry_after, str(exc))
+    mismatch = _binding_mismatch(record.binding, checked.binding)
+    if mismatch is not None:
+        return Reject(422, *mismatch)
+    if isinstance(record, Outcome):
+        return Replay(record)
+    if record.owner == owner:
+        # Our own claim, read back: the client library re-sent a SET that had already
+        # succeeded (a retry after a timeout). Its lease started at the first send.
+        return Run(renew=True)
+    wait, lease_left = in_progress_retry_after(record, now_ms, retry_after=retry_after)
+    lease = (
+        ""
+        if lease_left is None
+        else "; if the request holding it stopped (its server may have died), its lease "
+        f"ends within {lease_left} s and a retry then runs the step"
+    )
+    return Conflict(
+        409,
+        "in_progress",
+        f"{checked.where} is already running with this key{lease}; retry with the same "
+        "key after Retry-After",
+        wait,
+        () if lease_left is None else (("lease_expires_in", lease_left),),
+    )
+
+
+def on_finished(
+    status: int,
+    headers: Iterable[tuple[bytes | str, bytes | str]],
+    body: bytes,
+    *,
+    error: bool,
+    mutation_started: bool,
+    binding: Binding | None,
+    now_ms: int,
+    max_inline_bytes: int,
+) -> Complete | Fail | Release:
+    """What to record once the tool answered ``status`` (or raised: ``error``)."""
+    if not error and is_storable(status):
+        stored = stored_headers(headers)
+        offload = len(body) > max_inline_bytes
+        return Complete(Outcome("COMPLETED", status, stored, body, None, now_ms, binding), offload)
+    if not mutation_started:
+        return Release()
+    if error:
+        status, stored = 500, (("content-type", PROBLEM_TYPE),)
+        body = problem_body(
+            500,
+            "step_failed",
+            "the tool failed after its side effect started; the outcome is unknown to "
+            "the server and is not retried automatically. Inspect the target system "
+            "before running the step again under a new key",
+        )
+    else:
+        stored = stored_headers(headers)
+    offload = len(body) > max_inline_bytes
+    return Fail(Outcome("FAILED", status, stored, body, None, now_ms, binding), offload)
+
+
+# --- rules ------------------------------------------------------------------------
+
+
+def is_storable(status: int) -> bool:
+    """Whether an answer is final for the key.
+
+    2xx, 3xx (a ``303 See Other`` after a POST reports success) and the 4xx
+    that are about the request. Not 401, 403, 408, 409, 429 or any 5xx: those
+    depend on the moment, not on the request.
+    """
+    return 200 <= status < 400 or (400 <= status < 500 and status not in _NOT_STORED)
+
+
+def stored_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> tuple[tuple[str, str], ...]:
+    """The answer's headers a record keeps: per-connection and credential headers dropped."""
+    kept = []
+    for k, v in raw:
+        name = (k if isinstance(k, str) else bytes(k).decode("latin-1")).lower()
+        if name not in _DROP_HEADERS:
+            kept.append((name, v if isinstance(v, str) else bytes(v).decode("latin-1")))
+    return tuple(kept)
+
+
+def in_progress_retry_after(
+    record: InProgress, now_ms: int, *, retry_after: int
+) -> tuple[int, int | None]:
+    """``(Retry-After, seconds until the lease ends or None)`` for a 409.
+
+    A holder renews every ``renew_ms``; one that let 1.5 renewals pass looks
+    stopped (its server may have died), so the client is told to come back when
+    its lease ends. Otherwise the configured ``retry_after``, capped by the lease.
+    """
+    if record.lease_end_ms <= 0:  # a v1 record: nothing known about the lease
+        return retry_after, None
+    left = max(1, -(-(record.lease_end_ms - now_ms) // 1000))
+    if record.renew_ms > 0 and now_ms > record.lease_end_ms - record.renew_ms * 3 // 2:
+        return left, left
+    return min(retry_after, left), left
+
+
+@dataclass(frozen=True, slots=True)
+class OpaqueKey:
+    """A key that is not an agentkey key: a UUID, a Stripe-style ``ik_...``.
+
+    It is bound to a digest of the request's canonical body instead of carrying one.
+    """
+
+    text: str
+
+    def format(self) -> str:
+        return self.text
+
+
+def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey | OpaqueKey | str:
+    """The parsed key, or the 400 message.
+
+    A key containing ``:`` claims agentkey's format and must parse as one, so a
+    broken agentkey client gets a precise 400 rather than losing its hash check.
+    Any other key of 1-255 printable ASCII characters is opaque (when allowed).
+    Both header styles, raw and RFC 8941 sf-string, name the same key.
+    """
+    if len(values) > 1:
+        return "send exactly one Idempotency-Key header"
+    raw = values[0]
+    if len(raw) > 300:
+        return f"Idempotency-Key is {len(raw)} bytes; a key is at most {MAX_KEY_LENGTH} characters"
+    if not raw.isascii():
+        return "Idempotency-Key must be ASCII"
+    text = (raw if isinstance(raw, str) else raw.decode("ascii")).strip(" \t")
+    try:
+        fast = _RAW_KEY.fullmatch(text)
+        if fast is not None:  # the common raw form, validated by one match
+            plan, steps, args_hash = fast.groups()
+            return StepKey(plan, tuple(map(int, steps.split("."))), args_hash)
+        if ":" in text or not opaque:
+            return StepKey.parse(text)
+        value = _parse_sf_string(text) if text.startswith('"') else text
+    except InvalidKey as exc:
+        return str(exc) + (
+            "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
+        )
+    if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
+        return _OPAQUE_RULE
+    return OpaqueKey(value)
+
+
+def record_key(principal: str, key: StepKey | OpaqueKey) -> str:
+    """The store key: ``<principal>:<key>``, the principal quoted (or hashed when long)."""
+    scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
+    if len(scoped) > _MAX_PRINCIPAL:
+        # "!" is never left bare by quote(), so no short principal can spell this.
+        scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+    if isinstance(key, StepKey):
+        return f"{scoped}:{key.format()}"
+    # Quoted: no brace breaks the Redis Cluster hash tag, and with no ':' left an
+    # opaque key can never spell an agentkey key's record.
+    return f"{scoped}:{quote(key.text, safe='')}"
+
+
+def _binding_mismatch(stored: Binding | None, ours: Binding) -> tuple[str, str] | None:
+    """The 422 problem when a record is bound to another operation, else None."""
+    if stored is None:  # a record written before bindings existed
+        return None
+    if stored.route != ours.route:
+        return (
+            "key_reused",
+            "this Idempotency-Key was first used with another method or route; a key "
+            "belongs to one operation and is never replayed for another. Send this call "
+            "with its own key (its own step)",
+        )
+    if stored.body != ours.body:
+        return (
+            "payload_mismatch",
+            "this Idempotency-Key was first used with another request body; send changed "
+            "arguments with a new key",
+        )
+    return None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _DuplicateMember(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateMember(name)
+            seen.add(name)
+    return out
+
+
+# Built once: json.loads(body, **options) builds a decoder and its scanner per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_members)
+
+
+def _parse(body: bytes) -> object:
+    """One parse: ValueError when not JSON (NaN, Infinity) or a member name repeats.
+
+    The duplicate check costs one call per object (about a third more than a plain
+    parse); canonicalising the result to compare it with the body would cost more.
+    """
+    return _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+
+
+def _canonical(parsed: dict[str, Any], profile: Profile) -> bytes | None:
+    try:
+        return canonical_json(parsed, profile=profile)
+    except (InvalidArguments, RecursionError):
+        return None
+
+
+def _body_digest(body: bytes, profile: Profile) -> str:
+    """An opaque key's body fingerprint: its canonical JSON when it is a JSON object,
+    else its bytes. Equivalent JSON (spacing, member order) is one body."""
+    try:
+        parsed = _parse(body)
+    except (ValueError, RecursionError):
+        parsed = None
+    canonical = _canonical(parsed, profile) if isinstance(parsed, dict) else None
+    if canonical is not None:
+        return digest(b"json:" + canonical)
+    return digest(b"bytes:" + body)
+
+
+def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
+    """None when the body is a JSON object hashing to the key's args_hash, else the error."""
+    try:
+        parsed = _parse(body)
+    except _DuplicateMember as exc:
+        # Parsers disagree on which duplicate wins (Python keeps the last, others the
+        # first), so the hash would not pin down the arguments the handler acts on.
+        return (
+            400,
+            "body_not_json",
+            f"the request body repeats the member name {exc.name[:80]!r}; send each name once",
+        )
+    except (ValueError, RecursionError):
+        return 400, "body_not_json", "the request body must be a JSON object (UTF-8)"
+    if not isinstance(parsed, dict):
+        return (
+            400,
+            "body_not_json",
+            "the request body must be a JSON object, not " + (type(parsed).__name__),
+        )
+    if hashlib.sha256(body).hexdigest() == key.args_hash:
+        return None
+    canonical = _canonical(parsed, profile)
+    if canonical is None:
+        return 400, "body_not_json", "the request body holds values canonical JSON cannot carry"
+    if hashlib.sha256(canonical).hexdigest() == key.args_hash:
+        return None
+    return (
+        422,
+        "args_hash_mismatch",
+        f"the body does not hash to the key's args_hash for step {key.label}; "
+        "recompute the key from the arguments you send",
+    )
+
+
+def problem_body(status: int, code: str, detail: str, extra: dict[str, Any] | None = None) -> bytes:
+    """RFC 9457 problem details, plus ``"error": <code>`` for clients that read that."""
+    doc: dict[str, Any] = {
+        "type": f"urn:agentkey:problem:{code}",
+        "title": _TITLES[code],
+        "status": status,
+        "detail": detail,
+        "error": code,
+        **(extra or {}),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()

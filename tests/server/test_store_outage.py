@@ -1,0 +1,208 @@
+"""A store outage after the handler ran: the outcome is still recorded, the step runs once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import psycopg
+import pytest
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentkey import StoreUnavailable
+from agentkey.server import (
+    Claim,
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    RedisStore,
+    get_claim,
+)
+from agentkey.server._records import Binding, digest
+from tests.server._util import request_for, serve_closing
+from tests.server.test_redis_resilience import RestartableRedis
+
+_LOGGER = "agentkey.server"
+
+
+def _gated_app(store: RedisStore | MemoryStore, *, lock_ttl: float) -> Starlette:
+    """One tool, ``/charge``: begins its mutation, counts the run, waits on ``app.state.gate``."""
+    gate, entered = threading.Event(), threading.Event()
+    runs = [0]
+
+    async def charge(request: Request) -> Response:
+        get_claim(request).begin_mutation()
+        runs[0] += 1
+        entered.set()
+        await anyio.to_thread.run_sync(gate.wait, 30)
+        return JSONResponse({"charged": await request.json(), "run": runs[0]}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, lock_ttl=lock_ttl)
+    app.state.gate, app.state.entered, app.state.runs = gate, entered, runs
+    return app
+
+
+@pytest.mark.realtime
+def test_a_redis_restart_after_the_handler_ran_neither_loses_nor_repeats_the_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis (AOF, fsync always) stops while a handler runs and comes back after its lease
+    ended: the outcome is still recorded, the retry gets the replay, the step ran once."""
+    server = RestartableRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    server.start()
+    store = RedisStore(server.url, prefix="outage")
+    app = _gated_app(store, lock_ttl=1.0)
+    headers, body = request_for({"amount": 5})
+    first: list[httpx.Response] = []
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger=_LOGGER),
+            serve_closing(app, store) as url,
+            httpx.Client(base_url=url, timeout=30) as client,
+        ):
+            sender = threading.Thread(
+                target=lambda: first.append(client.post("/charge", headers=headers, content=body))
+            )
+            sender.start()
+            assert app.state.entered.wait(10)
+            server.stop()  # the handler has begun its side effect; its record is on disk
+            app.state.gate.set()
+            time.sleep(1.5)  # longer than the lease: the record expires across the restart
+            server.start()
+            sender.join(30)
+            deadline = time.monotonic() + 15
+            with redis.Redis(port=server.port) as admin:
+                while True:  # the middleware writes the outcome once Redis is back
+                    values = [admin.get(k) for k in admin.keys("outage:*")]
+                    if values and all(v is not None and not v.startswith(b"P:") for v in values):
+                        break
+                    assert time.monotonic() < deadline, f"the outcome was never recorded: {values}"
+                    time.sleep(0.1)
+            again = client.post("/charge", headers=headers, content=body)
+    finally:
+        server.stop()
+    assert first[0].status_code == 201
+    assert (again.status_code, again.headers.get("idempotent-replayed")) == (201, "true")
+    assert again.json() == first[0].json()
+    assert app.state.runs == [1]
+    assert "could not record the outcome" in caplog.text  # the outage was seen and logged
+
+
+class _FailingFinish(MemoryStore):
+    """A MemoryStore whose next ``failures`` finish calls raise StoreUnavailable."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.finishes = 0
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        self.finishes += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreUnavailable("the store is down (test)")
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
+@pytest.mark.realtime
+async def test_failed_writes_of_an_outcome_are_retried_until_one_lands() -> None:
+    """Three failed finish calls after the handler ran: the fourth records the outcome, and a
+    retry after the lease would have ended gets the replay (the handler ran once)."""
+    store = _FailingFinish(failures=3)
+    app = _gated_app(store, lock_ttl=0.2)
+    app.state.gate.set()
+    headers, body = request_for({"amount": 7})
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        first = await client.post("/charge", headers=headers, content=body)
+        # The answer went out after the first failed write; the retries go on behind it.
+        for _ in range(500):
+            if store.finishes >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # past the lease: an unrecorded claim would be free now
+        again = await client.post("/charge", headers=headers, content=body)
+    assert first.status_code == 201
+    assert (again.status_code, again.headers.get("idempotent-replayed")) == (201, "true")
+    assert again.json() == first.json()
+    assert app.state.runs == [1]
+    assert store.finishes == 4
+
+
+@pytest.mark.realtime
+async def test_a_failed_renewal_is_retried_before_the_next_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Renewals that fail while the store is away are retried with backoff, not once per
+    interval: the lease is extended again well before it lapses, and the failure is logged."""
+    store = _FailingFinish(failures=3)  # Claim.renew() rewrites the record with finish
+    claim = Claim(
+        key=None,
+        idempotency_key="ik_outage",
+        principal="p",
+        record_key="p:ik_outage",
+        owner="0" * 32,
+        store=store,
+        lock_ttl_ms=3000,
+        binding=Binding(digest(b"POST /x")),
+    )
+    assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=3000) is None
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=_LOGGER):
+        assert claim.start_renewing()
+        while store.finishes < 4:  # three failures, then the renewal that lands
+            assert time.monotonic() - started < 10
+            await asyncio.sleep(0.01)
+        renewed_after = time.monotonic() - started
+        await claim.stop_renewing()
+    # Once per interval (1 s) the fourth attempt would come at 4 s, after the 3 s lease.
+    assert renewed_after < 2.9
+    assert "renewing the lease on ik_outage failed" in caplog.text
+    assert "renewed the lease on ik_outage after 3 failed attempts" in caplog.text
+    assert "lapsed" not in caplog.text
+
+
+async def test_a_redis_outage_message_says_whether_the_handler_ran(tmp_path: Path) -> None:
+    """StoreUnavailable says "refused, not run" only for a claim; for a renew or a finish it
+    says the handler ran (or runs) and what happens to its outcome."""
+    server = RestartableRedis(tmp_path, "--appendonly", "no")
+    server.start()
+    store = RedisStore(server.url, prefix="wording")
+    server.stop()
+    try:
+        with pytest.raises(StoreUnavailable) as claimed:
+            await store.claim("p:k", b"P:x:1", ttl_ms=1000)
+        with pytest.raises(StoreUnavailable) as renewed:
+            await store.renew("p:k", "x", ttl_ms=1000)
+        with pytest.raises(StoreUnavailable) as finished:
+            await store.finish("p:k", "x", b"C:{}", ttl_ms=1000)
+    finally:
+        await store.aclose()
+    assert "the request was refused, not run" in str(claimed.value)
+    for exc in (renewed.value, finished.value):
+        assert "refused" not in str(exc)
+    assert "the handler is running and its lease was not extended" in str(renewed.value)
+    assert "the handler already ran and its outcome may not be recorded" in str(finished.value)
+    assert "retries the write" in str(finished.value)
+
+
+def test_a_postgres_outage_message_says_whether_the_handler_ran() -> None:
+    """PostgresStore words an unreachable database by operation, as RedisStore does."""
+    store = PostgresStore("postgresql://127.0.0.1:1/none")
+    down = psycopg.OperationalError("connection refused")
+    claim, finish = store._map("claim", "p:k", down), store._map("finish", "p:k", down)
+    assert isinstance(claim, StoreUnavailable)
+    assert isinstance(finish, StoreUnavailable)
+    assert "the request was refused, not run" in str(claim)
+    assert "the handler already ran" in str(finish)
+    assert "refused" not in str(finish)
