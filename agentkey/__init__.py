@@ -1,10 +1,19 @@
 """agentkey: deterministic idempotency keys for the tool calls of AI agents.
 
 The public surface is what ``__all__`` lists; every module behind it is private.
+
+``import agentkey`` loads only what keys need (canonical JSON, keys, the
+exceptions). Everything else loads on first use of one of its names (PEP 562):
+plans (pydantic), and the invoker, policies, hooks, checker and token providers
+(httpx), so a program pays for what it uses.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._canonical import Profile, args_hash, canonical_json
-from ._checker import CheckReport, CheckResult, acheck_server, check_server
 from ._exceptions import (
     AgentKeyError,
     AuthenticationError,
@@ -17,6 +26,7 @@ from ._exceptions import (
     InvokeError,
     KeyRejected,
     KeyReused,
+    LeaseLost,
     MissingExtra,
     OutcomeUnknown,
     PayloadMismatch,
@@ -31,27 +41,82 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
-from ._hooks import (
-    GiveUpEvent,
-    InvokeEvent,
-    InvokeHook,
-    LoggingHook,
-    PollEvent,
-    ReplayEvent,
-    RetryEvent,
-)
-from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
 from ._keys import HeaderStyle, StepKey, step_key
-from ._plan import PlanSession, Step
-from ._policy import PollPolicy, RetryPolicy
 from ._version import __version__
-from .auth import ClientCredentials, OnBehalfOf, RefreshTokenGrant, StaticToken, TokenExchange
+
+if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
+    from ._checker import CheckReport, CheckResult, acheck_server, check_server
+    from ._hooks import (
+        AttemptEvent,
+        CallEndEvent,
+        CallStartEvent,
+        GiveUpEvent,
+        InvokeEvent,
+        InvokeHook,
+        LoggingHook,
+        PollEvent,
+        ReplayEvent,
+        RetryEvent,
+    )
+    from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
+    from ._plan import PlanSession, Step
+    from ._policy import PollPolicy, RetryPolicy
+    from .auth import ClientCredentials, OnBehalfOf, RefreshTokenGrant, StaticToken, TokenExchange
+
+# Public name -> the module that defines it, imported on first access.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(["CheckReport", "CheckResult", "acheck_server", "check_server"], "._checker"),
+    **dict.fromkeys(
+        [
+            "AttemptEvent",
+            "CallEndEvent",
+            "CallStartEvent",
+            "GiveUpEvent",
+            "InvokeEvent",
+            "InvokeHook",
+            "LoggingHook",
+            "PollEvent",
+            "ReplayEvent",
+            "RetryEvent",
+        ],
+        "._hooks",
+    ),
+    **dict.fromkeys(["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], "._invoker"),
+    **dict.fromkeys(["PlanSession", "Step"], "._plan"),
+    **dict.fromkeys(["PollPolicy", "RetryPolicy"], "._policy"),
+    **dict.fromkeys(
+        ["ClientCredentials", "OnBehalfOf", "RefreshTokenGrant", "StaticToken", "TokenExchange"],
+        ".auth",
+    ),
+}
+
+
+if not TYPE_CHECKING:  # type checkers see the names above, and no catch-all for typos
+
+    def __getattr__(name: str) -> Any:
+        """Import a lazily loaded public name on first access (PEP 562), then keep it."""
+        if name == "auth":  # the subpackage, an attribute since import agentkey once loaded it
+            return importlib.import_module(".auth", __name__)
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "AgentKeyError",
     "AsyncToolInvoker",
+    "AttemptEvent",
     "AuthError",
     "AuthenticationError",
+    "CallEndEvent",
+    "CallStartEvent",
     "CheckReport",
     "CheckResult",
     "ClientCredentials",
@@ -67,6 +132,7 @@ __all__ = [
     "InvokeHook",
     "KeyRejected",
     "KeyReused",
+    "LeaseLost",
     "LoggingHook",
     "MissingExtra",
     "OnBehalfOf",

@@ -14,13 +14,14 @@ Anything that cannot be carried exactly raises :class:`InvalidArguments`
 naming its path, such as ``args.items[2].price``.
 
 Speed: arguments that already are plain JSON (exact ``dict``/``list``/``str``/
-``int``/``float``/``bool``/``None``, string keys, finite floats, integers a server
-can read: what ``json.loads`` gives) take a lean walk that builds no paths and
-converts nothing: :func:`_check_plain` when only the bytes are needed
-(:func:`canonical_json`, :func:`args_hash`), :func:`_plain_copy` when the value is
-kept (:func:`to_jsonable`). Anything else takes :func:`_convert`, the
-precise walk that converts values and names the path of the first bad one. Both
-give the same value (``tests/test_canonical.py`` checks it on generated inputs).
+``int``/``float``/``bool``/``None``, string keys: what ``json.loads`` gives) take
+the C path. :func:`_check_plain` looks at the type of every value (no paths, no
+conversion, no copy) and the bytes come straight from the C encoder that
+``json.dumps`` itself uses, built once; NaN, infinities and integers of more than
+4300 digits make that encoder raise, and such input, like any other that is not
+plain, takes :func:`_convert`, the precise walk that converts values and names the
+path of the first bad one. Both give the same bytes or the same refusal
+(``tests/test_canonical.py`` checks it on generated inputs).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import json
 import math
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from json.encoder import JSONEncoder, encode_basestring_ascii
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 from ._exceptions import ConfigurationError, InvalidArguments
@@ -47,6 +49,7 @@ __all__ = [
     "canonical_json",
     "check_profile",
     "encode_jsonable",
+    "plain_and_body",
     "to_jsonable",
 ]
 
@@ -71,11 +74,8 @@ def check_profile(profile: object) -> Profile:
     return profile  # type: ignore[return-value]
 
 
-_STR_ONLY = frozenset({str})
-
-
 class _NotPlain(Exception):
-    """Raised by :func:`_plain_copy` at the first value it does not handle itself."""
+    """Raised by the lean walks at the first value they leave to the precise walk."""
 
 
 def _plain_copy(value: Any) -> Any:
@@ -113,27 +113,56 @@ def _plain_item(item: Any) -> Any:
     raise _NotPlain
 
 
-def _check_plain(value: Any) -> None:
-    """:func:`_plain_copy` without the copy, for when only the bytes are needed.
+# Exact types _check_plain passes without looking at the value. Under "python" the C
+# encoder refuses NaN and infinities itself (allow_nan=False), and ints of more than
+# 4300 digits too when the interpreter refuses to print them, as it does by default.
+# The "jcs" encoder is Python code that trusts its input: numbers are checked here.
+_STR_LEAVES: frozenset[type] = frozenset({str, bool, type(None)})
+_LEAVES: frozenset[type] = _STR_LEAVES | {float}
+_LEAVES_AND_INTS: frozenset[type] = _LEAVES | {int}
+_WIDE = 16  # from this many items, one C-level look at all their types first
+_int_digits_limit: Callable[[], int] = getattr(sys, "get_int_max_str_digits", lambda: 0)
 
-    The same acceptance, written out again rather than shared: a call per value
-    would cost what this walk saves (tests check both against the precise walk).
+
+def _leaves(profile: Profile) -> frozenset[type]:
+    """The types :func:`_check_plain` passes unseen, for ``profile`` in this interpreter."""
+    if profile != "python":
+        return _STR_LEAVES
+    if 0 < _int_digits_limit() <= _MAX_INT_DIGITS:
+        return _LEAVES_AND_INTS
+    return _LEAVES
+
+
+def _check_plain(value: Any, leaves: frozenset[type]) -> None:
+    """Raise :class:`_NotPlain` unless ``value`` (a ``dict`` or ``list``) is plain JSON.
+
+    Plain: exact ``dict``/``list`` containers, ``str`` keys, and values of the exact
+    types that :func:`_convert` returns unchanged; types in ``leaves`` pass unseen
+    (see :func:`_leaves`). No copy, no paths. A cycle or absurd nesting raises
+    ``RecursionError``.
     """
     if type(value) is dict:
-        if not _STR_ONLY.issuperset(map(type, value)):
-            raise _NotPlain
+        try:
+            _join(value)  # a TypeError unless every key is a str: the cheapest check in C
+        except TypeError:
+            raise _NotPlain from None
         value = value.values()
+    if len(value) >= _WIDE and leaves.issuperset(map(type, value)):
+        return  # a wide container of scalars (the C loop stops at the first other type)
     for item in value:
         kind = type(item)
-        if kind is str or kind is bool or item is None:
+        if kind in leaves:
             continue
         if kind is dict or kind is list:
-            _check_plain(item)
+            _check_plain(item, leaves)
         elif kind is int:
             if item.bit_length() > _SMALL_INT_BITS:
                 raise _NotPlain
         elif kind is not float or not math.isfinite(item):
             raise _NotPlain
+
+
+_join = "".join
 
 
 def _as_model(value: object) -> BaseModel | None:
@@ -262,25 +291,66 @@ def canonical_json(args: object, *, profile: Profile = "python") -> bytes:
 
     These bytes are both the request body and the input of :func:`args_hash`.
     """
-    profile = check_profile(profile)
+    return plain_and_body(args, check_profile(profile))[1]
+
+
+def plain_and_body(args: object, profile: Profile) -> tuple[JSONObject, bytes]:
+    """``args`` as plain JSON values, and their canonical bytes under ``profile``.
+
+    When ``args`` already is plain JSON the value returned is ``args`` itself, not a
+    copy (:func:`to_jsonable` copies); otherwise it is the converted copy.
+    """
     if type(args) is dict:
         try:
-            _check_plain(args)
-        except (_NotPlain, RecursionError):
+            _check_plain(args, _leaves(profile))
+            return args, _encode(args, profile)
+        except (_NotPlain, RecursionError, ValueError):
             pass  # to_jsonable() converts, or names the offending path
-        else:
-            return encode_jsonable(args, profile)  # already plain: no copy needed
-    return encode_jsonable(to_jsonable(args), profile)
+    plain = to_jsonable(args)
+    return plain, encode_jsonable(plain, profile)
+
+
+def _json_dumps(value: object) -> str:
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+
+
+def _c_dumps() -> Callable[[object], str] | None:
+    """``_json_dumps`` through the C encoder, built once (``json.dumps`` builds it per call)."""
+    # The factory json.JSONEncoder.iterencode calls (not in typeshed); absent without
+    # the _json accelerator (e.g. PyPy).
+    make: Callable[..., Callable[[object, int], list[str] | tuple[str, ...]]] | None
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    encode = make(
+        None,  # no circular check: a cycle raises RecursionError, as deep nesting does
+        JSONEncoder().default,  # raises TypeError, as json.dumps does
+        encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        True,  # sort_keys
+        False,  # skipkeys
+        False,  # allow_nan
+    )
+    return lambda value: "".join(encode(value, 0))
+
+
+_dumps: Callable[[object], str] = _c_dumps() or _json_dumps
+
+
+def _encode(value: JSONObject, profile: Profile) -> bytes:
+    if profile == "python":
+        return _dumps(value).encode("ascii")
+    return _jcs(value, "args").encode("utf-8")
 
 
 def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:
     """Serialise a value that :func:`to_jsonable` already produced."""
     try:
-        if profile == "python":
-            return json.dumps(
-                value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-            ).encode("ascii")
-        return _jcs(value, "args").encode("utf-8")
+        return _encode(value, profile)
     except RecursionError:
         raise InvalidArguments(
             "the arguments are nested too deeply to serialise; flatten them", path="args"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -28,6 +29,7 @@ __all__ = [
     "format_step",
     "normalize_step",
     "plan_id_from_external",
+    "raw_key",
     "step_key",
     "validate_plan_session_id",
 ]
@@ -44,7 +46,6 @@ _PLAN_ID = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 _STEP = re.compile(r"step_(\d{3,})((?:\.\d{3,})*)")
 _HASH = re.compile(r"[0-9a-f]{64}")
 _INT_ONLY = frozenset({int})
-_LABEL_PART = "{:03d}".format
 
 
 def validate_plan_session_id(plan_session_id: object) -> str:
@@ -100,7 +101,12 @@ def normalize_step(step: object) -> tuple[int, ...]:
 
 def format_step(step: int | Sequence[int]) -> str:
     """Format a step index as the key's step label: ``step_003`` or ``step_003.001``."""
-    return "step_" + ".".join(map(_LABEL_PART, normalize_step(step)))
+    return _label(normalize_step(step))
+
+
+def _label(index: tuple[int, ...]) -> str:
+    """The label of an index :func:`normalize_step` already validated (exact ints >= 0)."""
+    return ("step_" + ".".join(["%03d"] * len(index))) % index  # one format call: the fastest
 
 
 def _parse_step(label: str, whole: str) -> tuple[int, ...]:
@@ -152,30 +158,43 @@ class StepKey:
 
     ``str(key)`` gives the raw form; :meth:`header_value` gives the header in
     either style; :meth:`parse` accepts both.
+
+    Words: a :class:`~agentkey.Step` is one tool call of a plan; its ``index`` is
+    the tuple of ints (``(3, 1)``); its ``label`` is the text in the key
+    (``step_003.001``).
     """
 
     plan_session_id: str
-    step: tuple[int, ...]
+    index: tuple[int, ...]
     args_hash: str
     # The raw key, formatted once by __post_init__ (callers ask for it many times).
     _raw: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         validate_plan_session_id(self.plan_session_id)
-        step = normalize_step(self.step)
-        object.__setattr__(self, "step", step)
+        index = normalize_step(self.index)
+        object.__setattr__(self, "index", index)
         if not isinstance(self.args_hash, str) or not _HASH.fullmatch(self.args_hash):
             raise InvalidKey(
                 f"invalid args_hash {self.args_hash!r}: expected 64 lowercase hex digits "
                 "(sha256 of the canonical JSON of the arguments)"
             )
-        raw = f"{self.plan_session_id}:{format_step(step)}:{self.args_hash}"
-        if len(raw) > MAX_KEY_LENGTH:
-            raise InvalidKey(
-                f"key for step {self.step_label} is longer than {MAX_KEY_LENGTH} "
-                "characters; use a shorter plan session id or fewer sub-step levels"
-            )
-        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_raw", raw_key(self.plan_session_id, index, self.args_hash))
+
+    @classmethod
+    def _trusted(cls, plan_session_id: str, index: tuple[int, ...], args_hash: str) -> StepKey:
+        """A key from parts already validated (a plan's id, a normalised index, a digest).
+
+        For the steps :meth:`PlanSession.step` makes, whose parts it just validated:
+        skips re-validating them, not the key's length.
+        """
+        key = object.__new__(cls)
+        _set = object.__setattr__
+        _set(key, "plan_session_id", plan_session_id)
+        _set(key, "index", index)
+        _set(key, "args_hash", args_hash)
+        _set(key, "_raw", raw_key(plan_session_id, index, args_hash))
+        return key
 
     @classmethod
     def build(
@@ -210,9 +229,21 @@ class StepKey:
         return cls(plan, _parse_step(label, raw), digest)
 
     @property
+    def label(self) -> str:
+        """The step's label as it appears in the key, e.g. ``step_003.001``."""
+        return _label(self.index)
+
+    @property
+    def step(self) -> tuple[int, ...]:
+        """Deprecated name of :attr:`index` (the step's index tuple)."""
+        _renamed("step", "index")
+        return self.index
+
+    @property
     def step_label(self) -> str:
-        """The step as it appears in the key, e.g. ``step_003.001``."""
-        return format_step(self.step)
+        """Deprecated name of :attr:`label`."""
+        _renamed("step_label", "label")
+        return _label(self.index)
 
     def format(self) -> str:
         """The raw key: ``<plan_session_id>:<step>:<args_hash>``."""
@@ -230,6 +261,17 @@ class StepKey:
         return self._raw
 
 
+def raw_key(plan_session_id: str, index: tuple[int, ...], args_hash: str) -> str:
+    """The raw key of parts already validated (a normalised index); checks only the length."""
+    raw = f"{plan_session_id}:{_label(index)}:{args_hash}"
+    if len(raw) > MAX_KEY_LENGTH:
+        raise InvalidKey(
+            f"key for step {_label(index)} is longer than {MAX_KEY_LENGTH} "
+            "characters; use a shorter plan session id or fewer sub-step levels"
+        )
+    return raw
+
+
 def step_key(
     plan_session_id: str,
     step: int | Sequence[int],
@@ -239,3 +281,11 @@ def step_key(
 ) -> str:
     """Return the raw ``Idempotency-Key`` for ``args`` at ``step`` of a plan."""
     return StepKey.build(plan_session_id, step, args, profile=profile).format()
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"StepKey.{old} is deprecated and will be removed in the next release; use StepKey.{new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -12,13 +12,14 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from ._canonical import JSONObject, Profile, check_profile, encode_jsonable, to_jsonable
+from ._canonical import JSONObject, Profile, check_profile, encode_jsonable, plain_and_body
 from ._exceptions import AgentKeyError, ConfigurationError, InvalidArguments, StepRepeated
 from ._keys import (
     StepKey,
     format_step,
     normalize_step,
     plan_id_from_external,
+    raw_key,
     validate_plan_session_id,
 )
 
@@ -41,12 +42,21 @@ def check_on_repeat(value: object) -> OnRepeat:
     return value  # type: ignore[return-value]
 
 
+_set = object.__setattr__
+
+
 class Step(BaseModel):
     """One tool call of a plan, with its deterministic key.
 
-    ``args`` holds the arguments already converted to plain JSON values (and
-    normalised by the step's ``args_model`` when one was given); those are
-    exactly what is hashed and sent.
+    ``args`` holds the arguments as plain JSON values (normalised by the step's
+    ``args_model`` when one was given): exactly what is hashed and sent. Arguments
+    that already were plain JSON are kept as given, not copied; :attr:`body` and
+    :attr:`key` are fixed when the step is made, so editing them afterwards changes
+    neither the key nor what is sent.
+
+    Words: a ``Step`` is the call; :attr:`index` is its position as a tuple of
+    ints (``(3, 1)``); :attr:`label` is that position as text (``step_003.001``),
+    which is what results, errors and events call ``step``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -72,16 +82,67 @@ class Step(BaseModel):
     ) -> None:
         # Validate here, not in pydantic validators, so bad input raises agentkey's
         # typed errors (InvalidKey, InvalidArguments) rather than a ValidationError.
-        if not isinstance(tool, str) or not tool:
-            raise ConfigurationError(f"tool name must be a non-empty str, got {tool!r}")
+        _check_tool(tool)
+        plan_session_id = validate_plan_session_id(plan_session_id)
+        steps = normalize_step(index)
+        plain, body = plain_and_body(args, check_profile(profile))
         super().__init__(
-            plan_session_id=validate_plan_session_id(plan_session_id),
-            index=normalize_step(index),
+            plan_session_id=plan_session_id,
+            index=steps,
             tool=tool,
-            args=to_jsonable(args),
-            profile=check_profile(profile),
+            args=plain,
+            profile=profile,
             repeat_of=repeat_of,
         )
+        self.__dict__["body"] = body  # fixed now: the cached_property below reads it
+
+    @classmethod
+    def _made(
+        cls,
+        plan_session_id: str,
+        index: tuple[int, ...],
+        digest: str,
+        tool: str,
+        args: JSONObject,
+        profile: Profile,
+        body: bytes,
+        repeat_of: str | None = None,
+    ) -> Step:
+        """A step from parts :meth:`PlanSession.step` already validated and computed.
+
+        What ``model_construct`` does, without its per-field loop: the plan's hot path.
+        The raw key is formatted now; the :class:`StepKey` object on first use.
+        """
+        step = cls.__new__(cls)
+        _set(
+            step,
+            "__dict__",
+            {
+                "plan_session_id": plan_session_id,
+                "index": index,
+                "tool": tool,
+                "args": args,
+                "profile": profile,
+                "repeat_of": repeat_of,
+                "body": body,  # the cached properties below, already known
+                "idempotency_key": raw_key(plan_session_id, index, digest),
+            },
+        )
+        _set(step, "__pydantic_fields_set__", _FIELDS_SET)
+        _set(step, "__pydantic_extra__", None)
+        _set(step, "__pydantic_private__", None)
+        return step
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Step:
+        """A copy; with ``update``, a new step validated like the constructor.
+
+        pydantic's own copy carries the cached body and key over, so an updated copy
+        would send the old arguments' bytes under the old key: refused by rebuilding.
+        """
+        if not update:
+            return super().model_copy(deep=deep)
+        fields = {name: getattr(self, name) for name in _FIELDS_SET}
+        return Step(**{**fields, **update})
 
     @cached_property
     def body(self) -> bytes:
@@ -91,6 +152,9 @@ class Step(BaseModel):
     @cached_property
     def key(self) -> StepKey:
         """The parsed key of this step."""
+        raw = self.__dict__.get("idempotency_key")
+        if raw is not None:  # made by the plan: its parts are validated, its digest known
+            return StepKey._trusted(self.plan_session_id, self.index, raw[-64:])
         return StepKey(self.plan_session_id, self.index, hashlib.sha256(self.body).hexdigest())
 
     @cached_property
@@ -102,6 +166,57 @@ class Step(BaseModel):
     def label(self) -> str:
         """The step label, e.g. ``step_003.001``."""
         return format_step(self.index)
+
+
+# The fields a validated Step reports as set (Step.__init__ passes them all). Shared:
+# pydantic never changes an instance's set in place (model_copy copies it first).
+_FIELDS_SET = {"plan_session_id", "index", "tool", "args", "profile", "repeat_of"}
+
+
+def _check_tool(tool: object) -> None:
+    if not isinstance(tool, str) or not tool:
+        raise ConfigurationError(f"tool name must be a non-empty str, got {tool!r}")
+
+
+class _Memory:
+    """What a :class:`PlanSession` remembers: its args models and every step handed out.
+
+    One private attribute rather than four, so a step reads the session's private
+    state once. Single dict operations keep it safe for concurrent calls.
+    """
+
+    __slots__ = ("args_models", "first", "handed", "tools")
+
+    def __init__(self) -> None:
+        self.args_models: dict[str, type[BaseModel]] = {}
+        # Every step handed out, in order: (index, tool, args_hash). The two maps
+        # below are derived from it.
+        self.handed: dict[tuple[tuple[int, ...], str, str], None] = {}
+        self.tools: dict[tuple[int, ...], str] = {}
+        self.first: dict[tuple[str, str], tuple[int, ...]] = {}
+
+    def __eq__(self, other: object) -> bool:  # sessions compare equal by what they remember
+        if not isinstance(other, _Memory):
+            return NotImplemented
+        return (self.args_models, self.handed) == (other.args_models, other.handed)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def remember(
+        self, plan_id: str, index: tuple[int, ...], tool: str, args_hash: str
+    ) -> tuple[int, ...]:
+        """Record a step handed out; return the first index this call was handed out at."""
+        bound = self.tools.setdefault(index, tool)
+        if bound != tool:
+            label = format_step(index)
+            raise ConfigurationError(
+                f"plan {plan_id!r} already gave {label} to tool {bound!r}; giving it to tool "
+                f"{tool!r} too would make the server answer one with the other's stored "
+                f"result. Give each tool call its own step index (e.g. the next free one), "
+                "or start a new PlanSession for a new plan"
+            )
+        self.handed.setdefault((index, tool, args_hash), None)
+        return self.first.setdefault((tool, args_hash), index)
 
 
 class PlanSession(BaseModel):
@@ -128,12 +243,12 @@ class PlanSession(BaseModel):
 
     id: str
     profile: Profile = "python"
-    _args_models: dict[str, type[BaseModel]] = PrivateAttr(default_factory=dict)
-    # Every step handed out, in order: (index, tool, args_hash). The two maps below are
-    # derived from it; single dict operations keep them safe for concurrent calls.
-    _handed: dict[tuple[tuple[int, ...], str, str], None] = PrivateAttr(default_factory=dict)
-    _tools: dict[tuple[int, ...], str] = PrivateAttr(default_factory=dict)
-    _first: dict[tuple[str, str], tuple[int, ...]] = PrivateAttr(default_factory=dict)
+    _memory: _Memory = PrivateAttr(default_factory=_Memory)
+
+    @property
+    def _memory_(self) -> _Memory:
+        # pydantic's own lookup of a private attribute (self._memory) costs microseconds
+        return self.__pydantic_private__["_memory"]  # type: ignore[index,no-any-return]
 
     @field_validator("id")
     @classmethod
@@ -144,7 +259,7 @@ class PlanSession(BaseModel):
         self, *, id: str, profile: Profile = "python", args_models: ArgsModels | None = None
     ) -> None:
         super().__init__(id=validate_plan_session_id(id), profile=check_profile(profile))
-        self._args_models.update(_check_args_models(args_models))
+        self._memory_.args_models.update(_check_args_models(args_models))
 
     @classmethod
     def new(
@@ -165,7 +280,7 @@ class PlanSession(BaseModel):
         return {
             "id": self.id,
             "profile": self.profile,
-            "steps": [[list(index), tool, h] for index, tool, h in list(self._handed)],
+            "steps": [[list(index), tool, h] for index, tool, h in list(self._memory_.handed)],
         }
 
     def to_json(self) -> str:
@@ -237,43 +352,28 @@ class PlanSession(BaseModel):
         ``"allow"`` builds the new step, which runs again.
         """
         steps = normalize_step(index)
-        policy = check_on_repeat(on_repeat)
-        if not isinstance(tool, str) or not tool:
-            raise ConfigurationError(f"tool name must be a non-empty str, got {tool!r}")
-        model = args_model if args_model is not None else self._args_models.get(tool)
+        if on_repeat not in _ON_REPEAT or not isinstance(tool, str) or not tool:
+            check_on_repeat(on_repeat)
+            _check_tool(tool)
+        memory = self._memory_
+        model = args_model if args_model is not None else memory.args_models.get(tool)
         if model is not None:
             args = _validate_with(model, args, tool, format_step(steps))
-        step = Step(
-            plan_session_id=self.id, index=steps, tool=tool, args=args, profile=self.profile
-        )
-        earlier = self._remember(steps, tool, step.key.args_hash)
-        if earlier == steps or policy == "allow":
-            return step
+        plan_id, profile = self.id, self.profile
+        plain, body = plain_and_body(args, profile)
+        digest = hashlib.sha256(body).hexdigest()
+        earlier = memory.remember(plan_id, steps, tool, digest)
+        if earlier == steps or on_repeat == "allow":
+            return Step._made(plan_id, steps, digest, tool, plain, profile, body)
         label = format_step(earlier)
-        if policy == "raise":
+        if on_repeat == "raise":
+            step = Step._made(plan_id, steps, digest, tool, plain, profile, body)
             raise repeated_error(step, label)
-        return Step(
-            plan_session_id=self.id,
-            index=earlier,
-            tool=tool,
-            args=step.args,
-            profile=self.profile,
-            repeat_of=label,
-        )
+        return Step._made(plan_id, earlier, digest, tool, plain, profile, body, repeat_of=label)
 
     def _remember(self, index: tuple[int, ...], tool: str, args_hash: str) -> tuple[int, ...]:
         """Record a step handed out; return the first index this call was handed out at."""
-        bound = self._tools.setdefault(index, tool)
-        if bound != tool:
-            label = format_step(index)
-            raise ConfigurationError(
-                f"plan {self.id!r} already gave {label} to tool {bound!r}; giving it to tool "
-                f"{tool!r} too would make the server answer one with the other's stored "
-                f"result. Give each tool call its own step index (e.g. the next free one), "
-                "or start a new PlanSession for a new plan"
-            )
-        self._handed.setdefault((index, tool, args_hash), None)
-        return self._first.setdefault((tool, args_hash), index)
+        return self._memory_.remember(self.id, index, tool, args_hash)
 
 
 def repeated_error(step: Step, previous: str) -> StepRepeated:

@@ -7,6 +7,7 @@ import enum
 import json
 import math
 import struct
+import sys
 import uuid
 from decimal import Decimal
 from typing import Any
@@ -374,7 +375,7 @@ class _Rows(list):  # type: ignore[type-arg]
     pass
 
 
-def _precise(args: Any, profile: Profile) -> tuple[object, object]:
+def _precise(args: Any, profile: Profile) -> tuple[object, object, object]:
     """What _outcome gives with the lean walks switched off: the precise walk only."""
     from unittest import mock
 
@@ -388,9 +389,9 @@ def _precise(args: Any, profile: Profile) -> tuple[object, object]:
         return _outcome(args, profile)
 
 
-def _outcome(args: Any, profile: Profile) -> tuple[object, object]:
-    """canonical_json's bytes and to_jsonable's value, or (error, path) where refused."""
-    from agentkey._canonical import to_jsonable
+def _outcome(args: Any, profile: Profile) -> tuple[object, object, object]:
+    """canonical_json's bytes, to_jsonable's value and plain_and_body's pair, or (error, path)."""
+    from agentkey._canonical import plain_and_body, to_jsonable
 
     def run(fn: Any) -> object:
         try:
@@ -398,7 +399,11 @@ def _outcome(args: Any, profile: Profile) -> tuple[object, object]:
         except InvalidArguments as exc:
             return (type(exc).__name__, str(exc.path))
 
-    return run(lambda: canonical_json(args, profile=profile)), run(lambda: to_jsonable(args))
+    return (
+        run(lambda: canonical_json(args, profile=profile)),
+        run(lambda: to_jsonable(args)),
+        run(lambda: plain_and_body(args, profile)),
+    )
 
 
 odd_scalars = (
@@ -516,3 +521,33 @@ def test_list_cycles_and_shared_values() -> None:
     assert info.value.path == "args"
     shared = [1, {"x": 2}]
     assert canonical_json({"a": shared, "b": shared}) == b'{"a":[1,{"x":2}],"b":[1,{"x":2}]}'
+
+
+@pytest.mark.skipif(not hasattr(sys, "set_int_max_str_digits"), reason="no int digit limit")
+@pytest.mark.parametrize("limit", [0, 640, 5000])
+def test_int_digit_limit_of_the_interpreter_does_not_change_the_answer(limit: int) -> None:
+    """Ints pass the fast path unseen only under the default 4300-digit limit; else both agree."""
+    args = {"n": [10**4299, 1], "m": {"k": -(10**4300)}}
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        for profile in ("python", "jcs"):
+            assert _outcome(args, profile) == _precise(args, profile)
+        with pytest.raises(InvalidArguments) as info:
+            canonical_json(args)
+        assert info.value.path == "args.m.k"
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+def test_plain_arguments_are_returned_as_given_with_their_bytes() -> None:
+    """plain_and_body keeps plain arguments as they are (no copy) and converts the rest."""
+    from agentkey._canonical import plain_and_body
+
+    plain = {"a": [1, 2.5, {"b": None}], "c": "x"}
+    value, body = plain_and_body(plain, "python")
+    assert value is plain
+    assert body == dumps(plain)
+    converted, body = plain_and_body({"t": (1, 2), "when": dt.date(2026, 1, 2)}, "python")
+    assert converted == {"t": [1, 2], "when": "2026-01-02"}
+    assert body == b'{"t":[1,2],"when":"2026-01-02"}'

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkey import InvalidKey, StepKey, args_hash, step_key
+from agentkey._keys import format_step
 
 HASH = "a" * 64
 plan_ids = st.text(
@@ -43,7 +44,7 @@ def test_key_layout() -> None:
 )
 def test_step_labels(step: Any, label: str) -> None:
     """Indexes are zero-padded to three digits; sub-steps join with dots."""
-    assert StepKey("p", step, HASH).step_label == label
+    assert StepKey("p", step, HASH).label == label
 
 
 def test_both_header_styles_parse_to_the_same_key() -> None:
@@ -161,3 +162,24 @@ def test_key_is_stable_across_processes_and_hash_seeds() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == expected
+
+
+def test_one_word_each_for_index_and_label() -> None:
+    """StepKey names its tuple ``index`` and its text ``label``; the old names still answer."""
+    key = StepKey("p", (3, 1), HASH)
+    assert key.index == (3, 1)
+    assert key.label == "step_003.001"
+    with pytest.warns(DeprecationWarning, match=r"StepKey\.step is deprecated.*StepKey\.index"):
+        assert key.step == key.index
+    with pytest.warns(DeprecationWarning, match=r"StepKey\.step_label .*StepKey\.label"):
+        assert key.step_label == key.label
+    assert key == StepKey("p", (3, 1), HASH)
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=5))
+def test_trusted_key_equals_validated_key(index: list[int]) -> None:
+    """The plan's shortcut (parts already validated) builds the very key the checks build."""
+    trusted = StepKey._trusted("plan-1", tuple(index), HASH)
+    checked = StepKey("plan-1", tuple(index), HASH)
+    assert trusted == checked
+    assert trusted.format() == checked.format() == f"plan-1:{format_step(index)}:{HASH}"

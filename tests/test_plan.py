@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import traceback
@@ -250,3 +251,61 @@ def test_saved_session_round_trips_as_text_or_object() -> None:
     assert PlanSession.from_dict(plan.to_dict()) == plan
     old = PlanSession.from_json('{"id": "run-7", "profile": "python"}')  # saved before steps
     assert old.step(0, "charge", {}).idempotency_key.startswith("run-7:step_000:")
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=6),
+        st.integers(-(2**53) + 1, 2**53 - 1)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=6),
+    ),
+    st.sampled_from(["python", "jcs"]),
+)
+def test_plan_steps_equal_validated_steps(args: dict[str, Any], profile: Any) -> None:
+    """A step the plan builds on its fast path is the step Step(...) validates, field for field."""
+    plan = PlanSession(id="plan-1", profile=profile)
+    made = plan.step((4, 2), "provision", args)
+    checked = Step(
+        plan_session_id="plan-1", index=(4, 2), tool="provision", args=args, profile=profile
+    )
+    assert made == checked
+    assert made.model_dump() == checked.model_dump()
+    assert made.model_fields_set == checked.model_fields_set
+    assert (made.body, made.key, made.idempotency_key) == (
+        checked.body,
+        checked.key,
+        checked.idempotency_key,
+    )
+    replay = plan.step(5, "provision", args)  # same call at another index: answered by 4.2
+    assert replay.repeat_of == "step_004.002"
+    assert replay.key == made.key
+
+
+def test_key_and_body_are_fixed_when_the_step_is_made() -> None:
+    """Plain arguments are not copied, but editing them later changes neither key nor body."""
+    args: dict[str, Any] = {"items": [{"sku": "a"}]}
+    for step in (
+        PlanSession(id="p").step(1, "order", args),
+        Step(plan_session_id="p", index=1, tool="order", args=args),
+    ):
+        key, body = step.idempotency_key, step.body
+        args["items"].append({"sku": "b"})
+        assert (step.idempotency_key, step.body) == (key, body)
+        assert body == b'{"items":[{"sku":"a"}]}'
+        args["items"].pop()
+
+
+def test_an_updated_copy_is_a_new_step_with_its_own_key_and_body() -> None:
+    """model_copy(update=) rebuilds the step: never the old arguments' bytes under the old key."""
+    plan = PlanSession.new()
+    step = plan.step(1, "charge", {"amount": 5})
+    assert step.body == b'{"amount":5}'  # cached on the original, with its key
+    assert step.idempotency_key.endswith(hashlib.sha256(step.body).hexdigest())
+    copy = step.model_copy(update={"args": {"amount": 7}})
+    assert copy.body == b'{"amount":7}'
+    assert copy.idempotency_key != step.idempotency_key
+    assert copy.key.args_hash == hashlib.sha256(copy.body).hexdigest()
+    assert step.model_copy() == step
+    with pytest.raises(InvalidArguments):
+        step.model_copy(update={"args": {"amount": float("nan")}})
