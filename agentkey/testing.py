@@ -1,0 +1,204 @@
+"""Test your agent's tool calls without sockets: a scripted tool server and fast policies.
+
+Import it explicitly (``import agentkey.testing``); ``import agentkey`` never loads it.
+
+- :class:`ScriptedTool` is an httpx transport (sync and async) that answers each request
+  with the next entry of a script and records every request, so a test can assert that a
+  retry carried the same ``Idempotency-Key``::
+
+      tool = ScriptedTool([Reply(503), Reply(201, json={"charge_id": "ch_1"})])
+      with ToolInvoker("https://tools.test", client=tool.client(),
+                       retry=fast_retry_policy()) as invoker:
+          result = invoker.invoke(step)
+      assert tool.keys == [step.idempotency_key] * 2
+
+- :func:`fast_retry_policy`, :func:`fast_poll_policy` and :func:`fast_token_policy`: the
+  production policies with waits in the millisecond range, so a script of retries, 409s
+  and polls runs in milliseconds (a ``Retry-After`` in a script is capped the same way).
+- :func:`example_app`: the example tool server behind the middleware (``agentkey[server]``),
+  for tests that want the real server half in process (``httpx.ASGITransport``).
+"""
+
+from __future__ import annotations
+
+import json as _json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import httpx
+
+from ._policy import PollPolicy, RetryPolicy
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from .auth import TokenPolicy
+    from .server import Store
+
+__all__ = [
+    "Reply",
+    "ScriptedTool",
+    "example_app",
+    "fast_poll_policy",
+    "fast_retry_policy",
+    "fast_token_policy",
+]
+
+_NO_JSON: Any = object()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One scripted answer: a status, a JSON (or raw) body and headers.
+
+    ``replayed=True`` adds ``Idempotent-Replayed: true``, as a server replaying a
+    stored outcome does. A ``Reply`` is reusable: each use builds a fresh response.
+    """
+
+    status: int = 200
+    json: Any = _NO_JSON
+    headers: Mapping[str, str] = field(default_factory=dict)
+    content: bytes = b""
+    replayed: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.status, bool) or not isinstance(self.status, int):
+            raise TypeError(f"Reply.status must be an int, got {self.status!r}")
+        if not 100 <= self.status <= 599:
+            raise ValueError(f"Reply.status must be an HTTP status (100-599), got {self.status}")
+        if self.json is not _NO_JSON and self.content:
+            raise ValueError("give a Reply json= or content=, not both")
+
+    def response(self) -> httpx.Response:
+        """A fresh ``httpx.Response`` for this answer."""
+        headers = dict(self.headers)
+        content = self.content
+        if self.json is not _NO_JSON:
+            content = _json.dumps(self.json).encode()
+            headers.setdefault("Content-Type", "application/json")
+        if self.replayed:
+            headers["Idempotent-Replayed"] = "true"
+        return httpx.Response(self.status, headers=headers, content=content)
+
+
+#: A script entry: an answer, an exception to raise (``httpx.ConnectError(...)``,
+#: ``httpx.ReadTimeout(...)``: the request is attached), a ready response (used once),
+#: or a function of the request returning one of those.
+Answer: TypeAlias = (
+    "Reply | httpx.Response | BaseException | Callable[[httpx.Request], Reply | httpx.Response]"
+)
+
+
+class ScriptedTool(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """An httpx transport answering each request with the next entry of ``script``.
+
+    Pass it as ``transport=`` to an ``httpx.Client`` or ``httpx.AsyncClient`` (or use
+    :meth:`client` / :meth:`async_client`) and give that client to the invoker.
+    Every request is kept in :attr:`requests`, its body read, so tests can assert on
+    keys, bodies and headers. When the script runs out, ``then`` answers every later
+    request if given; otherwise the request fails the test with an ``AssertionError``
+    naming it.
+    """
+
+    def __init__(self, script: Iterable[Answer] = (), *, then: Answer | None = None) -> None:
+        self.script: list[Answer] = list(script)
+        self.then = then
+        #: Every request received, in order, bodies read.
+        self.requests: list[httpx.Request] = []
+
+    def __repr__(self) -> str:
+        return f"ScriptedTool({len(self.script)} answers left, {len(self.requests)} requests)"
+
+    @property
+    def keys(self) -> list[str | None]:
+        """The ``Idempotency-Key`` header of each request, in order (``None`` when absent)."""
+        return [r.headers.get("Idempotency-Key") for r in self.requests]
+
+    def calls(self, method: str) -> list[httpx.Request]:
+        """The requests sent with ``method`` (``"POST"`` for the steps, ``"GET"`` for polls)."""
+        return [r for r in self.requests if r.method == method.upper()]
+
+    def client(self, **options: Any) -> httpx.Client:
+        """An ``httpx.Client`` over this transport (``options`` go to the client)."""
+        return httpx.Client(transport=self, **options)
+
+    def async_client(self, **options: Any) -> httpx.AsyncClient:
+        """An ``httpx.AsyncClient`` over this transport (``options`` go to the client)."""
+        return httpx.AsyncClient(transport=self, **options)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()
+        return self._answer(request)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        return self._answer(request)
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if self.script:
+            entry = self.script.pop(0)
+        elif self.then is not None:
+            entry = self.then
+        else:
+            raise AssertionError(
+                f"ScriptedTool ran out of answers: request {len(self.requests)} "
+                f"({request.method} {request.url.path}) was not expected"
+            )
+        if callable(entry) and not isinstance(entry, (Reply, httpx.Response, BaseException)):
+            entry = entry(request)
+        if isinstance(entry, httpx.RequestError):
+            raise type(entry)(str(entry), request=request)
+        if isinstance(entry, BaseException):
+            raise entry
+        if isinstance(entry, Reply):
+            return entry.response()
+        if isinstance(entry, httpx.Response):
+            return entry
+        raise TypeError(
+            f"a ScriptedTool entry must be a Reply, an httpx.Response, an exception or a "
+            f"function of the request returning one, got {entry!r}"
+        )
+
+
+def fast_retry_policy(**changes: Any) -> RetryPolicy:
+    """``RetryPolicy`` with waits of a millisecond or two (``Retry-After`` capped at 10 ms)."""
+    policy = RetryPolicy(
+        initial_backoff=0.001, max_backoff=0.002, max_retry_after=0.01, deadline=10.0
+    )
+    return policy.replace(**changes) if changes else policy
+
+
+def fast_poll_policy(**changes: Any) -> PollPolicy:
+    """``PollPolicy`` polling every millisecond (``Retry-After`` capped at 10 ms)."""
+    policy = PollPolicy(
+        initial_backoff=0.001,
+        backoff_multiplier=1.0,
+        max_backoff=0.001,
+        max_retry_after=0.01,
+        deadline=10.0,
+    )
+    return policy.replace(**changes) if changes else policy
+
+
+def fast_token_policy(**changes: Any) -> TokenPolicy:
+    """``TokenPolicy`` retrying a token endpoint after a millisecond or two."""
+    from .auth import TokenPolicy
+
+    policy = TokenPolicy(
+        initial_backoff=0.001, max_backoff=0.002, max_retry_after=0.01, deadline=10.0
+    )
+    return policy.replace(**changes) if changes else policy
+
+
+def example_app(store: Store | None = None, **options: Any) -> Starlette:
+    """The example tool server (``POST /tools/charge``, ``/provision``, ``/report``).
+
+    It runs behind ``IdempotencyMiddleware`` on ``store`` (a fresh ``MemoryStore`` by
+    default) and counts executions in ``app.state.executions``. Needs
+    ``agentkey[server]``; see :func:`agentkey.server._example.example_app` for ``options``.
+    """
+    from .server._example import example_app as make
+
+    return make(store, **options)
