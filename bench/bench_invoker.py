@@ -1,160 +1,359 @@
-"""Invoker overhead: ToolInvoker.invoke vs a plain httpx POST of the same step, in one run.
+"""Invoker cost: ToolInvoker.invoke against httpx posting the same step, interleaved.
 
-Both send the same key and canonical body to the same bare Starlette tool on a
-loopback uvicorn (sync and async), and, to isolate agentkey's own CPU cost,
-to an in-process ``httpx.MockTransport``. Steps (and their keys) are built
-before timing, so only the call path is measured. The ratio is agentkey's
-price for the protocol flow: tenacity's engine, answer classification,
-replay detection and the ToolResult model.
+Both sides send the same key and canonical body; steps (and their keys) are built
+before any clock starts, so only the call path is measured. Blocks, each in ABBA
+rounds (A = plain httpx, B = agentkey), ratio per round = B / A:
 
-    python bench/bench_invoker.py            # full run
-    python bench/bench_invoker.py --smoke    # a quick run for CI
+- **sync, in-process**: ``httpx.Client.post`` vs ``ToolInvoker.invoke`` over an
+  ``httpx.MockTransport``: thread CPU per call, all of it client work;
+- **sync, loopback**: the same against the bare tool in a uvicorn process of its own
+  (``bench/_apps.py``): wall time and client CPU per call (the server's CPU is not ours);
+- **async, 100 and 1,000 concurrent**: ``httpx.AsyncClient.post`` vs
+  ``AsyncToolInvoker.invoke`` from that many tasks against the same server, each side
+  with httpx's default pool (100 connections): client CPU per call and throughput;
+- **sniffio**: the async plain-httpx path at 100 concurrent with ``sniffio`` importable
+  vs absent (hidden from the import system). httpcore imports it on every request
+  (``current_async_library``); anyio >= 4.16 no longer installs it, so an environment
+  with only agentkey's dependencies pays a failed import several times per request.
+
+    python bench/bench_invoker.py            # about 2 minutes, writes bench/results/invoker.json
+    python bench/bench_invoker.py --smoke    # a few seconds, for CI (writes nothing)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import itertools
+import os
 import socket
+import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._loopback
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
-from tests._loopback import serve  # uvicorn on loopback with TCP_NODELAY
+from bench._harness import machine, palindrome, servers, spread, write_results
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle + delayed-ACK stalls
+PATH = "/tools/charge"
 
 
-def tool_app() -> Any:
-    async def charge(request: Request) -> JSONResponse:
-        args = await request.json()
-        return JSONResponse({"charge_id": "ch_1", "amount": args["amount"]}, status_code=201)
-
-    return Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
-
-
-def steps(n: int) -> list[Step]:
+def make_steps(n: int) -> list[Step]:
     plan = PlanSession.new()
-    return [plan.step(i, "charge", {"amount": 100 + i}) for i in range(n)]
+    return [plan.step(i, "charge", {"amount": 100 + i % 7}) for i in range(n)]
 
 
-def plain_sync(client: httpx.Client, batch: list[Step]) -> None:
-    for step in batch:
-        response = client.post(
-            "/tools/charge",
-            headers={"Idempotency-Key": step.idempotency_key, "Content-Type": "application/json"},
-            content=step.body,
-        )
-        assert response.status_code == 201
-        response.json()
+def headers(step: Step) -> dict[str, str]:
+    return {"Idempotency-Key": step.idempotency_key, "Content-Type": "application/json"}
 
 
-def agentkey_sync(invoker: ToolInvoker, batch: list[Step]) -> None:
-    for step in batch:
-        assert invoker.invoke(step).status_code == 201
+# --------------------------------------------------------------------------- paired rounds
 
 
-def timed(fn: Callable[[list[Step]], None], n: int) -> float:
-    batch = steps(n)  # keys derived before the clock starts
-    started = time.perf_counter()
-    fn(batch)
-    return (time.perf_counter() - started) / n * 1e6
+Figures: TypeAlias = tuple[float, float, float]  # calls, wall seconds, client CPU seconds
+Pairs: TypeAlias = list[tuple[Figures, Figures]]
 
 
-def best_of(repeats: int, fn: Callable[[], float]) -> float:
-    return min(fn() for _ in range(repeats))
+def add(slots: list[Figures]) -> Figures:
+    return (sum(s[0] for s in slots), sum(s[1] for s in slots), sum(s[2] for s in slots))
 
 
-def sync_pair(url: str | None, n: int, repeats: int) -> tuple[float, float]:
-    """Microseconds per call: (plain httpx, agentkey), over loopback or a MockTransport."""
+def abba(rounds: int, plain: Callable[[], Figures], ours: Callable[[], Figures]) -> Pairs:
+    """Per round: (plain, ours), each summed over the round's two slots (A B B A)."""
+    plain()
+    ours()  # warm-up: connections, caches
+    out: Pairs = []
+    for _ in range(rounds):
+        got: dict[str, list[Figures]] = {"A": [], "B": []}
+        for side in palindrome(["A", "B"]):
+            got[side].append(plain() if side == "A" else ours())
+        out.append((add(got["A"]), add(got["B"])))
+    return out
 
-    def transport() -> httpx.BaseTransport:
-        if url is None:
-            return httpx.MockTransport(lambda r: httpx.Response(201, json={"charge_id": "ch_1"}))
-        return httpx.HTTPTransport(socket_options=NODELAY)
 
-    base = url or "https://tool.test"
+async def async_abba(
+    rounds: int,
+    plain: Callable[[], Awaitable[Figures]],
+    ours: Callable[[], Awaitable[Figures]],
+) -> Pairs:
+    """:func:`abba` for slots that are awaited."""
+    await plain()
+    await ours()
+    out: Pairs = []
+    for _ in range(rounds):
+        got: dict[str, list[Figures]] = {"A": [], "B": []}
+        for side in palindrome(["A", "B"]):
+            got[side].append(await (plain() if side == "A" else ours()))
+        out.append((add(got["A"]), add(got["B"])))
+    return out
+
+
+def row(
+    what: str,
+    pairs: Pairs,
+    *,
+    agentkey: str,
+    baseline: str,
+) -> dict[str, Any]:
+    """Each side's slot gives (calls, wall seconds, client CPU seconds)."""
+
+    def cpu_us(side: Figures) -> float:
+        return side[2] / side[0] * 1e6
+
+    def wall_us(side: Figures) -> float:
+        return side[1] / side[0] * 1e6
+
+    out: dict[str, Any] = {
+        "what": what,
+        "agentkey": agentkey,
+        "baseline": baseline,
+        "N": len(pairs),
+        "client_cpu_per_call_ratio": spread([cpu_us(b) / cpu_us(a) for a, b in pairs]),
+        "throughput_ratio": spread([wall_us(a) / wall_us(b) for a, b in pairs]),
+        "agentkey_client_cpu_us": round(statistics.median(cpu_us(b) for _, b in pairs), 1),
+        "baseline_client_cpu_us": round(statistics.median(cpu_us(a) for a, _ in pairs), 1),
+        "added_client_cpu_us": spread([cpu_us(b) - cpu_us(a) for a, b in pairs]),
+        "agentkey_calls_per_s": round(statistics.median(1e6 / wall_us(b) for _, b in pairs)),
+        "baseline_calls_per_s": round(statistics.median(1e6 / wall_us(a) for a, _ in pairs)),
+        "calls": int(sum(a[0] + b[0] for a, b in pairs)),
+    }
+    a, b = out["client_cpu_per_call_ratio"], out["added_client_cpu_us"]
+    print(
+        f"  {what:<40} cpu/call {a['median']:.2f}x ({a['iqr'][0]:.2f}-{a['iqr'][1]:.2f}) "
+        f"{out['agentkey_client_cpu_us']:>7.1f}/{out['baseline_client_cpu_us']:<7.1f} us "
+        f"(+{b['median']:.1f} us)  thr {out['throughput_ratio']['median']:.2f}x  "
+        f"{out['agentkey_calls_per_s']}/{out['baseline_calls_per_s']} calls/s  N={out['N']}"
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- sync
+
+
+def sync_slot(
+    call: Callable[[Step], Any], steps: list[Step], *, clock: Callable[[], float]
+) -> Callable[[], Figures]:
+    def slot() -> Figures:
+        cpu, wall = clock(), time.perf_counter()
+        for step in steps:
+            call(step)
+        return float(len(steps)), time.perf_counter() - wall, clock() - cpu
+
+    return slot
+
+
+def sync_pairs(
+    base: str,
+    transport: Callable[[], httpx.BaseTransport],
+    n: int,
+    rounds: int,
+    clock: Callable[[], float],
+) -> Pairs:
+    steps = make_steps(n)
     with (
         httpx.Client(base_url=base, transport=transport()) as client,
         httpx.Client(transport=transport()) as inner,
         ToolInvoker(base, client=inner, route_template="/tools/{tool}", hooks=()) as invoker,
     ):
-        warm = steps(5)
-        plain_sync(client, warm)
-        agentkey_sync(invoker, warm)
-        plain = best_of(repeats, lambda: timed(lambda b: plain_sync(client, b), n))
-        ours = best_of(repeats, lambda: timed(lambda b: agentkey_sync(invoker, b), n))
-    return plain, ours
+
+        def plain(step: Step) -> None:
+            response = client.post(PATH, headers=headers(step), content=step.body)
+            assert response.status_code == 201
+            response.json()
+
+        def ours(step: Step) -> None:
+            assert invoker.invoke(step).status_code == 201
+
+        return abba(
+            rounds, sync_slot(plain, steps, clock=clock), sync_slot(ours, steps, clock=clock)
+        )
 
 
-async def async_pair(url: str, n: int, repeats: int) -> tuple[float, float]:
-    """Microseconds per call over loopback with the async client and invoker."""
+def mock() -> httpx.BaseTransport:
+    return httpx.MockTransport(lambda r: httpx.Response(201, json={"charge_id": "ch_1"}))
+
+
+# --------------------------------------------------------------------------- async
+
+
+async def async_slot(
+    call: Callable[[Step], Awaitable[None]], steps: list[Step], tasks: int, seconds: float
+) -> Figures:
+    loop = asyncio.get_running_loop()
+    source = itertools.cycle(steps)
+    done = [0]
+    end = loop.time() + seconds
+
+    async def worker() -> None:
+        while loop.time() < end:
+            await call(next(source))
+            done[0] += 1
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(tasks)))
+    return float(done[0]), time.perf_counter() - wall, time.process_time() - cpu
+
+
+async def async_pairs(
+    url: str, tasks: int, seconds: float, rounds: int, *, sniffio_b: bool = False
+) -> Pairs:
+    """Plain httpx vs AsyncToolInvoker; with ``sniffio_b``, plain httpx without sniffio as B."""
+    steps = make_steps(2000)
+    transport = httpx.AsyncHTTPTransport(socket_options=NODELAY)
     async with (
-        httpx.AsyncClient(
-            base_url=url, transport=httpx.AsyncHTTPTransport(socket_options=NODELAY)
-        ) as client,
+        httpx.AsyncClient(base_url=url, transport=transport) as client,
         httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY)) as inner,
         AsyncToolInvoker(url, client=inner, route_template="/tools/{tool}", hooks=()) as invoker,
     ):
 
-        async def plain(batch: list[Step]) -> float:
-            started = time.perf_counter()
-            for step in batch:
-                response = await client.post(
-                    "/tools/charge",
-                    headers={
-                        "Idempotency-Key": step.idempotency_key,
-                        "Content-Type": "application/json",
-                    },
-                    content=step.body,
-                )
-                assert response.status_code == 201
-                response.json()
-            return (time.perf_counter() - started) / len(batch) * 1e6
+        async def plain(step: Step) -> None:
+            response = await client.post(PATH, headers=headers(step), content=step.body)
+            assert response.status_code == 201
+            response.json()
 
-        async def ours(batch: list[Step]) -> float:
-            started = time.perf_counter()
-            for step in batch:
-                assert (await invoker.invoke(step)).status_code == 201
-            return (time.perf_counter() - started) / len(batch) * 1e6
+        async def ours(step: Step) -> None:
+            assert (await invoker.invoke(step)).status_code == 201
 
-        await plain(steps(5))
-        await ours(steps(5))
-        plain_us = min([await plain(steps(n)) for _ in range(repeats)])
-        ours_us = min([await ours(steps(n)) for _ in range(repeats)])
-    return plain_us, ours_us
+        async def with_plain() -> Figures:
+            return await async_slot(plain, steps, tasks, seconds)
+
+        async def with_ours() -> Figures:
+            return await async_slot(ours, steps, tasks, seconds)
+
+        async def without_sniffio() -> Figures:
+            with sniffio_hidden():
+                return await async_slot(plain, steps, tasks, seconds)
+
+        return await async_abba(rounds, with_plain, without_sniffio if sniffio_b else with_ours)
+
+
+@contextmanager
+def sniffio_hidden() -> Iterator[None]:
+    """Make ``import sniffio`` fail as it does where sniffio is not installed.
+
+    The path-based finder of sniffio's directory forgets the name (the cost of the
+    failed import is then the real one: every ``sys.path`` entry is searched).
+    """
+    spec = importlib.util.find_spec("sniffio")
+    if spec is None or spec.origin is None:
+        yield  # not installed: already the case being measured
+        return
+    directory = os.path.dirname(os.path.dirname(spec.origin))
+    finder: Any = sys.path_importer_cache.get(directory)
+    if finder is None or not hasattr(finder, "_path_cache"):
+        raise RuntimeError(f"cannot hide sniffio: no path finder cached for {directory}")
+    module = sys.modules.pop("sniffio", None)
+    finder._path_cache.discard("sniffio")
+    try:
+        yield
+        if "sniffio" in sys.modules:
+            raise RuntimeError("sniffio was imported while hidden: the sniffio row is invalid")
+    finally:
+        finder._path_cache.add("sniffio")
+        if module is not None:
+            sys.modules["sniffio"] = module
+
+
+def failed_import_us(n: int = 2000) -> float:
+    """Microseconds for one ``import sniffio`` that fails (what httpcore pays per call)."""
+
+    def attempt() -> None:
+        with suppress(ImportError):
+            import sniffio  # noqa: F401
+
+    with sniffio_hidden():
+        started = time.perf_counter()
+        for _ in range(n):
+            attempt()
+        return (time.perf_counter() - started) / n * 1e6
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a quick run for CI")
-    smoke = parser.parse_args().smoke
-    n, repeats = (30, 2) if smoke else (1000, 5)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per row")
+    parser.add_argument("--seconds", type=float, default=0.5, help="length of one async slot")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    ns = parser.parse_args()
+    at_start = machine()
+    smoke = ns.smoke
+    rounds, seconds = (1, 0.1) if smoke else (ns.rounds, ns.seconds)
+    n_mock, n_loop = (50, 20) if smoke else (1500, 400)
 
-    rows: list[tuple[str, float, float]] = []
-    mock_plain, mock_ours = sync_pair(None, n * 3, repeats)
-    rows.append(("sync, in-process MockTransport", mock_plain, mock_ours))
-    with serve(tool_app()) as url:
-        rows.append(("sync, loopback uvicorn", *sync_pair(url, n, repeats)))
-        rows.append(("async, loopback uvicorn", *asyncio.run(async_pair(url, n, repeats))))
-
-    print(f"bench_invoker ({n} sequential calls x {repeats}, best run, microseconds per call)")
-    print(f"  {'path':32} {'plain httpx':>12} {'agentkey':>10} {'overhead':>10} {'ratio':>7}")
-    for name, plain, ours in rows:
-        print(
-            f"  {name:32} {plain:10.1f}us {ours:8.1f}us {ours - plain:8.1f}us {ours / plain:6.2f}x"
+    sniffio_installed = importlib.util.find_spec("sniffio") is not None
+    print(
+        f"bench_invoker: {rounds} ABBA rounds per row; ratio = agentkey / plain httpx, "
+        f"median (IQR); sniffio {'installed' if sniffio_installed else 'NOT installed'}"
+    )
+    rows = [
+        row(
+            "sync, in-process MockTransport",
+            sync_pairs("https://tool.test", mock, n_mock, rounds, time.thread_time),
+            agentkey="ToolInvoker.invoke",
+            baseline="httpx.Client.post",
         )
+    ]
+    with servers(["bare"], {}) as running:
+        url = f"http://127.0.0.1:{running['bare'].port}"
+
+        def loopback() -> httpx.BaseTransport:
+            return httpx.HTTPTransport(socket_options=NODELAY)
+
+        rows.append(
+            row(
+                "sync, loopback uvicorn process",
+                sync_pairs(url, loopback, n_loop, rounds, time.process_time),
+                agentkey="ToolInvoker.invoke",
+                baseline="httpx.Client.post",
+            )
+        )
+        rows += [
+            row(
+                f"async, {tasks} concurrent, loopback",
+                asyncio.run(async_pairs(url, tasks, seconds, rounds)),
+                agentkey="AsyncToolInvoker.invoke",
+                baseline="httpx.AsyncClient.post",
+            )
+            for tasks in (100, 1000)
+        ]
+        rows.append(
+            row(
+                "async httpx, 100 concurrent: sniffio absent / present",
+                asyncio.run(async_pairs(url, 100, seconds, rounds, sniffio_b=True)),
+                agentkey="httpx.AsyncClient.post without sniffio",
+                baseline="httpx.AsyncClient.post with sniffio",
+            )
+        )
+    failed = failed_import_us()
+    print(f"  one failed `import sniffio`: {failed:.1f} us")
+
+    if not smoke or ns.out:
+        path = write_results(
+            "invoker",
+            {
+                "method": "ABBA rounds, ratio per round = B/A; client CPU from thread_time "
+                "(in-process) or process_time (loopback); the server is a separate uvicorn "
+                "process (1 worker, loopback)",
+                "sniffio_installed": sniffio_installed,
+                "failed_sniffio_import_us": round(failed, 1),
+                "rows": rows,
+            },
+            ns.out,
+            at_start,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

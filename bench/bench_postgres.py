@@ -1,16 +1,21 @@
-"""PostgresStore overhead: the same tool bare, on Redis and on PostgreSQL, over loopback.
+"""PostgresStore cost: the tool bare, on Redis, on PostgreSQL, and an INSERT in one transaction.
 
-Rows, each sequential requests from one client (fresh keys, then one key replayed):
+Configurations, each a uvicorn process of its own (one worker, loopback; see ``bench/_apps.py``):
 
-- the bare app, and the app behind the middleware on RedisStore and PostgresStore;
-- a tool whose side effect is an INSERT: bare (autocommit), and behind the
-  middleware on PostgresStore with the INSERT and the record in one transaction.
+- ``bare``, ``redis``, ``postgres``: the charge tool alone, and behind the middleware on
+  RedisStore and PostgresStore;
+- ``bare_insert`` / ``postgres_insert``: a tool whose side effect is one INSERT, autocommit,
+  and behind the middleware on PostgresStore with the INSERT and the record in one
+  transaction.
 
-PostgreSQL runs with fsync on (commits are paid for). The machine may be shared:
-the ratios are indicative.
+PostgreSQL runs with fsync on (commits are paid for). Blocks (fresh keys at 1 and 64
+connections, one key replayed at 64) load every configuration in palindromic (ABBA)
+rounds from a separate load process; see ``bench/_harness.py`` for the method.
+Server CPU per request is the uvicorn process's own (PostgreSQL's backends are not
+counted).
 
-    python bench/bench_postgres.py            # full run
-    python bench/bench_postgres.py --smoke    # a quick run for CI
+    python bench/bench_postgres.py          # about 2.5 minutes, writes bench/results/postgres.json
+    python bench/bench_postgres.py --smoke  # a few seconds, for CI (writes nothing)
 """
 
 from __future__ import annotations
@@ -18,84 +23,89 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._loopback
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harness, tests._*
 
-from agentkey.server import IdempotencyMiddleware, RedisStore, get_claim
-from agentkey.server._postgres import PostgresStore
-from bench.bench_server import run, tool_app
-from tests._loopback import redis_server, serve
+from bench._harness import (
+    Block,
+    Load,
+    Slot,
+    machine,
+    measure,
+    print_row,
+    run_block,
+    servers,
+    write_results,
+)
+from tests._loopback import redis_server
 from tests._postgres import postgres_server
 
-
-def insert_app(dsn: str, store: PostgresStore | None) -> Any:
-    """A charge tool whose side effect is one INSERT; transactional behind the store."""
-    pool: list[psycopg.AsyncConnection[Any]] = []
-
-    async def charge(request: Request) -> JSONResponse:
-        args = await request.json()
-        sql = "INSERT INTO bench_charges (amount) VALUES (%s) RETURNING id"
-        if store is None:
-            if not pool:
-                pool.append(await psycopg.AsyncConnection.connect(dsn, autocommit=True))
-            row = await (await pool[0].execute(sql, (args["amount"],))).fetchone()
-            assert row is not None
-            return JSONResponse({"charge_id": row[0]}, status_code=201)
-        async with store.transaction(get_claim(request)) as tx:
-            row = await (await tx.connection.execute(sql, (args["amount"],))).fetchone()
-            assert row is not None
-            return await tx.complete(JSONResponse({"charge_id": row[0]}, status_code=201))
-
-    app: Any = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
-    return app if store is None else IdempotencyMiddleware(app, store=store)
+ROWS = [
+    ("middleware + PostgresStore / bare endpoint", "postgres", "bare"),
+    ("middleware + PostgresStore / RedisStore", "postgres", "redis"),
+    ("PostgresStore, INSERT + record in one tx / bare INSERT", "postgres_insert", "bare_insert"),
+]
+BLOCKS = [("fresh", 1), ("fresh", 64), ("replay", 64)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a quick run for CI")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per block")
+    parser.add_argument("--seconds", type=float, default=0.4, help="length of one slot")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
     ns = parser.parse_args()
-    n = 50 if ns.smoke else 1000
+    at_start = machine()
+    rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
 
     with ExitStack() as stack:
         pg = stack.enter_context(postgres_server(durable=True))
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_charges (id serial PRIMARY KEY, amount int)")
-        variants: list[tuple[str, Callable[[], Any]]] = [("bare app", lambda: tool_app(None))]
+        env = {"BENCH_PG_DSN": pg.dsn}
+        configs = ["bare", "postgres", "bare_insert", "postgres_insert"]
         if shutil.which("redis-server"):
-            redis = stack.enter_context(redis_server())
-            variants.append(("middleware + RedisStore", lambda: tool_app(RedisStore(redis.url))))
-        variants += [
-            ("middleware + PostgresStore", lambda: tool_app(PostgresStore(pg.dsn))),
-            ("bare app, INSERT", lambda: insert_app(pg.dsn, None)),
-            (
-                "PostgresStore, INSERT in tx",
-                lambda: insert_app(pg.dsn, PostgresStore(pg.dsn, table="tx_records")),
-            ),
-        ]
-        print(f"{n} sequential requests per row, one client, uvicorn on loopback")
-        print(f"{'variant':<30} {'fresh req/s':>12} {'ratio':>7} {'replay req/s':>13} {'ratio':>7}")
-        base_fresh = base_replay = 0.0
-        for name, make in variants:
-            with serve(make()) as url:
-                fresh = run(url, n, replay=False)
-                replay = run(url, n, replay=True)
-            if name.startswith("bare app"):
-                base_fresh, base_replay = fresh, replay
-            print(
-                f"{name:<30} {fresh:>12.0f} {fresh / base_fresh:>7.2f} "
-                f"{replay:>13.0f} {replay / base_replay:>7.2f}"
-            )
-        # Pools opened in the server threads are dropped with their loops.
+            env["BENCH_REDIS"] = stack.enter_context(redis_server()).url
+            configs.insert(1, "redis")
+        running = stack.enter_context(servers(configs, env))
+        load = Load()
+        stack.callback(load.close)
+
+        print(
+            f"bench_postgres: {rounds} rounds x {len(configs) * 2} slots of {seconds} s per "
+            "block; ratio = agentkey / baseline, median (IQR)"
+        )
+        rows: list[dict[str, Any]] = []
+        for mode, connections in BLOCKS:
+
+            def slot(name: str, mode: str = mode, connections: int = connections) -> Slot:
+                return measure(load, running[name], mode, connections, seconds)
+
+            block = run_block(Block(mode, connections), rounds, slot, configs)
+            for what, ours, base in ROWS:
+                if ours in configs and base in configs:
+                    rows.append(block.row(what, ours, base))
+                    print_row(rows[-1])
+
+    if not ns.smoke or ns.out:
+        path = write_results(
+            "postgres",
+            {
+                "method": "each configuration in its own uvicorn process (1 worker, loopback); "
+                "palindromic (ABBA) rounds; ratio per round = agentkey/baseline; "
+                "CPU from /proc/<pid>/stat of the uvicorn process; PostgreSQL with fsync on",
+                "slot_seconds": seconds,
+                "rows": rows,
+            },
+            ns.out,
+            at_start,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,24 @@
-"""Middleware overhead: a tool app behind IdempotencyMiddleware vs the bare app, over loopback.
+"""Middleware cost: the tool behind IdempotencyMiddleware against the bare tool and a naive one.
 
-One run serves the same Starlette handler three ways — bare, behind the
-middleware on MemoryStore, and on a private redis-server (when one is on
-PATH) — and sends the same sequential requests (each a fresh key) to each,
-then replays. It prints requests per second and the ratio to the bare app.
+Configurations, each a uvicorn process of its own (one worker, loopback; see
+``bench/_apps.py``), all serving the same handler at ``POST /tools/charge``:
 
-    python bench/bench_server.py            # full run
-    python bench/bench_server.py --smoke    # a quick run for CI
+- ``bare``: the handler alone (the baseline for the middleware's cost);
+- ``memory`` / ``redis``: behind the middleware on MemoryStore / RedisStore;
+- ``naive``: the handler with the idempotency most articles show (``SET key "" NX EX``,
+  run, ``SET key result``) on the same Redis, through the same client library.
+
+Each block (fresh keys or one key replayed; 1 or 64 connections) loads every
+configuration in palindromic rounds (``bare memory redis naive naive redis memory
+bare``: ABBA for each pair), for ``--seconds`` a slot, from a separate load process.
+Per row: the median of the per-round throughput ratios (agentkey / baseline) with
+IQR, the same for server CPU per request (``/proc/<pid>/stat``), absolute figures,
+and how busy the server and the load generator were. The ``loadgen`` block runs the
+bare endpoint with one and with two load processes: equal throughput shows one load
+process is not the bottleneck.
+
+    python bench/bench_server.py            # about 4 minutes, writes bench/results/server.json
+    python bench/bench_server.py --smoke    # a few seconds, for CI (writes nothing)
 """
 
 from __future__ import annotations
@@ -14,87 +26,100 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harness, tests._loopback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._loopback
+from bench._harness import (
+    Block,
+    Load,
+    Slot,
+    machine,
+    measure,
+    print_row,
+    run_block,
+    servers,
+    write_results,
+)
+from tests._loopback import redis_server
 
-from agentkey import PlanSession
-from agentkey.server import IdempotencyMiddleware, MemoryStore, RedisStore, Store
-from tests._loopback import redis_server, serve
-
-
-def tool_app(store: Store | None) -> Any:
-    async def charge(request: Request) -> JSONResponse:
-        args = await request.json()
-        return JSONResponse({"charge_id": "ch_1", "amount": args["amount"]}, status_code=201)
-
-    app: Any = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
-    if store is not None:
-        app = IdempotencyMiddleware(app, store=store)
-    return app
-
-
-def run(url: str, n: int, *, replay: bool) -> float:
-    """Requests per second for ``n`` sequential requests (fresh keys, or one key replayed)."""
-    plan = PlanSession.new()
-    steps = [plan.step(0 if replay else i, "charge", {"amount": 100}) for i in range(n)]
-    with httpx.Client(base_url=url) as client:
-        first = steps[0]
-        client.post(
-            "/tools/charge",
-            headers={"idempotency-key": first.idempotency_key},
-            content=first.body,
-        )  # warm-up: connection, scripts
-        started = time.perf_counter()
-        for step in steps:
-            response = client.post(
-                "/tools/charge",
-                headers={"idempotency-key": step.idempotency_key},
-                content=step.body,
-            )
-            assert response.status_code == 201, response.text
-        elapsed = time.perf_counter() - started
-    return n / elapsed
+ROWS = [
+    ("middleware + MemoryStore / bare endpoint", "memory", "bare"),
+    ("middleware + RedisStore / bare endpoint", "redis", "bare"),
+    ("middleware + RedisStore / naive handler, same Redis", "redis", "naive"),
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a quick run for CI")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per block")
+    parser.add_argument("--seconds", type=float, default=0.5, help="length of one slot")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
     ns = parser.parse_args()
-    n = 50 if ns.smoke else 2000
+    at_start = machine()
+    rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
 
     with ExitStack() as stack:
-        variants: list[tuple[str, Callable[[], Store | None]]] = [
-            ("bare app", lambda: None),
-            ("middleware + MemoryStore", MemoryStore),
-        ]
+        env: dict[str, str] = {}
+        configs = ["bare", "memory"]
+        redis_pid: int | None = None
         if shutil.which("redis-server"):
             redis = stack.enter_context(redis_server())
-            variants.append(("middleware + RedisStore", lambda: RedisStore(redis.url)))
-        print(f"{n} sequential requests per row, one client, uvicorn on loopback")
-        print(f"{'variant':<28} {'fresh req/s':>12} {'ratio':>7} {'replay req/s':>13} {'ratio':>7}")
-        base_fresh = base_replay = 0.0
-        for name, make in variants:
-            with serve(tool_app(make())) as url:
-                fresh = run(url, n, replay=False)
-                replay = run(url, n, replay=True)
-            if name == "bare app":
-                base_fresh, base_replay = fresh, replay
-            print(
-                f"{name:<28} {fresh:>12.0f} {fresh / base_fresh:>7.2f} "
-                f"{replay:>13.0f} {replay / base_replay:>7.2f}"
-            )
-        # Redis clients opened in the server threads are dropped with their loops.
+            env["BENCH_REDIS"] = redis.url
+            redis_pid = redis.process.pid
+            configs += ["redis", "naive"]
+        else:
+            print("redis-server is not on PATH: the Redis rows are skipped")
+        running = stack.enter_context(servers(configs, env))
+        load = Load(processes=2)
+        stack.callback(load.close)
+
+        print(
+            f"bench_server: {rounds} rounds x {len(configs) * 2} slots of {seconds} s per block; "
+            "ratio = agentkey / baseline, median (IQR)"
+        )
+        rows: list[dict[str, Any]] = []
+        for mode in ("fresh", "replay"):
+            for connections in (1, 64):
+
+                def slot(name: str, mode: str = mode, connections: int = connections) -> Slot:
+                    watch = redis_pid if name in ("redis", "naive") else None
+                    return measure(load, running[name], mode, connections, seconds, watch=watch)
+
+                block = run_block(Block(mode, connections), rounds, slot, configs)
+                for what, ours, base in ROWS:
+                    if ours in configs and base in configs:
+                        rows.append(block.row(what, ours, base))
+                        print_row(rows[-1])
+
+        def load_slot(name: str) -> Slot:
+            processes = 2 if name == "2 load processes" else 1
+            return measure(load, running["bare"], "fresh", 64, seconds, processes=processes)
+
+        check = run_block(
+            Block("fresh", 64), rounds, load_slot, ["1 load process", "2 load processes"]
+        )
+        what = "loadgen: bare endpoint, 2 load processes / 1"
+        rows.append(check.row(what, "2 load processes", "1 load process"))
+        print_row(rows[-1])
+
+    if not ns.smoke or ns.out:
+        path = write_results(
+            "server",
+            {
+                "method": "each configuration in its own uvicorn process (1 worker, loopback); "
+                "palindromic (ABBA) rounds; ratio per round = agentkey/baseline; "
+                "CPU from /proc/<pid>/stat; load from separate asyncio processes",
+                "slot_seconds": seconds,
+                "rows": rows,
+            },
+            ns.out,
+            at_start,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
