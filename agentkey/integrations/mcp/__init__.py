@@ -1,0 +1,61 @@
+"""MCP: deterministic idempotency keys for ``tools/call``, on the official ``mcp`` SDK.
+
+Both halves of the contract over the Model Context Protocol:
+
+- client: :class:`IdempotentSession` wraps an SDK ``ClientSession``; each
+  ``call_tool`` derives its key from a :class:`~agentkey.PlanSession` (plan,
+  step, tool, canonical arguments), sends it in ``params._meta`` under
+  :data:`KEY_FIELD` (``"io.agentkey/idempotency-key"``), resends the same key
+  after an ambiguous failure within a :class:`~agentkey.RetryPolicy`, and
+  reports a replay read from the result's ``_meta`` (:data:`REPLAYED_FIELD`).
+  :func:`connect` opens a streamable HTTP session whose bearer token an
+  agentkey token provider keeps valid.
+- server: :class:`IdempotentToolsMiddleware`, a middleware for the SDK's
+  ``MCPServer`` or low-level ``Server``, deduplicates ``tools/call`` on that
+  field with an agentkey :class:`~agentkey.server.Store`, scoped per principal,
+  with the HTTP middleware's decision table.
+
+See docs/mcp.md for the wire format, so any MCP client can take part.
+Needs the ``mcp`` extra (``pip install 'agentkey-idempotency[mcp]'``); the
+server half also needs the ``server`` extra (for Redis).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..._exceptions import MissingExtra
+
+try:
+    import mcp  # noqa: F401 - checked here so the error names the extra
+    import mcp_types  # noqa: F401 - the SDK's wire types
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    if (exc.name or "").partition(".")[0] not in ("mcp", "mcp_types", "httpx2"):
+        raise
+    raise MissingExtra("mcp", "mcp") from None
+
+from ._client import IdempotentSession, MCPToolResult, SessionFactory, connect
+from ._wire import KEY_FIELD, REPLAYED_FIELD
+
+if TYPE_CHECKING:
+    from ._server import IdempotentToolsMiddleware, MCPPrincipalFunc
+
+__all__ = [
+    "KEY_FIELD",
+    "REPLAYED_FIELD",
+    "IdempotentSession",
+    "IdempotentToolsMiddleware",
+    "MCPPrincipalFunc",
+    "MCPToolResult",
+    "SessionFactory",
+    "connect",
+]
+
+
+def __getattr__(name: str) -> object:
+    """The server half loads on first use: it needs the ``server`` extra (redis) too."""
+    if name in ("IdempotentToolsMiddleware", "MCPPrincipalFunc"):
+        from . import _server
+
+        return getattr(_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,396 @@
+"""The server half: one ``ServerMiddleware`` that deduplicates ``tools/call`` on the ``_meta`` key.
+
+It drives the same decision table as the HTTP middleware (``agentkey.server._decide``)
+against the same :class:`~agentkey.server.Store`: the operation a key is bound to is
+``("tools/call", <tool name>)`` and the body whose hash the key carries is the
+canonical JSON of the call's arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import anyio
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.request_state import authenticated_principal
+from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel
+
+from ..._canonical import Profile, canonical_json, check_profile
+from ..._exceptions import ConfigurationError, InvalidArguments, StoreError
+from ..._keys import StepKey
+from ...server._claim import (
+    Claim,
+    record_outcome,
+    record_until_stored,
+    reset_current,
+    set_current,
+)
+from ...server._decide import (
+    Checked,
+    Complete,
+    Conflict,
+    DecisionEvent,
+    KeyFormat,
+    Reject,
+    Release,
+    Replay,
+    Unavailable,
+    check_request,
+    on_claimed,
+    on_finished,
+)
+from ...server._records import Outcome
+from ...server._stores import SETTLE_SECONDS, Store
+from ._wire import ERROR_CODES, KEY_FIELD, REPLAYED_FIELD, RefusalKind, refusal_data
+
+__all__ = ["IdempotentToolsMiddleware", "MCPPrincipalFunc"]
+
+#: ``(ctx) -> principal`` (or an awaitable of it): the tenant, user or client id records
+#: are scoped by. The default is the authenticated OAuth identity, else ``anonymous``.
+MCPPrincipalFunc = Callable[[ServerRequestContext[Any, Any]], "str | Awaitable[str]"]
+
+_logger = logging.getLogger("agentkey.server")
+_SETTLE_SECONDS = SETTLE_SECONDS
+_METHOD = "tools/call"
+_REJECT_KINDS: Mapping[str, RefusalKind] = {
+    "idempotency_key_missing": "key-required",
+    "idempotency_key_invalid": "invalid-key",
+    "key_reused": "key-reused",
+}
+# The decision table speaks HTTP; an MCP client reads the same refusals in MCP's terms.
+_WORDING = (
+    (
+        "this endpoint needs an Idempotency-Key header",
+        f"this tool needs the _meta field {KEY_FIELD!r}",
+    ),
+    ("the body does not hash", "the arguments do not hash"),
+    ("another method or route", "another tool"),
+    ("another request body; send changed arguments", "other arguments; send changed arguments"),
+    ("Idempotency-Key", "idempotency key"),
+)
+_STATUS = {"claimed": 200, "replay": 200, "failed": 500, "released": 500, "passthrough": 0}
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _default_principal(ctx: ServerRequestContext[Any, Any]) -> str:
+    """The OAuth identity the SDK's auth verified (client, issuer, subject), else ``anonymous``."""
+    return authenticated_principal(ctx) or "anonymous"
+
+
+class IdempotentToolsMiddleware:
+    """Runs each ``tools/call`` at most once per key; replays its result afterwards.
+
+    Add it to an ``MCPServer`` (``MCPServer(..., middleware=[...])`` or
+    ``server.middleware.append(...)``) or to a low-level ``Server``'s
+    ``middleware`` list. For a call whose ``params._meta`` holds
+    ``"io.agentkey/idempotency-key"``:
+
+    - the key must parse (an agentkey key ``<plan>:<step>:<args_hash>``, or an
+      opaque key of 1-255 printable ASCII characters unless
+      ``key_format="agentkey"``); an agentkey key's ``args_hash`` must be the
+      SHA-256 of the canonical JSON of ``arguments``;
+    - the key is claimed atomically in ``store`` under the principal; while
+      the tool runs the lease is renewed every ``lock_ttl / 3``, and other
+      calls with the key are refused as ``in-progress`` with ``retryAfter``;
+    - a successful result is stored for ``result_ttl`` seconds and replayed,
+      with ``_meta["io.agentkey/replayed"] = true``, to every later call with
+      the key; the same key with another tool is refused (``key-reused``),
+      with other arguments (``payload-mismatch``);
+    - a result with ``isError`` (MCPServer's answer to a tool that raised), an
+      exception, or an ``input_required`` answer releases the key so the call
+      can be retried, unless the tool called
+      ``agentkey.server.current_claim().begin_mutation()`` first: then the
+      outcome is stored as FAILED and replayed as an ``isError`` result.
+
+    A call without the field runs as before, or is refused (``key-required``)
+    when ``require_key`` is true. ``tools`` limits protection to those tool
+    names (the others pass through). Refusals are JSON-RPC errors whose
+    ``data.type`` is ``io.agentkey/<kind>``.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        require_key: bool = False,
+        tools: Collection[str] | None = None,
+        lock_ttl: float = 15.0,
+        result_ttl: float = 86400.0,
+        retry_after: int = 1,
+        key_format: KeyFormat = "any",
+        hash_profile: Profile = "python",
+        principal: MCPPrincipalFunc | None = None,
+        auto_renew: bool = True,
+        hooks: Sequence[Callable[[DecisionEvent], None]] = (),
+        clock: Callable[[], int] = _wall_ms,
+    ) -> None:
+        for method in ("claim", "finish", "release", "get"):
+            if not callable(getattr(store, method, None)):
+                raise ConfigurationError(
+                    f"store must be an agentkey Store (MemoryStore, RedisStore...), got {store!r}"
+                )
+        if not (0 < lock_ttl <= result_ttl):
+            raise ConfigurationError(
+                f"need 0 < lock_ttl <= result_ttl, got lock_ttl={lock_ttl!r}, "
+                f"result_ttl={result_ttl!r}"
+            )
+        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
+            raise ConfigurationError(f"retry_after must be an int >= 0, got {retry_after!r}")
+        if key_format not in ("any", "agentkey"):
+            raise ConfigurationError(f"key_format must be 'any' or 'agentkey', got {key_format!r}")
+        if principal is not None and not callable(principal):
+            raise ConfigurationError("principal must be a function (ctx) -> str")
+        if isinstance(tools, str):
+            raise ConfigurationError("tools must be a collection of tool names, not one str")
+        self.store = store
+        self.require_key = bool(require_key)
+        self.tools = None if tools is None else frozenset(tools)
+        self.lock_ttl_ms = max(3, round(lock_ttl * 1000))
+        self.result_ttl_ms = max(self.lock_ttl_ms, round(result_ttl * 1000))
+        self.retry_after = retry_after
+        self.key_format: KeyFormat = key_format
+        self.hash_profile = check_profile(hash_profile)
+        self.auto_renew = auto_renew
+        self._principal: MCPPrincipalFunc = principal or _default_principal
+        self._hooks = tuple(hooks)
+        self._clock = clock
+
+    def __repr__(self) -> str:
+        return f"IdempotentToolsMiddleware(store={self.store!r}, require_key={self.require_key})"
+
+    async def __call__(
+        self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
+    ) -> HandlerResult:
+        params = ctx.params
+        if ctx.method != _METHOD or ctx.request_id is None or not isinstance(params, Mapping):
+            return await call_next(ctx)
+        name = params.get("name")
+        if not isinstance(name, str) or (self.tools is not None and name not in self.tools):
+            return await call_next(ctx)
+        meta = params.get("_meta")
+        value = meta.get(KEY_FIELD) if isinstance(meta, Mapping) else None
+        if value is None and not self.require_key:
+            self._emit("passthrough", name, None)
+            return await call_next(ctx)
+        checked = self._check(value, name, params.get("arguments"))
+        principal = await self._principal_of(ctx)
+        claim = Claim(
+            key=checked.key if isinstance(checked.key, StepKey) else None,
+            idempotency_key=checked.idempotency_key,
+            principal=principal,
+            record_key=checked.record_key(principal),
+            owner=secrets.token_hex(16),
+            store=self.store,
+            lock_ttl_ms=self.lock_ttl_ms,
+            auto_renew=self.auto_renew,
+            binding=checked.binding,
+            clock=self._clock,
+        )
+        existing: bytes | StoreError | None
+        try:
+            existing = await self.store.claim(
+                claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
+            )
+        except StoreError as exc:
+            existing = exc
+        decision = on_claimed(
+            existing, checked, owner=claim.owner, now_ms=self._clock(), retry_after=self.retry_after
+        )
+        key = checked.idempotency_key
+        if isinstance(decision, Unavailable):
+            _logger.error("idempotency store failed while claiming %s: %s", key, decision.cause)
+            self._emit("unavailable", name, key, 503)
+            raise _refusal("unavailable", decision.detail, retry_after=decision.retry_after)
+        if isinstance(decision, Reject):
+            raise self._rejected(decision, name, key)
+        if isinstance(decision, Conflict):
+            self._emit("conflict", name, key, 409)
+            raise _refusal("in-progress", decision.detail, retry_after=decision.retry_after)
+        if isinstance(decision, Replay):
+            self._emit("replay", name, key)
+            return _replayed(decision.outcome)
+        if decision.renew:
+            await claim.renew()
+        return await self._run(ctx, call_next, claim, name)
+
+    # -- before the claim ------------------------------------------------------------
+
+    def _check(self, value: object, name: str, arguments: object) -> Checked:
+        if value is not None and not isinstance(value, str):
+            self._emit("rejected", name, None, 400)
+            raise _refusal("invalid-key", f"{KEY_FIELD} must be a string")
+        if arguments is None:
+            arguments = {}
+        try:
+            body = canonical_json(arguments, profile=self.hash_profile)
+        except InvalidArguments:
+            self._emit("rejected", name, None, 400)
+            raise _refusal(
+                "payload-mismatch",
+                "the arguments must be a JSON object to be checked against the key",
+            ) from None
+        checked = check_request(
+            None if value is None else [value],
+            (_METHOD, name),
+            body,
+            key_format=self.key_format,
+            hash_profile=self.hash_profile,
+        )
+        if isinstance(checked, Reject):
+            raise self._rejected(checked, name, value)
+        return checked
+
+    def _rejected(self, reject: Reject, name: str, key: str | None) -> MCPError:
+        kind = _REJECT_KINDS.get(reject.code, "payload-mismatch")
+        mismatch = kind in ("key-reused", "payload-mismatch")
+        self._emit("mismatch" if mismatch else "rejected", name, key, reject.status)
+        detail = reject.detail
+        for http, mcp in _WORDING:
+            detail = detail.replace(http, mcp)
+        return _refusal(kind, detail)
+
+    async def _principal_of(self, ctx: ServerRequestContext[Any, Any]) -> str:
+        value = self._principal(ctx)
+        if inspect.isawaitable(value):
+            value = await value
+        if not isinstance(value, str) or not value:
+            # The type only: a principal function gone wrong may return a credential.
+            raise ConfigurationError(
+                "the principal function must return a non-empty str, got "
+                + ("an empty str" if value == "" else f"a {type(value).__name__}")
+                + "; return the tenant, user or client id of the request"
+            )
+        return value
+
+    # -- the run ------------------------------------------------------------------
+
+    async def _run(
+        self, ctx: ServerRequestContext[Any, Any], call_next: CallNext, claim: Claim, name: str
+    ) -> HandlerResult:
+        token = set_current(claim)
+        if claim.auto_renew:
+            claim.start_renewing()
+        result: HandlerResult = None
+        try:
+            result = await call_next(ctx)
+        except BaseException:
+            await self._finish(claim, name, None)
+            raise
+        finally:
+            reset_current(token)
+        await self._finish(claim, name, result)
+        return result
+
+    async def _finish(self, claim: Claim, name: str, result: HandlerResult) -> None:
+        """Record the outcome (or release the key), shielded from a cancellation outside."""
+        with anyio.move_on_after(_SETTLE_SECONDS, shield=True) as scope:
+            await claim.stop_renewing()
+            claim.mark_settled()
+            await self._settle(claim, name, result)
+        if scope.cancelled_caught:
+            _logger.error(
+                "settling %s took over %s s and was abandoned; the key stays locked "
+                "until its lease (lock_ttl) ends",
+                claim.idempotency_key,
+                _SETTLE_SECONDS,
+            )
+
+    async def _settle(self, claim: Claim, name: str, result: HandlerResult) -> None:
+        doc = _as_dict(result)
+        final = doc is not None and doc.get("isError") is not True and _complete(doc)
+        body = b"" if doc is None else json.dumps(doc, separators=(",", ":")).encode()
+        outcome = on_finished(
+            200 if final else 500,
+            (),
+            body,
+            error=doc is None,
+            mutation_started=claim.mutation_started,
+            binding=claim.binding,
+            now_ms=self._clock(),
+            max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
+        )
+        key, store, ttl = claim.idempotency_key, self.store, self.result_ttl_ms
+        if isinstance(outcome, Release):
+            try:
+                await store.release(claim.record_key, claim.owner)
+            except StoreError as exc:  # no side effect began: a retry after the lease runs it
+                _logger.error(
+                    "could not release %s (%s); the key stays locked until its lease "
+                    "(lock_ttl) ends",
+                    key,
+                    exc,
+                )
+            self._emit("released", name, key)
+            return
+        try:
+            stored = await record_outcome(store, claim, outcome.outcome, ttl_ms=ttl)
+        except StoreError as exc:
+            # The tool has run: an unrecorded outcome would free the key after its lease
+            # and let a retry run it again. Retry within the settle budget (the caller's).
+            _logger.warning(
+                "could not record the outcome of %s (%s); the tool has run, so the write "
+                "is retried for up to %s s",
+                key,
+                exc,
+                _SETTLE_SECONDS,
+            )
+            stored = await record_until_stored(store, claim, outcome.outcome, ttl_ms=ttl)
+        if not stored:
+            _logger.warning(
+                "the lease on %s lapsed before the tool finished and another call "
+                "owns the key now; this result was not stored",
+                key,
+            )
+        self._emit("claimed" if isinstance(outcome, Complete) else "failed", name, key)
+
+    def _emit(self, decision: str, name: str, key: str | None, status: int | None = None) -> None:
+        event = DecisionEvent(
+            decision, _METHOD, name, key, _STATUS.get(decision, 0) if status is None else status
+        )
+        for hook in self._hooks:
+            hook(event)
+
+
+def _as_dict(result: HandlerResult) -> dict[str, Any] | None:
+    if isinstance(result, BaseModel):
+        dumped: dict[str, Any] = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+        return dumped
+    return dict(result) if isinstance(result, Mapping) else None
+
+
+def _complete(doc: Mapping[str, Any]) -> bool:
+    """A final result: not an ``input_required`` round trip, which the client answers later."""
+    return bool(doc.get("resultType", "complete") == "complete")
+
+
+def _refusal(kind: RefusalKind, detail: str, *, retry_after: float | None = None) -> MCPError:
+    return MCPError(ERROR_CODES[kind], detail, refusal_data(kind, retry_after=retry_after))
+
+
+def _replayed(outcome: Outcome) -> dict[str, Any]:
+    """The stored result with ``_meta["io.agentkey/replayed"] = true``.
+
+    A FAILED outcome that holds no tool result (the tool raised after
+    ``begin_mutation``) becomes an ``isError`` result carrying the stored reason.
+    """
+    try:
+        doc = json.loads(outcome.body)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or "content" not in doc:
+        detail = doc.get("detail") if isinstance(doc, dict) else None
+        text = detail if isinstance(detail, str) else "the tool failed after its side effect began"
+        doc = {"content": [{"type": "text", "text": text}], "isError": True}
+    meta = doc.get("_meta")
+    doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), REPLAYED_FIELD: True}
+    return doc
