@@ -8,10 +8,20 @@
   message (one plan per lifetime of a thread), and the step from the
   checkpointed superstep, the node and tool, and the call's number among the
   identical calls of the model's message.
+- :mod:`agentkey.integrations.mcp` (extra ``mcp``): MCP ``tools/call`` with the
+  key in the request's ``_meta``, on the client (``IdempotentSession``) and on
+  the server (``IdempotentToolsMiddleware``).
+- :mod:`agentkey.integrations.pydantic_ai` (extra ``pydantic-ai``): PydanticAI
+  tools keyed on the run's ``run_id``, ``run_step`` and the call's position.
+- :mod:`agentkey.integrations.openai_agents` (extra ``openai-agents``): OpenAI
+  Agents SDK function tools keyed on ``RunConfig.trace_id`` and the call id.
+- :mod:`agentkey.integrations.otel` (extra ``otel``): ``OTelHook``, spans and
+  ``traceparent`` for the invoker, token providers and the middleware.
 
-Both answer a call the model repeats (same tool and arguments as an earlier
-step of the plan) by the tool's ``on_repeat`` policy, and give a tool's own
-refusal to the model as an error ``ToolMessage`` with the server's reason.
+The LangChain and LangGraph adapters answer a call the model repeats (same
+tool and arguments as an earlier step of the plan) by the tool's
+``on_repeat`` policy, and give a tool's own refusal to the model as an error
+``ToolMessage`` with the server's reason.
 
 Neither ``import agentkey`` nor this package imports a framework; each
 module does when it is imported, and raises :class:`agentkey.MissingExtra`

@@ -23,41 +23,61 @@ outcome (:class:`~agentkey.OutcomeUnknown`) and the key problems
 (:class:`~agentkey.KeyRejected`, :class:`~agentkey.PayloadMismatch`) stay
 fatal: the model cannot fix them, an operator has to look.
 
+With :class:`LangChainHook` among the invoker's ``hooks``, the invoker's
+retries, 409 waits, polls, replays and give-ups during a tool's call reach
+that tool's LangChain run: as custom events (``agentkey_retry``,
+``agentkey_poll``, ``agentkey_replay``, ``agentkey_give_up``) for every
+callback handler and ``astream_events``, and as events of the tool's run for
+tracers that keep runs (LangSmith's ``LangChainTracer``).
+
 Needs the ``langchain`` extra (``pip install 'agentkey-idempotency[langchain]'``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Annotated, Any, TypeAlias
 
 from pydantic import BaseModel, ValidationError
 
 from .._canonical import to_jsonable
-from .._exceptions import (
-    ConfigurationError,
-    InvalidArguments,
-    KeyRejected,
-    MissingExtra,
-    PayloadMismatch,
-    ToolError,
-)
+from .._exceptions import ConfigurationError, InvalidArguments, ToolError
+from .._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
-from .._keys import normalize_step
-from .._plan import OnRepeat, PlanSession, Step, check_on_repeat, repeated_error
-from .._protocol import short_reason
+from .._net import redact_url
+from .._plan import OnRepeat, PlanSession, Step
+from ._common import (
+    call_record,
+    check_sources,
+    check_tool,
+    make_step,
+    missing_extra,
+    refusal,
+    repeat_answer,
+    server_reason,
+)
 
 try:
+    from langchain_core.callbacks import AsyncCallbackManager
     from langchain_core.runnables import RunnableConfig
     from langchain_core.tools import InjectedToolArg, StructuredTool, ToolException
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    if (exc.name or "").partition(".")[0] != "langchain_core":
-        raise
-    raise MissingExtra("langchain", "langchain_core") from None
+    raise missing_extra(exc, "langchain", "langchain_core") from None
 
-__all__ = ["OnRepeat", "PlanSource", "StepIndexSource", "ToolCallContext", "remote_tool"]
+__all__ = [
+    "LangChainHook",
+    "OnRepeat",
+    "PlanSource",
+    "StepIndexSource",
+    "ToolCallContext",
+    "remote_tool",
+]
 
 #: Where the tool receives the id of the tool call it serves (see _KeyedTool).
 _CALL_ID = "agentkey_tool_call_id"
@@ -176,18 +196,13 @@ def build_tool(
     memory: RepeatMemory | None,
 ) -> StructuredTool:
     """:func:`remote_tool`, plus a runtime's own ``memory`` of finished calls."""
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"name must be a non-empty str, got {name!r}")
-    if not isinstance(description, str) or not description.strip():
-        raise ConfigurationError(
-            f"description of tool {name!r} must be a non-empty str: the model reads it to "
-            "decide when to call the tool"
-        )
-    if not (isinstance(args_schema, type) and issubclass(args_schema, BaseModel)):
-        raise ConfigurationError(
-            f"args_schema of tool {name!r} must be a pydantic BaseModel subclass, "
-            f"got {args_schema!r}"
-        )
+    check_tool(
+        name,
+        description,
+        args_schema,
+        invoker,
+        "the model reads it to decide when to call the tool",
+    )
     clash = sorted(_RESERVED_FIELDS & set(args_schema.model_fields))
     if clash:
         raise ConfigurationError(
@@ -195,18 +210,8 @@ def build_tool(
             f"LangChain passes to the tool itself; rename them (the wire name can stay the "
             "same with a pydantic alias in your own schema for the server)"
         )
-    if not isinstance(invoker, (ToolInvoker, AsyncToolInvoker)):
-        raise ConfigurationError(
-            f"invoker of tool {name!r} must be a ToolInvoker or AsyncToolInvoker, got {invoker!r}"
-        )
-    if not (isinstance(plan, PlanSession) or callable(plan)):
-        raise ConfigurationError(
-            f"plan of tool {name!r} must be a PlanSession or a callable taking a "
-            f"ToolCallContext, got {plan!r}"
-        )
-    if not callable(step_index):
-        normalize_step(step_index)  # a fixed index: check it now (raises InvalidKey)
-    call = _Call(name, args_schema, plan, step_index, check_on_repeat(on_repeat), memory)
+    policy = check_sources(name, plan, step_index, on_repeat, "a ToolCallContext")
+    call = _Call(name, args_schema, plan, step_index, policy, memory)
     common: dict[str, Any] = {
         "name": name,
         "description": description,
@@ -230,7 +235,8 @@ def build_tool(
             if isinstance(step, _Repeat):
                 return _traced(callbacks, step.content, step.artifact)
             try:
-                result = sync_invoker.invoke(step, **options)
+                with _in_tool_run(callbacks):
+                    result = sync_invoker.invoke(step, **options)
             except ToolError as exc:
                 raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
             return _traced(callbacks, *_answer(result, step))
@@ -262,7 +268,11 @@ def build_tool(
         if isinstance(step, _Repeat):
             return _traced(callbacks, step.content, step.artifact)
         try:
-            result = await async_invoker.invoke(step, **options)
+            with _in_tool_run(callbacks) as run:
+                try:
+                    result = await async_invoker.invoke(step, **options)
+                finally:
+                    await run.flush()
         except ToolError as exc:
             raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
         return _traced(callbacks, *_answer(result, step))
@@ -347,26 +357,15 @@ class _Call:
             args_schema=self._schema,
         )
         index = self._step_index(ctx) if callable(self._step_index) else self._step_index
-        session = self._plan(ctx) if callable(self._plan) else self._plan
-        if not isinstance(session, PlanSession):
-            raise ConfigurationError(
-                f"the plan callable of tool {self._name!r} returned {session!r}, not a PlanSession"
-            )
-        step = session.step(
-            index, self._name, values, args_model=self._schema, on_repeat=self._on_repeat
-        )
-        if step.repeat_of is not None or self._memory is None or self._on_repeat == "allow":
+        step = make_step(self._plan, ctx, index, self._name, values, self._schema, self._on_repeat)
+        memory = self._memory
+        if memory is None:
             return step
-        earlier = self._memory(ctx, step)
-        if earlier is None:
+        repeat = repeat_answer(step, self._on_repeat, lambda: memory(ctx, step))
+        if repeat is None:
             return step
-        content, artifact = earlier
-        label = str(artifact.get("step"))
-        if self._on_repeat == "raise":
-            raise repeated_error(step, label)
-        note = _repeat_note(label, replayed=True)
-        repeat = {**artifact, "repeat_of": label, "outcome": "replayed", "replayed": True}
-        return _Repeat(note + content, {**repeat, "attempts": 0, "polls": 0, "elapsed": 0.0})
+        label, content, artifact = repeat
+        return _Repeat(_repeat_note(label, replayed=True) + content, artifact)
 
 
 def _repeat_note(label: str, *, replayed: bool) -> str:
@@ -386,10 +385,7 @@ def _answer(result: ToolResult, step: Step) -> tuple[str, dict[str, Any]]:
     content = json.dumps(result.body, ensure_ascii=False)
     if step.repeat_of is not None:
         content = _repeat_note(step.repeat_of, replayed=result.replayed) + content
-    # Headers and the status URL stay out: artifacts land in checkpoints and traces, and
-    # either may carry something (a cookie, a signed URL) that does not belong there.
-    artifact = result.model_dump(mode="json", exclude={"headers", "status_url"})
-    return content, {"tool": step.tool, **artifact, "repeat_of": step.repeat_of}
+    return content, call_record(result, step, body=True)
 
 
 def _for_model(
@@ -408,23 +404,12 @@ def _for_model(
             "reason": reason,
         },
     )
-    status = exc.status_code or 0
-    if (
-        not errors_to_model
-        or isinstance(exc, (KeyRejected, PayloadMismatch))
-        or not 400 <= status < 500
-    ):
-        raise exc  # the model cannot fix a key problem or a failure that may have done harm
-    return ToolException(
-        f"Tool {tool!r} refused this call: {reason} (HTTP {status}). Nothing was done; "
-        "correct the arguments, or tell the user why it cannot be done."
-    )
+    return ToolException(refusal(tool, exc, errors_to_model, reason))
 
 
 def _reason(exc: ToolError) -> str:
     """The server's short reason, cleaned and cut; never the Idempotency-Key."""
-    reason = exc.reason or short_reason(exc.body, exc.idempotency_key)
-    return reason or f"the tool answered HTTP {exc.status_code}"
+    return server_reason(exc) or f"the tool answered HTTP {exc.status_code}"
 
 
 def _traced(callbacks: Any, content: str, artifact: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -450,3 +435,84 @@ def _trace(callbacks: Any, info: Mapping[str, Any]) -> None:
         extra = getattr(run, "extra", None)
         if isinstance(extra, dict):
             extra.setdefault("metadata", {}).update({f"agentkey_{k}": v for k, v in info.items()})
+
+
+# --- the invoker's events in the tool's LangChain run ---------------------------------------
+
+
+@dataclass
+class _ToolRun:
+    """The LangChain run of the tool whose call the invoker is making in this context."""
+
+    callbacks: Any  # the tool run's child callback manager; its parent is the tool run
+    pending: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+    def send(self, name: str, data: dict[str, Any]) -> None:
+        _run_event(self.callbacks, name, data)
+        if isinstance(self.callbacks, AsyncCallbackManager):
+            self.pending.append((name, data))  # a sync hook cannot await: sent after the call
+        else:
+            self.callbacks.on_custom_event(name, data, run_id=self.callbacks.parent_run_id)
+
+    async def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for name, data in pending:
+            await self.callbacks.on_custom_event(name, data, run_id=self.callbacks.parent_run_id)
+
+
+_TOOL_RUN: ContextVar[_ToolRun | None] = ContextVar("agentkey_langchain_tool_run", default=None)
+_EVENT_NAMES: dict[type, str] = {
+    RetryEvent: "agentkey_retry",
+    PollEvent: "agentkey_poll",
+    ReplayEvent: "agentkey_replay",
+    GiveUpEvent: "agentkey_give_up",
+}
+
+
+@contextmanager
+def _in_tool_run(callbacks: Any) -> Iterator[_ToolRun]:
+    """Route the invoker's events of this call to the tool's run (see :class:`LangChainHook`)."""
+    run = _ToolRun(callbacks)
+    token = _TOOL_RUN.set(run if getattr(callbacks, "parent_run_id", None) else None)
+    try:
+        yield run
+    finally:
+        _TOOL_RUN.reset(token)
+
+
+class LangChainHook:
+    """An invoker hook that passes retries, polls, replays and give-ups to LangChain.
+
+    Add it to the invoker that a :func:`remote_tool` uses
+    (``ToolInvoker(url, hooks=[LoggingHook(), LangChainHook()])``). While such
+    a tool runs inside a LangChain run, each event of its call becomes a custom
+    event (``agentkey_retry``, ``agentkey_poll``, ``agentkey_replay``,
+    ``agentkey_give_up``; the data is the event's fields: key, step, attempt,
+    reason, wait, status, with a status URL cut to its path) on the tool's run,
+    and an entry of that run's ``events`` for tracers that keep runs. Outside
+    a tool run it does nothing. An :class:`~agentkey.AsyncToolInvoker`'s events
+    reach async callback handlers when the call ends (a hook cannot await).
+    """
+
+    def __call__(self, event: object) -> None:
+        run = _TOOL_RUN.get()
+        name = _EVENT_NAMES.get(type(event))
+        if run is None or name is None or not dataclasses.is_dataclass(event):
+            return
+        data = dataclasses.asdict(event)  # type: ignore[arg-type]  # an event instance
+        if "status_url" in data:  # may be signed: keep its query out of traces
+            data["status_url"] = redact_url(str(data["status_url"]))
+        run.send(name, data)
+
+    def __repr__(self) -> str:
+        return "LangChainHook()"
+
+
+def _run_event(callbacks: Any, name: str, data: Mapping[str, Any]) -> None:
+    """Add an event to the tool's run in each tracer's ``run_map`` (LangSmith shows run events)."""
+    run_id = getattr(callbacks, "parent_run_id", None)
+    for handler in getattr(callbacks, "handlers", ()):
+        run = getattr(handler, "run_map", {}).get(str(run_id))
+        events = getattr(run, "events", None)
+        if isinstance(events, list):
+            events.append({"name": name, "time": datetime.now(timezone.utc), "kwargs": dict(data)})

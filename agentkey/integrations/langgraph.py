@@ -31,26 +31,24 @@ Needs the ``langgraph`` extra (``pip install 'agentkey-idempotency[langgraph]'``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._canonical import Profile, encode_jsonable, to_jsonable
-from .._exceptions import AgentKeyError, ConfigurationError, MissingExtra
+from .._exceptions import AgentKeyError, ConfigurationError
 from .._invoker import AsyncToolInvoker, ToolInvoker
 from .._keys import StepKey
 from .._plan import OnRepeat, PlanSession, Step
+from ._common import code, missing_extra
 
 try:
     import langgraph.prebuilt  # noqa: F401 - ToolNode injects the ToolRuntime we read
     from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
     from langchain_core.tools import StructuredTool
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    if (exc.name or "").partition(".")[0] not in ("langgraph", "langchain_core"):
-        raise
-    raise MissingExtra("langgraph", "langgraph") from None
+    raise missing_extra(exc, "langgraph", "langgraph", "langgraph", "langchain_core") from None
 
 from pydantic import BaseModel, ValidationError
 
@@ -127,7 +125,7 @@ def graph_step(ctx: ToolCallContext) -> tuple[int, int, int]:
             "(tool.invoke({'name': ..., 'args': ..., 'id': ..., 'type': 'tool_call'})) or "
             "through langgraph.prebuilt.ToolNode, or pass step_index= to remote_tool"
         )
-    slot = _code(json.dumps([str(metadata.get("langgraph_node") or ""), ctx.tool]))
+    slot = code(json.dumps([str(metadata.get("langgraph_node") or ""), ctx.tool]))
     state = _state(ctx)
     message = _holder(state, ctx.tool_call_id)
     if message is not None:
@@ -135,7 +133,7 @@ def graph_step(ctx: ToolCallContext) -> tuple[int, int, int]:
     if message is None or _lifetime(state) is None:
         # No message to count in, or no message id to tell this conversation from an
         # earlier one under the same thread id: the call's own id names it.
-        return superstep, slot, _code(ctx.tool_call_id)
+        return superstep, slot, code(ctx.tool_call_id)
     return superstep, slot, _ordinal(message, ctx)
 
 
@@ -161,18 +159,13 @@ def earlier_result(ctx: ToolCallContext, step: Step) -> tuple[str, Mapping[str, 
             if (
                 key.plan_session_id == step.plan_session_id
                 and key.args_hash == step.key.args_hash
-                and key.step != step.index
+                and key.index != step.index
             ):
                 content = message.content
                 text = content if isinstance(content, str) else json.dumps(content)
                 # The step label comes from the parsed key, not from what the artifact says.
-                return text, {**message.artifact, "step": key.step_label}
+                return text, {**message.artifact, "step": key.label}
     return None
-
-
-def _code(text: str) -> int:
-    """A stable 32-bit number for ``text`` (a step index part)."""
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:4], "big")
 
 
 def _state(ctx: ToolCallContext) -> Any:

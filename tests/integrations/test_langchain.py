@@ -68,7 +68,7 @@ async def test_retried_call_replays_and_model_reads_the_body(
     assert second.artifact["replayed"] is True
     assert first.artifact["idempotency_key"] == second.artifact["idempotency_key"]
     key = StepKey.parse(first.artifact["idempotency_key"])
-    assert (key.plan_session_id, key.step_label) == (plan.id, "step_004.001")
+    assert (key.plan_session_id, key.label) == (plan.id, "step_004.001")
     assert "charge_id" in first.content
     assert first.content == second.content == content
     assert "headers" not in first.artifact

@@ -109,8 +109,8 @@ async def test_reexecuted_tool_node_replays(
     assert message.artifact["idempotency_key"] == first_run["idempotency_key"]
     key = _key(message.artifact)
     assert key.plan_session_id != config["configurable"]["thread_id"]  # thread + lifetime
-    assert key.step[0] == 2  # superstep 2 (input, agent, tools)
-    assert key.step[2] == 0  # the first of its identical calls
+    assert key.index[0] == 2  # superstep 2 (input, agent, tools)
+    assert key.index[2] == 0  # the first of its identical calls
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -137,8 +137,8 @@ async def test_two_tools_with_identical_args_in_one_message_both_run(
 
     charge, provision = (_key(m.artifact) for m in tool_messages(final))
     assert charge.args_hash == provision.args_hash  # identical arguments ...
-    assert charge.step != provision.step  # ... but each tool has its own slot
-    assert charge.step[0] == provision.step[0] == 2
+    assert charge.index != provision.index  # ... but each tool has its own slot
+    assert charge.index[0] == provision.index[0] == 2
     assert dict(app.state.executions) == {"charge": 1, "provision": 1}  # ... both executed
     assert not any(m.artifact["replayed"] for m in tool_messages(final))
 
@@ -163,9 +163,9 @@ async def test_new_model_turns_execute_anew(driver: Driver, server: tuple[str, A
     await close(invoker)
 
     keys = [_key(m.artifact) for m in tool_messages(final)]
-    assert [k.step[0] for k in keys[:2]] == [2, 4]
-    assert keys[2].step[0] > 4
-    assert keys[2].step[1:] == keys[1].step[1:]  # same tool node, tool and ordinal
+    assert [k.index[0] for k in keys[:2]] == [2, 4]
+    assert keys[2].index[0] > 4
+    assert keys[2].index[1:] == keys[1].index[1:]  # same tool node, tool and ordinal
     assert keys[0].args_hash != keys[1].args_hash
     assert keys[1].args_hash == keys[2].args_hash
     assert len({k.format() for k in keys}) == 3
@@ -201,7 +201,7 @@ async def test_subgraph_runs_in_one_thread_do_not_share_keys(
     await close(invoker)
 
     first, second = (_key(m.artifact) for m in tool_messages(final))
-    assert first.step_label == second.step_label
+    assert first.label == second.label
     assert first.args_hash == second.args_hash
     assert first.plan_session_id != second.plan_session_id != thread
     assert app.state.executions["charge"] == 2

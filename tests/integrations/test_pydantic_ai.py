@@ -1,0 +1,200 @@
+"""PydanticAI end to end: real Agents with a FunctionModel, a real tool server on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field
+from pydantic_ai import Agent
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from agentkey import AsyncToolInvoker, KeyRejected, PlanSession, StepKey, ToolInvoker
+from agentkey.integrations.pydantic_ai import remote_tool
+from tests._loopback import serve
+from tests.invoker._toolapp import Faults, ToolApp
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Charge(BaseModel):
+    amount: int = Field(gt=0)
+    currency: str = "usd"
+
+
+class Crash(Exception):
+    """The process died after the tool ran, before the run finished."""
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, ToolApp]]:
+    tools = ToolApp()
+    with serve(tools) as url:
+        yield url, tools
+
+
+def _model(*turns: list[ToolCallPart], crash: bool = False) -> FunctionModel:
+    """A model that answers with one list of tool calls per turn, then text (or crashes)."""
+    calls = iter(turns)
+
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        parts = next(calls, None)
+        if parts is not None:
+            return ModelResponse(parts=list(parts))
+        if crash:
+            raise Crash
+        return ModelResponse(parts=[TextPart("done")])
+
+    return FunctionModel(answer)
+
+
+def _returns(messages: list[ModelMessage]) -> list[Any]:
+    """The tool return parts (typed Any: their content is the tool's JSON body)."""
+    return [
+        p
+        for m in messages
+        if isinstance(m, ModelRequest)
+        for p in m.parts
+        if isinstance(p, ToolReturnPart)
+    ]
+
+
+def _tool(invoker: ToolInvoker | AsyncToolInvoker, **kw: Any) -> Any:
+    return remote_tool(
+        name="charge", description="Charge a card.", args_schema=Charge, invoker=invoker, **kw
+    )
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+async def test_rerun_with_the_same_run_id_replays(driver: str, server: tuple[str, ToolApp]) -> None:
+    """A run started again with its run_id resends its calls' keys: the server replays."""
+    url, tools = server
+    invoker = (ToolInvoker if driver == "sync" else AsyncToolInvoker)(
+        url, route_template="/tools/{tool}"
+    )
+    try:
+        tool = _tool(invoker)
+        first = Agent(
+            _model([ToolCallPart("charge", {"amount": 5}, "c1")], crash=True), tools=[tool]
+        )
+        with pytest.raises(Crash):
+            await first.run("charge it", run_id="job-42")
+        # The re-asked model names its call differently and passes "5" as a string.
+        again = Agent(_model([ToolCallPart("charge", {"amount": "5"}, "c9")]), tools=[tool])
+        result = await again.run("charge it", run_id="job-42")
+    finally:
+        if isinstance(invoker, ToolInvoker):
+            invoker.close()
+        else:
+            await invoker.aclose()
+    (returned,) = _returns(result.all_messages())
+    assert returned.metadata["replayed"] is True
+    assert returned.content["execution"] == 1
+    assert sum(tools.executions.values()) == 1
+    key = StepKey.parse(returned.metadata["idempotency_key"])
+    assert key.plan_session_id == PlanSession.from_external_id('["pydantic-ai", "job-42"]').id
+
+
+async def test_another_run_id_is_another_plan(server: tuple[str, ToolApp]) -> None:
+    """The same call in a run with another run_id is a new operation and runs."""
+    url, tools = server
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        tool = _tool(invoker)
+        for run_id in ("a", "b"):
+            agent = Agent(_model([ToolCallPart("charge", {"amount": 5}, "c1")]), tools=[tool])
+            await agent.run("charge it", run_id=run_id)
+    assert sum(tools.executions.values()) == 2
+
+
+async def test_identical_calls_keep_their_keys_in_any_order(server: tuple[str, ToolApp]) -> None:
+    """Two identical calls run twice; re-asked in another order, each keeps its key and replays."""
+    url, tools = server
+    calls = [
+        ToolCallPart("charge", {"amount": 5}, "x1"),
+        ToolCallPart("charge", {"amount": 7}, "x2"),
+        ToolCallPart("charge", {"amount": 5}, "x3"),
+    ]
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        tool = _tool(invoker)
+        with pytest.raises(Crash):
+            await Agent(_model(calls, crash=True), tools=[tool]).run("go", run_id="r")
+        renamed = [ToolCallPart(c.tool_name, c.args, "y" + c.tool_call_id) for c in calls[::-1]]
+        result = await Agent(_model(renamed), tools=[tool]).run("go", run_id="r")
+    returns = _returns(result.all_messages())
+    assert sorted(p.content["execution"] for p in returns) == [1, 1, 1]
+    assert all(p.metadata["replayed"] for p in returns)
+    assert sum(tools.executions.values()) == 3
+    assert len({p.metadata["idempotency_key"] for p in returns}) == 3
+
+
+async def test_a_repeat_at_a_later_step_is_answered_from_memory(
+    server: tuple[str, ToolApp],
+) -> None:
+    """A call the model asks for again at a later turn is not sent: the earlier result answers."""
+    url, tools = server
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        agent = Agent(
+            _model(
+                [ToolCallPart("charge", {"amount": 5}, "c1")],
+                [ToolCallPart("charge", {"amount": 5}, "c2")],
+            ),
+            tools=[_tool(invoker)],
+        )
+        result = await agent.run("charge it", run_id="rep")
+    first, second = _returns(result.all_messages())
+    assert second.metadata["repeat_of"] == first.metadata["step"]
+    assert second.content.startswith(f"[repeat of {first.metadata['step']}")
+    assert sum(tools.executions.values()) == 1
+
+
+async def test_a_refusal_reaches_the_model_with_the_reason(server: tuple[str, ToolApp]) -> None:
+    """A tool's 4xx becomes a failed tool result the model reads; the key is not in it."""
+    url, tools = server
+    tools.faults["charge"] = Faults(prelude=[(403, {})])
+    seen: list[str] = []
+
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart("charge", {"amount": 5}, "c1")])
+        seen.extend(str(p.content) for p in messages[-1].parts)  # type: ignore[union-attr]
+        return ModelResponse(parts=[TextPart("cannot")])
+
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        agent = Agent(FunctionModel(answer), tools=[_tool(invoker)])
+        await agent.run("charge it", run_id="no")
+    (said,) = seen
+    assert "refused this call" in said
+    assert ":step_" not in said
+
+
+def test_missing_pydantic_ai_names_the_extra() -> None:
+    """Importing the adapter without PydanticAI raises MissingExtra naming the extra."""
+    code = (
+        "import sys\nsys.modules['pydantic_ai'] = None\nimport agentkey\n"
+        "try:\n    import agentkey.integrations.pydantic_ai\n"
+        "except agentkey.MissingExtra as exc:\n    print(exc.extra, exc.module)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "pydantic-ai pydantic_ai"
+
+
+async def test_a_key_problem_ends_the_run(server: tuple[str, ToolApp]) -> None:
+    """A 400 about the key is not the model's to fix: KeyRejected leaves agent.run."""
+    url, tools = server
+    tools.faults["charge"] = Faults(prelude=[(400, {})])
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        agent = Agent(_model([ToolCallPart("charge", {"amount": 5}, "c1")]), tools=[_tool(invoker)])
+        with pytest.raises(KeyRejected) as raised:
+            await agent.run("charge it", run_id="bad")
+    assert raised.value.__cause__ is None
