@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._loops import close_leftover_loop
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -28,9 +30,12 @@ def _blocks(path: Path) -> list[str]:
 def test_examples_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every runnable Python block of the file executes without error."""
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
-    for number, block in enumerate(_blocks(path), start=1):
-        code = compile(block, f"{path.name}[block {number}]", "exec")
-        exec(code, namespace)  # noqa: S102 - running our own docs is the point
+    try:
+        for number, block in enumerate(_blocks(path), start=1):
+            code = compile(block, f"{path.name}[block {number}]", "exec")
+            exec(code, namespace)  # noqa: S102 - running our own docs is the point
+    finally:
+        close_leftover_loop()  # the pages call frameworks' run_sync()
     capsys.readouterr()
 
 
