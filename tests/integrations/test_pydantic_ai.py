@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+pytest.importorskip("pydantic_ai", reason="PydanticAI needs Python 3.11+")
+
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent
 from pydantic_ai.messages import (
