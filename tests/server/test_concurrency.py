@@ -55,7 +55,14 @@ async def test_200_concurrent_duplicates_run_once(
         assert refused == []
     assert len(ran) == 1
     assert len(ran) + len(conflicts) + len(replays) + len(refused) == 200
-    assert all(r.headers["retry-after"] == "1" for r in conflicts)
+    if store_kind == "cluster":
+        # A command the cluster client failed leaves the holder's record in flight while the
+        # write is retried; once its renewals look stopped, a 409 says when the lease (15 s)
+        # ends, as docs/server.md describes, instead of the configured 1 s.
+        waits = sorted({int(r.headers["retry-after"]) for r in conflicts})
+        assert all(1 <= wait <= 15 for wait in waits), waits
+    else:
+        assert all(r.headers["retry-after"] == "1" for r in conflicts)
     assert all(r.content == ran[0].content for r in replays)
     assert final.headers["idempotent-replayed"] == "true"
     assert final.content == ran[0].content
