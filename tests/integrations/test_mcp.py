@@ -35,7 +35,6 @@ from agentkey import (
     RetryPolicy,
     Step,
     StepInProgress,
-    StoreUnavailable,
     canonical_json,
 )
 from agentkey._hooks import CallEndEvent, InvokeEvent
@@ -50,6 +49,7 @@ from agentkey.integrations.mcp import (
 from agentkey.server import MemoryStore, RedisStore, Store
 from tests._loopback import RedisServer
 from tests.integrations._mcp_app import Lab, running
+from tests.server._util import FailingFinish
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -380,26 +380,10 @@ def test_missing_sdk_names_the_extra() -> None:
     assert out.stdout.strip() == "mcp mcp"
 
 
-class _FailingFinish(MemoryStore):
-    """A MemoryStore whose next ``failures`` finish calls raise StoreUnavailable."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__()
-        self.failures = failures
-        self.finishes = 0
-
-    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        self.finishes += 1
-        if self.failures > 0:
-            self.failures -= 1
-            raise StoreUnavailable("the store is down (test)")
-        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
-
-
 async def test_an_outcome_the_store_failed_to_record_is_written_again() -> None:
     """The store fails the first writes of a tool's result: the write is retried, so a call after
     the lease would have ended replays instead of running the tool again."""
-    store = _FailingFinish(failures=3)
+    store = FailingFinish(failures=3)
     plan_id = str(uuid.uuid4())
     with running(store, lock_ttl=0.2) as lab:
         async with session(lab) as s:

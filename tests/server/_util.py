@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from agentkey import StepKey, canonical_json
-from agentkey.server import Store
+from agentkey import StepKey, StoreUnavailable, canonical_json
+from agentkey.server import MemoryStore, Store
 from tests._loopback import serve
 
 __all__ = ["CLOSE_PATH", "call", "new_plan", "request_for", "serve_closing"]
@@ -70,3 +70,19 @@ def call(
     except json.JSONDecodeError:
         parsed = response.text
     return response.status_code, parsed, response.headers
+
+
+class FailingFinish(MemoryStore):
+    """A MemoryStore whose next ``failures`` finish calls raise StoreUnavailable."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.finishes = 0
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        self.finishes += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreUnavailable("the store is down (test)")
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)

@@ -28,7 +28,7 @@ from agentkey.server import (
     get_claim,
 )
 from agentkey.server._records import Binding, digest
-from tests.server._util import request_for, serve_closing
+from tests.server._util import FailingFinish, request_for, serve_closing
 from tests.server.test_redis_resilience import RestartableRedis
 
 _LOGGER = "agentkey.server"
@@ -98,27 +98,11 @@ def test_a_redis_restart_after_the_handler_ran_neither_loses_nor_repeats_the_ste
     assert "could not record the outcome" in caplog.text  # the outage was seen and logged
 
 
-class _FailingFinish(MemoryStore):
-    """A MemoryStore whose next ``failures`` finish calls raise StoreUnavailable."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__()
-        self.failures = failures
-        self.finishes = 0
-
-    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        self.finishes += 1
-        if self.failures > 0:
-            self.failures -= 1
-            raise StoreUnavailable("the store is down (test)")
-        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
-
-
 @pytest.mark.realtime
 async def test_failed_writes_of_an_outcome_are_retried_until_one_lands() -> None:
     """Three failed finish calls after the handler ran: the fourth records the outcome, and a
     retry after the lease would have ended gets the replay (the handler ran once)."""
-    store = _FailingFinish(failures=3)
+    store = FailingFinish(failures=3)
     app = _gated_app(store, lock_ttl=0.2)
     app.state.gate.set()
     headers, body = request_for({"amount": 7})
@@ -145,7 +129,7 @@ async def test_a_failed_renewal_is_retried_before_the_next_interval(
 ) -> None:
     """Renewals that fail while the store is away are retried with backoff, not once per
     interval: the lease is extended again well before it lapses, and the failure is logged."""
-    store = _FailingFinish(failures=3)  # Claim.renew() rewrites the record with finish
+    store = FailingFinish(failures=3)  # Claim.renew() rewrites the record with finish
     claim = Claim(
         key=None,
         idempotency_key="ik_outage",
