@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import sys
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+import warnings
+from collections import deque
+from typing import Any
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from .._schedule import Backoff
+from ._resp import PUSH, ProtocolError, Replies, ReplyError, pack
 from ._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
@@ -39,95 +41,202 @@ try:
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("server", "redis") from None
 
-_T = TypeVar("_T")
+__all__ = ["RETRIES", "RedisStore"]
 
-if sys.version_info >= (3, 11):
-
-    async def _bounded(awaitable: Awaitable[_T], seconds: float) -> _T:
-        """``asyncio.wait_for`` without its task: one timer."""
-        async with asyncio.timeout(seconds):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-    _bounded = asyncio.wait_for
-
-__all__ = ["HEALTH_CHECK_INTERVAL", "RETRIES", "RedisStore"]
+#: The wait before a command is re-sent: full jitter up to 0.1 s.
+_RESEND = Backoff(initial=0.1, cap=0.1)
 
 _logger = logging.getLogger("agentkey.server")
 
-#: Seconds a pooled connection may sit idle before it is PINGed ahead of its next command.
-HEALTH_CHECK_INTERVAL = 30
-#: Re-sends of a command whose connection broke or timed out (a stale pooled connection
-#: after a Redis restart or its idle ``timeout``), after a jittered wait of up to 0.1 s, on
-#: a fresh connection. One is enough for a stale connection; redis-py retries the connection
-#: handshake with the same policy, so a Redis that stops answering costs (1 + RETRIES) ** 2
-#: timeouts before the store gives up, and more retries would multiply that.
+#: Re-sends of a command whose connection broke or timed out (a connection Redis closed
+#: by a restart or its idle ``timeout``), after a jittered wait of up to 0.1 s, on a new
+#: connection. One is enough for a stale connection; redis-py retries the connection
+#: handshake with the same policy, so a Redis that stops answering costs
+#: (1 + RETRIES) ** 2 timeouts before the store gives up, and more would multiply that.
 RETRIES = 1
 
 
-def _pack(args: tuple[bytes, ...]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
-    return b"".join(parts)
+class _Pipe(asyncio.Protocol):
+    """One Redis connection that carries the commands of every request on its event loop.
+
+    Commands are written as they come, those of one loop iteration in one write, and
+    Redis answers them in order, so each answer resolves the oldest waiting future: no
+    pool checkout, no task and no timer per command, and one system call for many
+    requests under load. A reply nobody waits for, a protocol error or a lost
+    connection fails every command in flight with a ``ConnectionError`` and closes the
+    pipe; the next command opens a new one. A watchdog closes the pipe when its oldest
+    command has waited ``timeout`` seconds (Redis is stuck, or the connection died
+    without a word), so no command waits much longer than that.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop, self.timeout = loop, timeout
+        self.closed = False
+        self._replies = Replies()
+        self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
+        self._out: list[bytes] | None = None  # a list while this iteration has written
+        self._transport: asyncio.Transport | None = None
+        self._conn: Any = None
+        self._watch: asyncio.TimerHandle | None = None
+
+    def attach(self, conn: Any) -> None:
+        """Take over the socket of a redis-py connection that has done its handshake."""
+        transport = conn._writer.transport
+        self._conn, self._transport = conn, transport
+        transport.set_protocol(self)
+
+    def send(self, packed: bytes) -> asyncio.Future[Any]:
+        if self.closed:
+            raise redis_errors.ConnectionError("the Redis connection closed")
+        loop = self.loop
+        future = loop.create_future()
+        self._waiting.append((future, loop.time() + self.timeout))
+        if self._out is None:  # the first command of this loop iteration: write it now
+            assert self._transport is not None
+            self._transport.write(packed)
+            self._out = []
+            loop.call_soon(self._flush)
+        else:  # later ones go out together once the iteration's callbacks have run
+            self._out.append(packed)
+        if self._watch is None:
+            self._watch = loop.call_later(self.timeout, self._check)
+        return future
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        if out and not self.closed and self._transport is not None:
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _check(self) -> None:
+        self._watch = None
+        if not self._waiting or self.closed:
+            return
+        due = self._waiting[0][1]
+        if self.loop.time() >= due:
+            self.close(redis_errors.TimeoutError("Redis did not answer in time"))
+        else:
+            self._watch = self.loop.call_at(due, self._check)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            replies = self._replies.feed(data)
+        except ProtocolError as exc:
+            self.close(redis_errors.ConnectionError(f"Redis broke the protocol: {exc}"))
+            return
+        waiting = self._waiting
+        for reply in replies:
+            if reply is PUSH:
+                continue
+            if not waiting:
+                self.close(redis_errors.ConnectionError("Redis sent a reply nobody asked for"))
+                return
+            future = waiting.popleft()[0]
+            if not future.done():  # not given up on (a cancelled request)
+                future.set_result(reply)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close(redis_errors.ConnectionError("Redis closed the connection"))
+
+    def close(self, error: Exception) -> None:
+        """Fail every command in flight with ``error`` and drop the connection."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self.closed = True
+        waiting, self._waiting = self._waiting, deque()
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        conn, self._conn = self._conn, None
+        if conn is not None:  # redis-py's view of the socket: closed, never used again
+            conn._reader = conn._writer = None
 
 
 class _Lean:
-    """Commands on the store's own pool, without redis-py's per-command layers.
+    """Commands on one pipelined connection per event loop (:class:`_Pipe`), without
+    redis-py's per-command layers.
 
     ``Redis.execute_command`` checks a connection out of the pool and back for every
     command (a condition, a lock and a timer each way), arms a timer and a task per
-    send and another timer per read, and records observability metrics: about 160 us
-    of CPU per command here, against 70 us for a connection's own
-    ``send_packed_command`` + ``read_response``. So the store keeps its idle
-    connections itself (at most ``max_connections``, a burst waiting up to
-    ``timeout`` for one), sends pre-packed commands, and bounds each command, send
-    and read together, by one deadline. A connection error or timeout is retried by
-    the connection's own ``Retry`` (``RETRIES``), as redis-py does.
+    send and another timer per read: about 160 us of CPU per command here. The pipe
+    costs a future and a share of one write and one read. redis-py still makes each
+    connection (TLS, ACL, ``SELECT``: everything a URL can say) and then hands over its
+    socket. A command that fails on a broken or stuck connection is re-sent
+    ``RETRIES`` time(s) on a new one, after a jittered wait of up to 0.1 s.
     """
 
-    def __init__(self, pool: Any, timeout: float, max_connections: int) -> None:
+    def __init__(self, pool: Any, timeout: float) -> None:
         self.pool, self.timeout = pool, timeout
-        # redis-py < 5.1 requires a command name here; later versions warn about one.
-        name = inspect.signature(pool.get_connection).parameters.get("command_name")
-        self._checkout: tuple[str, ...] = ("SET",) if name and name.default is name.empty else ()
-        self._idle: list[Any] = []
-        self._slots = asyncio.Semaphore(max_connections)
+        self._pipe: _Pipe | None = None
+        self._opening: asyncio.Future[_Pipe] | None = None
 
     async def execute(self, *args: bytes) -> Any:
-        packed = _pack(args)
-        if self._slots.locked():  # every connection is busy: wait for one, up to timeout
+        packed = pack(args)
+        for attempt in range(RETRIES + 1):
+            pipe = self._pipe
             try:
-                await _bounded(self._slots.acquire(), self.timeout)
-            except asyncio.TimeoutError:
-                raise redis_errors.ConnectionError("no Redis connection came free") from None
-        else:
-            await self._slots.acquire()
+                if pipe is None or pipe.closed or pipe.loop is not asyncio.get_running_loop():
+                    pipe = await self._open()
+                reply = await pipe.send(packed)
+                break
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
+                if attempt == RETRIES:
+                    raise
+            await asyncio.sleep(_RESEND.delay(attempt + 1))
+        if isinstance(reply, ReplyError):
+            if reply.message.startswith("NOSCRIPT"):
+                raise redis_errors.NoScriptError(reply.message)
+            raise redis_errors.ResponseError(reply.message)
+        return reply
+
+    async def _open(self) -> _Pipe:
+        """The pipe of the running loop, connecting it once for all the commands waiting."""
+        loop = asyncio.get_running_loop()
+        opening = self._opening
+        if opening is not None and opening.get_loop() is loop:
+            return await asyncio.shield(opening)
+        opening = self._opening = loop.create_future()
         try:
-            conn = (
-                self._idle.pop() if self._idle else await self.pool.get_connection(*self._checkout)
+            conn = self.pool.make_connection()
+            await conn.connect()
+            pipe = _Pipe(loop, self.timeout)
+            pipe.attach(conn)
+        except BaseException as exc:
+            self._opening = None
+            # The commands waiting for this connection fail as a connection error (and are
+            # re-sent), never with the opener's own cancellation.
+            error = (
+                exc
+                if isinstance(exc, Exception)
+                else redis_errors.ConnectionError("opening the Redis connection was interrupted")
             )
-            try:
-                return await conn.retry.call_with_retry(
-                    lambda: self._send(conn, packed), lambda error: conn.disconnect()
-                )
-            finally:
-                self._idle.append(conn)
-        finally:
-            self._slots.release()
+            opening.set_exception(error)
+            opening.exception()  # marked as retrieved: a lone opener logs nothing
+            raise
+        old, self._pipe, self._opening = self._pipe, pipe, None
+        if old is not None and not old.closed:
+            error = redis_errors.ConnectionError("replaced by a connection on another loop")
+            if old.loop is loop:
+                old.close(error)
+            elif not old.loop.is_closed():
+                old.loop.call_soon_threadsafe(old.close, error)
+        opening.set_result(pipe)
+        return pipe
 
-    async def _send(self, conn: Any, packed: bytes) -> Any:
-        try:
-            return await _bounded(self._exchange(conn, packed), self.timeout)
-        except asyncio.TimeoutError:
-            await conn.disconnect(nowait=True)  # an answer may still come: never reuse it
-            raise redis_errors.TimeoutError("Redis did not answer in time") from None
-
-    @staticmethod
-    async def _exchange(conn: Any, packed: bytes) -> Any:
-        await conn.send_packed_command(packed)
-        return await conn.read_response()
+    async def aclose(self) -> None:
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None and not pipe.closed:
+            error = redis_errors.ConnectionError("the store was closed")
+            if pipe.loop is asyncio.get_running_loop():
+                pipe.close(error)
+            elif not pipe.loop.is_closed():
+                pipe.loop.call_soon_threadsafe(pipe.close, error)
 
     async def evalsha(self, script: AsyncScript, *args: bytes) -> Any:
         try:
@@ -176,18 +285,17 @@ class RedisStore:
 
     Pass a URL (``redis://…``, ``rediss://…``) or a ready client
     (``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``). Record keys become
-    ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store keeps up
-    to ``max_connections`` connections of its own, so a burst waits up to
-    ``timeout`` seconds for a free one instead of failing, and each command (its
-    send and its answer) must finish within ``timeout``. Its connections re-send a
-    command ``RETRIES`` time(s) after a connection error or timeout (a
-    connection Redis closed, by a restart or its idle ``timeout``, reconnects
-    instead of failing) and PING first when idle for ``HEALTH_CHECK_INTERVAL``
-    seconds. A re-sent write is safe: a re-sent claim reads back its own owner
-    token and a re-sent finish finds its own record (the middleware checks both).
-    Connection problems that outlast the retries raise
-    :class:`~agentkey.StoreUnavailable`; the middleware then answers 503 and
-    never runs the handler.
+    ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store sends the
+    commands of each event loop over one pipelined connection (redis-py makes it:
+    TLS, ACL users, the database number all come from the URL), and a command
+    waits at most about ``timeout`` seconds for its answer: a connection whose
+    oldest command waited that long is dropped. A command whose connection broke
+    or timed out is re-sent ``RETRIES`` time(s) on a new connection (so one Redis
+    closed, by a restart or its idle ``timeout``, reconnects instead of failing).
+    A re-sent write is safe: a re-sent claim reads back its own owner token and a
+    re-sent finish finds its own record (the middleware checks both). Connection
+    problems that outlast the retries raise :class:`~agentkey.StoreUnavailable`;
+    the middleware then answers 503 and never runs the handler.
 
     Beside its first claim (never delaying it) the store asks Redis for
     ``appendonly`` and logs one WARNING when it is ``no``: a restart then loses
@@ -201,8 +309,16 @@ class RedisStore:
         prefix: str = "agentkey",
         connect_timeout: float = 2.0,
         timeout: float = 5.0,
-        max_connections: int = 50,
+        max_connections: int | None = None,
     ) -> None:
+        if max_connections is not None:
+            warnings.warn(
+                "RedisStore(max_connections=) no longer applies and will be removed: a store "
+                "built from a URL sends every command of an event loop over one pipelined "
+                "connection; drop the argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(
                 f"RedisStore prefix must be a non-empty str without braces, got {prefix!r}"
@@ -214,20 +330,16 @@ class RedisStore:
                     "RedisStore needs a redis://, rediss:// or unix:// URL or a "
                     "redis.asyncio client"
                 )
-            # A blocking pool queues a burst for a free connection (up to
-            # ``timeout``) instead of failing it with MaxConnectionsError.
-            pool = aioredis.BlockingConnectionPool.from_url(
+            # The pool only makes the pipe's connections (the handshake, with its retry).
+            pool = aioredis.ConnectionPool.from_url(
                 redis,
-                max_connections=max_connections,
-                timeout=timeout,
                 socket_connect_timeout=connect_timeout,
-                socket_timeout=None,  # _Lean bounds each command, send and read together
+                socket_timeout=timeout,  # the handshake's; the pipe bounds each command
                 retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
                 retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
-                health_check_interval=HEALTH_CHECK_INTERVAL,
             )
             self._client: Any = aioredis.Redis.from_pool(pool)
-            self._lean: _Lean | None = _Lean(pool, timeout, max_connections)
+            self._lean: _Lean | None = _Lean(pool, timeout)
         else:
             # A sync client would block the event loop and fail outside the
             # StoreError mapping (a 500 instead of the fail-closed 503).
@@ -368,4 +480,5 @@ class RedisStore:
             check.cancel()
             await asyncio.gather(check, return_exceptions=True)
         if self._lean is not None:
+            await self._lean.aclose()
             await self._client.aclose()
