@@ -9,6 +9,7 @@ and never needs to parse a record.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Callable
@@ -112,15 +113,13 @@ class MemoryStore:
 
     For tests, demos and single-process servers. Records vanish when the
     process exits, so it gives no protection across restarts or replicas.
-    Thread-safe; expiry is checked on access, and every ``SWEEP_EVERY`` claims
-    all expired records are dropped, so memory stays bounded by the live records.
+    Thread-safe; expiry is checked on access, and every write drops the records
+    whose time has passed (a heap of expiry times: O(log n) per write), so memory
+    follows the live records.
 
     ``clock`` (monotonic seconds, default ``time.monotonic``) is what leases and
     record lifetimes are measured on; tests pass a fake clock they advance.
     """
-
-    #: Claims between two sweeps of expired records (amortised O(1) per claim).
-    SWEEP_EVERY = 1024
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         if not callable(clock):
@@ -129,13 +128,21 @@ class MemoryStore:
             )
         self._clock = clock
         self._data: dict[str, tuple[bytes, float]] = {}
+        # (expiry, key) of every write; an entry whose key was rewritten since is stale,
+        # and is dropped when its time comes without touching the newer record.
+        self._expiries: list[tuple[float, str]] = []
         self._lock = threading.Lock()
-        self._claims = 0
 
-    def _sweep(self, now: float) -> None:
-        """Drop every expired record: keys never read again must not pile up forever."""
-        for key in [k for k, (_, expires) in self._data.items() if expires <= now]:
-            del self._data[key]
+    def _put(self, key: str, value: bytes, expires: float, now: float) -> None:
+        """Write under the lock, first dropping every record that has expired by ``now``."""
+        expiries, data = self._expiries, self._data
+        while expiries and expiries[0][0] <= now:
+            _, old = heapq.heappop(expiries)
+            item = data.get(old)
+            if item is not None and item[1] <= now:
+                del data[old]
+        data[key] = (value, expires)
+        heapq.heappush(expiries, (expires, key))
 
     def __repr__(self) -> str:
         return f"MemoryStore(records={len(self._data)})"
@@ -153,13 +160,10 @@ class MemoryStore:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
             now = self._clock()
-            self._claims += 1
-            if self._claims % self.SWEEP_EVERY == 0:
-                self._sweep(now)
             current = self._live(key, now)
             if current is not None:
                 return current
-            self._data[key] = (bytes(value), now + ttl / 1000)
+            self._put(key, bytes(value), now + ttl / 1000, now)
             return None
 
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
@@ -169,7 +173,7 @@ class MemoryStore:
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
-            self._data[key] = (current, now + ttl / 1000)
+            self._put(key, current, now + ttl / 1000, now)
             return True
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
@@ -179,7 +183,7 @@ class MemoryStore:
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
-            self._data[key] = (bytes(value), now + ttl / 1000)
+            self._put(key, bytes(value), now + ttl / 1000, now)
             return True
 
     async def release(self, key: str, owner: str) -> bool:

@@ -181,6 +181,12 @@ def test_redis_store_refuses_a_client_that_is_not_async(client: object) -> None:
         RedisStore(client)
 
 
+def test_max_connections_is_deprecated_now_that_commands_share_one_connection() -> None:
+    """RedisStore(max_connections=) still constructs, and says it no longer applies."""
+    with pytest.warns(DeprecationWarning, match="one pipelined connection"):
+        RedisStore("redis://127.0.0.1:1/0", max_connections=10)
+
+
 def test_memory_store_satisfies_the_protocol() -> None:
     """Both stores are Store instances for the middleware's isinstance check."""
     assert isinstance(MemoryStore(), Store)
@@ -208,14 +214,21 @@ async def test_cluster_records_hash_on_their_tag_and_spread(redis_cluster_port: 
 
 
 async def test_memory_store_drops_expired_records_nobody_reads_again() -> None:
-    """Records whose keys are never touched again are swept, so memory follows the live set."""
-    store = MemoryStore()
+    """Records whose keys are never touched again are dropped, so memory follows the live set."""
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
     for i in range(500):
-        await store.claim(f"old:{i}", encode_in_progress(_owner(), 1), ttl_ms=1)
-    await asyncio.sleep(0.01)  # every "old" record is now past its TTL
-    for i in range(MemoryStore.SWEEP_EVERY):
-        await store.claim(f"new:{i}", encode_in_progress(_owner(), 1), ttl_ms=60_000)
-    assert repr(store) == f"MemoryStore(records={MemoryStore.SWEEP_EVERY})"
+        await store.claim(f"old:{i}", encode_in_progress(_owner(), 1), ttl_ms=1_000)
+    # A renewal moves one record's end; its first expiry entry must not drop it.
+    owner = _owner()
+    await store.claim("kept", encode_in_progress(owner, 1), ttl_ms=1_000)
+    now[0] = 0.5
+    assert await store.renew("kept", owner, ttl_ms=60_000)
+    now[0] = 2.0  # every "old" record is now past its TTL
+    await store.claim("new", encode_in_progress(_owner(), 1), ttl_ms=60_000)
+    assert repr(store) == "MemoryStore(records=2)"
+    assert await store.get("kept") is not None
+    assert len(store._expiries) == 2  # the stale entries went with their records
 
 
 async def test_lost_lease_refuses_to_begin_the_mutation(store: Store) -> None:
