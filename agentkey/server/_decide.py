@@ -305,13 +305,27 @@ def check_body(
     hash_profile: Profile = "python",
 ) -> Reject | Checked:
     """Bind ``key`` to ``operation``; an agentkey key's ``args_hash`` must match ``body``."""
-    route = digest(" ".join(operation).encode("utf-8", "surrogatepass"))
+    route = _route_digest(tuple(operation))
     if isinstance(key, StepKey):
         problem = _check_body(body, key, hash_profile)
         if problem is not None:
             return Reject(*problem)
         return Checked(key, Binding(route))
     return Checked(key, Binding(route, _body_digest(body, hash_profile)))
+
+
+_ROUTES: dict[tuple[str, ...], str] = {}
+_MAX_ROUTES = 1024  # paths come from clients: the cache of their digests stays bounded
+
+
+def _route_digest(operation: tuple[str, ...]) -> str:
+    """The binding's route digest of ``operation``, computed once per distinct route."""
+    route = _ROUTES.get(operation)
+    if route is None:
+        if len(_ROUTES) >= _MAX_ROUTES:
+            _ROUTES.clear()
+        route = _ROUTES[operation] = digest(" ".join(operation).encode("utf-8", "surrogatepass"))
+    return route
 
 
 def check_request(
@@ -570,7 +584,9 @@ def _parse(body: bytes) -> object:
     The duplicate check costs one call per object (about a third more than a plain
     parse); canonicalising the result to compare it with the body would cost more.
     """
-    return _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+    # A body opening with "{" then a non-NUL byte is UTF-8 (what detect_encoding says).
+    encoding = "utf-8" if body[:1] == b"{" and body[1:2] != b"\x00" else json.detect_encoding(body)
+    return _DECODER.decode(body.decode(encoding, "surrogatepass"))
 
 
 def _canonical(parsed: dict[str, Any], profile: Profile) -> bytes | None:

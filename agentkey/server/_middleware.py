@@ -449,7 +449,7 @@ class IdempotencyMiddleware:
 
     async def _claim(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
         """Claim the key; with ``hold_in_flight``, wait for a request in flight to finish."""
-        hold_until = time.monotonic() + self.hold_in_flight
+        hold_until = time.monotonic() + self.hold_in_flight if self.hold_in_flight else 0.0
         while True:
             existing: bytes | StoreError | None
             try:
@@ -476,14 +476,18 @@ class IdempotencyMiddleware:
                     claim.idempotency_key,
                     decision.cause,
                 )
+            if not isinstance(decision, Conflict) or not hold_until:
+                return decision
             left = hold_until - time.monotonic()
-            if not isinstance(decision, Conflict) or left <= 0:
+            if left <= 0:
                 return decision
             # hold_in_flight: wait for the first request, then replay or claim.
             await anyio.sleep(min(_HOLD_POLL_SECONDS, left))
 
     async def _principal_of(self, scope: Scope) -> str:
         value = self._principal(scope)
+        if type(value) is str and value:
+            return value
         if inspect.isawaitable(value):
             value = await value
         if not isinstance(value, str) or not value:

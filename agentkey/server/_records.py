@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Literal
 
 from .._exceptions import StoreError
@@ -115,22 +116,23 @@ def encode_in_progress(
 
 
 def encode_outcome(outcome: Outcome) -> bytes:
-    """v3: the JSON head (ASCII, so never a raw newline), a newline, the body's bytes."""
-    doc: dict[str, object] = {
-        "v": 3,
-        "status": outcome.status,
-        "headers": outcome.headers,
-        "finished_ms": outcome.finished_ms,
-    }
-    if outcome.blob_uri is not None:
-        doc["blob"] = outcome.blob_uri
+    """v3: the JSON head (ASCII, so never a raw newline), a newline, the body's bytes.
+
+    The head is what ``json.dumps(doc, separators=(",", ":"))`` writes for
+    ``{"v": 3, "status", "headers", "finished_ms"[, "blob"][, "fp"]}``, formatted
+    directly: it is written once per request, and the generic encoder costs three
+    times as much for these few fields.
+    """
+    headers = ",".join(f"[{_quote(k)},{_quote(v)}]" for k, v in outcome.headers)
+    extra = "" if outcome.blob_uri is None else ',"blob":' + _quote(outcome.blob_uri)
     if outcome.binding is not None:
-        doc["fp"] = outcome.binding.encode()
+        extra += ',"fp":' + _quote(outcome.binding.encode())
+    head = (
+        f'{{"v":3,"status":{int(outcome.status)},"headers":[{headers}],'
+        f'"finished_ms":{int(outcome.finished_ms)}{extra}}}'
+    )
     tag = b"C:" if outcome.state == "COMPLETED" else b"F:"
-    return b"%s%s\n%s" % (tag, _ENCODER.encode(doc).encode("ascii"), outcome.body)
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+    return b"%s%s\n%s" % (tag, head.encode("ascii"), outcome.body)
 
 
 def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:

@@ -275,3 +275,42 @@ def test_the_one_match_key_parser_agrees_with_stepkey_parse(text: str) -> None:
         expected = None
     got = _parse_key([text.encode()])
     assert got == expected if expected is not None else isinstance(got, str)
+
+
+_HEADER_TEXT = st.text(st.characters(max_codepoint=0xFF), max_size=20)
+
+
+@given(
+    status=st.integers(100, 599),
+    headers=st.lists(st.tuples(_HEADER_TEXT, _HEADER_TEXT), max_size=4),
+    body=st.binary(max_size=40),
+    blob=st.none() | st.text(max_size=30),
+    finished=st.integers(0, 2**53),
+    binding=st.none() | st.just(Binding("r" * 22)) | st.just(Binding("r" * 22, "b" * 22)),
+    state=st.sampled_from(["COMPLETED", "FAILED"]),
+)
+def test_a_record_head_is_the_json_the_generic_encoder_writes_and_decodes_back(
+    status: int,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    blob: str | None,
+    finished: int,
+    binding: Binding | None,
+    state: str,
+) -> None:
+    """The hand-formatted record head is byte for byte json.dumps's, and round-trips."""
+    outcome = Outcome(state, status, tuple(headers), body, blob, finished, binding)  # type: ignore[arg-type]
+    doc: dict[str, object] = {
+        "v": 3,
+        "status": status,
+        "headers": [list(h) for h in headers],
+        "finished_ms": finished,
+    }
+    if blob is not None:
+        doc["blob"] = blob
+    if binding is not None:
+        doc["fp"] = binding.encode()
+    expected = json.dumps(doc, separators=(",", ":")).encode("ascii")
+    encoded = encode_outcome(outcome)
+    assert encoded == (b"C:" if state == "COMPLETED" else b"F:") + expected + b"\n" + body
+    assert decode_record(encoded, key="k") == outcome
