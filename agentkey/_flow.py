@@ -171,13 +171,14 @@ Flow: TypeAlias = Generator[Effect, "Reply | None", Finished]
 def invoke(call: Call, settings: Settings) -> Flow:
     """The flow of one step: send it (same key on every resend), then poll a 202 to its end."""
     run = _Run(call, settings)
-    return run.observed(run.step())
+    return run.observed(run.step()) if settings.hooks else run.step()  # no hook: no event
 
 
 def resume(call: Call, settings: Settings) -> Flow:
     """The flow that finishes polling ``call.url`` after a PollTimeout, sending no step."""
     run = _Run(call, settings)
-    return run.observed(run.poll(call.url, False))
+    flow = run.poll(call.url, False)
+    return run.observed(flow) if settings.hooks else flow
 
 
 def check_headers(

@@ -213,7 +213,10 @@ def _bridge_class(lib: Any) -> Any:
 
 def adapt_auth(auth: httpx.Auth | None, client: Client | AsyncClient) -> Any:
     """``auth`` as an Auth that ``client``'s library (httpx or httpx2) accepts."""
-    lib = _lib(client)
+    return _adapt(_lib(client), auth)
+
+
+def _adapt(lib: Any, auth: httpx.Auth | None) -> Any:
     if auth is None or lib is httpx or isinstance(auth, lib.Auth):
         return auth
     return _bridge_class(lib)(auth)
@@ -225,11 +228,20 @@ def _left(deadline: float | None) -> float | None:
 
 def _cut(lib: Any, timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
     """``timeout`` (as ``lib``'s Timeout) with every part cut to the ``left`` seconds."""
+    timeout_type: type[httpx.Timeout] = lib.Timeout
+    c, r, w, p = timeout.connect, timeout.read, timeout.write, timeout.pool
+    if isinstance(timeout, timeout_type) and (
+        left is None
+        or (
+            (c is not None and r is not None and w is not None and p is not None)
+            and max(c, r, w, p) <= left
+        )
+    ):
+        return timeout  # nothing to cut (the common case: a deadline far past each timeout)
 
     def part(value: float | None) -> float | None:
         return value if left is None else left if value is None else min(value, left)
 
-    timeout_type: type[httpx.Timeout] = lib.Timeout
     return timeout_type(
         connect=part(timeout.connect),
         read=part(timeout.read),
@@ -238,21 +250,46 @@ def _cut(lib: Any, timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
     )
 
 
+_URLS: dict[str, httpx.URL] = {}  # parsed once: the same tool URLs come back on every call
+_MAX_URLS = 512
+
+
+def _url(lib: Any, url: str) -> httpx.URL | str:
+    """``url`` parsed as an ``httpx.URL`` (cached), so httpx does not parse it on every send.
+
+    A URL httpx cannot parse raises here, as it would in ``build_request``. URLs are
+    immutable: a cached one is shared safely. Another library's client gets the string.
+    """
+    if lib is not httpx:
+        return url
+    parsed = _URLS.get(url)
+    if parsed is None:
+        parsed = httpx.URL(url)
+        if len(_URLS) >= _MAX_URLS:  # poll URLs vary: start over rather than grow
+            _URLS.clear()
+        _URLS[url] = parsed
+    return parsed
+
+
 def _request(
-    client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
+    lib: Any,
+    client: httpx.Client | httpx.AsyncClient,
+    out: Outgoing,
+    timeout: httpx.Timeout | None,
+    left: float | None,
 ) -> httpx.Request:
-    lib = _lib(client)
-    chosen = _cut(lib, timeout if timeout is not None else client.timeout, _left(out.deadline))
+    chosen = _cut(lib, timeout if timeout is not None else client.timeout, left)
     headers = [*out.headers, ("Accept-Encoding", ACCEPT_ENCODING)]
+    url = _url(lib, out.url)
     if out.same_origin:
         return client.build_request(
-            out.method, out.url, headers=headers, content=out.content, timeout=chosen
+            out.method, url, headers=headers, content=out.content, timeout=chosen
         )
     # Another origin: built bare so no client default header (Authorization!) or cookie leaks.
     request_type: type[httpx.Request] = lib.Request
     return request_type(
         out.method,
-        out.url,
+        url,
         headers=headers,
         content=out.content,
         extensions={"timeout": chosen.as_dict()},
@@ -306,41 +343,46 @@ class _Identity:
         return []
 
 
+_IDENTITY = _Identity()  # stateless: shared
+
+
 class _Body:
     """One answer's body, fed raw chunks: bounded in size, in codings and in time."""
 
     def __init__(self, response: httpx.Response, limit: int, deadline: float | None) -> None:
         self._response, self._limit, self._deadline = response, limit, deadline
+        # Read once: both the checks below and the Answer use them (keys in lowercase).
+        self._headers = {k.lower(): v for k, v in response.headers.items()}
         self._chunks: list[bytes] = []
         self._size = 0
         self.result: Reply | None = None
-        codings = [
-            c.strip().lower()
-            for c in response.headers.get("content-encoding", "").split(",")
-            if c.strip() and c.strip().lower() != "identity"
-        ]
-        self._decoder: _Inflate | _Identity = _Identity()
+        self._decoder: _Inflate | _Identity = _IDENTITY
         #: True while raw chunks must still be read from the network (and fed).
         self.pending = not response.is_stream_consumed
         if not self.pending:  # built in memory (a MockTransport answer): decoded already
             self.feed(response.content)
-        elif len(codings) > 1:
+            return
+        codings = [
+            c.strip().lower()
+            for c in self._headers.get("content-encoding", "").split(",")
+            if c.strip() and c.strip().lower() != "identity"
+        ]
+        if len(codings) > 1:
             self.result = self._answer(b"", unreadable=f"stacked content codings {codings!r}")
         elif codings and codings[0] not in ("gzip", "x-gzip", "deflate"):
             self.result = self._answer(b"", unreadable=f"the content coding {codings[0][:40]!r}")
         elif codings:
             self._decoder = _Inflate(codings[0])
         else:
-            declared = response.headers.get("content-length", "")
+            declared = self._headers.get("content-length", "")
             if declared.isdigit() and len(declared) < 20 and int(declared) > limit:
                 self.result = self._answer(b"", oversize=True)
 
     def _answer(self, content: bytes, *, oversize: bool = False, unreadable: str = "") -> Answer:
-        headers: Mapping[str, str] = {k.lower(): v for k, v in self._response.headers.items()}
         url = str(self._response.request.url)
         return Answer(
             self._response.status_code,
-            headers,
+            self._headers,
             content,
             url,
             oversize=oversize,
@@ -406,15 +448,17 @@ def _failed(exc: httpx.RequestError, lib: Any, deadline: float | None) -> Failur
 
 
 def _build(
-    client: httpx.Client | httpx.AsyncClient, out: Outgoing, timeout: httpx.Timeout | None
+    lib: Any,
+    client: httpx.Client | httpx.AsyncClient,
+    out: Outgoing,
+    timeout: httpx.Timeout | None,
 ) -> httpx.Request | Failure:
     """The request, or why it cannot be sent: a URL from the tool that httpx cannot parse."""
     left = _left(out.deadline)
     if left is not None and left <= 0:
         return Failure(FailureKind.NOT_SENT, "the call's deadline passed before the request")
-    lib = _lib(client)
     try:
-        return _request(client, out, timeout)
+        return _request(lib, client, out, timeout, left)
     except (lib.InvalidURL, lib.UnsupportedProtocol, ValueError, UnicodeError):
         return Failure(FailureKind.UNSENDABLE, "a URL httpx cannot parse")
 
@@ -423,7 +467,11 @@ class _Alarms:
     """One daemon thread that shuts the sockets of sync requests whose deadline passed.
 
     It holds only requests in flight (a lock and a dict entry each, cheaper than a
-    timer thread per request) and sleeps until the nearest deadline.
+    timer thread per request) and sleeps until the nearest deadline. Arming a
+    request wakes it only when that request's deadline comes before the one it
+    sleeps until: otherwise it finds the request when it wakes (a request's
+    deadline is usually later than those already in flight), so a request costs
+    no thread switch.
     """
 
     def __init__(self) -> None:
@@ -433,6 +481,7 @@ class _Alarms:
         self._cond = threading.Condition()
         self._live: dict[_Watchdog, socket.socket] = {}
         self._thread: threading.Thread | None = None
+        self._wake_at = math.inf  # when the thread wakes next (inf: nothing to watch)
 
     def arm(self, dog: _Watchdog, sock: socket.socket) -> None:
         with self._cond:
@@ -441,11 +490,15 @@ class _Alarms:
                 self._thread = threading.Thread(target=self._run, name="agentkey-deadline")
                 self._thread.daemon = True
                 self._thread.start()
-            self._cond.notify()
+            elif dog.deadline < self._wake_at:
+                self._wake_at = dog.deadline  # one notify per earlier deadline, not per arm
+                self._cond.notify()
 
-    def disarm(self, dog: _Watchdog) -> None:
+    def disarm(self, dog: _Watchdog) -> bool:
+        """Stop watching ``dog``; True if its deadline already shut its socket."""
         with self._cond:
             self._live.pop(dog, None)
+            return dog.fired
 
     def _run(self) -> None:
         with self._cond:
@@ -455,8 +508,9 @@ class _Alarms:
                     dog.fired = True
                     with suppress(OSError):  # already closed: nothing left to stop
                         self._live.pop(dog).shutdown(socket.SHUT_RDWR)
-                nearest = min((d.deadline for d in self._live), default=None)
-                self._cond.wait(None if nearest is None else nearest - now)
+                nearest = min((d.deadline for d in self._live), default=math.inf)
+                self._wake_at = nearest
+                self._cond.wait(None if nearest == math.inf else nearest - now)
 
 
 _ALARMS = _Alarms()
@@ -469,13 +523,16 @@ class _Watchdog:
 
     Armed from httpcore's ``trace`` extension: with the stream it reports when a
     connection opens, or, for a connection reused from the pool (httpcore reports
-    no stream then), with the stream of the connection that starts sending.
+    no stream then), with the stream of the connection that starts sending. Once
+    armed it leaves the request's extensions, so httpcore's later phases call no hook.
     """
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, extensions: dict[str, Any]) -> None:
         self.deadline = deadline
         self.fired = False  # the deadline shut the socket (set by the alarm thread)
-        self._armed = False
+        self._armed = False  # the alarm thread watches the socket (set and read by the sender)
+        self._extensions = extensions
+        extensions["trace"] = self.trace
 
     def trace(self, name: str, info: Mapping[str, Any]) -> None:
         if name == "connection.connect_tcp.complete":
@@ -487,10 +544,17 @@ class _Watchdog:
         sock = stream.get_extra_info("socket") if stream is not None else None
         if isinstance(sock, socket.socket) and not self._armed:
             self._armed = True
+            # httpcore reads the hook afresh for every phase: without it, none is called.
+            if self._extensions.get("trace") == self.trace:
+                del self._extensions["trace"]
             _ALARMS.arm(self, sock)
 
-    def stop(self) -> None:
-        _ALARMS.disarm(self)
+    def stop(self) -> bool:
+        """Disarm; True if the deadline shut the socket (what was read may be cut short)."""
+        if self._armed:
+            self._armed = False
+            self.fired = _ALARMS.disarm(self)
+        return self.fired
 
 
 def _sending_stream() -> Any:
@@ -521,13 +585,11 @@ def send_sync(
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    request = _build(client, out, timeout)
+    lib = _lib(client)
+    request = _build(lib, client, out, timeout)
     if isinstance(request, Failure):
         return request
-    lib = _lib(client)
-    watchdog = _Watchdog(out.deadline) if out.deadline is not None else None
-    if watchdog is not None:
-        request.extensions["trace"] = watchdog.trace
+    watchdog = _Watchdog(out.deadline, request.extensions) if out.deadline is not None else None
     try:
         # Auth and redirects are explicit, so a user client's own auth never applies and
         # no redirect is followed behind our back. Another origin's answer goes straight
@@ -536,7 +598,7 @@ def send_sync(
         # host could plant cookies the tool then receives.
         if out.same_origin:
             response = client.send(
-                request, auth=adapt_auth(auth, client), follow_redirects=False, stream=True
+                request, auth=_adapt(lib, auth), follow_redirects=False, stream=True
             )
         else:
             response = client._transport_for_url(request.url).handle_request(request)
@@ -547,7 +609,10 @@ def send_sync(
                 for raw in response.iter_raw():
                     if body.feed(raw):
                         break
-            if watchdog is not None and watchdog.fired:
+            # Disarmed before the response is closed: once closed, its connection may go
+            # back to the pool and serve another request, whose socket this alarm must
+            # never shut.
+            if watchdog is not None and watchdog.stop():
                 # The shut socket looks like a normal end to a read-until-close body:
                 # what was read may be cut short, so it is never taken as the answer.
                 return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
@@ -570,16 +635,16 @@ async def send_async(
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    request = _build(client, out, timeout)
+    lib = _lib(client)
+    request = _build(lib, client, out, timeout)
     if isinstance(request, Failure):
         return request
-    lib = _lib(client)
     left = _left(out.deadline)
     try:
         with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
             if out.same_origin:
                 response = await client.send(
-                    request, auth=adapt_auth(auth, client), follow_redirects=False, stream=True
+                    request, auth=_adapt(lib, auth), follow_redirects=False, stream=True
                 )
             else:  # past the cookie jar, as in send_sync
                 transport = client._transport_for_url(request.url)

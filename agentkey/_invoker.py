@@ -54,6 +54,7 @@ _RESERVED = frozenset(
     }
 )
 _CREDENTIAL_HEADERS = ("authorization", "cookie", "proxy-authorization")
+_MAX_TEMPLATE_URLS = 1024
 _BAD_PATH = re.compile(r"://|^//|[?#\x00-\x1f\x7f]")
 
 
@@ -189,6 +190,7 @@ class _InvokerBase:
         self._style: HeaderStyle = key_header_style
         self._routes = {str(k): self._url(v) for k, v in (routes or {}).items()}
         self._route_template = route_template
+        self._template_urls: dict[str, str] = {}
         self._config = ProtocolConfig(
             base_origin=origin,
             retry_statuses=retry.retry_statuses,
@@ -225,6 +227,15 @@ class _InvokerBase:
             )
         return f"{self._base_url}/{path.lstrip('/')}"
 
+    def _templated(self, tool: str, template: str) -> str:
+        """The URL of ``tool`` by the route template, built once per tool name."""
+        url = self._template_urls.get(tool)
+        if url is None:
+            url = self._url(template.format(tool=quote(tool, safe="")))
+            if len(self._template_urls) < _MAX_TEMPLATE_URLS:  # bounded: names may be many
+                self._template_urls[tool] = url
+        return url
+
     def _prepare(
         self,
         step: Step,
@@ -248,7 +259,7 @@ class _InvokerBase:
         elif step.tool in self._routes:
             url = self._routes[step.tool]
         elif self._route_template is not None:
-            url = self._url(self._route_template.format(tool=quote(step.tool, safe="")))
+            url = self._templated(step.tool, self._route_template)
         else:
             raise ConfigurationError(
                 f"no route for tool {step.tool!r} at {label}: pass path=, or set "

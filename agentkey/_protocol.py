@@ -17,6 +17,7 @@ section 4 (202 polling) onto the status-URL strategies and ``interpret_poll``.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -202,6 +203,12 @@ class Decision:
         return self.action in (Action.RETRY, Action.FOLLOW, Action.WAIT)
 
 
+@functools.lru_cache(maxsize=256)
+def _done(status: int, replayed: bool) -> Decision:
+    """The decision on a final 2xx: the same few, so made once each (a Decision is frozen)."""
+    return Decision(Action.DONE, "done", replayed=replayed, status_code=status)
+
+
 def parse_json(content: bytes) -> object:
     """The parsed JSON body, or None when the body is empty or not JSON."""
     if not content.strip():
@@ -214,8 +221,9 @@ def parse_json(content: bytes) -> object:
 
 def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
     """The first of the replay headers ``names`` that says ``true``, or None."""
+    headers = answer.headers
     for name in names:
-        value = answer.header(name)
+        value = headers.get(name.lower())
         if value is not None and value.strip().lower() == "true":
             return name
     return None
@@ -458,7 +466,7 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
                 return Decision(
                     Action.POLL, "accepted", url=url, replayed=replayed, status_code=status
                 )
-        return Decision(Action.DONE, "done", replayed=replayed, status_code=status)
+        return _done(status, replayed)
 
     body = parse_json(reply.content)
     reason = short_reason(body, ctx.idempotency_key)

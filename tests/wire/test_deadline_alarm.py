@@ -1,0 +1,113 @@
+"""The sync deadline alarm: one shared thread, woken only for a deadline earlier than its own."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from agentkey._http import _ALARMS, Outgoing, _Watchdog, send_sync
+from agentkey._protocol import Failure, FailureKind
+
+
+@contextmanager
+def header_drip() -> Iterator[str]:
+    """A raw loopback server that answers every request with its status line, one byte per 50 ms.
+
+    Each read gets a byte well within any read timeout, so only the deadline alarm
+    (which shuts the socket) can end such an answer in time.
+    """
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                for _ in range(200):  # 10 s at most
+                    if stop.is_set():
+                        return
+                    conn.sendall(b"H")
+                    time.sleep(0.05)
+            except OSError:
+                return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+@contextmanager
+def other_request(seconds: float, *, ended: bool) -> Iterator[None]:
+    """Another sync request's alarm, due in ``seconds``: in flight, or already ``ended``."""
+    ours, theirs = socket.socketpair()
+    dog = _Watchdog(time.monotonic() + seconds, {})
+    _ALARMS.arm(dog, ours)
+    give_up = time.monotonic() + 10
+    while _ALARMS._wake_at != dog.deadline and time.monotonic() < give_up:
+        time.sleep(0.01)  # until the alarm thread sleeps until ``dog``'s deadline
+    if ended:
+        _ALARMS.disarm(dog)  # it sleeps on: disarming never wakes it
+    try:
+        yield
+    finally:
+        _ALARMS.disarm(dog)
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "ended"),
+    [(60.0, False), (0.5, True)],
+    ids=["alarm-asleep-until-a-later-deadline", "alarm-asleep-until-an-ended-request"],
+)
+def test_dripping_headers_are_cut_at_the_deadline_whatever_the_alarm_sleeps_until(
+    seconds: float, ended: bool
+) -> None:
+    """A header drip ends at its deadline, when the alarm thread slept for another request."""
+    with header_drip() as url, other_request(seconds, ended=ended), httpx.Client() as client:
+        start = time.monotonic()
+        out = Outgoing("POST", url + "/x", (), b"{}", same_origin=True, deadline=start + 1.0)
+        reply = send_sync(client, out, auth=None, timeout=None)
+        elapsed = time.monotonic() - start
+    assert isinstance(reply, Failure)
+    assert reply.kind is FailureKind.AMBIGUOUS
+    assert "deadline" in reply.description
+    assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s"
+
+
+def test_a_later_deadline_does_not_wake_the_alarm_thread() -> None:
+    """Arming a request due after the alarm thread's next wake-up leaves that wake-up as it is."""
+    with other_request(30.0, ended=False):
+        wake_at = _ALARMS._wake_at
+        assert wake_at < time.monotonic() + 31
+        ours, theirs = socket.socketpair()
+        dog = _Watchdog(time.monotonic() + 60.0, {})
+        try:
+            _ALARMS.arm(dog, ours)
+            assert _ALARMS._wake_at == wake_at
+        finally:
+            _ALARMS.disarm(dog)
+            ours.close()
+            theirs.close()
