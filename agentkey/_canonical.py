@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import hashlib
+import itertools
 import json
 import math
 import sys
@@ -138,7 +139,10 @@ def _check_plain(value: Any, leaves: frozenset[type]) -> None:
 
     Plain: exact ``dict``/``list`` containers, ``str`` keys, and values of the exact
     types that :func:`_convert` returns unchanged; types in ``leaves`` pass unseen
-    (see :func:`_leaves`). No copy, no paths. A cycle or absurd nesting raises
+    (see :func:`_leaves`). No copy, no paths. Work is done in C where it can be, to
+    save a Python call per container: a list of dicts (records) is looked at as one
+    run of values (all their keys in one join), and a list nested in a value gets a
+    C-level look at its items before any call. A cycle or absurd nesting raises
     ``RecursionError``.
     """
     if type(value) is dict:
@@ -147,13 +151,24 @@ def _check_plain(value: Any, leaves: frozenset[type]) -> None:
         except TypeError:
             raise _NotPlain from None
         value = value.values()
-    if len(value) >= _WIDE and leaves.issuperset(map(type, value)):
-        return  # a wide container of scalars (the C loop stops at the first other type)
+        if len(value) >= _WIDE and leaves.issuperset(map(type, value)):
+            return  # a wide object of scalars (the C loop stops at the first other type)
+    elif len(value) > 1 and type(value[0]) is dict and _DICTS.issuperset(map(type, value)):
+        try:
+            _join(_from(value))  # the keys of all the records at once
+        except TypeError:
+            raise _NotPlain from None
+        value = _from(map(_values, value))
+    elif len(value) >= _WIDE and leaves.issuperset(map(type, value)):
+        return  # a wide list of scalars
     for item in value:
         kind = type(item)
         if kind in leaves:
             continue
-        if kind is dict or kind is list:
+        if kind is list:
+            if not leaves.issuperset(map(type, item)):  # e.g. a list of tags: no call
+                _check_plain(item, leaves)
+        elif kind is dict:
             _check_plain(item, leaves)
         elif kind is int:
             if item.bit_length() > _SMALL_INT_BITS:
@@ -163,6 +178,10 @@ def _check_plain(value: Any, leaves: frozenset[type]) -> None:
 
 
 _join = "".join
+_from = itertools.chain.from_iterable
+_values = dict.values
+_DICTS: frozenset[type] = frozenset({dict})
+_sha256 = hashlib.sha256
 
 
 def _as_model(value: object) -> BaseModel | None:
@@ -316,15 +335,17 @@ def _json_dumps(value: object) -> str:
     )
 
 
-def _c_dumps() -> Callable[[object], str] | None:
-    """``_json_dumps`` through the C encoder, built once (``json.dumps`` builds it per call)."""
+_Encoder: TypeAlias = Callable[[object, int], "list[str] | tuple[str, ...]"]
+
+
+def _c_encoder() -> _Encoder | None:
+    """The C encoder behind ``_json_dumps``, built once (``json.dumps`` builds it per call)."""
     # The factory json.JSONEncoder.iterencode calls (not in typeshed); absent without
     # the _json accelerator (e.g. PyPy).
-    make: Callable[..., Callable[[object, int], list[str] | tuple[str, ...]]] | None
-    make = getattr(json.encoder, "c_make_encoder", None)
+    make: Callable[..., _Encoder] | None = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return None
-    encode = make(
+    encoder: _Encoder = make(
         None,  # no circular check: a cycle raises RecursionError, as deep nesting does
         JSONEncoder().default,  # raises TypeError, as json.dumps does
         encode_basestring_ascii,
@@ -335,16 +356,18 @@ def _c_dumps() -> Callable[[object], str] | None:
         False,  # skipkeys
         False,  # allow_nan
     )
-    return lambda value: "".join(encode(value, 0))
+    return encoder
 
 
-_dumps: Callable[[object], str] = _c_dumps() or _json_dumps
+_c_encode = _c_encoder()
 
 
 def _encode(value: JSONObject, profile: Profile) -> bytes:
-    if profile == "python":
-        return _dumps(value).encode("ascii")
-    return _jcs(value, "args").encode("utf-8")
+    if profile != "python":
+        return _jcs(value, "args").encode("utf-8")
+    if _c_encode is None:
+        return _json_dumps(value).encode("ascii")
+    return _join(_c_encode(value, 0)).encode("ascii")
 
 
 def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:
@@ -359,7 +382,7 @@ def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:
 
 def args_hash(args: object, *, profile: Profile = "python") -> str:
     """SHA-256 of the canonical JSON of ``args``, as 64 lowercase hex digits."""
-    return hashlib.sha256(canonical_json(args, profile=profile)).hexdigest()
+    return _sha256(plain_and_body(args, check_profile(profile))[1]).hexdigest()
 
 
 # --- RFC 8785 ---------------------------------------------------------------

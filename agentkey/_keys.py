@@ -27,6 +27,7 @@ __all__ = [
     "StepIndex",
     "StepKey",
     "format_step",
+    "key_prefix",
     "normalize_step",
     "plan_id_from_external",
     "raw_key",
@@ -104,9 +105,18 @@ def format_step(step: int | Sequence[int]) -> str:
     return _label(normalize_step(step))
 
 
+def _label_format(parts: int) -> str:
+    return "step_" + ".".join(["%03d"] * parts)
+
+
+# The label's format per number of index parts, built once (a key has room for fewer than 64).
+_LABEL_FORMATS = tuple(_label_format(n) for n in range(64))
+
+
 def _label(index: tuple[int, ...]) -> str:
     """The label of an index :func:`normalize_step` already validated (exact ints >= 0)."""
-    return ("step_" + ".".join(["%03d"] * len(index))) % index  # one format call: the fastest
+    parts = len(index)
+    return (_LABEL_FORMATS[parts] if parts < 64 else _label_format(parts)) % index
 
 
 def _parse_step(label: str, whole: str) -> tuple[int, ...]:
@@ -263,13 +273,21 @@ class StepKey:
 
 def raw_key(plan_session_id: str, index: tuple[int, ...], args_hash: str) -> str:
     """The raw key of parts already validated (a normalised index); checks only the length."""
-    raw = f"{plan_session_id}:{_label(index)}:{args_hash}"
-    if len(raw) > MAX_KEY_LENGTH:
+    return key_prefix(plan_session_id, index) + args_hash
+
+
+def key_prefix(plan_session_id: str, index: tuple[int, ...]) -> str:
+    """``<plan_session_id>:<step>:``, the raw key before its hash, of parts already validated.
+
+    Refuses an index whose key (with its 64-digit hash) would be too long.
+    """
+    prefix = f"{plan_session_id}:{_label(index)}:"
+    if len(prefix) + 64 > MAX_KEY_LENGTH:
         raise InvalidKey(
             f"key for step {_label(index)} is longer than {MAX_KEY_LENGTH} "
             "characters; use a shorter plan session id or fewer sub-step levels"
         )
-    return raw
+    return prefix
 
 
 def step_key(

@@ -17,9 +17,9 @@ from ._exceptions import AgentKeyError, ConfigurationError, InvalidArguments, St
 from ._keys import (
     StepKey,
     format_step,
+    key_prefix,
     normalize_step,
     plan_id_from_external,
-    raw_key,
     validate_plan_session_id,
 )
 
@@ -43,6 +43,8 @@ def check_on_repeat(value: object) -> OnRepeat:
 
 
 _set = object.__setattr__
+_new = object.__new__
+_sha256 = hashlib.sha256
 
 
 class Step(BaseModel):
@@ -101,7 +103,7 @@ class Step(BaseModel):
         cls,
         plan_session_id: str,
         index: tuple[int, ...],
-        digest: str,
+        raw: str,
         tool: str,
         args: JSONObject,
         profile: Profile,
@@ -111,9 +113,9 @@ class Step(BaseModel):
         """A step from parts :meth:`PlanSession.step` already validated and computed.
 
         What ``model_construct`` does, without its per-field loop: the plan's hot path.
-        The raw key is formatted now; the :class:`StepKey` object on first use.
+        ``raw`` is the raw key; the :class:`StepKey` object is made on first use.
         """
-        step = cls.__new__(cls)
+        step = _new(cls)
         _set(
             step,
             "__dict__",
@@ -125,7 +127,7 @@ class Step(BaseModel):
                 "profile": profile,
                 "repeat_of": repeat_of,
                 "body": body,  # the cached properties below, already known
-                "idempotency_key": raw_key(plan_session_id, index, digest),
+                "idempotency_key": raw,
             },
         )
         _set(step, "__pydantic_fields_set__", _FIELDS_SET)
@@ -185,7 +187,7 @@ class _Memory:
     state once. Single dict operations keep it safe for concurrent calls.
     """
 
-    __slots__ = ("args_models", "first", "handed", "tools")
+    __slots__ = ("args_models", "first", "handed", "prefixes", "tools")
 
     def __init__(self) -> None:
         self.args_models: dict[str, type[BaseModel]] = {}
@@ -194,6 +196,8 @@ class _Memory:
         self.handed: dict[tuple[tuple[int, ...], str, str], None] = {}
         self.tools: dict[tuple[int, ...], str] = {}
         self.first: dict[tuple[str, str], tuple[int, ...]] = {}
+        # The raw key before its hash, per index given out (formatted once per index).
+        self.prefixes: dict[tuple[int, ...], str] = {}
 
     def __eq__(self, other: object) -> bool:  # sessions compare equal by what they remember
         if not isinstance(other, _Memory):
@@ -217,6 +221,17 @@ class _Memory:
             )
         self.handed.setdefault((index, tool, args_hash), None)
         return self.first.setdefault((tool, args_hash), index)
+
+    def key(self, plan_id: str, index: tuple[int, ...], args_hash: str) -> str:
+        """The raw key of a step of this plan (``index`` normalised, ``args_hash`` a digest).
+
+        The prefix is formatted once per index (:meth:`PlanSession.step` reads the kept
+        prefix inline and calls this only the first time).
+        """
+        prefix = self.prefixes.get(index)
+        if prefix is None:
+            prefix = self.prefixes.setdefault(index, key_prefix(plan_id, index))
+        return prefix + args_hash
 
 
 class PlanSession(BaseModel):
@@ -355,21 +370,25 @@ class PlanSession(BaseModel):
         if on_repeat not in _ON_REPEAT or not isinstance(tool, str) or not tool:
             check_on_repeat(on_repeat)
             _check_tool(tool)
-        memory = self._memory_
+        memory: _Memory = self.__pydantic_private__["_memory"]  # type: ignore[index]
         model = args_model if args_model is not None else memory.args_models.get(tool)
         if model is not None:
             args = _validate_with(model, args, tool, format_step(steps))
         plan_id, profile = self.id, self.profile
         plain, body = plain_and_body(args, profile)
-        digest = hashlib.sha256(body).hexdigest()
+        digest = _sha256(body).hexdigest()
         earlier = memory.remember(plan_id, steps, tool, digest)
         if earlier == steps or on_repeat == "allow":
-            return Step._made(plan_id, steps, digest, tool, plain, profile, body)
+            prefix = memory.prefixes.get(steps)
+            raw = prefix + digest if prefix is not None else memory.key(plan_id, steps, digest)
+            return Step._made(plan_id, steps, raw, tool, plain, profile, body)
         label = format_step(earlier)
         if on_repeat == "raise":
-            step = Step._made(plan_id, steps, digest, tool, plain, profile, body)
+            raw = memory.key(plan_id, steps, digest)
+            step = Step._made(plan_id, steps, raw, tool, plain, profile, body)
             raise repeated_error(step, label)
-        return Step._made(plan_id, earlier, digest, tool, plain, profile, body, repeat_of=label)
+        raw = memory.key(plan_id, earlier, digest)
+        return Step._made(plan_id, earlier, raw, tool, plain, profile, body, repeat_of=label)
 
     def _remember(self, index: tuple[int, ...], tool: str, args_hash: str) -> tuple[int, ...]:
         """Record a step handed out; return the first index this call was handed out at."""

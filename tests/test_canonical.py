@@ -551,3 +551,102 @@ def test_plain_arguments_are_returned_as_given_with_their_bytes() -> None:
     converted, body = plain_and_body({"t": (1, 2), "when": dt.date(2026, 1, 2)}, "python")
     assert converted == {"t": [1, 2], "when": "2026-01-02"}
     assert body == b'{"t":[1,2],"when":"2026-01-02"}'
+
+
+# --- the batched checks: lists of records, containers of 16+ values, small lists inline ---
+
+
+class _Skewed(int, enum.Enum):
+    """An int enum whose value is not its int content: json.dumps would write 1, not "one"."""
+
+    ONE = (1, "one")
+
+    def __new__(cls, number: int, label: str) -> _Skewed:
+        member = int.__new__(cls, number)
+        member._value_ = label
+        return member
+
+
+def _record_cycle() -> dict[str, Any]:
+    row: dict[str, Any] = {"id": 1}
+    rows: list[Any] = [{"id": 0}, row]
+    row["rows"] = rows
+    return {"rows": rows}
+
+
+_WIDE_ROWS = [{"id": i, "tags": ["a", "b"]} for i in range(20)]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"rows": [{"a": 1}, {"a": 2}, {2: "b"}]},
+        {"rows": [{"a": 1}, {"a": 2}, {_Shout("k"): "b"}]},
+        {"rows": [{"a": 1}, {"t": _Skewed.ONE}]},
+        {"rows": [{"a": 1}, {"t": Level.HIGH}, {"c": _Tone.LOW}]},
+        {"rows": [{"a": 1}, _Ordered(a=1)]},
+        {"rows": [{"a": 1}, {"a": 2}, "x"]},
+        {"rows": [{"a": [1]}, {"a": (1,)}]},
+        {"rows": [{"a": [1]}, {"a": _Rows([1])}]},
+        {"rows": [{"x": 1}, {"x": math.nan}]},
+        {"rows": [{"x": 1}, {"x": 10**4300}]},
+        {"rows": [*_WIDE_ROWS, {"id": 20, "tags": ["a", _Skewed.ONE]}]},
+        {"rows": [*_WIDE_ROWS, {"id": 20, "tags": [{None: 1}]}]},
+        {"wide": [*range(20), _Skewed.ONE]},
+        {"wide": [*range(20), [1, [2, {3: "x"}]]]},
+        {"tags": ["a", _Shout("b")], "more": [["c"], [_Half(1.5)]]},
+        _record_cycle(),
+    ],
+    ids=[
+        "int key in a later record",
+        "str-subclass key in a record",
+        "enum whose value is not its int",
+        "int and str enums in records",
+        "dict subclass among records",
+        "a non-dict among records",
+        "tuple in a record",
+        "list subclass in a record",
+        "NaN in a record",
+        "huge int in a record",
+        "enum in the last of 21 records",
+        "None key deep in the last record",
+        "enum after 20 ints",
+        "int key nested in a wide list",
+        "subclasses in small lists",
+        "cycle through records",
+    ],
+)
+def test_batched_checks_match_the_precise_walk(args: dict[str, Any]) -> None:
+    """Records, wide containers and small lists checked in C give the precise walk's answer."""
+    for profile in ("python", "jcs"):
+        assert _outcome(args, profile) == _precise(args, profile)
+
+
+def test_shared_records_are_written_each_time() -> None:
+    """One record object listed twice is plain and is written twice, as json.dumps does."""
+    from agentkey._canonical import plain_and_body
+
+    row = {"sku": "a", "tags": ["x"]}
+    args = {"rows": [row, row, {"sku": "b", "tags": []}]}
+    value, body = plain_and_body(args, "python")
+    assert value is args
+    assert body == dumps(args)
+
+
+_records = st.lists(st.dictionaries(odd_keys, odd_values, max_size=4), min_size=2, max_size=5)
+_wide_list = st.lists(odd_values, min_size=16, max_size=20)
+_wide_map = st.dictionaries(st.text(max_size=3), odd_values, min_size=16, max_size=18)
+
+
+@pytest.mark.parametrize("profile", ["python", "jcs"])
+@settings(max_examples=150)
+@given(
+    args=st.fixed_dictionaries(
+        {"rows": _records, "wide": _wide_list, "map": _wide_map, "small": st.lists(odd_values)}
+    )
+)
+def test_batched_checks_equal_precise_walk_on_generated_input(
+    profile: Profile, args: dict[str, Any]
+) -> None:
+    """On generated records and 16+-value containers with odd values anywhere, both paths agree."""
+    assert _outcome(args, profile) == _precise(args, profile)

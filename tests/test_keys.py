@@ -183,3 +183,20 @@ def test_trusted_key_equals_validated_key(index: list[int]) -> None:
     checked = StepKey("plan-1", tuple(index), HASH)
     assert trusted == checked
     assert trusted.format() == checked.format() == f"plan-1:{format_step(index)}:{HASH}"
+
+
+@pytest.mark.parametrize("parts", [30, 31])
+def test_key_prefix_is_the_raw_key_before_its_hash(parts: int) -> None:
+    """key_prefix + hash is StepKey's raw key; both refuse the same too-long index."""
+    from agentkey._keys import key_prefix
+
+    index = tuple(range(parts))
+    try:
+        expected = StepKey("p" * 64, index, HASH).format()
+    except InvalidKey:
+        with pytest.raises(InvalidKey, match="255"):
+            key_prefix("p" * 64, index)
+        assert parts == 31
+        return
+    assert key_prefix("p" * 64, index) + HASH == expected
+    assert len(expected) <= 255

@@ -309,3 +309,23 @@ def test_an_updated_copy_is_a_new_step_with_its_own_key_and_body() -> None:
     assert step.model_copy() == step
     with pytest.raises(InvalidArguments):
         step.model_copy(update={"args": {"amount": float("nan")}})
+
+
+@given(index=st.lists(st.integers(0, 99_999), min_size=1, max_size=45).map(tuple))
+def test_plan_keys_equal_independent_keys_each_time_they_are_asked(index: tuple[int, ...]) -> None:
+    """A step's key is the StepKey of its parts (or the same InvalidKey) each time it is asked."""
+    plan = PlanSession(id="p" * 40)
+    args = {"n": 1}
+    digest = hashlib.sha256(canonical_json(args)).hexdigest()
+    try:
+        expected = StepKey(plan.id, index, digest).format()
+    except InvalidKey:
+        for _ in range(2):  # the key prefix is not kept when it was refused
+            with pytest.raises(InvalidKey, match="255"):
+                plan.step(index, "t", args)
+        return
+    for _ in range(2):
+        step = plan.step(index, "t", args)
+        assert step.idempotency_key == expected == step.key.format()
+    replay = plan.step((*index, 0), "t", args)  # a repeat answers with the first index's key
+    assert replay.idempotency_key == expected

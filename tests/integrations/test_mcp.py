@@ -278,7 +278,7 @@ async def test_arguments_not_matching_args_hash_raise_payload_mismatch() -> None
             tampered = Step._made(
                 planned.plan_session_id,
                 planned.index,
-                planned.key.args_hash,
+                planned.idempotency_key,
                 "create_vm",
                 other,
                 "python",
