@@ -505,9 +505,9 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
     text = (raw if isinstance(raw, str) else raw.decode("ascii")).strip(" \t")
     try:
         fast = _RAW_KEY.fullmatch(text)
-        if fast is not None:  # the common raw form, validated by one match
+        if fast is not None:  # the common raw form, every part validated by one match
             plan, steps, args_hash = fast.groups()
-            return StepKey(plan, tuple(map(int, steps.split("."))), args_hash)
+            return StepKey._trusted(plan, tuple(map(int, steps.split("."))), args_hash)
         if ":" in text or not opaque:
             return StepKey.parse(text)
         value = _parse_sf_string(text) if text.startswith('"') else text

@@ -25,6 +25,7 @@ from agentkey.server._decide import (
     check_request,
     on_claimed,
     on_finished,
+    parse_key,
 )
 from agentkey.server._records import (
     Binding,
@@ -314,3 +315,25 @@ def test_a_record_head_is_the_json_the_generic_encoder_writes_and_decodes_back(
     encoded = encode_outcome(outcome)
     assert encoded == (b"C:" if state == "COMPLETED" else b"F:") + expected + b"\n" + body
     assert decode_record(encoded, key="k") == outcome
+
+
+@given(
+    plan=st.text(st.sampled_from("Ab9._~-"), min_size=1, max_size=64),
+    index=st.lists(st.integers(0, 10**6), min_size=1, max_size=40),
+    digest=st.text(st.sampled_from("0123456789abcdef"), min_size=64, max_size=64),
+)
+def test_the_fast_key_parse_equals_step_key_parse(plan: str, index: list[int], digest: str) -> None:
+    """The middleware's one-regex parse gives StepKey.parse's key, or a 400 where it refuses."""
+    label = "step_" + ".".join(f"{i:03d}" for i in index)
+    text = f"{plan}:{label}:{digest}"
+    try:
+        expected: StepKey | None = StepKey.parse(text)
+    except InvalidKey:
+        expected = None
+    parsed = parse_key([text.encode()])
+    if expected is None:
+        assert isinstance(parsed, Reject)
+    else:
+        assert parsed == expected
+        assert isinstance(parsed, StepKey)
+        assert parsed.format() == text
