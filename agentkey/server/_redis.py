@@ -59,14 +59,15 @@ RETRIES = 1
 class _Pipe(asyncio.Protocol):
     """One Redis connection that carries the commands of every request on its event loop.
 
-    Commands are written as they come, those of one loop iteration in one write, and
-    Redis answers them in order, so each answer resolves the oldest waiting future: no
-    pool checkout, no task and no timer per command, and one system call for many
-    requests under load. A reply nobody waits for, a protocol error or a lost
-    connection fails every command in flight with a ``ConnectionError`` and closes the
-    pipe; the next command opens a new one. A watchdog closes the pipe when its oldest
-    command has waited ``timeout`` seconds (Redis is stuck, or the connection died
-    without a word), so no command waits much longer than that.
+    A command on an idle connection is written at once; while others are in flight, the
+    commands of one loop iteration go out in one write. Redis answers in order, so each
+    answer resolves the oldest waiting future: no pool checkout, no task and no timer
+    per command, and one system call for many requests under load. A reply nobody waits
+    for, a protocol error or a lost connection fails every command in flight with a
+    ``ConnectionError`` and closes the pipe; the next command opens a new one. A
+    watchdog closes the pipe when its oldest command has waited ``timeout`` seconds
+    (Redis is stuck, or the connection died without a word), so no command waits much
+    longer than that.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
@@ -74,7 +75,7 @@ class _Pipe(asyncio.Protocol):
         self.closed = False
         self._replies = Replies()
         self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
-        self._out: list[bytes] | None = None  # a list while this iteration has written
+        self._out: list[bytes] | None = None  # commands gathered for the next write
         self._transport: asyncio.Transport | None = None
         self._conn: Any = None
         self._watch: asyncio.TimerHandle | None = None
@@ -90,21 +91,23 @@ class _Pipe(asyncio.Protocol):
             raise redis_errors.ConnectionError("the Redis connection closed")
         loop = self.loop
         future = loop.create_future()
+        busy = bool(self._waiting)
         self._waiting.append((future, loop.time() + self.timeout))
-        if self._out is None:  # the first command of this loop iteration: write it now
+        if self._out is not None:  # others wait to go out: after them, in order
+            self._out.append(packed)
+        elif busy:  # commands in flight (under load): gather this iteration's into one write
+            self._out = [packed]
+            loop.call_soon(self._flush)
+        else:  # an idle connection: no reason to wait
             assert self._transport is not None
             self._transport.write(packed)
-            self._out = []
-            loop.call_soon(self._flush)
-        else:  # later ones go out together once the iteration's callbacks have run
-            self._out.append(packed)
         if self._watch is None:
             self._watch = loop.call_later(self.timeout, self._check)
         return future
 
     def _flush(self) -> None:
         out, self._out = self._out, None
-        if out and not self.closed and self._transport is not None:
+        if out and self._transport is not None:
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _check(self) -> None:
