@@ -8,14 +8,16 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 
-__all__ = ["RedisServer", "free_port", "redis_server", "serve"]
+__all__ = ["Handler", "RedisServer", "free_port", "raw_server", "redis_server", "serve"]
+
+Handler = Callable[[socket.socket, bytes], None]
 
 
 def free_port() -> int:
@@ -123,3 +125,48 @@ def redis_server() -> Iterator[RedisServer]:
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+@contextmanager
+def raw_server(handler: Handler) -> Iterator[str]:
+    """A raw TCP server on 127.0.0.1: ``handler`` writes whatever bytes it likes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                handler(conn, head)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()

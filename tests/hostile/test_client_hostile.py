@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import socket
-import threading
 import time
 import tracemalloc
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -25,54 +22,9 @@ from agentkey import (
     ToolError,
     ToolInvoker,
 )
+from tests._loopback import Handler, raw_server
 
-Handler = Callable[[socket.socket, bytes], None]
 FAST = RetryPolicy(max_attempts=3, deadline=10.0, initial_backoff=0.01, max_backoff=0.02)
-
-
-@contextmanager
-def raw_server(handler: Handler) -> Iterator[str]:
-    """A raw TCP server on 127.0.0.1: ``handler`` writes whatever bytes it likes."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    listener.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve_one(conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(5)
-            data = b""
-            try:
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, _, rest = data.partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                while len(rest) < length:
-                    rest += conn.recv(65536)
-                handler(conn, head)
-            except OSError:
-                pass
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
 
 
 def _zeros_gzip(size: int) -> bytes:

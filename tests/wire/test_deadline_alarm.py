@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,49 +12,18 @@ import pytest
 
 from agentkey._http import _ALARMS, Outgoing, _Watchdog, send_sync
 from agentkey._protocol import Failure, FailureKind
+from tests._loopback import raw_server
 
 
-@contextmanager
-def header_drip() -> Iterator[str]:
-    """A raw loopback server that answers every request with its status line, one byte per 50 ms.
+def _drip(conn: socket.socket, head: bytes) -> None:
+    """Answer with a status line that never ends, one byte per 50 ms (10 s at most).
 
     Each read gets a byte well within any read timeout, so only the deadline alarm
     (which shuts the socket) can end such an answer in time.
     """
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    listener.settimeout(0.1)
-    stop = threading.Event()
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                for _ in range(200):  # 10 s at most
-                    if stop.is_set():
-                        return
-                    conn.sendall(b"H")
-                    time.sleep(0.05)
-            except OSError:
-                return
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+    for _ in range(200):
+        conn.sendall(b"H")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -86,7 +54,7 @@ def test_dripping_headers_are_cut_at_the_deadline_whatever_the_alarm_sleeps_unti
     seconds: float, ended: bool
 ) -> None:
     """A header drip ends at its deadline, when the alarm thread slept for another request."""
-    with header_drip() as url, other_request(seconds, ended=ended), httpx.Client() as client:
+    with raw_server(_drip) as url, other_request(seconds, ended=ended), httpx.Client() as client:
         start = time.monotonic()
         out = Outgoing("POST", url + "/x", (), b"{}", same_origin=True, deadline=start + 1.0)
         reply = send_sync(client, out, auth=None, timeout=None)
