@@ -16,6 +16,7 @@ import contextvars
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
@@ -81,7 +82,7 @@ class Claim:
         "_stop",
         "_store",
         "_task",
-        "_timer",
+        "_waiting",
         "auto_renew",
         "idempotency_key",
         "key",
@@ -123,7 +124,7 @@ class Claim:
         self._settled = False
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: _FirstRenewals | None = None  # waiting there for its first interval
         self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
 
     def __repr__(self) -> str:
@@ -272,7 +273,7 @@ class Claim:
 
     def _spawn(self) -> None:
         """The first interval passed with the handler still running: start the loop."""
-        self._timer = None
+        self._waiting = None
         if not self._settled:
             self._stop = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(self._stop))
@@ -280,13 +281,14 @@ class Claim:
     @property
     def renewing(self) -> bool:
         """True while the lease is renewed in the background."""
-        return self._timer is not None or self._task is not None
+        return self._waiting is not None or self._task is not None
 
     def start_renewing(self) -> bool:
         """Renew in the running asyncio loop from now on; False if none runs.
 
-        A timer waits for the first interval, so a handler that finishes within
-        ``lock_ttl / 3`` costs no task.
+        Until its first interval has passed the claim waits in a queue that one
+        timer serves for every claim of the loop, so a handler that finishes
+        within ``lock_ttl / 3`` costs neither a task nor a timer of its own.
         """
         if self.renewing:
             return True
@@ -295,7 +297,8 @@ class Claim:
         except RuntimeError:  # trio, or no loop: the handler renews by itself
             return False
         self._renewed = time.monotonic()
-        self._timer = loop.call_later(self._renew_ms / 1000, self._spawn)
+        self._waiting = _FirstRenewals.of(loop, self._renew_ms)
+        self._waiting.add(self, loop)
         return True
 
     async def stop_renewing(self) -> None:
@@ -305,9 +308,9 @@ class Claim:
         and cancelled, and exits at its next check even if that cancellation is
         swallowed below it.
         """
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._waiting is not None:
+            self._waiting.discard(self)
+            self._waiting = None
         task, stop = self._task, self._stop
         if task is None or stop is None:
             return
@@ -342,6 +345,63 @@ class Claim:
             yield self
         finally:
             await self.stop_renewing()
+
+
+class _FirstRenewals:
+    """The claims of one event loop and one renewal interval that wait for their first renewal.
+
+    One timer serves them all: claims are queued in the order they started, and
+    as they share the interval, they fall due in that order. When the timer
+    fires, the claims due start their renewal loops and the timer is set for
+    the next one. A claim that settles first leaves the queue (a dict: O(1)).
+    The queue holds no reference to its loop (it is a weak key of ``_QUEUES``):
+    only the loop's own timer refers to it.
+    """
+
+    __slots__ = ("__weakref__", "_armed", "_claims", "_interval")
+
+    def __init__(self, renew_ms: int) -> None:
+        self._interval = renew_ms / 1000
+        self._claims: dict[Claim, float] = {}  # claim -> loop time its first renewal is due
+        self._armed = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop, renew_ms: int) -> _FirstRenewals:
+        queues = _QUEUES.get(loop)
+        if queues is None:
+            queues = _QUEUES[loop] = {}
+        queue = queues.get(renew_ms)
+        if queue is None:
+            queue = queues[renew_ms] = cls(renew_ms)
+        return queue
+
+    def add(self, claim: Claim, loop: asyncio.AbstractEventLoop) -> None:
+        due = loop.time() + self._interval
+        self._claims[claim] = due
+        if not self._armed:
+            self._armed = True
+            loop.call_at(due, self._fire, loop)
+
+    def discard(self, claim: Claim) -> None:
+        # The timer stays: it fires once for nothing, or for the next claim.
+        self._claims.pop(claim, None)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        claims = self._claims
+        now = loop.time() + 0.001  # the loop may fire a timer within its clock's resolution
+        while claims:
+            claim, due = next(iter(claims.items()))
+            if due > now:
+                loop.call_at(due, self._fire, loop)
+                return
+            del claims[claim]
+            claim._spawn()
+        self._armed = False
+
+
+_QUEUES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _FirstRenewals]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def current_claim() -> Claim:

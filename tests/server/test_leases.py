@@ -362,3 +362,60 @@ async def test_a_blocked_event_loop_that_outlives_the_lease_is_logged(
     [record] = [r for r in caplog.records if "lapsed" in r.getMessage()]
     assert claim.idempotency_key in record.getMessage()
     assert "blocking calls" in record.getMessage()
+
+
+@pytest.mark.realtime
+async def test_claims_wait_for_their_first_renewal_on_one_timer() -> None:
+    """Claims that settle within a third of the lease cost no timer each; the rest renew.
+
+    Many claims of one loop and one interval share a single timer. Those still
+    running when their interval has passed start renewing; those that stopped
+    never do; a shorter interval is not held up by a longer one.
+    """
+    store = MemoryStore()
+    loop = asyncio.get_running_loop()
+    timers = len(loop._scheduled)  # type: ignore[attr-defined]  # asyncio's timer heap
+    claims = [_claim(store, lease_ms=150, auto_renew=True) for _ in range(40)]
+    for claim in claims:
+        assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=150) is None
+        assert claim.start_renewing()
+    assert len(loop._scheduled) == timers + 1  # type: ignore[attr-defined]
+    slow = _claim(store, lease_ms=60_000, auto_renew=True)  # its own queue, a later timer
+    assert slow.start_renewing()
+    stopped, running = claims[:20], claims[20:]
+    for claim in stopped:
+        await claim.stop_renewing()
+    await asyncio.sleep(0.2)  # past the 50 ms interval, inside the 150 ms lease + slack
+    try:
+        assert all(claim._task is not None for claim in running)
+        assert all(claim._task is None and not claim.renewing for claim in stopped)
+        for claim in running:  # renewed: the record's lease was pushed past its first end
+            assert await store.get(claim.record_key) is not None
+        assert slow.renewing  # queued: not due for 20 s
+        assert slow._task is None
+    finally:
+        for claim in (*running, slow):
+            await claim.stop_renewing()
+    assert not any(claim.renewing for claim in claims)
+
+
+def test_the_first_renewal_queue_lets_its_loop_go() -> None:
+    """A loop that ran claims is not kept alive by agentkey once it is closed and dropped."""
+    import gc
+    import weakref
+
+    from agentkey.server import _claim as claim_module
+
+    async def run() -> None:
+        claim = _claim(MemoryStore(), lease_ms=30_000, auto_renew=True)
+        assert claim.start_renewing()
+        await claim.stop_renewing()
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(run())
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None
+    assert all(key is not None for key in claim_module._QUEUES)
