@@ -617,16 +617,23 @@ class IdempotencyMiddleware:
         error: bool,
         deliver: Callable[[], Awaitable[None]] | None = None,
     ) -> str:
-        """Stop renewing, then settle the claim, shielded: a request cancelled from
-        outside (a client gone under an anyio cancel scope, a server shutting down)
-        still records FAILED or releases its key, instead of leaving it locked until
-        its lease ends and letting a retry repeat a side effect that already began.
+        """Stop renewing, then settle the claim: record the outcome or release the key.
 
         ``deliver`` sends the final chunk of the answer: after the first write of
         the outcome (so a client normally never holds an unrecorded result), or
-        at once when that write failed; the write is then retried, still shielded,
+        at once when that write failed; the write is then retried, shielded,
         until it lands or the settle budget (``_SETTLE_SECONDS`` in all) runs out.
-        Returns the decision for the hooks: claimed, failed or released."""
+
+        The first attempt runs inline: it is one store call, bounded by the
+        store's own timeout, and costs no cancel scope. A request cancelled from
+        outside (a client gone under an anyio cancel scope, a server shutting
+        down) has that attempt interrupted; the settle is then done again,
+        shielded and within the budget (recording and releasing are idempotent
+        for this claim's owner), before the cancellation propagates. So the
+        claim still records FAILED or frees its key, instead of staying locked
+        until its lease ends and letting a retry repeat a side effect that
+        already began. Returns the decision for the hooks: claimed, failed or
+        released."""
         decision = on_finished(
             capture.status,
             capture.headers,
@@ -637,36 +644,59 @@ class IdempotencyMiddleware:
             now_ms=self._clock(),
             max_inline_bytes=self.max_inline_bytes,
         )
-        deadline = anyio.current_time() + _SETTLE_SECONDS
-        pending: Outcome | None = None
-        settled = False
-        with anyio.CancelScope(deadline=deadline, shield=True):
-            await claim.stop_renewing()
-            claim.mark_settled()
-            pending = await self._settle(claim, decision)
-            if pending is not None and deliver is None:
-                await self._record_until_stored(claim, pending)
-                pending = None
-            settled = True
-        if deliver is not None:
+        started = time.monotonic()
+        try:
+            pending = await self._settle_once(claim, decision)
+        except BaseException as exc:
+            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+
+            async def settle() -> None:
+                left = await self._settle_once(claim, decision)
+                if left is not None:
+                    await self._record_until_stored(claim, left)
+
+            await self._shielded(claim, started, settle)
+            raise
+        if pending is None:
+            if deliver is not None:
+                await deliver()
+        elif deliver is None:
+            await self._shielded(claim, started, lambda: self._record_until_stored(claim, pending))
+        else:
             try:
                 await deliver()
             finally:
-                if pending is not None:
-                    with anyio.CancelScope(deadline=deadline, shield=True):
-                        await self._record_until_stored(claim, pending)
-                        pending = None
-        if not settled or pending is not None:
-            _logger.error(
-                "settling %s did not finish within %s s (the store is unreachable or slow) "
-                "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
-                "and a retry after that runs the step again",
-                claim.idempotency_key,
-                _SETTLE_SECONDS,
-            )
+                await self._shielded(
+                    claim, started, lambda: self._record_until_stored(claim, pending)
+                )
         if isinstance(decision, Release):
             return "released"
         return "claimed" if isinstance(decision, Complete) else "failed"
+
+    async def _settle_once(
+        self, claim: Claim, decision: Complete | Fail | Release
+    ) -> Outcome | None:
+        await claim.stop_renewing()
+        claim.mark_settled()
+        return await self._settle(claim, decision)
+
+    async def _shielded(
+        self, claim: Claim, started: float, work: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run ``work`` shielded from cancellation, until the settle budget that began at
+        ``started`` (``time.monotonic()``) runs out; log when it cut the work short."""
+        left = _SETTLE_SECONDS - (time.monotonic() - started)
+        with anyio.CancelScope(deadline=anyio.current_time() + left, shield=True):
+            await work()
+            return
+        _logger.error(
+            "settling %s did not finish within %s s (the store is unreachable or slow) "
+            "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
+            "and a retry after that runs the step again",
+            claim.idempotency_key,
+            _SETTLE_SECONDS,
+        )
 
     async def _settle(self, claim: Claim, decision: Complete | Fail | Release) -> Outcome | None:
         """Record the outcome (compare-and-set on the owner), or release the claim.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from starlette.routing import Route
 
 from agentkey import ConfigurationError, StepKey
 from agentkey.server import IdempotencyMiddleware, MemoryStore, Store, current_claim
+from agentkey.server import _middleware as middleware_module
 from agentkey.server._decide import record_key as _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import serve
@@ -181,3 +183,93 @@ def test_headers_given_as_a_one_shot_iterable_reach_the_client_and_the_replay() 
     assert first.headers.get("x-charge-id") == "ch_1"
     assert again.headers.get("x-charge-id") == "ch_1"
     assert again.headers["idempotent-replayed"] == "true"
+
+
+class _SlowFinish(MemoryStore):
+    """A store whose first ``hangs`` writes of an outcome never answer (until cancelled)."""
+
+    def __init__(self, hangs: int) -> None:
+        super().__init__()
+        self.hangs = hangs
+        self.calls = 0
+        self.waiting = asyncio.Event()
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        self.calls += 1
+        if self.calls <= self.hangs:
+            self.waiting.set()
+            await asyncio.Event().wait()
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
+def _charge(store: Store) -> tuple[Any, StepKey, list[Any]]:
+    """A request to the middleware over a handler that answers 201 (not yet awaited),
+    its key, and the messages it sends."""
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"ok":true}', "more_body": False})
+
+    app = IdempotencyMiddleware(tool, store=store, principal=lambda scope: "alice")
+    headers, body = request_for({"amount": 1})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/charge",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    return app(scope, receive, send), StepKey.parse(headers["idempotency-key"]), sent
+
+
+async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
+    """A task cancelled while its outcome's write is in flight writes it again, shielded.
+
+    The handler ran: were the outcome left unwritten, the key would free itself after
+    the lease and a retry would run the side effect twice. The cancellation still
+    propagates, and the held-back final chunk is not sent.
+    """
+    store = _SlowFinish(hangs=1)
+    request, key, sent = _charge(store)
+    task = asyncio.ensure_future(request)
+    await store.waiting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert store.calls == 2
+    raw = await store.get(_record_key("alice", key))
+    assert raw is not None
+    record = decode_record(raw, key="k")
+    assert isinstance(record, Outcome)
+    assert (record.state, record.status) == ("COMPLETED", 201)
+    assert [m["type"] for m in sent] == ["http.response.start"]
+
+
+@pytest.mark.realtime
+async def test_the_shielded_settle_of_a_cancelled_request_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that never answers cannot hold a cancelled request beyond the settle budget."""
+    monkeypatch.setattr(middleware_module, "_SETTLE_SECONDS", 0.2)
+    store = _SlowFinish(hangs=2)
+    request, _, _ = _charge(store)
+    task = asyncio.ensure_future(request)
+    await store.waiting.wait()
+    task.cancel()
+    with (
+        caplog.at_level("ERROR", logger="agentkey.server"),
+        anyio.fail_after(5),
+        pytest.raises(asyncio.CancelledError),
+    ):
+        await task
+    assert store.calls == 2
+    assert any("did not finish within" in r.getMessage() for r in caplog.records)
