@@ -563,25 +563,41 @@ class IdempotencyMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: the server's own disconnect
 
+        held: Message | None = None  # the response's start, until its body goes out
+
+        async def deliver_final(message: Message) -> None:
+            if held is not None:
+                await send(held)
+            await send(message)
+
         async def send_through(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                capture.status = int(message["status"])
-                capture.headers = list(message.get("headers", ()))
-                capture.started = True
-                # The headers may be a one-shot iterable (ASGI allows it): send our copy.
-                await send({**message, "headers": capture.headers})
-            elif message["type"] == "http.response.body":
+            nonlocal held
+            kind = message["type"]
+            if kind == "http.response.body":
                 capture.body += message.get("body", b"")
                 if message.get("more_body", False):
+                    if held is not None:
+                        start, held = held, None
+                        await send(start)
                     await send(message)
                     return
                 capture.finished = True
                 decision = await self._finish(
-                    claim, capture, error=False, deliver=lambda: send(message)
+                    claim, capture, error=False, deliver=lambda: deliver_final(message)
                 )
                 if self._hooks:
                     self._emit(decision, method, path, claim.idempotency_key, capture.status)
+            elif kind == "http.response.start":
+                capture.status = int(message["status"])
+                capture.headers = list(message.get("headers", ()))
+                capture.started = True
+                # Held with the body, so a one-body answer leaves in one go once recorded.
+                # The headers may be a one-shot iterable (ASGI allows it): keep our copy.
+                held = {**message, "headers": capture.headers}
             else:
+                if held is not None:
+                    start, held = held, None
+                    await send(start)
                 await send(message)
 
         state = scope.setdefault("state", {})

@@ -236,7 +236,7 @@ async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
 
     The handler ran: were the outcome left unwritten, the key would free itself after
     the lease and a retry would run the side effect twice. The cancellation still
-    propagates, and the held-back final chunk is not sent.
+    propagates, and the answer, held back until it is recorded, is not sent.
     """
     store = _SlowFinish(hangs=1)
     request, key, sent = _charge(store)
@@ -251,7 +251,7 @@ async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
     record = decode_record(raw, key="k")
     assert isinstance(record, Outcome)
     assert (record.state, record.status) == ("COMPLETED", 201)
-    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert sent == []
 
 
 @pytest.mark.realtime
@@ -273,3 +273,55 @@ async def test_the_shielded_settle_of_a_cancelled_request_is_bounded(
         await task
     assert store.calls == 2
     assert any("did not finish within" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["one body", "streamed"])
+async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: bool) -> None:
+    """Nothing of a one-body answer reaches the client before its record is written.
+
+    A client holding a result the store does not know would retry into a second run
+    if the write then failed. A streamed answer goes out as it comes; only its last
+    chunk waits for the record.
+    """
+    store = _SlowFinish(hangs=0)
+    release = asyncio.Event()
+    finish = store.finish
+
+    async def gated_finish(key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        await release.wait()
+        return await finish(key, owner, value, ttl_ms=ttl_ms)
+
+    store.finish = gated_finish  # type: ignore[method-assign]
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        if streamed:
+            await send({"type": "http.response.body", "body": b"[1,", "more_body": True})
+        await send({"type": "http.response.body", "body": b"2]", "more_body": False})
+
+    app = IdempotencyMiddleware(tool, store=store)
+    headers, body = request_for({"amount": 1})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/charge",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert [m.get("body") for m in sent] == ([None, b"[1,"] if streamed else [])
+    release.set()
+    await task
+    assert [m.get("body") for m in sent] == ([None, b"[1,", b"2]"] if streamed else [None, b"2]"])
+    assert sent[0]["status"] == 201
