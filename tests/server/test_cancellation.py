@@ -202,15 +202,15 @@ class _SlowFinish(MemoryStore):
         return await super().finish(key, owner, value, ttl_ms=ttl_ms)
 
 
-def _charge(store: Store) -> tuple[Any, StepKey, list[Any]]:
-    """A request to the middleware over a handler that answers 201 (not yet awaited),
-    its key, and the messages it sends."""
+async def _answer_201(scope: Any, receive: Any, send: Any) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 201, "headers": []})
+    await send({"type": "http.response.body", "body": b'{"ok":true}', "more_body": False})
 
-    async def tool(scope: Any, receive: Any, send: Any) -> None:
-        await receive()
-        await send({"type": "http.response.start", "status": 201, "headers": []})
-        await send({"type": "http.response.body", "body": b'{"ok":true}', "more_body": False})
 
+def _charge(store: Store, tool: Any = _answer_201) -> tuple[Any, StepKey, list[Any]]:
+    """A request to the middleware over ``tool`` (not yet awaited), its key, and the
+    messages it sends."""
     app = IdempotencyMiddleware(tool, store=store, principal=lambda scope: "alice")
     headers, body = request_for({"amount": 1})
     scope = {
@@ -300,24 +300,8 @@ async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: boo
             await send({"type": "http.response.body", "body": b"[1,", "more_body": True})
         await send({"type": "http.response.body", "body": b"2]", "more_body": False})
 
-    app = IdempotencyMiddleware(tool, store=store)
-    headers, body = request_for({"amount": 1})
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/charge",
-        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-    }
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    sent: list[Any] = []
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    task = asyncio.ensure_future(app(scope, receive, send))
+    request, _, sent = _charge(store, tool)
+    task = asyncio.ensure_future(request)
     for _ in range(20):
         await asyncio.sleep(0)
     assert [m.get("body") for m in sent] == ([None, b"[1,"] if streamed else [])
