@@ -565,9 +565,14 @@ class IdempotencyMiddleware:
 
         held: Message | None = None  # the response's start, until its body goes out
 
-        async def deliver_final(message: Message) -> None:
+        async def send_held() -> None:
+            nonlocal held
             if held is not None:
-                await send(held)
+                start, held = held, None
+                await send(start)
+
+        async def deliver_final(message: Message) -> None:
+            await send_held()
             await send(message)
 
         async def send_through(message: Message) -> None:
@@ -576,9 +581,7 @@ class IdempotencyMiddleware:
             if kind == "http.response.body":
                 capture.body += message.get("body", b"")
                 if message.get("more_body", False):
-                    if held is not None:
-                        start, held = held, None
-                        await send(start)
+                    await send_held()
                     await send(message)
                     return
                 capture.finished = True
@@ -595,9 +598,7 @@ class IdempotencyMiddleware:
                 # The headers may be a one-shot iterable (ASGI allows it): keep our copy.
                 held = {**message, "headers": capture.headers}
             else:
-                if held is not None:
-                    start, held = held, None
-                    await send(start)
+                await send_held()
                 await send(message)
 
         state = scope.setdefault("state", {})
@@ -674,15 +675,11 @@ class IdempotencyMiddleware:
 
             await self._shielded(claim, started, settle)
             raise
-        if pending is None:
+        try:
             if deliver is not None:
-                await deliver()
-        elif deliver is None:
-            await self._shielded(claim, started, lambda: self._record_until_stored(claim, pending))
-        else:
-            try:
-                await deliver()
-            finally:
+                await deliver()  # after a failed write too: it is retried meanwhile
+        finally:
+            if pending is not None:
                 await self._shielded(
                     claim, started, lambda: self._record_until_stored(claim, pending)
                 )

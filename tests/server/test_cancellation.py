@@ -80,15 +80,35 @@ async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mut
         await store.aclose()
 
 
-@pytest.mark.parametrize("bad", [b"Bearer s3cret-token", "", None])
-async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> None:
-    """A principal function returning a non-str fails before the handler, never quoting it."""
-    runs: list[int] = []
+class _SlowFinish(MemoryStore):
+    """A store whose first ``hangs`` writes of an outcome never answer (until cancelled)."""
 
-    async def tool(scope: Any, receive: Any, send: Any) -> None:
-        runs.append(1)
+    def __init__(self, hangs: int) -> None:
+        super().__init__()
+        self.hangs = hangs
+        self.calls = 0
+        self.waiting = asyncio.Event()
 
-    app = IdempotencyMiddleware(tool, store=MemoryStore(), principal=lambda scope: bad)  # type: ignore[arg-type,return-value]
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        self.calls += 1
+        if self.calls <= self.hangs:
+            self.waiting.set()
+            await asyncio.Event().wait()
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
+async def _answer_201(scope: Any, receive: Any, send: Any) -> None:
+    await receive()
+    await send({"type": "http.response.start", "status": 201, "headers": []})
+    await send({"type": "http.response.body", "body": b'{"ok":true}', "more_body": False})
+
+
+def _charge(
+    store: Store, tool: Any = _answer_201, principal: Any = lambda scope: "alice"
+) -> tuple[Any, StepKey, list[Any]]:
+    """A request to the middleware over ``tool`` (not yet awaited), its key, and the
+    messages it sends."""
+    app = IdempotencyMiddleware(tool, store=store, principal=principal)
     headers, body = request_for({"amount": 1})
     scope = {
         "type": "http",
@@ -100,11 +120,25 @@ async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> Non
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    async def send(message: Any) -> None:
-        return None
+    sent: list[Any] = []
 
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    return app(scope, receive, send), StepKey.parse(headers["idempotency-key"]), sent
+
+
+@pytest.mark.parametrize("bad", [b"Bearer s3cret-token", "", None])
+async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> None:
+    """A principal function returning a non-str fails before the handler, never quoting it."""
+    runs: list[int] = []
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        runs.append(1)
+
+    request, _, _ = _charge(MemoryStore(), tool, principal=lambda scope: bad)
     with pytest.raises(ConfigurationError, match="principal function") as info:
-        await app(scope, receive, send)
+        await request
     assert "s3cret" not in str(info.value)
     assert runs == []
 
@@ -183,52 +217,6 @@ def test_headers_given_as_a_one_shot_iterable_reach_the_client_and_the_replay() 
     assert first.headers.get("x-charge-id") == "ch_1"
     assert again.headers.get("x-charge-id") == "ch_1"
     assert again.headers["idempotent-replayed"] == "true"
-
-
-class _SlowFinish(MemoryStore):
-    """A store whose first ``hangs`` writes of an outcome never answer (until cancelled)."""
-
-    def __init__(self, hangs: int) -> None:
-        super().__init__()
-        self.hangs = hangs
-        self.calls = 0
-        self.waiting = asyncio.Event()
-
-    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        self.calls += 1
-        if self.calls <= self.hangs:
-            self.waiting.set()
-            await asyncio.Event().wait()
-        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
-
-
-async def _answer_201(scope: Any, receive: Any, send: Any) -> None:
-    await receive()
-    await send({"type": "http.response.start", "status": 201, "headers": []})
-    await send({"type": "http.response.body", "body": b'{"ok":true}', "more_body": False})
-
-
-def _charge(store: Store, tool: Any = _answer_201) -> tuple[Any, StepKey, list[Any]]:
-    """A request to the middleware over ``tool`` (not yet awaited), its key, and the
-    messages it sends."""
-    app = IdempotencyMiddleware(tool, store=store, principal=lambda scope: "alice")
-    headers, body = request_for({"amount": 1})
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/charge",
-        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-    }
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    sent: list[Any] = []
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    return app(scope, receive, send), StepKey.parse(headers["idempotency-key"]), sent
 
 
 async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
