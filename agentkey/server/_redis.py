@@ -362,28 +362,26 @@ class RedisStore:
     def __repr__(self) -> str:  # never shows the URL: it may carry a password
         return f"RedisStore(prefix={self.prefix!r})"
 
-    async def _run(self, what: str, key: str, coro: Any) -> Any:
-        """Await ``coro`` (an operation on record ``key``), translating redis-py's errors."""
-        try:
-            return await coro
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise StoreUnavailable(
+    @staticmethod
+    def _failure(what: str, key: str, exc: Exception) -> StoreError:
+        """The store error for redis-py's ``exc`` during ``what`` of record ``key``."""
+        if isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)):
+            return StoreUnavailable(
                 f"Redis could not be reached during {what} of record {shown(key)} "
                 f"({type(exc).__name__}): {after_failure(what)}. "
                 "Check that Redis is up and reachable"
-            ) from None
-        except redis_errors.RedisError as exc:
-            raise StoreError(
+            )
+        if isinstance(exc, redis_errors.RedisError):
+            return StoreError(
                 f"Redis failed during {what} of record {shown(key)}: {type(exc).__name__}: {exc}"
-            ) from None
-        except Exception as exc:
-            # A bug inside the client library (redis-py's cluster client can raise
-            # AttributeError on a connection closed under load) must still fail
-            # closed with a 503, not escape as a 500 or break the finish.
-            raise StoreError(
-                f"the Redis client failed unexpectedly during {what} of record {shown(key)} "
-                f"({type(exc).__name__}): {after_failure(what)}"
-            ) from None
+            )
+        # A bug inside the client library (redis-py's cluster client can raise
+        # AttributeError on a connection closed under load) must still fail
+        # closed with a 503, not escape as a 500 or break the finish.
+        return StoreError(
+            f"the Redis client failed unexpectedly during {what} of record {shown(key)} "
+            f"({type(exc).__name__}): {after_failure(what)}"
+        )
 
     def redis_key(self, key: str) -> str:
         """The Redis key of record ``key``: ``<prefix>:{<key>}``.
@@ -427,6 +425,10 @@ class RedisStore:
                 self.prefix,
             )
 
+    # Each operation awaits its command directly, with redis-py's errors translated in
+    # place: under load every request holds its chain of coroutines across the round
+    # trip, and each level adds to what the garbage collector walks (see _middleware).
+
     async def _script(self, script: AsyncScript, key: str, *args: bytes) -> Any:
         rkey = self.redis_key(key)
         if self._lean is None:
@@ -437,44 +439,59 @@ class RedisStore:
         ttl = _check_ttl(ttl_ms)
         self._start_persistence_check()
         rkey = self.redis_key(key)
-        # Redis >= 7: NX and GET together; one round trip claims or reads.
-        if self._lean is None:
-            command = self._client.execute_command(
-                "SET", rkey, value, "NX", "PX", ttl, "GET", get=True
-            )
-        else:
-            command = self._lean.execute(
-                b"SET", rkey.encode(), value, b"NX", b"PX", b"%d" % ttl, b"GET"
-            )
-        result = await self._run("claim", key, command)
+        try:
+            # Redis >= 7: NX and GET together; one round trip claims or reads.
+            if self._lean is None:
+                result = await self._client.execute_command(
+                    "SET", rkey, value, "NX", "PX", ttl, "GET", get=True
+                )
+            else:
+                result = await self._lean.execute(
+                    b"SET", rkey.encode(), value, b"NX", b"PX", b"%d" % ttl, b"GET"
+                )
+        except Exception as exc:
+            raise self._failure("claim", key, exc) from None
         return None if result is None else bytes(result)
 
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         ttl = b"%d" % _check_ttl(ttl_ms)
-        done = await self._run(
-            "renew", key, self._script(self._renew, key, owner_prefix(owner), ttl)
-        )
+        prefix = owner_prefix(owner)
+        try:
+            done = await self._script(self._renew, key, prefix, ttl)
+        except Exception as exc:
+            raise self._failure("renew", key, exc) from None
         return bool(done)
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         ttl = b"%d" % _check_ttl(ttl_ms)
         prefix = owner_prefix(owner)
-        done = await self._run("finish", key, self._script(self._finish, key, prefix, value, ttl))
+        try:
+            if self._lean is None:
+                done = await self._finish(keys=[self.redis_key(key)], args=[prefix, value, ttl])
+            else:
+                rkey = self.redis_key(key).encode()
+                done = await self._lean.evalsha(self._finish, rkey, prefix, value, ttl)
+        except Exception as exc:
+            raise self._failure("finish", key, exc) from None
         return bool(done)
 
     async def release(self, key: str, owner: str) -> bool:
-        done = await self._run(
-            "release", key, self._script(self._release, key, owner_prefix(owner))
-        )
+        prefix = owner_prefix(owner)
+        try:
+            done = await self._script(self._release, key, prefix)
+        except Exception as exc:
+            raise self._failure("release", key, exc) from None
         return bool(done)
 
     async def get(self, key: str) -> bytes | None:
         rkey = self.redis_key(key)
-        if self._lean is None:
-            command = self._client.get(rkey)
-        else:
-            command = self._lean.execute(b"GET", rkey.encode())
-        result = await self._run("get", key, command)
+        try:
+            if self._lean is None:
+                result = await self._client.get(rkey)
+            else:
+                result = await self._lean.execute(b"GET", rkey.encode())
+        except Exception as exc:
+            raise self._failure("get", key, exc) from None
         return None if result is None else bytes(result)
 
     async def aclose(self) -> None:
