@@ -168,9 +168,9 @@ class Claim:
             )
         self._mutation_started = True
 
-    def in_progress_record(self) -> bytes:
-        """This claim's ``IN_PROGRESS`` value, its lease starting now."""
-        now = self._clock()
+    def in_progress_record(self, now_ms: int | None = None) -> bytes:
+        """This claim's ``IN_PROGRESS`` value, its lease starting now (or at ``now_ms``)."""
+        now = self._clock() if now_ms is None else now_ms
         return encode_in_progress(
             self._owner,
             self._started_ms,
@@ -367,9 +367,16 @@ class _FirstRenewals:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop, renew_ms: int) -> _FirstRenewals:
-        queues = _QUEUES.get(loop)
-        if queues is None:
-            queues = _QUEUES[loop] = {}
+        global _LAST
+        last = _LAST
+        if last is not None and last[0]() is loop:  # the usual case: the same loop again
+            queues = last[1]
+        else:  # a lookup in _QUEUES makes a weak reference each time: once per loop here
+            found = _QUEUES.get(loop)
+            if found is None:
+                found = _QUEUES[loop] = {}
+            queues = found
+            _LAST = (weakref.ref(loop), queues)
         queue = queues.get(renew_ms)
         if queue is None:
             queue = queues[renew_ms] = cls(renew_ms)
@@ -402,6 +409,8 @@ class _FirstRenewals:
 _QUEUES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _FirstRenewals]] = (
     weakref.WeakKeyDictionary()
 )
+# The loop looked up last, weakly, with its queues (which hold no reference to it).
+_LAST: tuple[weakref.ref[asyncio.AbstractEventLoop], dict[int, _FirstRenewals]] | None = None
 
 
 def current_claim() -> Claim:

@@ -522,15 +522,31 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
 
 def record_key(principal: str, key: StepKey | OpaqueKey) -> str:
     """The store key: ``<principal>:<key>``, the principal quoted (or hashed when long)."""
-    scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
-    if len(scoped) > _MAX_PRINCIPAL:
-        # "!" is never left bare by quote(), so no short principal can spell this.
-        scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+    scoped = _SCOPES.get(principal)
+    if scoped is None:
+        scoped = _scope(principal)
+        if len(_SCOPES) >= _MAX_SCOPES:
+            _SCOPES.clear()
+        _SCOPES[principal] = scoped
     if isinstance(key, StepKey):
         return f"{scoped}:{key.format()}"
     # Quoted: no brace breaks the Redis Cluster hash tag, and with no ':' left an
     # opaque key can never spell an agentkey key's record.
     return f"{scoped}:{quote(key.text, safe='')}"
+
+
+def _scope(principal: str) -> str:
+    scoped = quote(principal.encode("utf-8", "surrogatepass"), safe="")
+    if len(scoped) > _MAX_PRINCIPAL:
+        # "!" is never left bare by quote(), so no short principal can spell this.
+        scoped = "!sha256-" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+    return scoped
+
+
+# A server sees few principals (tenants, users, clients), each on every one of its
+# requests: their quoted form is kept, a bounded number of them, as route digests are.
+_SCOPES: dict[str, str] = {}
+_MAX_SCOPES = 4096
 
 
 def _binding_mismatch(stored: Binding | None, ours: Binding) -> tuple[str, str] | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import secrets
+import os
 import time
 from collections.abc import (
     Awaitable,
@@ -41,7 +41,7 @@ from collections.abc import (
     MutableMapping,
     Sequence,
 )
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -218,13 +218,96 @@ class _Routes:
         )
 
 
-@dataclass
-class _Capture:
-    status: int = 0
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: bytearray = field(default_factory=bytearray)
-    started: bool = False
-    finished: bool = False
+class _Exchange:
+    """One claimed request between the app and the server.
+
+    The app receives the body the middleware already read, once, then the server's
+    own messages. Its answer is captured for the record; the start is held with the
+    body, so a one-body answer leaves whole once its outcome is recorded (a streamed
+    answer flushes the start with its first chunk). A slotted object rather than
+    closures over the request: the request holds it across the store's round trip at
+    the finish, and one object is less for the garbage collector to walk than a dozen
+    cells and functions, with every request in flight holding its own.
+    """
+
+    __slots__ = (
+        "answer",
+        "claim",
+        "finished",
+        "headers",
+        "held",
+        "method",
+        "middleware",
+        "path",
+        "request_body",
+        "server_receive",
+        "server_send",
+        "started",
+        "status",
+    )
+
+    def __init__(
+        self,
+        middleware: IdempotencyMiddleware,
+        claim: Claim,
+        body: bytes | None,
+        receive: Receive,
+        send: Send,
+        method: str,
+        path: str,
+    ) -> None:
+        self.middleware, self.claim, self.method, self.path = middleware, claim, method, path
+        self.request_body = body  # None once the app has it
+        self.server_receive, self.server_send = receive, send
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.answer = bytearray()
+        self.started = self.finished = False
+        self.held: Message | None = None  # the response's start, until its body goes out
+
+    async def receive(self) -> Message:
+        body = self.request_body
+        if body is not None:
+            self.request_body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.server_receive()  # after the body: the server's own disconnect
+
+    async def send_held(self) -> None:
+        held = self.held
+        if held is not None:
+            self.held = None
+            await self.server_send(held)
+
+    async def deliver(self, message: Message) -> None:
+        """Send the answer's last message (and the start still held)."""
+        await self.send_held()
+        await self.server_send(message)
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            self.answer += message.get("body", b"")
+            if message.get("more_body", False):
+                await self.send_held()
+                await self.server_send(message)
+                return
+            self.finished = True
+            middleware, claim = self.middleware, self.claim
+            decision = await middleware._finish(claim, self, error=False, final=message)
+            if middleware._hooks:
+                middleware._emit(
+                    decision, self.method, self.path, claim.idempotency_key, self.status
+                )
+        elif kind == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = list(message.get("headers", ()))
+            self.started = True
+            # Held with the body, so a one-body answer leaves in one go once recorded.
+            # The headers may be a one-shot iterable (ASGI allows it): keep our copy.
+            self.held = {**message, "headers": self.headers}
+        else:
+            await self.send_held()
+            await self.server_send(message)
 
 
 class IdempotencyMiddleware:
@@ -429,7 +512,7 @@ class IdempotencyMiddleware:
             idempotency_key=checked.idempotency_key,
             principal=principal,
             record_key=checked.record_key(principal),
-            owner=secrets.token_hex(16),
+            owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,
             auto_renew=self.auto_renew,
@@ -452,9 +535,10 @@ class IdempotencyMiddleware:
         hold_until = time.monotonic() + self.hold_in_flight if self.hold_in_flight else 0.0
         while True:
             existing: bytes | StoreError | None
+            now = self._clock()  # the lease's start; a 409's Retry-After counts from it
             try:
                 existing = await self.store.claim(
-                    claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
+                    claim.record_key, claim.in_progress_record(now), ttl_ms=self.lock_ttl_ms
                 )
             except StoreError as exc:
                 existing = exc
@@ -462,7 +546,7 @@ class IdempotencyMiddleware:
                 existing,
                 checked,
                 owner=claim.owner,
-                now_ms=self._clock(),
+                now_ms=now,
                 retry_after=self.retry_after,
             )
             if isinstance(decision, Run) and decision.renew:
@@ -553,54 +637,7 @@ class IdempotencyMiddleware:
         method: str,
         path: str,
     ) -> None:
-        capture = _Capture()
-        delivered = False
-
-        async def receive_body() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the server's own disconnect
-
-        held: Message | None = None  # the response's start, until its body goes out
-
-        async def send_held() -> None:
-            nonlocal held
-            if held is not None:
-                start, held = held, None
-                await send(start)
-
-        async def deliver_final(message: Message) -> None:
-            await send_held()
-            await send(message)
-
-        async def send_through(message: Message) -> None:
-            nonlocal held
-            kind = message["type"]
-            if kind == "http.response.body":
-                capture.body += message.get("body", b"")
-                if message.get("more_body", False):
-                    await send_held()
-                    await send(message)
-                    return
-                capture.finished = True
-                decision = await self._finish(
-                    claim, capture, error=False, deliver=lambda: deliver_final(message)
-                )
-                if self._hooks:
-                    self._emit(decision, method, path, claim.idempotency_key, capture.status)
-            elif kind == "http.response.start":
-                capture.status = int(message["status"])
-                capture.headers = list(message.get("headers", ()))
-                capture.started = True
-                # Held with the body, so a one-body answer leaves in one go once recorded.
-                # The headers may be a one-shot iterable (ASGI allows it): keep our copy.
-                held = {**message, "headers": capture.headers}
-            else:
-                await send_held()
-                await send(message)
-
+        exchange = _Exchange(self, claim, body, receive, send, method, path)
         state = scope.setdefault("state", {})
         state[SCOPE_STATE_KEY] = claim
         token = set_current(claim)
@@ -611,32 +648,32 @@ class IdempotencyMiddleware:
                 claim.idempotency_key,
             )
         try:
-            await self.app(scope, receive_body, send_through)
+            await self.app(scope, exchange.receive, exchange.send)
         except BaseException:
-            if not capture.finished:
-                decision = await self._finish(claim, capture, error=True)
+            if not exchange.finished:
+                decision = await self._finish(claim, exchange, error=True)
                 if self._hooks:
                     self._emit(decision, method, path, claim.idempotency_key, 500)
             raise
         finally:
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
-        if not capture.finished:  # the app returned without a complete response
-            decision = await self._finish(claim, capture, error=True)
+        if not exchange.finished:  # the app returned without a complete response
+            decision = await self._finish(claim, exchange, error=True)
             if self._hooks:
                 self._emit(decision, method, path, claim.idempotency_key, 500)
 
     async def _finish(
         self,
         claim: Claim,
-        capture: _Capture,
+        exchange: _Exchange,
         *,
         error: bool,
-        deliver: Callable[[], Awaitable[None]] | None = None,
+        final: Message | None = None,
     ) -> str:
         """Stop renewing, then settle the claim: record the outcome or release the key.
 
-        ``deliver`` sends the final chunk of the answer: after the first write of
+        ``final``, the answer's last message, is sent after the first write of
         the outcome (so a client normally never holds an unrecorded result), or
         at once when that write failed; the write is then retried, shielded,
         until it lands or the settle budget (``_SETTLE_SECONDS`` in all) runs out.
@@ -652,10 +689,10 @@ class IdempotencyMiddleware:
         already began. Returns the decision for the hooks: claimed, failed or
         released."""
         decision = on_finished(
-            capture.status,
-            capture.headers,
-            bytes(capture.body),
-            error=error or not capture.started,
+            exchange.status,
+            exchange.headers,
+            bytes(exchange.answer),
+            error=error or not exchange.started,
             mutation_started=claim.mutation_started,
             binding=claim.binding,
             now_ms=self._clock(),
@@ -663,21 +700,23 @@ class IdempotencyMiddleware:
         )
         started = time.monotonic()
         try:
-            pending = await self._settle_once(claim, decision)
+            await self._stop_lease(claim)
+            pending = await self._settle(claim, decision)
         except BaseException as exc:
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 raise
 
             async def settle() -> None:
-                left = await self._settle_once(claim, decision)
+                await self._stop_lease(claim)
+                left = await self._settle(claim, decision)
                 if left is not None:
                     await self._record_until_stored(claim, left)
 
             await self._shielded(claim, started, settle)
             raise
         try:
-            if deliver is not None:
-                await deliver()  # after a failed write too: it is retried meanwhile
+            if final is not None:
+                await exchange.deliver(final)  # after a failed write too: it is retried meanwhile
         finally:
             if pending is not None:
                 await self._shielded(
@@ -687,12 +726,11 @@ class IdempotencyMiddleware:
             return "released"
         return "claimed" if isinstance(decision, Complete) else "failed"
 
-    async def _settle_once(
-        self, claim: Claim, decision: Complete | Fail | Release
-    ) -> Outcome | None:
+    @staticmethod
+    async def _stop_lease(claim: Claim) -> None:
+        """Before settling: stop the renewals, and keep any from writing the record again."""
         await claim.stop_renewing()
         claim.mark_settled()
-        return await self._settle(claim, decision)
 
     async def _shielded(
         self, claim: Claim, started: float, work: Callable[[], Awaitable[None]]
@@ -745,7 +783,9 @@ class IdempotencyMiddleware:
             else:
                 outcome = replace(outcome, body=b"", blob_uri=uri)
         try:
-            await self._record(claim, outcome)
+            # Awaited here rather than in a helper: the fewer coroutines a request holds
+            # across the store's round trip, the less the garbage collector walks.
+            stored = await record_outcome(self.store, claim, outcome, ttl_ms=self.result_ttl_ms)
         except StoreError as exc:
             _logger.warning(
                 "could not record the outcome of %s (%s); the handler has run, so the "
@@ -755,17 +795,14 @@ class IdempotencyMiddleware:
                 _SETTLE_SECONDS,
             )
             return outcome
+        if not stored:
+            await self._lost(claim, outcome)
         return None
 
     async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
         """Retry the write until the store answers; the caller's deadline cuts it."""
         ttl = self.result_ttl_ms
         if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
-            await self._lost(claim, outcome)
-
-    async def _record(self, claim: Claim, outcome: Outcome) -> None:
-        """Write the outcome over this claim's record; raises StoreError when the store fails."""
-        if not await record_outcome(self.store, claim, outcome, ttl_ms=self.result_ttl_ms):
             await self._lost(claim, outcome)
 
     async def _lost(self, claim: Claim, outcome: Outcome) -> None:
