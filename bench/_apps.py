@@ -11,11 +11,14 @@
 - ``bare_insert`` / ``postgres_insert``: a handler whose side effect is one INSERT,
   autocommit, or in the store's transaction with the record.
 
-``BENCH_REDIS`` (URL) and ``BENCH_PG_DSN`` name the services.
+``BENCH_REDIS`` (URL) and ``BENCH_PG_DSN`` name the services. ``BENCH_GC_THRESHOLD``
+sets the garbage collector's first-generation threshold (``gc.set_threshold``) of
+the server process, for the bench's tuned-GC block.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Any
@@ -93,6 +96,9 @@ def app() -> Any:
     config = os.environ["BENCH_APP"]
     if config not in CONFIGS:
         raise SystemExit(f"BENCH_APP must be one of {', '.join(CONFIGS)}, got {config!r}")
+    threshold = os.environ.get("BENCH_GC_THRESHOLD")
+    if threshold:
+        gc.set_threshold(int(threshold), *gc.get_threshold()[1:])
     store: Any = None
     if config == "memory":
         from agentkey.server import MemoryStore

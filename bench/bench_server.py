@@ -15,7 +15,11 @@ Per row: the median of the per-round throughput ratios (agentkey / baseline) wit
 IQR, the same for server CPU per request (``/proc/<pid>/stat``), absolute figures,
 and how busy the server and the load generator were. The ``loadgen`` block runs the
 bare endpoint with one and with two load processes: equal throughput shows one load
-process is not the bottleneck.
+process is not the bottleneck. The ``gc`` block loads ``bare`` and ``redis`` again with
+the garbage collector's first-generation threshold raised from 700 to
+``GC_THRESHOLD`` in both server processes: at 64 connections every request in flight
+holds its coroutines across the Redis round trip, so collections run far more often
+than for the bare endpoint, which never waits (see docs/performance.md).
 
     python bench/bench_server.py            # about 4 minutes, writes bench/results/server.json
     python bench/bench_server.py --smoke    # a few seconds, for CI (writes nothing)
@@ -44,6 +48,8 @@ from bench._harness import (
     write_results,
 )
 from tests._loopback import redis_server
+
+GC_THRESHOLD = 10_000
 
 ROWS = [
     ("middleware + MemoryStore / bare endpoint", "memory", "bare"),
@@ -105,6 +111,19 @@ def main() -> None:
         what = "loadgen: bare endpoint, 2 load processes / 1"
         rows.append(check.row(what, "2 load processes", "1 load process"))
         print_row(rows[-1])
+
+        if redis_pid is not None:
+            gc_env = {**env, "BENCH_GC_THRESHOLD": str(GC_THRESHOLD)}
+            tuned = stack.enter_context(servers(["bare", "redis"], gc_env))
+
+            def gc_slot(name: str) -> Slot:
+                watch = redis_pid if name == "redis" else None
+                return measure(load, tuned[name], "fresh", 64, seconds, watch=watch)
+
+            block = run_block(Block("fresh", 64), rounds, gc_slot, ["bare", "redis"])
+            what = f"gc threshold {GC_THRESHOLD:,} on both: middleware + RedisStore / bare"
+            rows.append(block.row(what, "redis", "bare"))
+            print_row(rows[-1])
 
     if not ns.smoke or ns.out:
         path = write_results(
