@@ -47,7 +47,12 @@ def server_table(data: Mapping[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
-        target = "≈ 1.0×" if r["what"].startswith("loadgen") else ""
+        if r["what"].startswith("loadgen"):
+            target = "≈ 1.0×"
+        elif r["what"].startswith("gc threshold"):  # the targets are for the defaults
+            target = "none (tuned GC)"
+        else:
+            target = ""
         target = (
             target
             or SERVER_TARGETS.get((r["agentkey"], r["baseline"], r["mode"], r["concurrency"]))
