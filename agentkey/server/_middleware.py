@@ -29,6 +29,7 @@ The middleware's own errors are RFC 9457 problem details (``application/problem+
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -242,6 +243,7 @@ class _Exchange:
         "request_body",
         "server_receive",
         "server_send",
+        "settling",
         "started",
         "status",
     )
@@ -264,6 +266,7 @@ class _Exchange:
         self.answer = bytearray()
         self.started = self.finished = False
         self.held: Message | None = None  # the response's start, until its body goes out
+        self.settling: asyncio.Task[str] | None = None  # the settle, beside the app
 
     async def receive(self) -> Message:
         body = self.request_body
@@ -293,7 +296,19 @@ class _Exchange:
                 return
             self.finished = True
             middleware, claim = self.middleware, self.claim
-            decision = await middleware._finish(claim, self, error=False, final=message)
+            settle = middleware._finish(claim, self, error=False, final=message)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not asyncio (trio): settle here, inside the app's send
+                pass
+            else:
+                # Settled in a task of its own, beside the app: the app's call stack
+                # unwinds now instead of waiting on the store with every other request
+                # in flight, where the garbage collector would walk it again and again.
+                # The request awaits the task before it ends (IdempotencyMiddleware._run).
+                self.settling = loop.create_task(settle)
+                return
+            decision = await settle
             if middleware._hooks:
                 middleware._emit(
                     decision, self.method, self.path, claim.idempotency_key, self.status
@@ -650,7 +665,11 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, exchange.receive, exchange.send)
         except BaseException:
-            if not exchange.finished:
+            if exchange.settling is not None:
+                # The app failed after its answer (a background task, say): the answer is
+                # still recorded and sent before the error goes on.
+                await self._settled(exchange)
+            elif not exchange.finished:
                 decision = await self._finish(claim, exchange, error=True)
                 if self._hooks:
                     self._emit(decision, method, path, claim.idempotency_key, 500)
@@ -658,10 +677,38 @@ class IdempotencyMiddleware:
         finally:
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
-        if not exchange.finished:  # the app returned without a complete response
+        if exchange.settling is not None:
+            await self._settled(exchange)
+        elif not exchange.finished:  # the app returned without a complete response
             decision = await self._finish(claim, exchange, error=True)
             if self._hooks:
                 self._emit(decision, method, path, claim.idempotency_key, 500)
+
+    async def _settled(self, exchange: _Exchange) -> None:
+        """Wait for the settle that the app's final answer started, then tell the hooks.
+
+        A cancellation of the request (the client left, the server shuts down) does
+        not leave the settle behind: it is cancelled too, as it was when it ran inside
+        the app's send, which makes it record the outcome again, shielded and within
+        the settle budget (see :meth:`_finish`), without sending the answer; the request
+        waits for that before the cancellation goes on.
+        """
+        task = exchange.settling
+        assert task is not None
+        claim = exchange.claim
+        try:
+            decision = await asyncio.shield(task)
+        except BaseException as exc:
+            if task.done() or not isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})
+            raise
+        if self._hooks:
+            self._emit(
+                decision, exchange.method, exchange.path, claim.idempotency_key, exchange.status
+            )
 
     async def _finish(
         self,

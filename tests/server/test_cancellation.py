@@ -11,6 +11,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, BaseUser
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
@@ -104,12 +105,26 @@ async def _answer_201(scope: Any, receive: Any, send: Any) -> None:
 
 
 def _charge(
-    store: Store, tool: Any = _answer_201, principal: Any = lambda scope: "alice"
+    store: Store,
+    tool: Any = _answer_201,
+    principal: Any = lambda scope: "alice",
+    on_send: Callable[[Any], None] = lambda message: None,
 ) -> tuple[Any, StepKey, list[Any]]:
     """A request to the middleware over ``tool`` (not yet awaited), its key, and the
-    messages it sends."""
+    messages it sends (each also passed to ``on_send``)."""
     app = IdempotencyMiddleware(tool, store=store, principal=principal)
     headers, body = request_for({"amount": 1})
+    request, sent = _exchange(app, headers, body, on_send)
+    return request, StepKey.parse(headers["idempotency-key"]), sent
+
+
+def _exchange(
+    app: Any,
+    headers: dict[str, str],
+    body: bytes,
+    on_send: Callable[[Any], None] = lambda message: None,
+) -> tuple[Any, list[Any]]:
+    """``app`` called with one POST (not yet awaited), and the messages it sends."""
     scope = {
         "type": "http",
         "method": "POST",
@@ -124,8 +139,9 @@ def _charge(
 
     async def send(message: Any) -> None:
         sent.append(message)
+        on_send(message)
 
-    return app(scope, receive, send), StepKey.parse(headers["idempotency-key"]), sent
+    return app(scope, receive, send), sent
 
 
 @pytest.mark.parametrize("bad", [b"Bearer s3cret-token", "", None])
@@ -297,3 +313,110 @@ async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: boo
     await task
     assert [m.get("body") for m in sent] == ([None, b"[1,", b"2]"] if streamed else [None, b"2]"])
     assert sent[0]["status"] == 201
+
+
+async def test_the_app_returns_before_its_outcome_is_recorded() -> None:
+    """The settle runs beside the app, not inside its send: the app's call stack unwinds
+    while the store answers (so a request waiting on the store holds no more than the
+    middleware's own frames), and the request still ends only once the answer is
+    recorded and sent."""
+    store = _SlowFinish(hangs=0)
+    release = asyncio.Event()
+    finish = store.finish
+
+    async def gated_finish(key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        await release.wait()
+        return await finish(key, owner, value, ttl_ms=ttl_ms)
+
+    store.finish = gated_finish  # type: ignore[method-assign]
+    returned = asyncio.Event()
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await _answer_201(scope, receive, send)
+        returned.set()
+
+    request, key, sent = _charge(store, tool)
+    task = asyncio.ensure_future(request)
+    await asyncio.wait_for(returned.wait(), 5)
+    assert not task.done()
+    assert sent == []  # held until recorded
+    release.set()
+    await task
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    raw = await store.get(_record_key("alice", key))
+    assert raw is not None
+    assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
+
+
+async def test_a_background_task_does_not_hold_back_the_answer() -> None:
+    """Starlette runs a response's background task after the app's send returns. The
+    answer is recorded and delivered while the background task still runs, and the
+    request ends when both are done."""
+    store = MemoryStore()
+    delivered = asyncio.Event()
+    ran: list[str] = []
+
+    async def after() -> None:
+        await asyncio.wait_for(delivered.wait(), 5)  # the client has the answer first
+        ran.append("background")
+
+    async def charge(request: Request) -> JSONResponse:
+        await request.json()
+        return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(after))
+
+    def on_send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            delivered.set()
+
+    tool = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    request, key, sent = _charge(store, tool, on_send=on_send)
+    await asyncio.wait_for(request, 10)
+    assert ran == ["background"]
+    assert sent[0]["status"] == 201
+    raw = await store.get(_record_key("alice", key))
+    assert raw is not None
+    assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
+
+
+async def test_an_app_failing_after_its_answer_still_records_and_sends_it() -> None:
+    """An error after the final body (a failing background task) reaches the server, but
+    only once the answer it follows has been recorded and sent."""
+    store = MemoryStore()
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await _answer_201(scope, receive, send)
+        raise RuntimeError("the background work failed")
+
+    request, key, sent = _charge(store, tool)
+    with pytest.raises(RuntimeError, match="background work failed"):
+        await request
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    raw = await store.get(_record_key("alice", key))
+    assert raw is not None
+    assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
+
+
+def test_off_asyncio_the_settle_runs_inside_the_apps_send() -> None:
+    """On trio (through anyio) no asyncio loop can run the settle beside the app: it runs
+    inside the app's send, and a fresh request then its replay behave as on asyncio."""
+    pytest.importorskip("trio")
+    store = MemoryStore()
+    app = IdempotencyMiddleware(
+        _answer_201, store=store, principal=lambda scope: "alice", auto_renew=False
+    )
+    headers, body = request_for({"amount": 1})
+
+    async def main() -> list[list[Any]]:
+        answers: list[list[Any]] = []
+        for _ in range(2):
+            request, sent = _exchange(app, headers, body)
+            await request
+            answers.append(sent)
+        return answers
+
+    first, second = anyio.run(main, backend="trio")
+    assert [m["type"] for m in first] == ["http.response.start", "http.response.body"]
+    assert first[0]["status"] == second[0]["status"] == 201
+    assert (b"idempotent-replayed", b"true") in second[0]["headers"]
+    assert (b"idempotent-replayed", b"true") not in first[0]["headers"]
+    assert first[1]["body"] == second[1]["body"] == b'{"ok":true}'
