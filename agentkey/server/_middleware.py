@@ -84,7 +84,7 @@ from ._decide import (
     unavailable,
 )
 from ._records import Outcome
-from ._stores import SETTLE_SECONDS, Store
+from ._stores import SETTLE_SECONDS, MemoryStore, Store
 
 __all__ = [
     "REPLAY_HEADER",
@@ -298,10 +298,10 @@ class _Exchange:
             middleware, claim = self.middleware, self.claim
             settle = middleware._finish(claim, self, error=False, final=message)
             try:
-                loop = asyncio.get_running_loop()
+                loop = None if middleware._settle_inline else asyncio.get_running_loop()
             except RuntimeError:  # not asyncio (trio): settle here, inside the app's send
-                pass
-            else:
+                loop = None
+            if loop is not None:
                 # Settled in a task of its own, beside the app: the app's call stack
                 # unwinds now instead of waiting on the store with every other request
                 # in flight, where the garbage collector would walk it again and again.
@@ -460,6 +460,9 @@ class IdempotencyMiddleware:
             )
         self.app = app
         self.store = store
+        # A MemoryStore answers without ever waiting, so its settle cannot hold the app's
+        # stack across a wait: a task beside the app (_Exchange.send) would only cost one.
+        self._settle_inline = type(store) is MemoryStore
         self._routes = _Routes(routes)
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key

@@ -348,11 +348,21 @@ async def test_the_app_returns_before_its_outcome_is_recorded() -> None:
     assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
 
 
-async def test_a_background_task_does_not_hold_back_the_answer() -> None:
+_SETTLES = pytest.mark.parametrize(
+    "make_store",
+    [MemoryStore, lambda: _SlowFinish(hangs=0)],
+    ids=["inside the send (MemoryStore)", "beside the app"],
+)
+
+
+@_SETTLES
+async def test_a_background_task_does_not_hold_back_the_answer(
+    make_store: Callable[[], MemoryStore],
+) -> None:
     """Starlette runs a response's background task after the app's send returns. The
     answer is recorded and delivered while the background task still runs, and the
     request ends when both are done."""
-    store = MemoryStore()
+    store = make_store()
     delivered = asyncio.Event()
     ran: list[str] = []
 
@@ -378,10 +388,13 @@ async def test_a_background_task_does_not_hold_back_the_answer() -> None:
     assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
 
 
-async def test_an_app_failing_after_its_answer_still_records_and_sends_it() -> None:
+@_SETTLES
+async def test_an_app_failing_after_its_answer_still_records_and_sends_it(
+    make_store: Callable[[], MemoryStore],
+) -> None:
     """An error after the final body (a failing background task) reaches the server, but
     only once the answer it follows has been recorded and sent."""
-    store = MemoryStore()
+    store = make_store()
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
         await _answer_201(scope, receive, send)
@@ -400,7 +413,7 @@ def test_off_asyncio_the_settle_runs_inside_the_apps_send() -> None:
     """On trio (through anyio) no asyncio loop can run the settle beside the app: it runs
     inside the app's send, and a fresh request then its replay behave as on asyncio."""
     pytest.importorskip("trio")
-    store = MemoryStore()
+    store = _SlowFinish(hangs=0)  # not a plain MemoryStore, which always settles inline
     app = IdempotencyMiddleware(
         _answer_201, store=store, principal=lambda scope: "alice", auto_renew=False
     )
