@@ -232,6 +232,7 @@ class _Exchange:
     """
 
     __slots__ = (
+        "abandoned",
         "answer",
         "claim",
         "finished",
@@ -243,6 +244,7 @@ class _Exchange:
         "request_body",
         "server_receive",
         "server_send",
+        "settle_began",
         "settling",
         "started",
         "status",
@@ -267,6 +269,8 @@ class _Exchange:
         self.started = self.finished = False
         self.held: Message | None = None  # the response's start, until its body goes out
         self.settling: asyncio.Task[str] | None = None  # the settle, beside the app
+        self.settle_began = False  # the settle has started to run (see _settled)
+        self.abandoned = False  # the request was cancelled: the answer is not sent
 
     async def receive(self) -> Message:
         body = self.request_body
@@ -282,13 +286,21 @@ class _Exchange:
             await self.server_send(held)
 
     async def deliver(self, message: Message) -> None:
-        """Send the answer's last message (and the start still held)."""
+        """Send the answer's last message (and the start still held), unless the
+        request was cancelled meanwhile."""
+        if self.abandoned:
+            return
         await self.send_held()
         await self.server_send(message)
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.body":
+            if self.finished:
+                raise RuntimeError(
+                    "the app sent a response body after its final one (more_body=False); "
+                    "an ASGI response ends with exactly one final body message"
+                )
             self.answer += message.get("body", b"")
             if message.get("more_body", False):
                 await self.send_held()
@@ -691,10 +703,11 @@ class IdempotencyMiddleware:
         """Wait for the settle that the app's final answer started, then tell the hooks.
 
         A cancellation of the request (the client left, the server shuts down) does
-        not leave the settle behind: it is cancelled too, as it was when it ran inside
-        the app's send, which makes it record the outcome again, shielded and within
-        the settle budget (see :meth:`_finish`), without sending the answer; the request
-        waits for that before the cancellation goes on.
+        not leave the settle behind, and the answer is no longer sent. A settle that
+        is running is cancelled too, as it was when it ran inside the app's send,
+        which makes it record the outcome again, shielded and within the settle
+        budget (see :meth:`_finish`); one that has not run yet runs uncancelled. The
+        request waits for it before the cancellation goes on.
         """
         task = exchange.settling
         assert task is not None
@@ -704,9 +717,21 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             if task.done() or not isinstance(exc, anyio.get_cancelled_exc_class()):
                 raise
-            task.cancel()
+            exchange.abandoned = True
+            if exchange.settle_began:
+                task.cancel()
+            # else: cancelled before the task ever ran (a cancellation pending while the
+            # app finished), and a task cancelled then would never run at all: the
+            # outcome would stay unrecorded. It runs uncancelled, bounded by the store's
+            # timeout and the settle budget, and sends nothing.
             with anyio.CancelScope(shield=True):
                 await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                _logger.error(
+                    "settling %s after its request was cancelled failed: %r",
+                    claim.idempotency_key,
+                    task.exception(),
+                )
             raise
         if self._hooks:
             self._emit(
@@ -738,6 +763,7 @@ class IdempotencyMiddleware:
         until its lease ends and letting a retry repeat a side effect that
         already began. Returns the decision for the hooks: claimed, failed or
         released."""
+        exchange.settle_began = True
         decision = on_finished(
             exchange.status,
             exchange.headers,

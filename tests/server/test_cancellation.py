@@ -348,6 +348,32 @@ async def test_the_app_returns_before_its_outcome_is_recorded() -> None:
     assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
 
 
+async def test_a_cancel_pending_when_the_app_finishes_still_records_the_outcome() -> None:
+    """The request's cancellation is already pending when the app finishes its answer.
+
+    The settle task must still run: a task cancelled before its first step never runs
+    its coroutine, so the outcome of a handler that ran would stay unrecorded and a
+    retry after the lease would run the side effect again. (asyncio runs the settle's
+    first step before the request sees its cancellation; the middleware does not
+    cancel a settle that has not begun either.)
+    """
+    store = _SlowFinish(hangs=0)
+
+    async def tool(scope: Any, receive: Any, send: Any) -> None:
+        await _answer_201(scope, receive, send)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # delivered at the request's next wait: the settle has not run yet
+
+    request, key, sent = _charge(store, tool)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.ensure_future(request)
+    raw = await store.get(_record_key("alice", key))
+    assert raw is not None
+    assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
+    assert [m["type"] for m in sent] in ([], ["http.response.start", "http.response.body"])
+
+
 _SETTLES = pytest.mark.parametrize(
     "make_store",
     [MemoryStore, lambda: _SlowFinish(hangs=0)],
