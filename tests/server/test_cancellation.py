@@ -98,6 +98,18 @@ class _SlowFinish(MemoryStore):
         return await super().finish(key, owner, value, ttl_ms=ttl_ms)
 
 
+class _GatedFinish(MemoryStore):
+    """A store whose outcome writes wait until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        await self.gate.wait()
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
 async def _answer_201(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     await send({"type": "http.response.start", "status": 201, "headers": []})
@@ -287,15 +299,8 @@ async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: boo
     if the write then failed. A streamed answer goes out as it comes; only its last
     chunk waits for the record.
     """
-    store = _SlowFinish(hangs=0)
-    release = asyncio.Event()
-    finish = store.finish
-
-    async def gated_finish(key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        await release.wait()
-        return await finish(key, owner, value, ttl_ms=ttl_ms)
-
-    store.finish = gated_finish  # type: ignore[method-assign]
+    store = _GatedFinish()
+    release = store.gate
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
         await receive()
@@ -320,15 +325,8 @@ async def test_the_app_returns_before_its_outcome_is_recorded() -> None:
     while the store answers (so a request waiting on the store holds no more than the
     middleware's own frames), and the request still ends only once the answer is
     recorded and sent."""
-    store = _SlowFinish(hangs=0)
-    release = asyncio.Event()
-    finish = store.finish
-
-    async def gated_finish(key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        await release.wait()
-        return await finish(key, owner, value, ttl_ms=ttl_ms)
-
-    store.finish = gated_finish  # type: ignore[method-assign]
+    store = _GatedFinish()
+    release = store.gate
     returned = asyncio.Event()
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
