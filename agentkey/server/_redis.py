@@ -466,11 +466,7 @@ class RedisStore:
         ttl = b"%d" % _check_ttl(ttl_ms)
         prefix = owner_prefix(owner)
         try:
-            if self._lean is None:
-                done = await self._finish(keys=[self.redis_key(key)], args=[prefix, value, ttl])
-            else:
-                rkey = self.redis_key(key).encode()
-                done = await self._lean.evalsha(self._finish, rkey, prefix, value, ttl)
+            done = await self._script(self._finish, key, prefix, value, ttl)
         except Exception as exc:
             raise self._failure("finish", key, exc) from None
         return bool(done)
