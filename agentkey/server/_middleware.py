@@ -310,14 +310,19 @@ class _Exchange:
             middleware, claim = self.middleware, self.claim
             settle = middleware._finish(claim, self, error=False, final=message)
             try:
-                loop = None if middleware._settle_inline else asyncio.get_running_loop()
+                # Alone (no other request in flight), nothing allocates while the store
+                # answers, so the stack costs the collector nothing, and a task would
+                # add a few loop iterations to the answer's path.
+                alone = middleware._in_flight <= 1
+                loop = None if middleware._settle_inline or alone else asyncio.get_running_loop()
             except RuntimeError:  # not asyncio (trio): settle here, inside the app's send
                 loop = None
             if loop is not None:
                 # Settled in a task of its own, beside the app: the app's call stack
                 # unwinds now instead of waiting on the store with every other request
-                # in flight, where the garbage collector would walk it again and again.
-                # The request awaits the task before it ends (IdempotencyMiddleware._run).
+                # in flight, where the garbage collector, run by their allocations, would
+                # walk it again and again. The request awaits the task before it ends
+                # (IdempotencyMiddleware._run).
                 self.settling = loop.create_task(settle)
                 return
             decision = await settle
@@ -475,6 +480,7 @@ class IdempotencyMiddleware:
         # A MemoryStore answers without ever waiting, so its settle cannot hold the app's
         # stack across a wait: a task beside the app (_Exchange.send) would only cost one.
         self._settle_inline = type(store) is MemoryStore
+        self._in_flight = 0  # requests between their claim and their settle (see _run)
         self._routes = _Routes(routes)
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
@@ -677,6 +683,7 @@ class IdempotencyMiddleware:
                 "automatically; renew it from the handler or raise lock_ttl",
                 claim.idempotency_key,
             )
+        self._in_flight += 1
         try:
             await self.app(scope, exchange.receive, exchange.send)
         except BaseException:
@@ -690,6 +697,7 @@ class IdempotencyMiddleware:
                     self._emit(decision, method, path, claim.idempotency_key, 500)
             raise
         finally:
+            self._in_flight -= 1
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
         if exchange.settling is not None:

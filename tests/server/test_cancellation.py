@@ -121,13 +121,43 @@ def _charge(
     tool: Any = _answer_201,
     principal: Any = lambda scope: "alice",
     on_send: Callable[[Any], None] = lambda message: None,
+    *,
+    crowded: bool = False,
 ) -> tuple[Any, StepKey, list[Any]]:
     """A request to the middleware over ``tool`` (not yet awaited), its key, and the
-    messages it sends (each also passed to ``on_send``)."""
-    app = IdempotencyMiddleware(tool, store=store, principal=principal)
+    messages it sends (each also passed to ``on_send``).
+
+    ``crowded``: another request of the same middleware stays in flight (held inside
+    the app) while this one runs, so the settle runs beside the app, as under load;
+    alone, a request settles inside the app's send.
+    """
+    entered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] != "/hold":
+            await tool(scope, receive, send)
+            return
+        entered.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    middleware = IdempotencyMiddleware(app, store=store, principal=principal)
     headers, body = request_for({"amount": 1})
-    request, sent = _exchange(app, headers, body, on_send)
+    request, sent = _exchange(middleware, headers, body, on_send)
+    if crowded:
+        request = _beside(request, middleware, entered)
     return request, StepKey.parse(headers["idempotency-key"]), sent
+
+
+async def _beside(request: Any, middleware: Any, entered: asyncio.Event) -> None:
+    """Await ``request`` while a second request is held inside the app."""
+    headers, body = request_for({"amount": 2})
+    held = asyncio.ensure_future(_exchange(middleware, headers, body, path="/hold")[0])
+    try:
+        await asyncio.wait_for(entered.wait(), 5)
+        await request
+    finally:
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
 
 
 def _exchange(
@@ -135,12 +165,14 @@ def _exchange(
     headers: dict[str, str],
     body: bytes,
     on_send: Callable[[Any], None] = lambda message: None,
+    *,
+    path: str = "/charge",
 ) -> tuple[Any, list[Any]]:
     """``app`` called with one POST (not yet awaited), and the messages it sends."""
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/charge",
+        "path": path,
         "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
     }
 
@@ -247,7 +279,13 @@ def test_headers_given_as_a_one_shot_iterable_reach_the_client_and_the_replay() 
     assert again.headers["idempotent-replayed"] == "true"
 
 
-async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
+_CROWDED = pytest.mark.parametrize(
+    "crowded", [False, True], ids=["alone: inside the send", "crowded: beside the app"]
+)
+
+
+@_CROWDED
+async def test_a_cancel_during_the_outcome_write_still_records_it(crowded: bool) -> None:
     """A task cancelled while its outcome's write is in flight writes it again, shielded.
 
     The handler ran: were the outcome left unwritten, the key would free itself after
@@ -255,7 +293,7 @@ async def test_a_cancel_during_the_outcome_write_still_records_it() -> None:
     propagates, and the answer, held back until it is recorded, is not sent.
     """
     store = _SlowFinish(hangs=1)
-    request, key, sent = _charge(store)
+    request, key, sent = _charge(store, crowded=crowded)
     task = asyncio.ensure_future(request)
     await store.waiting.wait()
     task.cancel()
@@ -291,8 +329,11 @@ async def test_the_shielded_settle_of_a_cancelled_request_is_bounded(
     assert any("did not finish within" in r.getMessage() for r in caplog.records)
 
 
+@_CROWDED
 @pytest.mark.parametrize("streamed", [False, True], ids=["one body", "streamed"])
-async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: bool) -> None:
+async def test_the_answer_leaves_only_once_its_outcome_is_recorded(
+    streamed: bool, crowded: bool
+) -> None:
     """Nothing of a one-body answer reaches the client before its record is written.
 
     A client holding a result the store does not know would retry into a second run
@@ -309,7 +350,7 @@ async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: boo
             await send({"type": "http.response.body", "body": b"[1,", "more_body": True})
         await send({"type": "http.response.body", "body": b"2]", "more_body": False})
 
-    request, _, sent = _charge(store, tool)
+    request, _, sent = _charge(store, tool, crowded=crowded)
     task = asyncio.ensure_future(request)
     for _ in range(20):
         await asyncio.sleep(0)
@@ -320,26 +361,34 @@ async def test_the_answer_leaves_only_once_its_outcome_is_recorded(streamed: boo
     assert sent[0]["status"] == 201
 
 
-async def test_the_app_returns_before_its_outcome_is_recorded() -> None:
-    """The settle runs beside the app, not inside its send: the app's call stack unwinds
-    while the store answers (so a request waiting on the store holds no more than the
-    middleware's own frames), and the request still ends only once the answer is
-    recorded and sent."""
+@_CROWDED
+async def test_the_settle_runs_beside_the_app_while_others_are_in_flight(crowded: bool) -> None:
+    """With other requests in flight, the settle runs beside the app, not inside its send:
+    the app's call stack unwinds while the store answers (so a request waiting on the
+    store holds no more than the middleware's own frames, and the garbage collector,
+    run by the others' allocations, walks less). Alone, it runs inside the send, which
+    saves the answer a few loop iterations. Either way the request ends only once the
+    answer is recorded and sent, and nothing is sent before."""
     store = _GatedFinish()
-    release = store.gate
     returned = asyncio.Event()
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
         await _answer_201(scope, receive, send)
         returned.set()
 
-    request, key, sent = _charge(store, tool)
+    request, key, sent = _charge(store, tool, crowded=crowded)
     task = asyncio.ensure_future(request)
-    await asyncio.wait_for(returned.wait(), 5)
+    if crowded:
+        await asyncio.wait_for(returned.wait(), 5)
+    else:
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not returned.is_set()  # its send waits on the store
     assert not task.done()
     assert sent == []  # held until recorded
-    release.set()
+    store.gate.set()
     await task
+    assert returned.is_set()
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     raw = await store.get(_record_key("alice", key))
     assert raw is not None
@@ -363,7 +412,7 @@ async def test_a_cancel_pending_when_the_app_finishes_still_records_the_outcome(
         assert task is not None
         task.cancel()  # delivered at the request's next wait: the settle has not run yet
 
-    request, key, sent = _charge(store, tool)
+    request, key, sent = _charge(store, tool, crowded=True)
     with pytest.raises(asyncio.CancelledError):
         await asyncio.ensure_future(request)
     raw = await store.get(_record_key("alice", key))
@@ -372,21 +421,12 @@ async def test_a_cancel_pending_when_the_app_finishes_still_records_the_outcome(
     assert [m["type"] for m in sent] in ([], ["http.response.start", "http.response.body"])
 
 
-_SETTLES = pytest.mark.parametrize(
-    "make_store",
-    [MemoryStore, lambda: _SlowFinish(hangs=0)],
-    ids=["inside the send (MemoryStore)", "beside the app"],
-)
-
-
-@_SETTLES
-async def test_a_background_task_does_not_hold_back_the_answer(
-    make_store: Callable[[], MemoryStore],
-) -> None:
+@_CROWDED
+async def test_a_background_task_does_not_hold_back_the_answer(crowded: bool) -> None:
     """Starlette runs a response's background task after the app's send returns. The
     answer is recorded and delivered while the background task still runs, and the
     request ends when both are done."""
-    store = make_store()
+    store = _SlowFinish(hangs=0)
     delivered = asyncio.Event()
     ran: list[str] = []
 
@@ -403,7 +443,7 @@ async def test_a_background_task_does_not_hold_back_the_answer(
             delivered.set()
 
     tool = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    request, key, sent = _charge(store, tool, on_send=on_send)
+    request, key, sent = _charge(store, tool, on_send=on_send, crowded=crowded)
     await asyncio.wait_for(request, 10)
     assert ran == ["background"]
     assert sent[0]["status"] == 201
@@ -412,19 +452,17 @@ async def test_a_background_task_does_not_hold_back_the_answer(
     assert decode_record(raw, key="k").state == "COMPLETED"  # type: ignore[union-attr]
 
 
-@_SETTLES
-async def test_an_app_failing_after_its_answer_still_records_and_sends_it(
-    make_store: Callable[[], MemoryStore],
-) -> None:
+@_CROWDED
+async def test_an_app_failing_after_its_answer_still_records_and_sends_it(crowded: bool) -> None:
     """An error after the final body (a failing background task) reaches the server, but
     only once the answer it follows has been recorded and sent."""
-    store = make_store()
+    store = _SlowFinish(hangs=0)
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
         await _answer_201(scope, receive, send)
         raise RuntimeError("the background work failed")
 
-    request, key, sent = _charge(store, tool)
+    request, key, sent = _charge(store, tool, crowded=crowded)
     with pytest.raises(RuntimeError, match="background work failed"):
         await request
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
