@@ -15,12 +15,14 @@ naming its path, such as ``args.items[2].price``.
 
 Speed: arguments that already are plain JSON (exact ``dict``/``list``/``str``/
 ``int``/``float``/``bool``/``None``, string keys: what ``json.loads`` gives) take
-the C path. :func:`_check_plain` looks at the type of every value (no paths, no
-conversion, no copy) and the bytes come straight from the C encoder that
-``json.dumps`` itself uses, built once; NaN, infinities and integers of more than
-4300 digits make that encoder raise, and such input, like any other that is not
-plain, takes :func:`_convert`, the precise walk that converts values and names the
-path of the first bad one. Both give the same bytes or the same refusal
+the C path. The C encoder that ``json.dumps`` itself uses, built once, writes the
+bytes first and refuses NaN, infinities, integers of more than 4300 digits, foreign
+types and cycles as it goes; :func:`_check_plain` then makes sure nothing in the
+tree was written that the precise walk would have converted or refused (a
+subclass, an enum, a tuple, a key that is not a string), taking the values of
+dicts and lists in batches from ``gc.get_referents`` (no paths, no copy). Input
+that is not plain takes :func:`_convert`, the precise walk that converts values and
+names the path of the first bad one. Both give the same bytes or the same refusal
 (``tests/test_canonical.py`` checks it on generated inputs).
 """
 
@@ -28,8 +30,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+import gc
 import hashlib
-import itertools
 import json
 import math
 import sys
@@ -114,73 +116,88 @@ def _plain_item(item: Any) -> Any:
     raise _NotPlain
 
 
-# Exact types _check_plain passes without looking at the value. Under "python" the C
-# encoder refuses NaN and infinities itself (allow_nan=False), and ints of more than
-# 4300 digits too when the interpreter refuses to print them, as it does by default.
-# The "jcs" encoder is Python code that trusts its input: numbers are checked here.
-_STR_LEAVES: frozenset[type] = frozenset({str, bool, type(None)})
-_LEAVES: frozenset[type] = _STR_LEAVES | {float}
+# Exact types _check_plain passes without looking at the value: the C encoder has already
+# refused NaN and infinities (allow_nan=False), and integers of more than 4300 digits when
+# the interpreter refuses to print them, as it does by default.
+_LEAVES: frozenset[type] = frozenset({str, bool, type(None), float})
 _LEAVES_AND_INTS: frozenset[type] = _LEAVES | {int}
-_WIDE = 16  # from this many items, one C-level look at all their types first
+_DICTS: frozenset[type] = frozenset({dict})
+_LISTS: frozenset[type] = frozenset({list})
+_AND_LISTS = {leaves: leaves | _LISTS for leaves in (_LEAVES, _LEAVES_AND_INTS)}
+_WIDE = 16  # from this many values, one C-level look at all their types first
 _int_digits_limit: Callable[[], int] = getattr(sys, "get_int_max_str_digits", lambda: 0)
 
 
-def _leaves(profile: Profile) -> frozenset[type]:
-    """The types :func:`_check_plain` passes unseen, for ``profile`` in this interpreter."""
-    if profile != "python":
-        return _STR_LEAVES
-    if 0 < _int_digits_limit() <= _MAX_INT_DIGITS:
-        return _LEAVES_AND_INTS
-    return _LEAVES
+def _leaves() -> frozenset[type]:
+    """The types :func:`_check_plain` passes unseen, in this interpreter."""
+    return _LEAVES_AND_INTS if 0 < _int_digits_limit() <= _MAX_INT_DIGITS else _LEAVES
 
 
-def _check_plain(value: Any, leaves: frozenset[type]) -> None:
-    """Raise :class:`_NotPlain` unless ``value`` (a ``dict`` or ``list``) is plain JSON.
+def _check_plain(value: dict[Any, Any], leaves: frozenset[type]) -> None:
+    """Raise :class:`_NotPlain` unless ``value``, which the C encoder has just encoded,
+    is plain JSON.
 
-    Plain: exact ``dict``/``list`` containers, ``str`` keys, and values of the exact
-    types that :func:`_convert` returns unchanged; types in ``leaves`` pass unseen
-    (see :func:`_leaves`). No copy, no paths. Work is done in C where it can be, to
-    save a Python call per container: a list of dicts (records) is looked at as one
-    run of values (all their keys in one join), and a list nested in a value gets a
-    C-level look at its items before any call. A cycle or absurd nesting raises
-    ``RecursionError``.
+    Plain: exact ``dict``/``list`` containers, exact ``str`` keys, and values of the
+    exact types that :func:`_convert` returns unchanged (no subclass, enum or tuple,
+    whose bytes the encoder writes but which the precise walk converts); types in
+    ``leaves`` pass unseen (see :func:`_leaves`). No copy, no paths.
+
+    The values of a dict, or of all the dicts of a list at once, come from
+    ``gc.get_referents``, in C. A dict whose keys are not all exact strings gives its
+    keys too, so a count that does not add up is not plain. Only a tree the encoder
+    has walked comes here: it has no cycle, and absurd nesting raises
+    ``RecursionError`` as it did there.
     """
-    if type(value) is dict:
-        try:
-            _join(value)  # a TypeError unless every key is a str: the cheapest check in C
-        except TypeError:
-            raise _NotPlain from None
-        value = value.values()
-        if len(value) >= _WIDE and leaves.issuperset(map(type, value)):
-            return  # a wide object of scalars (the C loop stops at the first other type)
-    elif len(value) > 1 and type(value[0]) is dict and _DICTS.issuperset(map(type, value)):
-        try:
-            _join(_from(value))  # the keys of all the records at once
-        except TypeError:
-            raise _NotPlain from None
-        value = _from(map(_values, value))
-    elif len(value) >= _WIDE and leaves.issuperset(map(type, value)):
-        return  # a wide list of scalars
-    for item in value:
+    values = _referents(value)
+    if len(values) != len(value):
+        raise _NotPlain
+    _check_values(values, leaves)
+
+
+def _check_values(values: list[Any], leaves: frozenset[type]) -> None:
+    """Raise :class:`_NotPlain` unless every one of ``values`` is plain (see above)."""
+    if len(values) >= _WIDE:  # one look in C at all the types first
+        if leaves.issuperset(map(type, values)):
+            return
+        if _AND_LISTS[leaves].issuperset(map(type, values)):  # say, records with tags
+            _check_values(_referents(*values), leaves)  # all the lists' items at once
+            return
+    for item in values:
         kind = type(item)
         if kind in leaves:
             continue
-        if kind is list:
-            if not leaves.issuperset(map(type, item)):  # e.g. a list of tags: no call
-                _check_plain(item, leaves)
-        elif kind is dict:
+        if kind is dict:
             _check_plain(item, leaves)
-        elif kind is int:
-            if item.bit_length() > _SMALL_INT_BITS:
-                raise _NotPlain
-        elif kind is not float or not math.isfinite(item):
-            raise _NotPlain
+        elif kind is list:
+            if len(item) > 1 and type(item[0]) is dict and _DICTS.issuperset(map(type, item)):
+                expected = sum(map(len, item))  # a list of records: all their values
+                item = _referents(*item)
+                if len(item) != expected:
+                    raise _NotPlain
+                _check_values(item, leaves)
+            elif not leaves.issuperset(map(type, item)):  # e.g. a list of tags: no call
+                _check_values(item, leaves)
+        elif kind is not int or item.bit_length() > _SMALL_INT_BITS:
+            raise _NotPlain  # ints come here only when the interpreter prints any length
 
 
+def _referents_as_expected() -> bool:
+    """Whether ``gc.get_referents`` gives what :func:`_check_plain` relies on, as CPython's
+    does: every value of a dict (keys too unless all are exact strings) and of a list,
+    in any order."""
+    x, y = "x", 2.5
+    try:
+        return (
+            sorted(map(id, gc.get_referents({"a": x, "b": y}))) == sorted([id(x), id(y)])
+            and sorted(map(id, gc.get_referents({1: x}))) == sorted([id(1), id(x)])
+            and sorted(map(id, gc.get_referents([x, y, None]))) == sorted([id(x), id(y), id(None)])
+        )
+    except Exception:  # pragma: no cover - another interpreter's collector
+        return False
+
+
+_referents = gc.get_referents
 _join = "".join
-_from = itertools.chain.from_iterable
-_values = dict.values
-_DICTS: frozenset[type] = frozenset({dict})
 _sha256 = hashlib.sha256
 
 
@@ -319,12 +336,18 @@ def plain_and_body(args: object, profile: Profile) -> tuple[JSONObject, bytes]:
     When ``args`` already is plain JSON the value returned is ``args`` itself, not a
     copy (:func:`to_jsonable` copies); otherwise it is the converted copy.
     """
-    if type(args) is dict:
+    if type(args) is dict and _FAST:
         try:
-            _check_plain(args, _leaves(profile))
-            return args, _encode(args, profile)
-        except (_NotPlain, RecursionError, ValueError):
+            # The encoder first: in C it refuses what JSON cannot carry (NaN, foreign
+            # types, a cycle as a RecursionError), and the check then walks a finite tree.
+            text = _text(args)
+            _check_plain(args, _leaves())
+        except (_NotPlain, RecursionError, ValueError, TypeError):
             pass  # to_jsonable() converts, or names the offending path
+        else:
+            if profile == "python":
+                return args, text.encode("ascii")
+            return args, _jcs(args, "args").encode("utf-8")
     plain = to_jsonable(args)
     return plain, encode_jsonable(plain, profile)
 
@@ -362,12 +385,21 @@ def _c_encoder() -> _Encoder | None:
 _c_encode = _c_encoder()
 
 
+def _text(value: JSONObject) -> str:
+    """The ``python`` profile's text of ``value`` (see :func:`_json_dumps`)."""
+    if _c_encode is None:
+        return _json_dumps(value)
+    return _join(_c_encode(value, 0))
+
+
 def _encode(value: JSONObject, profile: Profile) -> bytes:
     if profile != "python":
         return _jcs(value, "args").encode("utf-8")
-    if _c_encode is None:
-        return _json_dumps(value).encode("ascii")
-    return _join(_c_encode(value, 0)).encode("ascii")
+    return _text(value).encode("ascii")
+
+
+# The fast path needs CPython's view of a container's referents (see _check_plain).
+_FAST = _referents_as_expected()
 
 
 def encode_jsonable(value: JSONObject, profile: Profile) -> bytes:

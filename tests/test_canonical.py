@@ -463,6 +463,11 @@ def test_fast_path_equals_precise_walk(profile: Profile, args: dict[str, Any]) -
         {1: "int key"},
         {"nested": {None: 1}},
         {"t": Level.HIGH, "c": _Tone.LOW},
+        {"rows": [{"a": 1}, {2: "b"}, {"c": 3}]},
+        {"m": [{"a": {"b": [{3.5: 4}]}}], "n": "x"},
+        {"rows": [{"a": 1}, {_Shout("k"): 2}]},
+        {"rows": [{"a": (1, 2)}, [Level.HIGH]]},
+        {"deep": [[[[{"a": [[{"b": {"c": [True, None, 1.5]}}]]}]]]]},
     ],
     ids=[
         "str-int-float subclasses",
@@ -471,6 +476,11 @@ def test_fast_path_equals_precise_walk(profile: Profile, args: dict[str, Any]) -
         "int key",
         "None key",
         "enums",
+        "int key in one record of a list",
+        "float key deep in a mixed level",
+        "str-subclass key in a record",
+        "tuple and enum below plain containers",
+        "plain and deep",
     ],
 )
 def test_fast_path_edges_match_the_precise_walk(args: dict[str, Any]) -> None:
@@ -478,6 +488,25 @@ def test_fast_path_edges_match_the_precise_walk(args: dict[str, Any]) -> None:
     for profile in ("python", "jcs"):
         assert _outcome(args, profile) == _precise(args, profile)
     assert canonical_json({"flag": True, "one": 1}) == b'{"flag":true,"one":1}'
+
+
+def test_the_fast_check_sees_every_value_through_the_collector() -> None:
+    """The fast check takes a level's values from ``gc.get_referents``: on CPython that
+    gives every value of a dict and a list, and a dict's keys too once one is not an
+    exact str (a dict that ever held such a key keeps giving them). Elsewhere the fast
+    path is off and the precise walk gives the same answer."""
+    from unittest import mock
+
+    from agentkey import _canonical
+
+    if sys.implementation.name == "cpython":
+        assert _canonical._FAST
+    emptied: dict[Any, Any] = {1: "gone", "a": [1]}
+    del emptied[1]  # only str keys now, but the dict still gives its keys
+    for args in ({"a": [1, {"b": 2}]}, {"d": emptied}, {"rows": [{"x": 1}, {2: 3}]}):
+        with mock.patch.object(_canonical, "_FAST", False):
+            off = _outcome(args, "python")
+        assert _outcome(args, "python") == off == _precise(args, "python")
 
 
 def test_plain_arguments_skip_the_python_walk() -> None:
