@@ -145,8 +145,8 @@ def _check_plain(value: dict[Any, Any], leaves: frozenset[type]) -> None:
     The values of a dict, or of all the dicts of a list at once, come from
     ``gc.get_referents``, in C. A dict whose keys are not all exact strings gives its
     keys too, and an instance's ``__dict__`` whose values live in the instance (Python
-    3.13) gives none, so a count that does not add up is not plain. Only a tree the encoder
-    has walked comes here: it has no cycle, and absurd nesting raises
+    3.13) gives none, so a count that does not add up is not plain. Only a tree the
+    encoder has walked comes here: it has no cycle, and absurd nesting raises
     ``RecursionError`` as it did there.
     """
     values = _referents(value)
