@@ -480,7 +480,10 @@ class IdempotencyMiddleware:
         # A MemoryStore answers without ever waiting, so its settle cannot hold the app's
         # stack across a wait: a task beside the app (_Exchange.send) would only cost one.
         self._settle_inline = type(store) is MemoryStore
-        self._in_flight = 0  # claimed requests whose app is running (see _run)
+        # Claimed requests whose app is running (see _run). It only picks where the settle
+        # runs, and both places are correct: a count skewed by event loops in several
+        # threads sharing this middleware changes nothing but that choice.
+        self._in_flight = 0
         self._routes = _Routes(routes)
         self.methods = frozenset(m.upper() for m in methods)
         self.require_key = require_key
