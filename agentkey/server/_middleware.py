@@ -690,25 +690,26 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, exchange.receive, exchange.send)
         except BaseException:
-            if exchange.settling is not None:
-                # The app failed after its answer (a background task, say): the answer is
-                # still recorded and sent before the error goes on.
-                await self._settled(exchange)
-            elif not exchange.finished:
-                decision = await self._finish(claim, exchange, error=True)
-                if self._hooks:
-                    self._emit(decision, method, path, claim.idempotency_key, 500)
+            # An app failing after its answer (a background task, say) still has the
+            # answer recorded and sent before the error goes on.
+            await self._conclude(exchange)
             raise
         finally:
             self._in_flight -= 1
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
+        await self._conclude(exchange)
+
+    async def _conclude(self, exchange: _Exchange) -> None:
+        """After the app: wait for the settle its final answer started, or, when it
+        gave no complete response, settle the claim as a failure (a 500)."""
         if exchange.settling is not None:
             await self._settled(exchange)
-        elif not exchange.finished:  # the app returned without a complete response
+        elif not exchange.finished:
+            claim = exchange.claim
             decision = await self._finish(claim, exchange, error=True)
             if self._hooks:
-                self._emit(decision, method, path, claim.idempotency_key, 500)
+                self._emit(decision, exchange.method, exchange.path, claim.idempotency_key, 500)
 
     async def _settled(self, exchange: _Exchange) -> None:
         """Wait for the settle that the app's final answer started, then tell the hooks.
