@@ -31,6 +31,7 @@ __all__ = [
     "normalize_step",
     "plan_id_from_external",
     "raw_key",
+    "shown_key",
     "step_key",
     "validate_plan_session_id",
 ]
@@ -299,6 +300,31 @@ def step_key(
 ) -> str:
     """Return the raw ``Idempotency-Key`` for ``args`` at ``step`` of a plan."""
     return StepKey.build(plan_session_id, step, args, profile=profile).format()
+
+
+def shown_key(key: str) -> str:
+    """``key`` fit for a log line, a span attribute or an error message.
+
+    An Idempotency-Key is a bearer secret: whoever holds it (and the principal's
+    credentials) gets the stored answer. Shown, an agentkey key keeps its plan id
+    and step label readable and replaces the ``args_hash`` by ``#`` and 8 hex
+    digits of the SHA-256 of the whole key (``plan-1:step_003:#1a2b3c4d``); any
+    other key (a UUID, ``ik_...``) is shown as ``#`` and those 8 digits alone.
+    The digest lets two lines be matched to one key without revealing it.
+    """
+    text = key if isinstance(key, str) else str(key)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    plan, sep, rest = text.partition(":")
+    label, sep2, tail = rest.partition(":")
+    if (
+        sep
+        and sep2
+        and _PLAN_ID.fullmatch(plan)
+        and _STEP.fullmatch(label)
+        and _HASH.fullmatch(tail)
+    ):
+        return f"{plan}:{label}:#{digest}"
+    return f"#{digest}"
 
 
 def _renamed(old: str, new: str) -> None:

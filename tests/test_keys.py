@@ -200,3 +200,19 @@ def test_key_prefix_is_the_raw_key_before_its_hash(parts: int) -> None:
         return
     assert key_prefix("p" * 64, index) + HASH == expected
     assert len(expected) <= 255
+
+
+def test_shown_key_hides_the_args_hash_and_keeps_plan_and_step() -> None:
+    """A key shown in logs keeps plan and step readable, never its args_hash or an opaque key."""
+    from agentkey._keys import shown_key
+
+    key = step_key("plan-1", 3, {"amount": 5})
+    shown = shown_key(key)
+    assert shown.startswith("plan-1:step_003:#")
+    assert len(shown) == len("plan-1:step_003:#") + 8
+    assert key.rsplit(":", 1)[1] not in shown
+    assert shown_key(key) == shown  # stable: two lines about one key match
+    assert shown_key(step_key("plan-1", 3, {"amount": 6})) != shown
+    opaque = "ik_live_4f1d2c3b"
+    assert shown_key(opaque).startswith("#")
+    assert "ik_live" not in shown_key(opaque)
