@@ -39,6 +39,7 @@ from ._exceptions import (
     TokenError,
     ToolError,
     ToolRejected,
+    ToolUnreachable,
     UnsafeRedirect,
 )
 from ._keys import HeaderStyle, StepKey, step_key
@@ -162,6 +163,7 @@ __all__ = [
     "ToolInvoker",
     "ToolRejected",
     "ToolResult",
+    "ToolUnreachable",
     "UnsafeRedirect",
     "__version__",
     "acheck_server",

@@ -13,7 +13,8 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   │   └── PayloadMismatch              422 (or a mismatch 409): body and key disagree
 │   │       └── KeyReused                  the key is bound to another tool or route
 │   ├── StepInProgress                 409 until the retry budget ran out
-│   ├── OutcomeUnknown                 budget ran out after an ambiguous failure
+│   ├── OutcomeUnknown                 the step may have run, and nothing says whether it did
+│   ├── ToolUnreachable                no request reached the tool: the step did not run
 │   ├── StepFailed                     an asynchronous operation reported failure
 │   ├── PollTimeout                    the poll deadline passed; resume later
 │   └── UnsafeRedirect                 a redirect or status URL leads to another origin
@@ -63,6 +64,7 @@ __all__ = [
     "TokenError",
     "ToolError",
     "ToolRejected",
+    "ToolUnreachable",
     "UnsafeRedirect",
 ]
 
@@ -176,10 +178,21 @@ class StepInProgress(InvokeError):
 
 
 class OutcomeUnknown(InvokeError):
-    """The budget ran out after an ambiguous failure: the call may have run.
+    """The call may have run, and no answer says whether it did.
 
-    Resending later with the same ``idempotency_key`` is safe: the server
-    replays the stored outcome instead of running the step twice.
+    Raised when the budget ran out after an ambiguous failure, and when a
+    request that may have run is not sent again because the tool is not known
+    to honour Idempotency-Key. Against a tool that honours keys, resending later
+    with the same ``idempotency_key`` is safe (the tool replays the stored
+    outcome); against any other, find out whether it ran first. The journal keeps
+    the call in doubt until it is settled.
+    """
+
+
+class ToolUnreachable(InvokeError):
+    """No request of the call reached the tool (connection refused, DNS, connect timeout).
+
+    The step did not run; calling again later, with the same step, is safe.
     """
 
 

@@ -1,48 +1,70 @@
 """The invoker's state machine across answers, without I/O (like ``httpx.Auth.auth_flow``).
 
-A flow is a generator. It yields an effect, :class:`Outgoing` (send this) or
-:class:`Sleep` (wait this long), and receives the reply (an ``Answer`` or
-``Failure`` for ``Outgoing``, None after ``Sleep``). It returns
-:class:`Finished`. It reads time only through the injected ``clock`` and
-reports only through the injected hooks, so a test drives it with a fake clock
-and no socket. The decisions about one answer are ``_protocol``'s; the waits are
-``_schedule``'s; the drivers in ``_invoker`` only send and sleep.
+A flow is a generator of the effects in ``_effects``: it yields one (send this
+request, sleep, give an event to the hooks, write to the journal, ask the
+reconcile hook) and receives what carrying it out gave. It returns
+:class:`Finished`. It reads time only through the injected clocks, so a test
+drives it with a fake clock and no socket. The decisions about one answer are
+``_protocol``'s; the waits are ``_schedule``'s; the drivers in ``_drive`` only
+carry effects out.
 
 ```
-CallStart ─▶ (Attempt ─▶ send ─▶ classify ─▶ Retry+Sleep)* ─▶ (Sleep ─▶ Attempt ─▶ poll)* ─▶ CallEnd
+CallStart ─▶ journal: begin ─▶ (earlier record? settle it first)
+          ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
+          ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd
 ```
 
-One deadline rule: every wait is cut to the time left, and no new request or
-poll starts once the deadline has passed; every request carries the call's
-deadline (``RetryPolicy.deadline`` from the first send).
+Three rules carry the weight:
+
+- **No blind resend.** A request that may have run (a read timeout after
+  sending, a reset, a 5xx) is sent again only to a route known to honour
+  Idempotency-Key: declared (``honours_keys=True``), or shown by an answer
+  (:func:`~agentkey._protocol.key_evidence`), or by the route's answer to a
+  harmless ``OPTIONS`` asked once. Otherwise the user's reconcile hook decides,
+  or the call ends :class:`~agentkey.OutcomeUnknown` and stays in doubt in the
+  journal.
+- **The journal first.** With a journal, the call is recorded before its
+  first byte leaves, and its end after; a call found in the journal is
+  settled from there (answered: its answer, to a tool that does not honour
+  keys; in doubt: resent only where that is safe).
+- **One deadline.** Every wait is cut to the time left, and no new request or
+  poll starts once it has passed; waiting on a request of the same key in
+  flight elsewhere is bounded by the deadline, not by ``max_attempts``.
 """
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
-from ._exceptions import ConfigurationError, InvokeError, PollTimeout
+from ._effects import Answer, Effect, Emit, Failure, FailureKind, Journaled, Outgoing, Sleep, Verify
+from ._exceptions import (
+    ConfigurationError,
+    InvokeError,
+    OutcomeUnknown,
+    PollTimeout,
+    StepInProgress,
+    StepRepeated,
+    ToolError,
+    ToolUnreachable,
+)
 from ._hooks import (
     AttemptEvent,
     CallEndEvent,
     CallStartEvent,
     GiveUpEvent,
-    InvokeEvent,
-    InvokeHook,
     PollEvent,
     ReplayEvent,
     RetryEvent,
     _one_line,
 )
+from ._keys import shown_key
 from ._net import redact_url
 from ._policy import PollPolicy, RetryPolicy
 from ._protocol import (
     Action,
-    Answer,
     CallContext,
     Decision,
     ProtocolConfig,
@@ -50,20 +72,22 @@ from ._protocol import (
     budget_exhausted,
     classify,
     interpret_poll,
+    PROTECTED_HEADER,
+    key_evidence,
+    parse_json,
     poll_target,
 )
 from ._schedule import Backoff
+from .journal._records import Begun, CallRecord, CallState, route_of
+from .journal._verify import HttpLookup, InDoubt, Verdict
 
 __all__ = [
     "HOOK_OWNED",
     "KEY_HEADER",
     "Call",
-    "Effect",
     "Finished",
     "Flow",
-    "Outgoing",
     "Settings",
-    "Sleep",
     "check_headers",
     "invoke",
     "resume",
@@ -71,6 +95,12 @@ __all__ = [
 
 KEY_HEADER = "Idempotency-Key"
 MAX_POLL_REDIRECTS = 10
+#: Sends in a row that all failed before reaching the tool, after which it is unreachable.
+MAX_UNREACHABLE = 3
+#: The longest wait between two questions about a request of the same key in flight.
+IN_FLIGHT_CAP = 2.0
+#: Slack on a pending record's lease beyond the call's deadline (seconds).
+LEASE_SLACK = 30.0
 #: Header names agentkey sets itself; an AttemptEvent hook may add any other (``traceparent``).
 HOOK_OWNED = frozenset(
     {
@@ -87,36 +117,8 @@ HOOK_OWNED = frozenset(
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 field-name
 _FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # visible ASCII
 
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """One request the flow wants sent.
-
-    ``same_origin`` requests go through the invoker's auth and the client's
-    defaults; any other request is built bare: no auth, no client headers or
-    cookies, no Idempotency-Key, and sent past the client's cookie jar (so
-    another origin's cookies never land there, and never reach the tool).
-    ``deadline`` (on the flow's clock, ``time.monotonic()`` in the drivers)
-    bounds the whole exchange.
-    """
-
-    method: str
-    url: str
-    # Kept out of repr: user headers carry API keys, and error trackers record frame locals.
-    headers: tuple[tuple[str, str], ...] = field(repr=False)
-    content: bytes | None
-    same_origin: bool
-    deadline: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait ``seconds`` before the next effect (then send None back)."""
-
-    seconds: float
-
-
-Effect: TypeAlias = Outgoing | Sleep
+#: A reconcile hook: a callable of the call in doubt, or an HTTP lookup run by the flow.
+Verifier: TypeAlias = "HttpLookup | Callable[[InDoubt], Any]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,34 +128,54 @@ class Call:
     url: str
     method: str
     headers: tuple[tuple[str, str], ...] = field(repr=False)  # the user's (checked)
-    key: str  # the raw key, for events and errors
+    key: str  # the raw key, for events, errors and the journal
     label: str | None  # the step label, e.g. step_003
     key_value: str  # the Idempotency-Key header value in the configured style
-    body: bytes
-    tool: str | None = None  # the step's tool, for events
+    body: bytes = field(repr=False)
+    tool: str | None = None  # the step's tool, for events and the journal
+    plan: str = ""  # the plan session id
+    args_hash: str | None = None
+    call_id: str | None = None  # the agent runtime's id of this call (a tool call id)
+    owner: str = ""  # this process, as the journal names it
+    repeat_of: str | None = None  # the label of the step this call repeats (on_repeat)
+    verify: Verifier | None = None  # the reconcile hook of this call's tool
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """One invoker's fixed inputs to every flow: config, policies, hooks, clock."""
+    """One invoker's fixed inputs to every flow: config, policies, journal, clocks."""
 
     protocol: ProtocolConfig
     retry: RetryPolicy
     polling: PollPolicy
-    hooks: tuple[InvokeHook, ...]
-    clock: Callable[[], float]
-    rng: Callable[[], float] = random.random
+    hooks: bool  # whether any hook listens (no hook: no event is built)
+    clock: Callable[[], float]  # monotonic seconds: deadlines and waits
+    rng: Callable[[], float]  # uniform in [0, 1): backoff jitter
+    wall: Callable[[], float]  # Unix seconds: journal records outlive processes
+    journal: bool = False  # whether a journal records the calls
+    journal_max_body: int = 0  # answers larger than this are not kept in the journal
+    honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
+    in_flight: Backoff = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", self.retry.schedule)
+        retry = self.retry
+        object.__setattr__(self, "steps", retry.schedule)
         object.__setattr__(self, "polls", self.polling.schedule)
+        cap = min(retry.max_backoff, IN_FLIGHT_CAP)
+        waits = Backoff(min(retry.initial_backoff, cap), cap, 1.5, False, cap)
+        object.__setattr__(self, "in_flight", waits)
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The answer that ends a flow, and how the flow got there."""
+    """The answer that ends a flow, and how the flow got there.
+
+    ``source`` is where the answer came from: ``"tool"`` (an HTTP answer),
+    ``"journal"`` (kept from an earlier run of this call; nothing was sent) or
+    ``"verify"`` (the reconcile hook found the call had run).
+    """
 
     answer: Answer
     key: str
@@ -163,22 +185,23 @@ class Finished:
     polls: int
     elapsed: float
     status_url: str | None
+    source: str = "tool"
+    repeat_of: str | None = None
 
 
-Flow: TypeAlias = Generator[Effect, "Reply | None", Finished]
+Flow: TypeAlias = Generator[Effect, Any, Finished]
 
 
 def invoke(call: Call, settings: Settings) -> Flow:
     """The flow of one step: send it (same key on every resend), then poll a 202 to its end."""
     run = _Run(call, settings)
-    return run.observed(run.step()) if settings.hooks else run.step()  # no hook: no event
+    return run.observed(run.step())
 
 
 def resume(call: Call, settings: Settings) -> Flow:
     """The flow that finishes polling ``call.url`` after a PollTimeout, sending no step."""
     run = _Run(call, settings)
-    flow = run.poll(call.url, False)
-    return run.observed(flow) if settings.hooks else flow
+    return run.observed(run.resumed())
 
 
 def check_headers(
@@ -226,39 +249,47 @@ class _Run:
         self.start = settings.clock()
         self.deadline = self.start + settings.retry.deadline  # bounds every send and poll
         self.attempts = self.polls = 0
+        self.reached = False  # some request reached the tool (or may have)
+        self.record: CallRecord | None = None  # this call's journal record, while it owns it
+        self.evidence: str | None = None  # how the route showed it honours keys
+        self.probed = False
+        self.asked_last = False  # the last question before the deadline about a key in flight
 
     def ctx(self) -> CallContext:
         return CallContext(self.call.key, self.call.label, self.attempts, self.polls)
-
-    def emit(self, event: InvokeEvent) -> None:
-        for hook in self.s.hooks:
-            hook(event)
 
     def observed(self, flow: Flow) -> Flow:
         """``flow`` between a CallStartEvent and a CallEndEvent that says how it ended.
 
         The drivers throw their own failures (a cancellation, a request that cannot be
-        built) into the flow, so the CallEndEvent names those too.
+        built, a hook that raised) into the flow, so the CallEndEvent names those too.
         """
-        call = self.call
-        self.emit(CallStartEvent(call.key, call.label, call.method, call.url, call.tool))
+        call, hooks = self.call, self.s.hooks
+        if hooks:
+            yield Emit(CallStartEvent(call.key, call.label, call.method, call.url, call.tool))
         try:
             done = yield from flow
         except GeneratorExit:
             raise
         except BaseException as exc:
-            status = getattr(exc, "status_code", None)
-            error = type(exc).__name__
-            self.emit(
-                CallEndEvent(call.key, call.label, None, self.attempts, self.polls, status, error)
-            )
+            if hooks:
+                status = getattr(exc, "status_code", None)
+                error = type(exc).__name__
+                yield Emit(
+                    CallEndEvent(
+                        call.key, call.label, None, self.attempts, self.polls, status, error
+                    )
+                )
             raise
-        outcome = "replayed" if done.replayed else "executed"
-        status = done.answer.status_code
-        self.emit(
-            CallEndEvent(call.key, call.label, outcome, done.attempts, done.polls, status, None)
-        )
+        if hooks:
+            outcome = "replayed" if done.replayed else "executed"
+            status = done.answer.status_code
+            yield Emit(
+                CallEndEvent(call.key, call.label, outcome, done.attempts, done.polls, status, None)
+            )
         return done
+
+    # --- small pieces ----------------------------------------------------------------------
 
     def outgoing(
         self,
@@ -268,11 +299,11 @@ class _Run:
         body: bytes | None,
         same_origin: bool,
         number: int,
-    ) -> Outgoing:
+    ) -> Generator[Effect, Any, Outgoing]:
         """The request to send, after the AttemptEvent hooks added their headers."""
         if self.s.hooks:
             extra: dict[str, str] = {}
-            self.emit(AttemptEvent(self.call.key, self.call.label, number, method, url, extra))
+            yield Emit(AttemptEvent(self.call.key, self.call.label, number, method, url, extra))
             if extra:
                 hooked = check_headers(extra, HOOK_OWNED, "an AttemptEvent hook", ("content-",))
                 headers = (*headers, *hooked)
@@ -285,27 +316,268 @@ class _Run:
         left = deadline - self.s.clock()
         return None if left <= 0 else min(schedule.delay(tries, hint, rng=self.s.rng), left)
 
-    def give_up(self, reason: str, error: InvokeError) -> InvokeError:
-        self.emit(
-            GiveUpEvent(
-                self.call.key,
-                self.call.label,
-                self.attempts,
-                self.polls,
-                reason,
-                type(error).__name__,
+    def wait_in_flight(self, tries: int, hint: float | None) -> float | None:
+        """The wait before asking again about a request of this key in flight elsewhere.
+
+        The tool's ``Retry-After`` is an upper bound, not a floor to sleep through (a
+        peer may send its whole lease), so the answer comes soon after the holder ends;
+        the last question is asked before the deadline, not after it.
+        """
+        left = self.deadline - self.s.clock()
+        if left <= 0 or self.asked_last:
+            return None
+        schedule = self.s.in_flight
+        if hint is None:
+            wait = schedule.delay(tries)
+        else:
+            wait = max(min(hint, schedule.cap), schedule.initial)
+        margin = min(1.0, left / 2)  # time for the last question's own answer
+        if wait >= left - margin:
+            self.asked_last = True
+            return max(0.0, left - margin)
+        return wait
+
+    def give_up(self, reason: str, error: InvokeError) -> Generator[Effect, Any, InvokeError]:
+        if self.s.hooks:
+            call = self.call
+            yield Emit(
+                GiveUpEvent(
+                    call.key, call.label, self.attempts, self.polls, reason, type(error).__name__
+                )
             )
-        )
         return error
 
-    def finish(self, answer: Answer, replayed: bool, status_url: str | None) -> Finished:
+    def finish(
+        self,
+        answer: Answer,
+        replayed: bool,
+        status_url: str | None,
+        source: str = "tool",
+    ) -> Finished:
         elapsed = self.s.clock() - self.start
-        key, label = self.call.key, self.call.label
+        call = self.call
         return Finished(
-            answer, key, label, replayed, self.attempts, self.polls, elapsed, status_url
+            answer,
+            call.key,
+            call.label,
+            replayed,
+            self.attempts,
+            self.polls,
+            elapsed,
+            status_url,
+            source,
+            call.repeat_of,
         )
 
+    def honoured(self) -> bool:
+        """Whether a request of this call that may have run can be sent again."""
+        declared = self.s.honours_keys
+        return declared is True or (declared is None and self.evidence is not None)
+
+    # --- the journal -----------------------------------------------------------------------
+
+    def new_record(self) -> CallRecord:
+        call, now = self.call, self.s.wall()
+        return CallRecord(
+            key=call.key,
+            plan=call.plan,
+            step=call.label,
+            tool=call.tool,
+            args_hash=call.args_hash,
+            route=route_of(call.method, call.url),
+            state=CallState.PENDING,
+            call_id=call.call_id,
+            created_at=now,
+            updated_at=now,
+            owner=call.owner,
+            lease_until=now + self.s.retry.deadline + LEASE_SLACK,
+        )
+
+    def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
+        """Remember what ``answer`` shows about the route honouring keys."""
+        if self.evidence is not None:
+            return
+        found = key_evidence(answer, self.s.protocol)
+        if found is None:
+            return
+        self.evidence = found
+        if self.s.journal:
+            yield Journaled("learn", (route_of(self.call.method, self.call.url), found))
+
+    def close_record(
+        self, state: CallState, *, answer: Answer | None = None, error: BaseException | None = None,
+        outcome: str | None = None, status_url: str | None = None, source: str = "tool",
+    ) -> Generator[Effect, Any, None]:  # fmt: skip
+        """Write how the call ended over its pending record."""
+        record = self.record
+        if record is None:
+            return
+        self.record = None
+        fields: dict[str, Any] = {
+            "state": state,
+            "updated_at": self.s.wall(),
+            "attempts": self.attempts,
+            "outcome": outcome,
+            "source": source,
+            "honoured": self.honoured(),
+            "status_url": status_url,
+        }
+        if answer is not None:
+            size = len(answer.content)
+            fields["status_code"] = answer.status_code
+            fields["body_size"] = size
+            fields["body"] = answer.content if size <= self.s.journal_max_body else None
+        if isinstance(error, BaseException):
+            fields["error"] = type(error).__name__
+            fields["status_code"] = getattr(error, "status_code", None)
+            fields["reason"] = getattr(error, "reason", None)
+        yield Journaled("finish", (record.with_(**fields),))
+
+    def begin(self) -> Generator[Effect, Any, Finished | None]:
+        """Record the call in the journal, or settle the record of an earlier send of it.
+
+        A send of the same key in flight elsewhere (another task, another process) is
+        waited for, within the deadline, when the tool is not known to honour keys: its
+        answer then comes from the journal.
+        """
+        waited = 0
+        while True:
+            record = self.new_record()
+            begun: Begun = yield Journaled("begin", (record,))
+            self.evidence = self.evidence or begun.evidence
+            earlier = begun.existing
+            if earlier is None:
+                self.record = record
+                return None
+            if not (begun.live and not self.honoured()):
+                return (yield from self.settle_earlier(earlier, begun.live))
+            waited += 1
+            wait = self.wait_in_flight(waited, None)
+            if wait is None:
+                call = self.call
+                raise StepInProgress(
+                    f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
+                    f"(since {_ago(self.s.wall(), earlier.created_at)}), and the tool is not "
+                    "known to honour Idempotency-Key, so it was not sent a second time. Call "
+                    "again later: its answer goes into the journal",
+                    idempotency_key=call.key,
+                    step=call.label,
+                )
+            yield Sleep(wait)
+
+    def settle_earlier(
+        self, earlier: CallRecord, live: bool
+    ) -> Generator[Effect, Any, Finished | None]:
+        """Decide what a record of this key found in the journal means for this call.
+
+        Returns the call's answer when it is known without sending (or raises); None
+        when the call is to be sent, with ``self.record`` set when this flow took the
+        record over.
+        """
+        call, now = self.call, self.s.wall()
+        honoured = self.honoured()
+        if earlier.state is CallState.ANSWERED and not honoured:
+            if earlier.body is None:
+                raise _already_ran(call, earlier)
+            answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
+            if self.s.hooks:
+                yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
+            return self.finish(answer, True, earlier.status_url, "journal")
+        if earlier.state is CallState.FAILED and not honoured:
+            raise _already_failed(call, earlier)
+        if earlier.state is CallState.PENDING and live:
+            return None  # honoured (step() waits otherwise): the tool arbitrates, 409 in flight
+        in_doubt = earlier.state in (CallState.IN_DOUBT, CallState.PENDING)
+        if in_doubt and not honoured:
+            verdict = yield from self.reconcile(earlier)
+            if verdict is None and self.s.honours_keys is None:
+                yield from self.probe()
+                honoured = self.honoured()
+            if verdict is not None and verdict.happened is True:
+                return (yield from self.settle_verified(earlier, verdict))
+            if verdict is None and not honoured:
+                raise _in_doubt(call, earlier, None, now)
+            if verdict is not None and verdict.happened is None:
+                raise _in_doubt(call, earlier, verdict, now)
+        taken = self.new_record().with_(created_at=earlier.created_at)
+        if (yield Journaled("take_over", (taken, earlier))):
+            self.record = taken
+            return None
+        raise StepInProgress(
+            f"{_where(call)} was taken over by another sender while this one read it from "
+            "the journal; call again to get its outcome",
+            idempotency_key=call.key,
+            step=call.label,
+        )
+
+    def reconcile(self, record: CallRecord) -> Generator[Effect, Any, Verdict | None]:
+        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook."""
+        call = self.call
+        hook = call.verify
+        if hook is None:
+            return None
+        doubt = InDoubt(
+            idempotency_key=call.key,
+            plan=call.plan,
+            step=call.label,
+            tool=call.tool,
+            args=_args(call.body),
+            method=call.method,
+            url=call.url,
+            sent_at=record.created_at,
+            attempts=record.attempts or self.attempts,
+        )
+        if isinstance(hook, HttpLookup):
+            url = hook.url(call.url, doubt)
+            request = (*call.headers, ("Accept", "application/json"))
+            reply = yield Outgoing("GET", url, request, None, True, self.deadline)
+            return hook.verdict(reply)
+        verdict = yield Verify(doubt, hook)
+        if not isinstance(verdict, Verdict):
+            raise ConfigurationError(
+                f"the verify= hook returned {type(verdict).__name__}, not a Verdict; return "
+                "Verdict.ran(...), Verdict.not_run() or Verdict.unknown(...)"
+            )
+        return verdict
+
+    def settle_verified(
+        self, earlier: CallRecord, verdict: Verdict
+    ) -> Generator[Effect, Any, Finished]:
+        """The call ran, says the reconcile hook: its answer, recorded as the call's."""
+        answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
+        taken = self.new_record().with_(created_at=earlier.created_at)
+        if (yield Journaled("take_over", (taken, earlier))):
+            self.record = taken
+            yield from self.close_record(
+                CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
+            )
+        return self.finish(answer, True, None, "verify")
+
+    def probe(self) -> Generator[Effect, Any, None]:
+        """Ask the route once, with a harmless OPTIONS, whether it honours keys."""
+        if self.probed or self.s.clock() >= self.deadline:
+            return
+        self.probed = True
+        call = self.call
+        reply = yield Outgoing("OPTIONS", call.url, call.headers, None, True, self.deadline)
+        if isinstance(reply, Answer):
+            yield from self.learn(reply)
+
+    # --- the step --------------------------------------------------------------------------
+
     def step(self) -> Flow:
+        if self.s.journal:
+            known = yield from self.begin()
+            if known is not None:
+                return known
+        try:
+            done = yield from self.send_step()
+        except InvokeError as error:
+            yield from self.close_record(_state_after(error, self.reached), error=error)
+            raise
+        return done
+
+    def send_step(self) -> Flow:
         call, s = self.call, self.s
         headers = (
             *call.headers,
@@ -313,49 +585,163 @@ class _Run:
             ("Accept", "application/json"),
             (KEY_HEADER, call.key_value),
         )
-        url, ambiguous, in_flight = call.url, False, False
+        url, ambiguous, in_flight, waited = call.url, False, False, 0
+        unreachable = 0  # sends in a row that never reached the tool
+        held: Decision | None = None  # the last answer, when it said the key is in flight
         while True:
-            out = self.outgoing(call.method, url, headers, call.body, True, self.attempts + 1)
+            out = yield from self.outgoing(
+                call.method, url, headers, call.body, True, self.attempts + 1
+            )
             reply = yield out
-            assert reply is not None
             self.attempts += 1
+            not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
+            unreachable = unreachable + 1 if not_sent else 0
+            self.reached = self.reached or not not_sent
+            if isinstance(reply, Answer):
+                yield from self.learn(reply)
             decision = classify(reply, self.ctx(), s.protocol)
+            if self.asked_last and held is not None and isinstance(reply, Failure):
+                # The last question about the key in flight was cut by the deadline: the
+                # holder's answer stands, this duplicate question ran nothing.
+                decision = held
+                break
             ambiguous = ambiguous or decision.ambiguous
             in_flight = in_flight or decision.in_flight
+            held = decision if decision.in_flight else None
             if not decision.retry:
                 break
+            if decision.ambiguous and not self.honoured():
+                found = yield from self.unhonoured_doubt(decision)
+                if isinstance(found, Finished):
+                    return found
+                if not found:  # no resend: the call stays in doubt
+                    raise (yield from self.stop_in_doubt(decision))
             url = decision.url if decision.action is Action.FOLLOW and decision.url else url
-            wait = self.wait(s.steps, self.attempts, decision.retry_after, self.deadline)
-            if wait is None or self.attempts >= s.retry.max_attempts:
+            if decision.in_flight:
+                waited += 1
+                wait = self.wait_in_flight(waited, decision.retry_after)
+            else:
+                tries = self.attempts - waited
+                wait = self.wait(s.steps, tries, decision.retry_after, self.deadline)
+                if tries >= s.retry.max_attempts or (not_sent and unreachable >= MAX_UNREACHABLE):
+                    wait = None
+            if wait is None:
                 break
-            self.emit(
-                RetryEvent(
-                    call.key, call.label, self.attempts, decision.reason, wait, decision.status_code
+            if s.hooks:
+                yield Emit(
+                    RetryEvent(
+                        call.key,
+                        call.label,
+                        self.attempts,
+                        decision.reason,
+                        wait,
+                        decision.status_code,
+                        self.honoured(),
+                    )
                 )
-            )
-            if wait > 0:
-                yield Sleep(wait)
+            yield Sleep(wait)
             if s.clock() >= self.deadline:
                 break  # the deadline passed during the wait: the last answer stands
         if decision.retry:
+            if not self.reached:
+                raise (yield from self.give_up(decision.reason, _unreachable(call, self, reply)))
             error = budget_exhausted(
-                decision, self.ctx(), saw_ambiguous=ambiguous, saw_in_flight=in_flight
+                decision,
+                self.ctx(),
+                saw_ambiguous=ambiguous,
+                saw_in_flight=in_flight,
+                honoured=self.honoured(),
             )
-            raise self.give_up(decision.reason, error)
-        if decision.replayed:
+            raise (yield from self.give_up(decision.reason, error))
+        if decision.replayed and s.hooks:
             assert isinstance(reply, Answer)
-            self.emit(ReplayEvent(call.key, call.label, reply.status_code))
+            yield Emit(ReplayEvent(call.key, call.label, reply.status_code))
         if decision.action is Action.RAISE:
             assert decision.error is not None
             raise decision.error
         assert isinstance(reply, Answer)
+        outcome = "replayed" if decision.replayed else "executed"
         if decision.action is Action.DONE:
+            yield from self.close_record(CallState.ANSWERED, answer=reply, outcome=outcome)
             return self.finish(reply, decision.replayed, None)
         assert decision.url is not None
         if decision.action is Action.FETCH:  # 303: the result is there already
-            return (yield from self.poll(decision.url, decision.replayed, result_only=True))
-        hint = interpret_poll(reply, self.ctx(), s.protocol).retry_after
-        return (yield from self.poll(decision.url, decision.replayed, wait_first=True, hint=hint))
+            done = yield from self.poll(decision.url, decision.replayed, result_only=True)
+        else:
+            hint = interpret_poll(reply, self.ctx(), s.protocol).retry_after
+            done = yield from self.poll(decision.url, decision.replayed, wait_first=True, hint=hint)
+        yield from self.close_record(
+            CallState.ANSWERED, answer=done.answer, outcome=outcome, status_url=done.status_url
+        )
+        return done
+
+    def unhonoured_doubt(self, decision: Decision) -> Generator[Effect, Any, Finished | bool]:
+        """A request that may have run, to a route not known to honour keys.
+
+        True: resend (the route showed it honours keys after all, or the reconcile hook
+        says the call did not run); a Finished: the hook says it ran; False: stop.
+        """
+        if self.s.honours_keys is None:
+            yield from self.probe()
+            if self.honoured():
+                return True
+        if self.call.verify is None:
+            return False
+        wait = self.wait(self.s.steps, self.attempts, decision.retry_after, self.deadline)
+        if wait is None:
+            return False
+        yield Sleep(wait)  # a request still running on the tool gets time to land first
+        record = self.record or self.new_record()
+        verdict = yield from self.reconcile(record.with_(attempts=self.attempts))
+        if verdict is None or verdict.happened is None:
+            return False
+        if verdict.happened:
+            answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
+            yield from self.close_record(
+                CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
+            )
+            return self.finish(answer, True, None, "verify")
+        return True
+
+    def stop_in_doubt(self, decision: Decision) -> Generator[Effect, Any, InvokeError]:
+        """The error that ends a call in doubt which agentkey must not send again."""
+        call = self.call
+        ctx = self.ctx()
+        declared = self.s.honours_keys is False
+        why = (
+            "the invoker was told the tool does not honour Idempotency-Key (honours_keys=False)"
+            if declared
+            else "the tool has not shown that it honours Idempotency-Key (no replay marker, "
+            f"no {PROTECTED_HEADER} header, no key problem answer)"
+        )
+        error = ctx.error(
+            OutcomeUnknown,
+            f"{_where(call)} may have run: {decision.reason} after the request was sent, and "
+            f"{why}, so agentkey did not send it again (a second send could run it twice). "
+            "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
+            "or give the invoker a verify= hook; if the tool does honour the key, say so with "
+            "honours_keys=True",
+            status_code=decision.status_code,
+        )
+        return (yield from self.give_up(decision.reason, error))
+
+    # --- polling ---------------------------------------------------------------------------
+
+    def resumed(self) -> Flow:
+        """Finish polling after a PollTimeout; the journal's record, if any, gets the answer."""
+        earlier: CallRecord | None = None
+        if self.s.journal:
+            earlier = yield Journaled("get", (self.call.key,))
+        done = yield from self.poll(self.call.url, False)
+        if earlier is not None:
+            taken = self.new_record().with_(created_at=earlier.created_at)
+            if (yield Journaled("take_over", (taken, earlier))):
+                self.record = taken
+                yield from self.close_record(
+                    CallState.ANSWERED, answer=done.answer, outcome=earlier.outcome,
+                    status_url=done.status_url,
+                )  # fmt: skip
+        return done
 
     def poll(
         self,
@@ -374,9 +760,9 @@ class _Run:
         wait = self.wait(s.polls, 1, hint, deadline) if wait_first else None
         while True:
             same_origin = poll_target(url, self.ctx(), s.protocol)  # raises UnsafeRedirect
-            if wait:
-                if self.polls == 0:  # the wait between the 202 and the first poll
-                    self.emit(PollEvent(call.key, call.label, 0, url, "accepted", wait))
+            if wait is not None:
+                if self.polls == 0 and s.hooks:  # the wait between the 202 and the first poll
+                    yield Emit(PollEvent(call.key, call.label, 0, url, "accepted", wait))
                 yield Sleep(wait)
             # Same origin: the step's key goes along so the tool can correlate the poll; any
             # other (explicitly allowed) origin gets neither key, credentials nor user headers.
@@ -385,8 +771,8 @@ class _Run:
                 if same_origin
                 else (("Accept", "application/json"),)
             )
-            reply = yield self.outgoing("GET", url, headers, None, same_origin, self.polls + 1)
-            assert reply is not None
+            out = yield from self.outgoing("GET", url, headers, None, same_origin, self.polls + 1)
+            reply = yield out
             self.polls += 1
             decision = interpret_poll(reply, self.ctx(), s.protocol, result_only=result_only)
             if decision.action is Action.DONE:
@@ -407,8 +793,11 @@ class _Run:
                 continue
             wait = self.wait(s.polls, self.polls, decision.retry_after, deadline)
             if wait is None:
-                raise self.give_up(decision.reason, self._timeout(status_url, decision, deadline))
-            self.emit(PollEvent(call.key, call.label, self.polls, url, decision.reason, wait))
+                error = self._timeout(status_url, decision, deadline)
+                yield from self.close_record(CallState.ACCEPTED, error=error, status_url=status_url)
+                raise (yield from self.give_up(decision.reason, error))
+            if s.hooks:
+                yield Emit(PollEvent(call.key, call.label, self.polls, url, decision.reason, wait))
 
     def _timeout(self, status_url: str, decision: Decision, deadline: float) -> PollTimeout:
         s, ctx = self.s, self.ctx()
@@ -428,3 +817,95 @@ class _Run:
             attempts=ctx.attempts,
             status_code=decision.status_code,
         )
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def _args(body: bytes) -> dict[str, Any]:
+    parsed = parse_json(body)
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _where(call: Call) -> str:
+    tool = f" of tool {call.tool!r}" if call.tool else ""
+    return f"{call.label or 'the call'}{tool} (key {shown_key(call.key)})"
+
+
+def _owner(record: CallRecord) -> str:
+    host, _, rest = (record.owner or "?").partition(":")
+    return f"process {rest.partition(':')[0]} on {host}"
+
+
+def _ago(now: float, then: float) -> str:
+    return f"{max(0.0, now - then):.1f} s ago"
+
+
+def _state_after(error: InvokeError, reached: bool) -> CallState:
+    """The journal state of a call that ended with ``error``."""
+    if isinstance(error, ToolUnreachable) or not reached:
+        return CallState.NOT_SENT
+    if isinstance(error, (OutcomeUnknown, StepInProgress)):
+        return CallState.IN_DOUBT
+    if isinstance(error, PollTimeout):
+        return CallState.ACCEPTED
+    return CallState.FAILED
+
+
+def _already_ran(call: Call, record: CallRecord) -> StepRepeated:
+    size = f"{record.body_size} bytes" if record.body_size is not None else "its answer"
+    return StepRepeated(
+        f"{_where(call)} already ran (answered {record.status_code}), and its answer "
+        f"({size}) is larger than the journal keeps, while the tool is not known to honour "
+        "Idempotency-Key: sending it again could run it twice. Use the first answer, raise "
+        "the journal's max_body_bytes, or make a new step if a second run is meant",
+        tool=call.tool or "",
+        previous_step=record.step or (call.label or ""),
+        idempotency_key=call.key,
+    )
+
+
+def _already_failed(call: Call, record: CallRecord) -> ToolError:
+    said = f": {record.reason}" if record.reason else ""
+    return ToolError(
+        f"{_where(call)} already ended with a final error ({record.error or 'an error'}, "
+        f"status {record.status_code}{said}); the journal keeps that outcome, and the tool "
+        "is not known to honour Idempotency-Key, so it is not sent again. Change the "
+        "arguments or the step to make a new call",
+        idempotency_key=call.key,
+        step=call.label,
+        status_code=record.status_code,
+        reason=record.reason,
+    )
+
+
+def _in_doubt(
+    call: Call, record: CallRecord, verdict: Verdict | None, now: float
+) -> OutcomeUnknown:
+    asked = (
+        f" The verify= hook could not tell ({verdict.reason or 'unknown'})."
+        if verdict is not None
+        else ""
+    )
+    return OutcomeUnknown(
+        f"{_where(call)} was sent {_ago(now, record.created_at)} and may have run: "
+        "its sender never recorded an answer (it was stopped, or gave up after the request "
+        "left), and the tool is not known to honour Idempotency-Key, so agentkey will not "
+        f"send it again blindly.{asked} Find out whether it ran and settle it (agentkey "
+        "journal settle), pass verify=, or honours_keys=True if the tool honours the key",
+        idempotency_key=call.key,
+        step=call.label,
+        attempts=record.attempts,
+    )
+
+
+def _unreachable(call: Call, run: _Run, reply: Reply) -> ToolUnreachable:
+    origin = run.s.protocol.base_origin
+    what = reply.description if isinstance(reply, Failure) else "no answer"
+    return ToolUnreachable(
+        f"the tool at {origin.host}:{origin.port} could not be reached for {_where(call)} "
+        f"({what}, {run.attempts} attempt(s)); nothing was sent, so the step did not run. "
+        "Check that the tool server is up and the URL is right, then call again",
+        idempotency_key=call.key,
+        step=call.label,
+        attempts=run.attempts,
+    )

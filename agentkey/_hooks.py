@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
+from ._keys import shown_key
+
 __all__ = [
     "AttemptEvent",
     "CallEndEvent",
@@ -28,6 +30,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agentkey")
+
+#: Why a resend is safe, for the retry log line: only the tool's honouring the key makes
+#: "at most once" true; otherwise agentkey resends only what the tool did not run.
+_WHY_SAFE = {
+    True: "same key: the tool honours it, so the step runs at most once",
+    False: "the last attempt did not run the step: sending it again is safe",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +89,12 @@ class CallEndEvent:
 
 @dataclass(frozen=True, slots=True)
 class RetryEvent:
-    """The step's request is about to be resent with the same key after ``wait`` seconds."""
+    """The step's request is about to be resent with the same key after ``wait`` seconds.
+
+    ``honoured`` says whether the tool is known to honour Idempotency-Key (declared,
+    or shown by an answer). When it is not, agentkey resends only what did not run
+    (nothing reached the tool, or it answered "overloaded" or "in flight").
+    """
 
     idempotency_key: str
     step: str | None
@@ -88,6 +102,7 @@ class RetryEvent:
     reason: str  # "conflict: in flight", "ReadTimeout", "server error 502", ...
     wait: float
     status_code: int | None
+    honoured: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,65 +167,75 @@ class LoggingHook:
     Visible at Python's default level (WARNING): the first retry of a step
     and every give-up. Later retries, polls and replays (the protocol
     working, not a problem) log at INFO; the start and end of each call at
-    DEBUG. Only the key, step, attempt, state and wait are logged: never a
-    token, a header or a body.
+    DEBUG. Only the key (as a digest: :func:`~agentkey._keys.shown_key`), step,
+    attempt, state and wait are logged: never a token, a header or a body.
     """
 
     def __init__(self, logger_: logging.Logger | None = None) -> None:
         self._logger = logger_ or logger
 
     def __call__(self, event: InvokeEvent) -> None:
+        log = self._logger
         if isinstance(event, RetryEvent):
-            self._logger.log(
-                logging.WARNING if event.attempt == 1 else logging.INFO,
-                "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs "
-                "(same key: the tool runs the step at most once)",
-                event.idempotency_key,
-                event.step,
-                event.attempt,
-                _one_line(event.reason),
-                event.wait,
-            )
+            level = logging.WARNING if event.attempt == 1 else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(
+                    level,
+                    "retrying key=%s step=%s attempt=%d reason=%s wait=%.3fs (%s)",
+                    shown_key(event.idempotency_key),
+                    event.step,
+                    event.attempt,
+                    _one_line(event.reason),
+                    event.wait,
+                    _WHY_SAFE[event.honoured],
+                )
         elif isinstance(event, GiveUpEvent):
-            self._logger.warning(
+            log.warning(
                 "giving up key=%s step=%s attempts=%d polls=%d last=%s raising=%s",
-                event.idempotency_key,
+                shown_key(event.idempotency_key),
                 event.step,
                 event.attempts,
                 event.polls,
                 _one_line(event.reason),
                 event.error,
             )
+        elif not log.isEnabledFor(logging.INFO):
+            return  # the rest logs at INFO or DEBUG: nothing to build
         elif isinstance(event, PollEvent):
-            self._logger.info(
+            log.info(
                 "polling key=%s step=%s poll=%d state=%s wait=%.3fs",
-                event.idempotency_key,
+                shown_key(event.idempotency_key),
                 event.step,
                 event.poll,
                 _one_line(event.state),
                 event.wait,
             )
+        elif isinstance(event, ReplayEvent):
+            log.info(
+                "replayed key=%s step=%s status=%d",
+                shown_key(event.idempotency_key),
+                event.step,
+                event.status_code,
+            )
+        elif not log.isEnabledFor(logging.DEBUG):
+            return
         elif isinstance(event, CallStartEvent):
-            self._logger.debug(
-                "calling key=%s step=%s method=%s", event.idempotency_key, event.step, event.method
+            log.debug(
+                "calling key=%s step=%s method=%s",
+                shown_key(event.idempotency_key),
+                event.step,
+                event.method,
             )
         elif isinstance(event, CallEndEvent):
-            self._logger.debug(
+            log.debug(
                 "called key=%s step=%s outcome=%s attempts=%d polls=%d status=%s error=%s",
-                event.idempotency_key,
+                shown_key(event.idempotency_key),
                 event.step,
                 event.outcome,
                 event.attempts,
                 event.polls,
                 event.status_code,
                 event.error,
-            )
-        elif isinstance(event, ReplayEvent):
-            self._logger.info(
-                "replayed key=%s step=%s status=%d",
-                event.idempotency_key,
-                event.step,
-                event.status_code,
             )
 
     def __repr__(self) -> str:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
+import random
 import re
 import time
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
 from . import _flow
+from ._drive import run_async, run_sync
+from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
 from ._exceptions import ConfigurationError, InsecureTransport
-from ._flow import Call, Finished, Flow, Settings, Sleep, check_headers
+from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
 from ._hooks import InvokeHook, LoggingHook
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -40,6 +44,12 @@ from ._net import is_loopback, origin_of, redact_url
 from ._plan import Step
 from ._policy import PollPolicy, RetryPolicy
 from ._protocol import DEFAULT_REPLAY_HEADERS, ProtocolConfig, parse_json
+from .journal._base import Journal, current_owner, in_flight
+from .journal._default import resolve_journal
+from .journal._verify import HttpLookup
+
+#: What ``journal=`` takes: a journal, None (the default SQLite file) or False (none).
+JournalOption = Journal | Literal[False] | None
 
 __all__ = ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"]
 
@@ -83,6 +93,13 @@ class ToolResult(BaseModel):
     polls: int = 0
     elapsed: float
     status_url: str | None = None
+    #: Where the answer came from: ``"tool"`` (an HTTP answer, run now or replayed by the
+    #: tool), ``"journal"`` (the answer of an earlier run of this call, kept by the
+    #: journal; nothing was sent) or ``"verify"`` (the verify= hook found it had run).
+    source: Literal["tool", "journal", "verify"] = "tool"
+    #: Set when the call repeats an earlier step of its plan (same tool and arguments) and
+    #: was answered with that step's key: the earlier step's label.
+    repeat_of: str | None = None
 
     @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern
     @property
@@ -112,6 +129,9 @@ class _InvokerBase:
         route_template: str | None,
         hooks: Sequence[InvokeHook] | None,
         max_response_bytes: int,
+        journal: JournalOption,
+        honours_keys: bool | None,
+        verify: Verifier | Mapping[str, Verifier] | None,
     ) -> None:
         origin = origin_of(base_url) if isinstance(base_url, str) else None
         if origin is None or urlsplit(base_url).query or urlsplit(base_url).fragment:
@@ -183,6 +203,13 @@ class _InvokerBase:
         hooks = (LoggingHook(),) if hooks is None else tuple(hooks)
         if not all(callable(h) for h in hooks):
             raise ConfigurationError(f"hooks must be callables taking one event, got {hooks!r}")
+        if honours_keys not in (True, False, None):
+            raise ConfigurationError(
+                "honours_keys must be True (the tool honours Idempotency-Key: resend what may "
+                "have run), False (never resend it) or None (learn it from the tool's answers), "
+                f"got {honours_keys!r}"
+            )
+        self._verify = _check_verify(verify)
         self._base_url = base_url.rstrip("/")
         self._auth = auth
         self._timeout = make_timeout(timeout)
@@ -198,7 +225,20 @@ class _InvokerBase:
             allowed_poll_origins=frozenset(allowed),
             has_auth=auth is not None,
         )
-        self._settings = Settings(self._config, retry, polling, hooks, time.monotonic)
+        self._hooks = hooks
+        self._journal = resolve_journal(journal)
+        self._settings = Settings(
+            self._config,
+            retry,
+            polling,
+            bool(hooks),
+            time.monotonic,
+            random.random,
+            time.time,
+            journal=self._journal is not None,
+            journal_max_body=getattr(self._journal, "max_body_bytes", 0),
+            honours_keys=honours_keys,
+        )
         self._closed = False
 
     def __repr__(self) -> str:
@@ -243,7 +283,8 @@ class _InvokerBase:
         method: str,
         headers: Mapping[str, str] | None,
         idempotency_key: str | None,
-    ) -> Flow:
+        call_id: str | None = None,
+    ) -> Call:
         if self._closed:
             raise ConfigurationError(f"{self!r} is closed; create a new invoker")
         if not isinstance(step, Step):
@@ -265,7 +306,12 @@ class _InvokerBase:
                 f"no route for tool {step.tool!r} at {label}: pass path=, or set "
                 "routes={tool: path} or route_template='/tools/{tool}' on the invoker"
             )
+        if call_id is not None and (not isinstance(call_id, str) or not call_id):
+            raise ConfigurationError(f"call_id must be a non-empty str or None, got {call_id!r}")
         extra = _check_headers(headers)
+        verify = self._verify
+        if isinstance(verify, Mapping):
+            verify = verify.get(step.tool)
         call = Call(
             url,
             method.upper(),
@@ -275,8 +321,14 @@ class _InvokerBase:
             key.header_value(self._style),
             step.body,
             step.tool,
+            key.plan_session_id,
+            key.args_hash,
+            call_id,
+            current_owner(),
+            step.repeat_of,
+            verify,
         )
-        return _flow.invoke(call, self._settings)
+        return call
 
     def _resume(self, status_url: str, key: str, headers: Mapping[str, str] | None) -> Flow:
         if self._closed:
@@ -287,7 +339,10 @@ class _InvokerBase:
             raise ConfigurationError(f"status_url must be an absolute URL, got {shown!r}")
         extra = _check_headers(headers)
         label, value = parsed.label, parsed.header_value(self._style)
-        call = Call(status_url, "GET", extra, parsed.format(), label, value, b"")
+        call = Call(
+            status_url, "GET", extra, parsed.format(), label, value, b"",
+            plan=parsed.plan_session_id, args_hash=parsed.args_hash, owner=current_owner(),
+        )  # fmt: skip
         return _flow.resume(call, self._settings)
 
     @staticmethod
@@ -306,7 +361,36 @@ class _InvokerBase:
             polls=done.polls,
             elapsed=done.elapsed,
             status_url=done.status_url,
+            source=done.source,
+            repeat_of=done.repeat_of,
         )
+
+    def _emit(self, effect: Emit) -> None:
+        for hook in self._hooks:
+            hook(effect.event)
+
+
+def _close_awaitable(value: object) -> None:
+    close = getattr(value, "close", None)
+    if callable(close):
+        close()  # a coroutine never awaited would warn
+
+
+def _check_verify(
+    verify: object,
+) -> Verifier | Mapping[str, Verifier] | None:
+    """``verify=`` checked: a hook, a mapping of tool names to hooks, or None."""
+    if verify is None or isinstance(verify, HttpLookup) or callable(verify):
+        return verify  # type: ignore[return-value]
+    if isinstance(verify, Mapping) and all(
+        isinstance(k, str) and (isinstance(v, HttpLookup) or callable(v))
+        for k, v in verify.items()
+    ):
+        return dict(verify)
+    raise ConfigurationError(
+        "verify must be a function of the call in doubt returning a Verdict, an HttpLookup, "
+        f"or a mapping of tool names to either, got {verify!r}"
+    )
 
 
 def _check_headers(headers: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
@@ -344,6 +428,9 @@ class ToolInvoker(_InvokerBase):
         route_template: str | None = None,
         hooks: Sequence[InvokeHook] | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        journal: JournalOption = None,
+        honours_keys: bool | None = None,
+        verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
@@ -352,10 +439,16 @@ class ToolInvoker(_InvokerBase):
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
+            journal=journal, honours_keys=honours_keys, verify=verify,
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)
         self._client = client if client is not None else make_client(self._timeout)
+        if self._journal is not None and not self._journal.supports_sync:
+            raise ConfigurationError(
+                f"{self._journal!r} serves AsyncToolInvoker only (its client is asyncio); give "
+                "ToolInvoker a journal with a synchronous client, or use AsyncToolInvoker"
+            )
 
     def invoke(
         self,
@@ -365,9 +458,15 @@ class ToolInvoker(_InvokerBase):
         method: str = "POST",
         headers: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
+        call_id: str | None = None,
     ) -> ToolResult:
-        """Run ``step`` once: same key on every resend, polls a 202 to its end."""
-        return self._drive(self._prepare(step, path, method, headers, idempotency_key))
+        """Run ``step`` once: same key on every resend, polls a 202 to its end.
+
+        ``call_id`` is the agent runtime's own id of this call (a model's tool call
+        id), kept in the journal beside the call so an integration can find it again.
+        """
+        call = self._prepare(step, path, method, headers, idempotency_key, call_id)
+        return self._drive(_flow.invoke(call, self._settings), call.owner)
 
     def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
@@ -379,30 +478,35 @@ class ToolInvoker(_InvokerBase):
         """
         return self._drive(self._resume(status_url, key, headers))
 
-    def _drive(self, flow: Flow) -> ToolResult:
-        try:
-            effect = next(flow)
-            while True:
-                try:
-                    if isinstance(effect, Sleep):
-                        time.sleep(effect.seconds)
-                        reply = None
-                    else:
-                        reply = send_sync(
-                            self._client,
-                            effect,
-                            auth=self._auth,
-                            timeout=self._timeout,
-                            max_bytes=self._max_bytes,
-                        )
-                except BaseException as exc:
-                    flow.throw(exc)  # the flow reports how the call ended, and re-raises
-                    raise
-                effect = flow.send(reply)
-        except StopIteration as stop:
-            return self._result(stop.value)
-        finally:
-            flow.close()
+    def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
+        with in_flight(owner):
+            return self._result(run_sync(flow, self._carry))
+
+    def _carry(self, effect: object) -> object:
+        """Carry out one effect of a flow (the flow decided it)."""
+        if isinstance(effect, Outgoing):
+            return send_sync(
+                self._client,
+                effect,
+                auth=self._auth,
+                timeout=self._timeout,
+                max_bytes=self._max_bytes,
+            )
+        if isinstance(effect, Emit):
+            return self._emit(effect)
+        if isinstance(effect, Sleep):
+            return time.sleep(effect.seconds)
+        if isinstance(effect, Journaled):
+            return getattr(self._journal, effect.op)(*effect.args)
+        assert isinstance(effect, Verify)
+        verdict = effect.hook(effect.call)
+        if inspect.isawaitable(verdict):
+            _close_awaitable(verdict)
+            raise ConfigurationError(
+                "verify= is a coroutine function, which ToolInvoker cannot await; give it a "
+                "plain function, or use AsyncToolInvoker"
+            )
+        return verdict
 
     def close(self) -> None:
         """Close the HTTP client if agentkey created it."""
@@ -438,6 +542,9 @@ class AsyncToolInvoker(_InvokerBase):
         route_template: str | None = None,
         hooks: Sequence[InvokeHook] | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        journal: JournalOption = None,
+        honours_keys: bool | None = None,
+        verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
@@ -446,10 +553,16 @@ class AsyncToolInvoker(_InvokerBase):
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
+            journal=journal, honours_keys=honours_keys, verify=verify,
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)
         self._client = client if client is not None else make_async_client(self._timeout)
+        if self._journal is not None and not self._journal.supports_async:
+            raise ConfigurationError(
+                f"{self._journal!r} serves ToolInvoker only (its client is synchronous); give "
+                "AsyncToolInvoker a journal with an asyncio client, or use ToolInvoker"
+            )
 
     async def invoke(
         self,
@@ -459,9 +572,15 @@ class AsyncToolInvoker(_InvokerBase):
         method: str = "POST",
         headers: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
+        call_id: str | None = None,
     ) -> ToolResult:
-        """Run ``step`` once: same key on every resend, polls a 202 to its end."""
-        return await self._drive(self._prepare(step, path, method, headers, idempotency_key))
+        """Run ``step`` once: same key on every resend, polls a 202 to its end.
+
+        ``call_id`` is the agent runtime's own id of this call (a model's tool call
+        id), kept in the journal beside the call so an integration can find it again.
+        """
+        call = self._prepare(step, path, method, headers, idempotency_key, call_id)
+        return await self._drive(_flow.invoke(call, self._settings), call.owner)
 
     async def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
@@ -473,30 +592,29 @@ class AsyncToolInvoker(_InvokerBase):
         """
         return await self._drive(self._resume(status_url, key, headers))
 
-    async def _drive(self, flow: Flow) -> ToolResult:
-        try:
-            effect = next(flow)
-            while True:
-                try:
-                    if isinstance(effect, Sleep):
-                        await asyncio.sleep(effect.seconds)
-                        reply = None
-                    else:
-                        reply = await send_async(
-                            self._client,
-                            effect,
-                            auth=self._auth,
-                            timeout=self._timeout,
-                            max_bytes=self._max_bytes,
-                        )
-                except BaseException as exc:
-                    flow.throw(exc)  # the flow reports how the call ended, and re-raises
-                    raise
-                effect = flow.send(reply)
-        except StopIteration as stop:
-            return self._result(stop.value)
-        finally:
-            flow.close()
+    async def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
+        with in_flight(owner):
+            return self._result(await run_async(flow, self._carry))
+
+    async def _carry(self, effect: object) -> object:
+        """Carry out one effect of a flow (the flow decided it)."""
+        if isinstance(effect, Outgoing):
+            return await send_async(
+                self._client,
+                effect,
+                auth=self._auth,
+                timeout=self._timeout,
+                max_bytes=self._max_bytes,
+            )
+        if isinstance(effect, Emit):
+            return self._emit(effect)
+        if isinstance(effect, Sleep):
+            return await asyncio.sleep(effect.seconds)
+        if isinstance(effect, Journaled):
+            return await getattr(self._journal, "a" + effect.op)(*effect.args)
+        assert isinstance(effect, Verify)
+        verdict = effect.hook(effect.call)
+        return await verdict if inspect.isawaitable(verdict) else verdict
 
     async def aclose(self) -> None:
         """Close the HTTP client if agentkey created it."""

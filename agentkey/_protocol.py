@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urljoin
 
+from ._effects import Answer, Failure, FailureKind, Reply
 from ._exceptions import (
     AuthenticationError,
     InvokeError,
@@ -86,40 +87,6 @@ _REDIRECTS = frozenset({301, 302, 307, 308})
 
 #: The description of an UNSENDABLE failure for a redirect whose Location cannot be parsed.
 BAD_LOCATION = "a redirect whose Location cannot be parsed"
-
-
-class FailureKind(enum.Enum):
-    """What a transport error says about whether the request reached the tool."""
-
-    NOT_SENT = "not sent"  # connect error, connect or pool timeout: the tool never saw it
-    AMBIGUOUS = "ambiguous"  # read/write timeout, reset, protocol error: it may have run
-    UNSENDABLE = "unsendable"  # a URL from the tool that the HTTP client cannot parse
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A request that produced no HTTP answer."""
-
-    kind: FailureKind
-    description: str  # "read timeout", "connection reset", ... (never a header or token)
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """An HTTP answer, fully read. ``headers`` keys are lowercase."""
-
-    status_code: int
-    headers: Mapping[str, str]
-    content: bytes
-    url: str
-    oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
-    unreadable: str | None = None  # why the body was refused unread (stacked codings, ...)
-
-    def header(self, name: str) -> str | None:
-        return self.headers.get(name.lower())
-
-
-Reply = Answer | Failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -638,12 +605,19 @@ def _final(
 
 
 def budget_exhausted(
-    last: Decision, ctx: CallContext, *, saw_ambiguous: bool, saw_in_flight: bool = False
+    last: Decision,
+    ctx: CallContext,
+    *,
+    saw_ambiguous: bool,
+    saw_in_flight: bool = False,
+    honoured: bool = True,
 ) -> InvokeError:
     """The error once the retry budget ran out with ``last`` still asking for a retry.
 
     The message says only what the answers showed: an ambiguous failure means the
     step may have run; an in-flight answer means some request with this key held it.
+    It promises a safe resend only when the tool is known to honour the key
+    (``honoured``).
     """
     if last.in_flight:
         mine = (
@@ -673,11 +647,22 @@ def budget_exhausted(
         )
     else:
         what = "no answer showed the step running: each said the tool was unreachable or overloaded"
+    if honoured:
+        advice = (
+            "Resending later with the same key is safe: the tool replays the stored outcome "
+            "instead of running the step twice"
+        )
+    elif saw_ambiguous:
+        advice = (
+            "The tool is not known to honour Idempotency-Key: find out whether the step ran "
+            "before sending it again, and settle it in the journal (agentkey journal settle)"
+        )
+    else:
+        advice = "No answer showed the step running, so sending it again later is safe"
     return ctx.error(
         OutcomeUnknown,
         f"gave up on {ctx.where()} after {ctx.attempts} attempt(s), last: {last.reason}; "
-        f"outcome unknown ({what}). Resending later with the same key is safe: the tool "
-        "replays the stored outcome instead of running the step twice",
+        f"outcome unknown ({what}). {advice}",
         status_code=last.status_code,
     )
 
@@ -882,3 +867,29 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
         )
     # running, pending, queued, in_progress, notstarted, or a state we do not know yet
     return Decision(Action.WAIT, state, retry_after=_retry_after(answer))
+
+
+# --- does the tool honour keys? (evidence an answer carries) -------------------------------
+
+#: The header agentkey's middleware sets on every answer of a route it protects (and on an
+#: OPTIONS answer of such a route): the route honours Idempotency-Key.
+PROTECTED_HEADER = "Idempotency-Protected"
+
+
+def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
+    """What in ``answer`` shows the tool honours Idempotency-Key, or None.
+
+    A protection header, a replay marker, or a problem answer about the key
+    (in flight, another body, another route, a malformed key). A bare 409 says
+    nothing: plenty of tools answer "conflict" for reasons of their own.
+    """
+    said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
+    if any(part.strip() in ("true", "?1", "1") for part in said):
+        return "protection header"
+    if replay_header(answer, cfg.replay_headers) is not None:
+        return "replay marker"
+    if answer.status_code >= 400 and answer.status_code != 401:
+        _code, meaning = problem_code(parse_json(answer.content))
+        if meaning is not None:
+            return f"key problem answer ({meaning.value})"
+    return None

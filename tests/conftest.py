@@ -28,3 +28,14 @@ _patient = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("agentkey", _patient, max_examples=100)
 settings.register_profile("long", _patient, max_examples=2000)
 settings.load_profile("agentkey")
+
+
+@pytest.fixture(autouse=True)
+def _journal_per_test(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's invokers (and the processes it starts) share a fresh default journal file.
+
+    Invokers given no journal use ``$AGENTKEY_JOURNAL``; a file per test keeps one test's
+    calls (fixed plan ids such as ``plan-1``) from settling another test's.
+    """
+    path = tmp_path_factory.mktemp("journal") / "journal.sqlite3"
+    monkeypatch.setenv("AGENTKEY_JOURNAL", str(path))

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "agentkey"
 LAYERS: dict[str, int] = {
     # 0: pure core. No I/O, no clock of its own.
     "agentkey._canonical": 0,
+    "agentkey._drive": 0,
+    "agentkey._effects": 0,
     "agentkey._exceptions": 0,
     "agentkey._flow": 0,
     "agentkey._hooks": 0,
@@ -32,6 +34,8 @@ LAYERS: dict[str, int] = {
     "agentkey._version": 0,
     "agentkey.auth._policy": 0,
     "agentkey.auth._token": 0,
+    "agentkey.journal._records": 0,
+    "agentkey.journal._verify": 0,
     "agentkey.server._decide": 0,
     "agentkey.server._records": 0,
 }
@@ -45,12 +49,16 @@ APPS = 3
 #: Modules that must not do I/O or read the clock: their effects are yielded to a driver.
 PURE = {
     "agentkey._canonical",
+    "agentkey._drive",
+    "agentkey._effects",
     "agentkey._flow",
     "agentkey._keys",
     "agentkey._net",
     "agentkey._protocol",
     "agentkey._retry_after",
     "agentkey._schedule",
+    "agentkey.journal._records",
+    "agentkey.journal._verify",
     "agentkey.server._decide",
 }
 IO_MODULES = {

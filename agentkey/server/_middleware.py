@@ -114,6 +114,21 @@ _SETTLE_SECONDS = SETTLE_SECONDS
 _HOLD_POLL_SECONDS = 0.1
 
 
+#: Set on every answer of a protected route: clients learn that it honours the key.
+_PROTECTED = (b"idempotency-protected", b"true")
+
+
+def _advertising(send: Send) -> Send:
+    """``send``, with the route's protection header on the response's start."""
+
+    async def advertise(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), _PROTECTED]}
+        await send(message)
+
+    return advertise
+
+
 def _default_principal(scope: Scope) -> str:
     """Starlette's authenticated user's ``identity`` (AuthenticationMiddleware), else ``anonymous``.
 
@@ -516,6 +531,8 @@ class IdempotencyMiddleware:
             return
         path = route_path(scope)
         if method not in self.methods:
+            if method == "OPTIONS" and self._routes.match(scope, path):
+                send = _advertising(send)  # a client asks whether this route honours keys
             await self._pass(scope, receive, send, method, path)
             return
         values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
@@ -527,6 +544,7 @@ class IdempotencyMiddleware:
         if not values and not self.require_key:
             await self._pass(scope, receive, send, method, path)
             return
+        send = _advertising(send)
         key = parse_key(values, key_format=self.key_format)
         if isinstance(key, Reject):
             await self._problem(send, key, "rejected", method, path, None)

@@ -273,6 +273,8 @@ def invoke_all(driver: Driver, url: str, steps: Sequence[Step], **options: Any) 
     options.setdefault("retry", FAST)
     options.setdefault("route_template", "/tools/{tool}")
     options.setdefault("hooks", ())
+    # The peers here honour keys without saying so on a first answer; a user says so.
+    options.setdefault("honours_keys", True)
     key = options.pop("idempotency_key", None)
     if driver == "sync":
         with ToolInvoker(url, **options) as invoker:

@@ -84,6 +84,10 @@ class Script:
     def gets(self) -> list[httpx.Request]:
         return [r for r in self.requests if r.method == "GET"]
 
+    def probes(self) -> list[httpx.Request]:
+        """The OPTIONS requests agentkey sent to learn whether the route honours keys."""
+        return [r for r in self.requests if r.method == "OPTIONS"]
+
 
 @dataclass
 class Recorder:
@@ -116,6 +120,8 @@ def run_invoke(
     options.setdefault("retry", FAST_RETRY)
     options.setdefault("polling", FAST_POLL)
     options.setdefault("hooks", ())
+    # The contract's table is about tools that honour keys; rows about other tools say so.
+    options.setdefault("honours_keys", True)
     if driver == "sync":
         with (
             httpx.Client(transport=transport) as client,

@@ -13,6 +13,9 @@ name on :class:`ToolApp.faults` before a test invokes:
 - ``status``: the status the tool answers with (a 500 is stored, then replayed);
 - ``async_polls``: answer 202 + Location, and report ``running`` that many times.
 
+Every answer says ``Idempotency-Protected: true`` (set ``advertise`` False for a tool
+that honours keys without saying so).
+
 Every execution is counted per key in :attr:`ToolApp.executions`.
 """
 
@@ -69,6 +72,9 @@ class ToolApp:
         self.request_seen = threading.Event()
         self.operations: dict[str, list[str]] = {}
         self._ids = itertools.count(1)
+        #: Say on every answer that the routes honour Idempotency-Key, as the contract's
+        #: servers do (agentkey's middleware sends the same header).
+        self.advertise = True
         self.app = Starlette(
             routes=[
                 Route("/tools/{name}", self.tool, methods=["POST"]),
@@ -78,7 +84,17 @@ class ToolApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.app(scope, receive, send)
+        if not self.advertise:
+            await self.app(scope, receive, send)
+            return
+
+        async def advertised(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"idempotency-protected", b"true")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, advertised)
 
     def _see(self, request: Request) -> None:
         with self.lock:

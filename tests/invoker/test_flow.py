@@ -17,7 +17,9 @@ from agentkey import (
     PollTimeout,
     RetryPolicy,
 )
-from agentkey._flow import Call, Finished, Flow, Outgoing, Settings, Sleep, invoke, resume
+from agentkey._drive import run_sync
+from agentkey._effects import Emit, Outgoing, Sleep
+from agentkey._flow import Call, Finished, Flow, Settings, invoke, resume
 from agentkey._hooks import (
     AttemptEvent,
     CallEndEvent,
@@ -63,26 +65,46 @@ class Run:
     def record(self, event: InvokeEvent) -> None:
         self.events.append(event)
 
-    def settings(self, retry: RetryPolicy, polling: PollPolicy, *hooks: InvokeHook) -> Settings:
-        return Settings(CONFIG, retry, polling, (self.record, *hooks), self.clock, rng=lambda: 1.0)
+    hooks: tuple[InvokeHook, ...] = ()
+
+    def settings(
+        self,
+        retry: RetryPolicy,
+        polling: PollPolicy,
+        *hooks: InvokeHook,
+        honours_keys: bool | None = True,
+    ) -> Settings:
+        self.hooks = (self.record, *hooks)
+        return Settings(
+            CONFIG,
+            retry,
+            polling,
+            True,
+            self.clock,
+            lambda: 1.0,
+            lambda: 1.7e9 + self.clock.now,
+            honours_keys=honours_keys,
+        )
 
     def drive(self, flow: Flow, replies: Sequence[Reply], latency: float = 0.0) -> Finished:
         """Answer each request with the next reply, ``latency`` s later; sleep on the clock."""
         script = iter(replies)
-        try:
-            effect = next(flow)
-            while True:
-                if isinstance(effect, Sleep):
-                    self.slept.append(effect.seconds)
-                    self.clock.now += effect.seconds
-                    effect = flow.send(None)
-                else:
-                    self.sent.append(effect)
-                    self.clock.now += latency
-                    effect = flow.send(next(script))
-        except StopIteration as stop:
-            done: Finished = stop.value
-            return done
+
+        def carry(effect: object) -> object:
+            if isinstance(effect, Sleep):
+                self.slept.append(effect.seconds)
+                self.clock.now += effect.seconds
+                return None
+            if isinstance(effect, Emit):
+                for hook in self.hooks:
+                    hook(effect.event)
+                return None
+            assert isinstance(effect, Outgoing)
+            self.sent.append(effect)
+            self.clock.now += latency
+            return next(script)
+
+        return run_sync(flow, carry)
 
     def of(self, kind: type[Any]) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind)]
@@ -110,13 +132,13 @@ def test_retry_after_is_waited_capped_and_the_key_is_resent() -> None:
     assert [e.wait for e in run.of(RetryEvent)] == [7.0, 30.0]
 
 
-def test_in_flight_409_backs_off_exponentially() -> None:
-    """409 in flight without Retry-After waits initial_backoff * 2**n (jitter drawn at 1.0)."""
+def test_in_flight_409_is_asked_again_on_a_short_schedule() -> None:
+    """409 in flight without Retry-After waits 0.5 s x1.5 up to 2 s: the replay comes soon."""
     run = Run()
     busy = answer(409, {"type": "urn:agentkey:problem:in_progress"})
     replay = answer(200, {"ok": True}, idempotent_replayed="true")
     done = run.drive(invoke(CALL, run.settings(RETRY, POLL)), [busy] * 5 + [replay])
-    assert run.slept == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert run.slept == [0.5, 0.75, 1.125, 1.6875, 2.0]
     assert done.replayed
     assert done.attempts == 6
 
@@ -220,9 +242,15 @@ def test_call_end_names_what_the_driver_threw(failure: Callable[[], BaseExceptio
     """A driver's own failure thrown into the flow ends it with a CallEndEvent naming it."""
     run = Run()
     flow = invoke(CALL, run.settings(RETRY, POLL))
-    next(flow)
+
+    def carry(effect: object) -> object:
+        if isinstance(effect, Emit):
+            run.record(effect.event)
+            return None
+        raise failure()
+
     with pytest.raises(type(failure())):
-        flow.throw(failure())
+        run_sync(flow, carry)
     end = run.of(CallEndEvent)
     assert [(e.outcome, e.error, e.attempts) for e in end] == [(None, type(failure()).__name__, 0)]
 

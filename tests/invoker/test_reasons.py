@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from agentkey import KeyRejected, OutcomeUnknown, PayloadMismatch, StepInProgress, ToolRejected
+from agentkey._keys import shown_key
 from agentkey._hooks import GiveUpEvent, LoggingHook, RetryEvent
 from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
@@ -139,7 +140,8 @@ def test_first_retry_and_give_up_are_warnings(caplog: pytest.LogCaptureFixture) 
     assert "attempt=1" in messages[0]
     assert messages[1].startswith("giving up")
     assert "OutcomeUnknown" in messages[1]
-    assert all(step.idempotency_key in m for m in messages)
+    assert all(shown_key(step.idempotency_key) in m for m in messages)
+    assert not any(step.idempotency_key in m for m in messages)  # keys are bearer secrets
 
 
 def test_logging_hook_levels() -> None:

@@ -27,8 +27,10 @@ from agentkey import (
     StepInProgress,
     ToolError,
     ToolRejected,
+    ToolUnreachable,
     UnsafeRedirect,
 )
+from agentkey._keys import shown_key
 from agentkey._hooks import PollEvent, ReplayEvent
 from agentkey._invoker import Outcome, ToolResult
 
@@ -76,6 +78,7 @@ class Row:
     posts: int = 1
     gets: int = 0
     result_status: int = 200
+    probes: int = 0  # OPTIONS asked of a tool not known to honour keys
     options: dict[str, Any] = field(default_factory=dict)
     check: Callable[[ToolResult | InvokeError, Recorder], None] | None = None
 
@@ -83,6 +86,16 @@ class Row:
 def waits_capped(result: ToolResult | InvokeError, hooks: Recorder) -> None:
     """Retry-After asked for more than the cap: every wait is exactly the cap (50 ms)."""
     assert [e.wait for e in hooks.retries()] == [0.05]
+
+
+def in_flight_floor(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """A 409 in flight with Retry-After 0 still waits the in-flight floor (no spinning)."""
+    assert [e.wait for e in hooks.retries()] == [FAST_RETRY.initial_backoff]
+
+
+def in_flight_capped(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """A long Retry-After on an in-flight answer is an upper bound: the wait is the short cap."""
+    assert [e.wait for e in hooks.retries()] == [FAST_RETRY.max_backoff]
 
 
 def wait_zero(result: ToolResult | InvokeError, hooks: Recorder) -> None:
@@ -158,6 +171,16 @@ def says_ran(result: ToolResult | InvokeError, hooks: Recorder) -> None:
     assert "already ran" in str(result)
 
 
+def says_not_resent(result: ToolResult | InvokeError, hooks: Recorder) -> None:
+    """A call in doubt to a tool not known to honour keys: not resent, and the message says so."""
+    assert "did not send it again" in str(result)
+    assert "at most once" not in str(result)
+    assert hooks.retries() == []
+
+
+PROTECTED = {"Idempotency-Protected": "true"}
+
+
 ROWS = [
     # -- contract section 3, row by row --
     Row("2xx-done", [ok(201)], result_status=201),
@@ -173,7 +196,7 @@ ROWS = [
         gets=2,
         check=polls_seen,
     ),
-    Row("409-then-ok", [status(409, "0"), ok()], posts=2, check=wait_zero),
+    Row("409-then-ok", [status(409, "0"), ok()], posts=2, check=in_flight_floor),
     Row("429-then-ok", [status(429, "120"), ok()], posts=2, check=waits_capped),
     Row("503-then-ok", [status(503, "1"), ok()], posts=2, check=waits_capped),
     Row("500-then-ok", [status(500), ok()], posts=2),
@@ -206,7 +229,6 @@ ROWS = [
         posts=7,
         outcome=Outcome.REPLAYED,
     ),
-    Row("409-until-budget", [status(409, "0") for _ in range(8)], posts=8, error=StepInProgress),
     Row("retry-after-http-date", [status(429, http_date(3600)), ok()], posts=2, check=waits_capped),
     Row("retry-after-past-date", [status(503, http_date(-3600)), ok()], posts=2, check=wait_zero),
     Row("retry-after-zero", [status(503, "0"), ok()], posts=2, check=wait_zero),
@@ -221,10 +243,10 @@ ROWS = [
         error=OutcomeUnknown,
     ),
     Row(
-        "connect-errors-until-budget",
-        [httpx.ConnectError("no") for _ in range(8)],
-        posts=8,
-        error=OutcomeUnknown,
+        "connect-errors-until-unreachable",
+        [httpx.ConnectError("no") for _ in range(3)],
+        posts=3,
+        error=ToolUnreachable,
     ),
     Row(
         "202-three-polls-success",
@@ -360,7 +382,7 @@ ROWS = [
         [problem(423, "urn:idemkit:in-progress", "Retry-After", "30"), ok(200, REPLAYED)],
         posts=2,
         outcome=Outcome.REPLAYED,
-        check=waits_capped,
+        check=in_flight_capped,
     ),
     Row(
         "409-idemkit-stripe-mode-mismatch",
@@ -402,13 +424,64 @@ ROWS = [
     ),
     Row(
         "409s-then-503s-honest",
-        [status(409, "0"), *(status(503, "0") for _ in range(7))],
-        posts=8,
+        [status(409, "0"), *(status(503, "0") for _ in range(8))],
+        posts=9,
         error=OutcomeUnknown,
         check=honest_after_409,
     ),
+    # -- tools not known to honour keys (issue 25): no blind resend of what may have run --
+    Row(
+        "unknown-tool-read-timeout-stops",
+        [httpx.ReadTimeout("slow"), status(405)],
+        error=OutcomeUnknown,
+        probes=1,
+        options={"honours_keys": None},
+        check=says_not_resent,
+    ),
+    Row(
+        "unknown-tool-502-stops",
+        [status(502), status(405)],
+        error=OutcomeUnknown,
+        probes=1,
+        options={"honours_keys": None},
+        check=says_not_resent,
+    ),
+    Row(
+        "declared-unhonoured-reset-stops-unasked",
+        [httpx.RemoteProtocolError("reset")],
+        error=OutcomeUnknown,
+        options={"honours_keys": False},
+        check=says_not_resent,
+    ),
+    Row(
+        "unknown-tool-says-protected-then-replays",
+        [httpx.ReadTimeout("slow"), status(405, **PROTECTED), ok(200, REPLAYED)],
+        posts=2,
+        probes=1,
+        outcome=Outcome.REPLAYED,
+        options={"honours_keys": None},
+    ),
+    Row(
+        "unknown-tool-protected-answer-then-timeout-resends",
+        [status(409, "0", **PROTECTED), httpx.ReadTimeout("slow"), ok(200, REPLAYED)],
+        posts=3,
+        outcome=Outcome.REPLAYED,
+        options={"honours_keys": None},
+    ),
+    Row(
+        "unknown-tool-connect-error-resends",
+        [httpx.ConnectError("refused"), ok()],
+        posts=2,
+        options={"honours_keys": None},
+    ),
+    Row(
+        "unknown-tool-503-resends",
+        [status(503, "0"), ok()],
+        posts=2,
+        options={"honours_keys": None},
+    ),
     # -- hostile Retry-After values: capped, never OverflowError or ValueError --
-    Row("retry-after-400-digits", [status(409, "9" * 400), ok()], posts=2, check=waits_capped),
+    Row("retry-after-400-digits", [status(409, "9" * 400), ok()], posts=2, check=in_flight_capped),
     Row("retry-after-5000-digits", [status(503, "7" * 5000), ok()], posts=2, check=waits_capped),
     Row(
         "poll-retry-after-5000-digits",
@@ -484,15 +557,20 @@ def test_scenario(row: Row, driver: Driver) -> None:
         assert outcome.idempotency_key == step.idempotency_key
         assert outcome.step == "step_003"
         assert outcome.attempts == row.posts
-        assert step.idempotency_key in str(outcome)
+        shown = shown_key(step.idempotency_key)
+        assert step.idempotency_key in str(outcome) or shown in str(outcome)
     assert not script.answers, "every scripted answer was used"
     assert len(script.posts()) == row.posts
     assert len(script.gets()) == row.gets
+    assert len(script.probes()) == row.probes
     for post in script.posts():
         assert post.headers["Idempotency-Key"] == step.idempotency_key
         assert post.content == step.body
         assert post.headers["Content-Type"] == "application/json"
     for request in script.requests:
+        if request.method == "OPTIONS":  # the probe asks about the route, not about the key
+            assert "Idempotency-Key" not in request.headers
+            continue
         on_base = request.url.host == "tool.test" and request.url.scheme == "https"
         if on_base:
             assert request.headers["Authorization"] == "Bearer s3cret-token"

@@ -1,0 +1,129 @@
+"""The effects a flow yields and the replies it receives: the one vocabulary of the core.
+
+A flow (``_flow``) is a generator. It yields an effect and receives what
+carrying it out gave; the drivers (``_drive``) carry effects out and never
+decide anything:
+
+```
+Outgoing   send this request            ─▶ Answer | Failure
+Sleep      wait this long (0 included)  ─▶ None
+Emit       give this event to the hooks ─▶ None
+Journaled  one journal operation        ─▶ what the journal returned
+Verify     ask the user's reconcile hook about a call in doubt ─▶ Verdict
+```
+
+Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from ._hooks import InvokeEvent
+    from .journal._verify import InDoubt
+
+__all__ = [
+    "Answer",
+    "Effect",
+    "Emit",
+    "Failure",
+    "FailureKind",
+    "Journaled",
+    "Outgoing",
+    "Reply",
+    "Sleep",
+    "Verify",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One request the flow wants sent.
+
+    ``same_origin`` requests go through the invoker's auth and the client's
+    defaults; any other request is built bare: no auth, no client headers or
+    cookies, no Idempotency-Key, and sent past the client's cookie jar (so
+    another origin's cookies never land there, and never reach the tool).
+    ``deadline`` (on the flow's clock, ``time.monotonic()`` in the drivers)
+    bounds the whole exchange.
+    """
+
+    method: str
+    url: str
+    # Kept out of repr: user headers carry API keys, and error trackers record frame locals.
+    headers: tuple[tuple[str, str], ...] = field(repr=False)
+    content: bytes | None
+    same_origin: bool
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` before the next effect (then send None back). Zero still yields
+    to the event loop, so a caller's timeout can cancel a flow that never waits."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Give ``event`` to every hook, in order (then send None back)."""
+
+    event: InvokeEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Journaled:
+    """Call ``op`` on the journal with ``args`` (``a`` + ``op`` in an async driver)."""
+
+    op: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Ask the user's reconcile hook whether the call in doubt ran (send back its Verdict)."""
+
+    call: InDoubt
+    hook: Any  # the user's callable
+
+
+Effect: TypeAlias = Outgoing | Sleep | Emit | Journaled | Verify
+
+
+class FailureKind(enum.Enum):
+    """What a transport error says about whether the request reached the tool."""
+
+    NOT_SENT = "not sent"  # connect error, connect or pool timeout: the tool never saw it
+    AMBIGUOUS = "ambiguous"  # read/write timeout, reset, protocol error: it may have run
+    UNSENDABLE = "unsendable"  # a URL from the tool that the HTTP client cannot parse
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A request that produced no HTTP answer."""
+
+    kind: FailureKind
+    description: str  # "read timeout", "connection reset", ... (never a header or token)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An HTTP answer, fully read. ``headers`` keys are lowercase."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+    url: str
+    oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
+    unreadable: str | None = None  # why the body was refused unread (stacked codings, ...)
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+Reply: TypeAlias = Answer | Failure

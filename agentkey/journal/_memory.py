@@ -1,0 +1,213 @@
+"""An in-process journal: the semantics of the durable ones, for tests and short scripts.
+
+Nothing survives the process, so it protects retries within one run only.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from ._base import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RETENTION,
+    EVIDENCE_TTL,
+    Begun,
+    CallRecord,
+    CallState,
+    check_journal_options,
+    is_live,
+    now_wall,
+)
+
+__all__ = ["MemoryJournal", "SyncJournal", "unchanged"]
+
+
+def unchanged(current: CallRecord, previous: CallRecord) -> bool:
+    """True when ``current`` is still the record that was read as ``previous``."""
+    return (current.state, current.owner, current.updated_at) == (
+        previous.state,
+        previous.owner,
+        previous.updated_at,
+    )
+
+
+class SyncJournal(ABC):
+    """A journal whose work never waits on a network: its ``a``-methods call the sync ones."""
+
+    supports_sync = True
+    supports_async = True
+
+    @abstractmethod
+    def begin(self, record: CallRecord) -> Begun: ...
+
+    @abstractmethod
+    def take_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
+
+    @abstractmethod
+    def finish(self, record: CallRecord) -> bool: ...
+
+    @abstractmethod
+    def get(self, key: str) -> CallRecord | None: ...
+
+    @abstractmethod
+    def find(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]: ...
+
+    @abstractmethod
+    def learn(self, route: str, evidence: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    async def abegin(self, record: CallRecord) -> Begun:
+        return self.begin(record)
+
+    async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        return self.take_over(record, previous)
+
+    async def afinish(self, record: CallRecord) -> bool:
+        return self.finish(record)
+
+    async def aget(self, key: str) -> CallRecord | None:
+        return self.get(key)
+
+    async def afind(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        return self.find(plan, tool=tool, args_hash=args_hash, call_id=call_id)
+
+    async def alearn(self, route: str, evidence: str) -> None:
+        self.learn(route, evidence)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class MemoryJournal(SyncJournal):
+    """A journal held in this process's memory (thread-safe).
+
+    ``clock`` gives Unix seconds (default ``time.time``); tests pass their own.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        retention: float = DEFAULT_RETENTION,
+        clock: Callable[[], float] = now_wall,
+    ) -> None:
+        self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
+        self.clock = clock
+        self._records: dict[str, CallRecord] = {}
+        self._evidence: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryJournal(records={len(self._records)})"
+
+    def _evidence_of(self, route: str) -> str | None:
+        found = self._evidence.get(route)
+        if found is None or self.clock() - found[1] > EVIDENCE_TTL:
+            return None
+        return found[0]
+
+    def begin(self, record: CallRecord) -> Begun:
+        with self._lock:
+            existing = self._records.get(record.key)
+            if existing is None:
+                self._records[record.key] = record
+            live = existing is not None and is_live(existing, self.clock())
+            return Begun(existing, self._evidence_of(record.route), live)
+
+    def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        with self._lock:
+            current = self._records.get(record.key)
+            if current is None or not unchanged(current, previous):
+                return False
+            self._records[record.key] = record
+            return True
+
+    def finish(self, record: CallRecord) -> bool:
+        with self._lock:
+            current = self._records.get(record.key)
+            if current is None or current.owner != record.owner:
+                return False
+            self._records[record.key] = record
+            return True
+
+    def get(self, key: str) -> CallRecord | None:
+        with self._lock:
+            return self._records.get(key)
+
+    def find(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        with self._lock:
+            found = [
+                r
+                for r in self._records.values()
+                if r.plan == plan
+                and (tool is None or r.tool == tool)
+                and (args_hash is None or r.args_hash == args_hash)
+                and (call_id is None or r.call_id == call_id)
+            ]
+        return sorted(found, key=lambda r: r.created_at)
+
+    def calls(
+        self,
+        *,
+        plan: str | None = None,
+        states: Sequence[CallState] | None = None,
+        limit: int = 100,
+    ) -> list[CallRecord]:
+        with self._lock:
+            found = [
+                r
+                for r in self._records.values()
+                if (plan is None or r.plan == plan) and (states is None or r.state in states)
+            ]
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+
+    def learn(self, route: str, evidence: str) -> None:
+        with self._lock:
+            self._evidence[route] = (evidence, self.clock())
+
+    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
+        with self._lock:
+            current = self._records.get(key)
+            if current is None:
+                return None
+            settled = current.with_(
+                state=state, owner=None, reason=reason, updated_at=self.clock(), source="operator"
+            )
+            self._records[key] = settled
+            return settled
+
+    def prune(self, *, older_than: float) -> int:
+        cutoff = self.clock() - older_than
+        with self._lock:
+            old = [k for k, r in self._records.items() if r.updated_at < cutoff]
+            for key in old:
+                del self._records[key]
+            return len(old)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,112 @@
+"""The journal's record of one call and its states: plain data, no I/O.
+
+```
+            begin (recorded before the first send)
+                 │
+                 ▼
+             PENDING ──answer──▶ ANSWERED   the tool answered; the answer is kept
+                 │   ──202─────▶ ACCEPTED   running on the tool; poll its status URL
+                 │   ──refusal─▶ FAILED     a final error: the tool did not run it
+                 │   ──nothing─▶ NOT_SENT   never reached the tool: safe to send
+                 └───doubt─────▶ IN_DOUBT   sent, and no answer says whether it ran
+```
+
+A ``PENDING`` record whose owner is gone (the process died, or its lease ran
+out) counts as ``IN_DOUBT``. A record is written before the request leaves,
+so a process killed at any moment leaves the truth behind: either nothing was
+sent, or the record says the call may have run.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["SETTLED", "Begun", "CallRecord", "CallState", "route_of"]
+
+
+class CallState(str, enum.Enum):
+    """Where one call stands, as far as the client knows."""
+
+    PENDING = "pending"  # recorded; being sent (or its sender died: then it is in doubt)
+    ANSWERED = "answered"  # the tool answered (2xx); the answer is kept when small enough
+    ACCEPTED = "accepted"  # the tool accepted it (202) and polling did not see it end
+    FAILED = "failed"  # a final error answer: the tool refused it
+    NOT_SENT = "not_sent"  # no attempt reached the tool
+    IN_DOUBT = "in_doubt"  # it may have run: no answer says either way
+
+
+#: States after which the call is settled: nothing about it is in doubt.
+SETTLED = frozenset({CallState.ANSWERED, CallState.ACCEPTED, CallState.FAILED, CallState.NOT_SENT})
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One call as the journal keeps it.
+
+    ``key`` is the full Idempotency-Key (the journal is the caller's own file or
+    database; everything the journal prints shows a digest of it instead).
+    ``route`` is ``"<METHOD> <origin><path>"`` (no query), the scope of what is
+    learnt about whether the tool honours keys. ``call_id`` is the agent
+    runtime's own id of the call (a model's tool call id), when an integration
+    gave one. ``body`` is the answer's bytes when at most the journal's
+    ``max_body_bytes``; ``body_size`` is its size either way.
+    """
+
+    key: str
+    plan: str
+    step: str | None
+    tool: str | None
+    args_hash: str | None
+    route: str
+    state: CallState = CallState.PENDING
+    call_id: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    owner: str | None = None
+    lease_until: float = 0.0
+    attempts: int = 0
+    status_code: int | None = None
+    outcome: str | None = None
+    source: str | None = None
+    error: str | None = None
+    reason: str | None = None
+    honoured: bool | None = None
+    body: bytes | None = field(default=None, repr=False)
+    body_size: int | None = None
+    status_url: str | None = field(default=None, repr=False)
+
+    def with_(self, **changes: Any) -> CallRecord:
+        """A copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON values (the body as text when it is UTF-8, else omitted)."""
+        out: dict[str, Any] = {
+            name: getattr(self, name) for name in self.__dataclass_fields__ if name != "body"
+        }
+        out["state"] = self.state.value
+        if self.body is not None:
+            try:
+                out["body"] = self.body.decode("utf-8")
+            except UnicodeDecodeError:
+                out["body"] = None
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """What :meth:`Journal.begin` found: the existing record (None: this call's was written),
+    whether that record's sender may still be sending it (``live``), and what is known
+    about whether the record's route honours keys (``evidence``)."""
+
+    existing: CallRecord | None
+    evidence: str | None
+    live: bool = False
+
+
+def route_of(method: str, url: str) -> str:
+    """``"<METHOD> <scheme>://<host>[:port]<path>"``: the URL without query or fragment."""
+    base = url.split("#", 1)[0].split("?", 1)[0]
+    return f"{method.upper()} {base}"

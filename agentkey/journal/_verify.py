@@ -1,0 +1,177 @@
+"""Reconcile hooks: settle a call in doubt by asking whether it ran.
+
+A call is in doubt when its request may have reached the tool and no answer
+says whether it ran, and the tool is not known to honour Idempotency-Key, so
+sending it again could run it twice. A ``verify=`` hook on the invoker is
+asked instead: given the :class:`InDoubt` call, it returns a :class:`Verdict`.
+
+- ``Verdict.ran(body)``: it ran; ``body`` is its answer (what the tool would
+  have said). The invoker returns it as the call's result.
+- ``Verdict.not_run()``: it did not run, and cannot still be running: the
+  invoker sends it (again). Answer this only when that is certain: a request
+  still on its way through the tool must not be mistaken for one that never came.
+- ``Verdict.unknown(reason)``: cannot tell; the call ends in
+  :class:`~agentkey.OutcomeUnknown` and stays in doubt in the journal.
+
+:class:`HttpLookup` is a ready-made hook for tools that can be asked over
+HTTP whether an operation exists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urljoin, urlsplit
+
+from .._effects import Answer, Failure
+from .._exceptions import ConfigurationError
+
+__all__ = ["HttpLookup", "InDoubt", "Verdict"]
+
+_PLACEHOLDERS = ("key", "plan", "step", "tool", "args_hash")
+
+
+@dataclass(frozen=True, slots=True)
+class InDoubt:
+    """A call that may have run, as a reconcile hook sees it.
+
+    ``args`` are the arguments that were sent; ``sent_at`` is when the first
+    request was recorded (Unix seconds), ``attempts`` how many were sent.
+    """
+
+    idempotency_key: str = field(repr=False)
+    plan: str
+    step: str | None
+    tool: str | None
+    args: Mapping[str, Any] = field(repr=False)
+    method: str
+    url: str = field(repr=False)
+    sent_at: float
+    attempts: int
+
+    @property
+    def args_hash(self) -> str | None:
+        """The key's ``args_hash`` (None for a key that is not agentkey's)."""
+        parts = self.idempotency_key.split(":")
+        return parts[2] if len(parts) == 3 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A reconcile hook's answer: ``happened`` True (ran), False (did not run) or None."""
+
+    happened: bool | None
+    body: Any = None
+    status_code: int = 200
+    reason: str | None = None
+
+    @classmethod
+    def ran(cls, body: Any = None, *, status_code: int = 200) -> Verdict:
+        """It ran; ``body`` (JSON values, or bytes) is its answer."""
+        if isinstance(status_code, bool) or not isinstance(status_code, int):
+            raise ConfigurationError(f"status_code must be an int, got {status_code!r}")
+        if not 200 <= status_code < 300:
+            raise ConfigurationError(
+                f"Verdict.ran takes the status of a successful answer (2xx), got {status_code}"
+            )
+        return cls(True, body, status_code)
+
+    @classmethod
+    def not_run(cls) -> Verdict:
+        """It did not run and cannot still be running: sending it is safe."""
+        return cls(False)
+
+    @classmethod
+    def unknown(cls, reason: str = "") -> Verdict:
+        """It cannot be told; the call stays in doubt."""
+        return cls(None, reason=reason or None)
+
+    def content(self) -> bytes:
+        """The answer's body as bytes (JSON-encoded unless it is bytes already)."""
+        if isinstance(self.body, (bytes, bytearray)):
+            return bytes(self.body)
+        if self.body is None:
+            return b""
+        return json.dumps(self.body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+class HttpLookup:
+    """A reconcile hook that asks the tool's own origin whether the call ran.
+
+    ``path`` is a path (relative to the tool's URL) with placeholders
+    ``{key}``, ``{plan}``, ``{step}``, ``{tool}`` and ``{args_hash}``, each
+    percent-encoded: ``"/charges/by-key/{key}"`` or
+    ``"/operations?idempotency_key={key}"``. The invoker sends a GET there, with
+    its credentials and the call's headers, and reads the answer:
+
+    - 404 or 410: it did not run;
+    - 2xx: it ran, and the body is its answer; unless ``ran`` is given: a
+      function of the parsed JSON body that returns True (ran), False (did not
+      run) or None (cannot tell), for lookups that answer 200 with an empty list;
+    - anything else, or no answer: cannot tell.
+    """
+
+    __slots__ = ("_ran", "path")
+
+    def __init__(self, path: str, *, ran: Callable[[Any], bool | None] | None = None) -> None:
+        if (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or path.startswith("//")
+            or "://" in path
+        ):
+            raise ConfigurationError(
+                f"HttpLookup path must be a path on the tool's origin such as "
+                f"'/charges/by-key/{{key}}', got {path!r}"
+            )
+        try:
+            path.format(**dict.fromkeys(_PLACEHOLDERS, "x"))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigurationError(
+                f"HttpLookup path {path!r} has a placeholder other than "
+                f"{', '.join('{' + p + '}' for p in _PLACEHOLDERS)} ({exc})"
+            ) from None
+        if ran is not None and not callable(ran):
+            raise ConfigurationError(f"ran must be a function of the JSON body, got {ran!r}")
+        self.path = path
+        self._ran = ran
+
+    def __repr__(self) -> str:
+        return f"HttpLookup({self.path!r})"
+
+    def url(self, tool_url: str, call: InDoubt) -> str:
+        """The lookup's URL for ``call``, on the origin of ``tool_url``."""
+        values = {
+            "key": call.idempotency_key,
+            "plan": call.plan,
+            "step": call.step or "",
+            "tool": call.tool or "",
+            "args_hash": call.args_hash or "",
+        }
+        path = self.path.format(**{k: quote(v, safe="") for k, v in values.items()})
+        parts = urlsplit(tool_url)
+        return urljoin(f"{parts.scheme}://{parts.netloc}/", path.lstrip("/"))
+
+    def verdict(self, reply: Answer | Failure) -> Verdict:
+        """What the lookup's answer says about the call."""
+        if isinstance(reply, Failure):
+            return Verdict.unknown(f"the lookup failed ({reply.description})")
+        status = reply.status_code
+        if status in (404, 410):
+            return Verdict.not_run()
+        if not 200 <= status < 300 or reply.oversize or reply.unreadable:
+            return Verdict.unknown(f"the lookup answered {status}")
+        try:
+            body: Any = json.loads(reply.content) if reply.content.strip() else None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return Verdict.unknown("the lookup's answer is not JSON")
+        if self._ran is None:
+            return Verdict.ran(body, status_code=200)
+        said = self._ran(body)
+        if said is True:
+            return Verdict.ran(body)
+        if said is False:
+            return Verdict.not_run()
+        return Verdict.unknown("the lookup's answer does not say")
