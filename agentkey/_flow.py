@@ -64,6 +64,7 @@ from ._keys import shown_key
 from ._net import redact_url
 from ._policy import PollPolicy, RetryPolicy
 from ._protocol import (
+    PROTECTED_HEADER,
     Action,
     CallContext,
     Decision,
@@ -72,7 +73,6 @@ from ._protocol import (
     budget_exhausted,
     classify,
     interpret_poll,
-    PROTECTED_HEADER,
     key_evidence,
     parse_json,
     poll_target,
@@ -820,6 +820,7 @@ class _Run:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
 
 def _args(body: bytes) -> dict[str, Any]:
     parsed = parse_json(body)

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
+from ._effects import Outgoing
 from ._exceptions import ConfigurationError
-from ._flow import Outgoing
 from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
 
 __all__ = [

@@ -312,7 +312,7 @@ class _InvokerBase:
         verify = self._verify
         if isinstance(verify, Mapping):
             verify = verify.get(step.tool)
-        call = Call(
+        return Call(
             url,
             method.upper(),
             extra,
@@ -328,7 +328,6 @@ class _InvokerBase:
             step.repeat_of,
             verify,
         )
-        return call
 
     def _resume(self, status_url: str, key: str, headers: Mapping[str, str] | None) -> Flow:
         if self._closed:
@@ -381,10 +380,9 @@ def _check_verify(
 ) -> Verifier | Mapping[str, Verifier] | None:
     """``verify=`` checked: a hook, a mapping of tool names to hooks, or None."""
     if verify is None or isinstance(verify, HttpLookup) or callable(verify):
-        return verify  # type: ignore[return-value]
+        return verify
     if isinstance(verify, Mapping) and all(
-        isinstance(k, str) and (isinstance(v, HttpLookup) or callable(v))
-        for k, v in verify.items()
+        isinstance(k, str) and (isinstance(v, HttpLookup) or callable(v)) for k, v in verify.items()
     ):
         return dict(verify)
     raise ConfigurationError(
@@ -493,9 +491,11 @@ class ToolInvoker(_InvokerBase):
                 max_bytes=self._max_bytes,
             )
         if isinstance(effect, Emit):
-            return self._emit(effect)
+            self._emit(effect)
+            return None
         if isinstance(effect, Sleep):
-            return time.sleep(effect.seconds)
+            time.sleep(effect.seconds)
+            return None
         if isinstance(effect, Journaled):
             return getattr(self._journal, effect.op)(*effect.args)
         assert isinstance(effect, Verify)
@@ -607,9 +607,11 @@ class AsyncToolInvoker(_InvokerBase):
                 max_bytes=self._max_bytes,
             )
         if isinstance(effect, Emit):
-            return self._emit(effect)
+            self._emit(effect)
+            return None
         if isinstance(effect, Sleep):
-            return await asyncio.sleep(effect.seconds)
+            await asyncio.sleep(effect.seconds)
+            return None
         if isinstance(effect, Journaled):
             return await getattr(self._journal, "a" + effect.op)(*effect.args)
         assert isinstance(effect, Verify)

@@ -31,7 +31,9 @@ settings.load_profile("agentkey")
 
 
 @pytest.fixture(autouse=True)
-def _journal_per_test(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def _journal_per_test(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each test's invokers (and the processes it starts) share a fresh default journal file.
 
     Invokers given no journal use ``$AGENTKEY_JOURNAL``; a file per test keeps one test's

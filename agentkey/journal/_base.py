@@ -126,7 +126,7 @@ def current_owner() -> str:
     return f"{current_process()}:{next(_calls)}"
 
 
-class in_flight:  # noqa: N801 - used as a context manager, like contextlib's
+class in_flight:
     """Marks a call's owner as sending, in this process, for the duration of a ``with``."""
 
     __slots__ = ("owner",)
@@ -176,7 +176,11 @@ def is_live(record: CallRecord, now: float) -> bool:
 
 def check_journal_options(max_body_bytes: object, retention: object) -> tuple[int, float]:
     """Validated ``max_body_bytes`` and ``retention`` of a journal's constructor."""
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
+    if (
+        isinstance(max_body_bytes, bool)
+        or not isinstance(max_body_bytes, int)
+        or max_body_bytes < 0
+    ):
         raise ConfigurationError(
             f"max_body_bytes must be a whole number of bytes >= 0, got {max_body_bytes!r}"
         )

@@ -38,7 +38,7 @@ __all__ = ["COLUMNS", "SQLiteJournal", "default_journal_path", "record_of_row", 
 COLUMNS: tuple[str, ...] = tuple(CallRecord.__dataclass_fields__)
 _PRUNE_EVERY = 600.0  # seconds between opportunistic prunes
 
-_SCHEMA = f"""
+_SCHEMA = """
 CREATE TABLE IF NOT EXISTS agentkey_calls (
   key TEXT PRIMARY KEY NOT NULL,
   plan TEXT NOT NULL,
@@ -73,12 +73,19 @@ CREATE TABLE IF NOT EXISTS agentkey_evidence (
 );
 """
 
+# Statements built once from the column list (constants: never user data).
 _INSERT = (
-    f"INSERT INTO agentkey_calls ({', '.join(COLUMNS)}) "
+    f"INSERT INTO agentkey_calls ({', '.join(COLUMNS)}) "  # noqa: S608
     f"VALUES ({', '.join('?' * len(COLUMNS))}) ON CONFLICT (key) DO NOTHING"
 )
 _SET = ", ".join(f"{c} = ?" for c in COLUMNS[1:])
-_SELECT = f"SELECT {', '.join(COLUMNS)} FROM agentkey_calls"
+_SELECT = f"SELECT {', '.join(COLUMNS)} FROM agentkey_calls"  # noqa: S608
+_BY_KEY = f"{_SELECT} WHERE key = ?"
+_TAKE_OVER = (
+    f"UPDATE agentkey_calls SET {_SET} "  # noqa: S608
+    "WHERE key = ? AND state = ? AND owner IS ? AND updated_at = ?"
+)
+_FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
 
 
 def row_of_record(record: CallRecord) -> tuple[Any, ...]:
@@ -213,7 +220,7 @@ class SQLiteJournal(SyncJournal):
             inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
             existing = None
             if not inserted:
-                row = conn.execute(f"{_SELECT} WHERE key = ?", (record.key,)).fetchone()
+                row = conn.execute(_BY_KEY, (record.key,)).fetchone()
                 existing = None if row is None else record_of_row(row)
             live = existing is not None and is_live(existing, self.clock())
             return Begun(existing, self._evidence(conn, record.route), live)
@@ -221,8 +228,7 @@ class SQLiteJournal(SyncJournal):
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         with self._lock:
             cursor = self._connection().execute(
-                f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND state = ? "
-                "AND owner IS ? AND updated_at = ?",
+                _TAKE_OVER,
                 (
                     *row_of_record(record)[1:],
                     record.key,
@@ -236,14 +242,13 @@ class SQLiteJournal(SyncJournal):
     def finish(self, record: CallRecord) -> bool:
         with self._lock:
             cursor = self._connection().execute(
-                f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?",
-                (*row_of_record(record)[1:], record.key, record.owner),
+                _FINISH, (*row_of_record(record)[1:], record.key, record.owner)
             )
             return cursor.rowcount == 1
 
     def get(self, key: str) -> CallRecord | None:
         with self._lock:
-            row = self._connection().execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            row = self._connection().execute(_BY_KEY, (key,)).fetchone()
         return None if row is None else record_of_row(row)
 
     def find(
@@ -302,7 +307,7 @@ class SQLiteJournal(SyncJournal):
                 "source = 'operator', updated_at = ? WHERE key = ?",
                 (CallState(state).value, reason, self.clock(), key),
             )
-            row = conn.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+            row = conn.execute(_BY_KEY, (key,)).fetchone()
         return None if row is None else record_of_row(row)
 
     def prune(self, *, older_than: float) -> int:

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from agentkey import KeyRejected, OutcomeUnknown, PayloadMismatch, StepInProgress, ToolRejected
-from agentkey._keys import shown_key
 from agentkey._hooks import GiveUpEvent, LoggingHook, RetryEvent
+from agentkey._keys import shown_key
 from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
 from agentkey._protocol import (

@@ -1,0 +1,357 @@
+"""The journal in PostgreSQL, for a fleet of agents that share one record of their calls.
+
+Two tables (created on first use): ``agentkey_calls``, one row per call, and
+``agentkey_evidence``, what routes showed about honouring keys. Writing a
+call's start is one statement (insert unless present, and return what was
+there and what is known of its route); its end is one compare-and-set on the
+owner. Every statement runs in its own transaction, with a statement timeout.
+
+Needs psycopg 3 and its pool (``pip install 'agentkey-idempotency[postgres]'``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._exceptions import ConfigurationError, MissingExtra
+from ._base import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RETENTION,
+    EVIDENCE_TTL,
+    Begun,
+    CallRecord,
+    CallState,
+    check_journal_options,
+    is_live,
+    now_wall,
+)
+from ._sqlite import COLUMNS, record_of_row, row_of_record
+
+try:
+    import psycopg
+    from psycopg import sql
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise MissingExtra("postgres", "psycopg") from exc
+
+__all__ = ["PostgresJournal"]
+
+_TYPES = {
+    "created_at": "DOUBLE PRECISION NOT NULL",
+    "updated_at": "DOUBLE PRECISION NOT NULL",
+    "lease_until": "DOUBLE PRECISION NOT NULL",
+    "attempts": "INTEGER NOT NULL",
+    "status_code": "INTEGER",
+    "honoured": "BOOLEAN",
+    "body": "BYTEA",
+    "body_size": "BIGINT",
+    "plan": "TEXT NOT NULL",
+    "route": "TEXT NOT NULL",
+    "state": "TEXT NOT NULL",
+}
+_TABLE = re.compile(r"[a-z_][a-z0-9_]{0,40}")
+_COLS = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
+_QUALIFIED = sql.SQL(", ").join(sql.Identifier("c", c) for c in COLUMNS)
+_PLACES = sql.SQL(", ").join(sql.Placeholder() * len(COLUMNS))
+_SET = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(c)) for c in COLUMNS[1:])
+_DEFS = sql.SQL(", ").join(
+    sql.SQL("{} {}").format(
+        sql.Identifier(c), sql.SQL("TEXT PRIMARY KEY" if c == "key" else _TYPES.get(c, "TEXT"))
+    )
+    for c in COLUMNS
+)
+
+
+class _Sql:
+    """The statements of one journal, on its own tables (composed with psycopg's ``sql``)."""
+
+    def __init__(self, table: str) -> None:
+        names = {
+            "calls": sql.Identifier(table),
+            "evidence": sql.Identifier(f"{table}_evidence"),
+            "by_plan": sql.Identifier(f"{table}_by_plan"),
+            "by_time": sql.Identifier(f"{table}_by_time"),
+            "cols": _COLS,
+            "qualified": _QUALIFIED,
+            "places": _PLACES,
+            "set": _SET,
+            "defs": _DEFS,
+        }
+
+        def q(text: str) -> sql.Composed:
+            return sql.SQL(text).format(**names)
+
+        self.schema = q(
+            "CREATE TABLE IF NOT EXISTS {calls} ({defs}); "
+            "CREATE INDEX IF NOT EXISTS {by_plan} ON {calls} (plan, created_at); "
+            "CREATE INDEX IF NOT EXISTS {by_time} ON {calls} (updated_at); "
+            "CREATE TABLE IF NOT EXISTS {evidence} (route TEXT PRIMARY KEY, "
+            "evidence TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL)"
+        )
+        # The record unless its key exists; then the existing row; and the route's evidence.
+        # One statement: the SELECT of the existing row sees the table as it was before.
+        self.begin = q(
+            "WITH inserted AS (INSERT INTO {calls} ({cols}) VALUES ({places}) "
+            "ON CONFLICT (key) DO NOTHING RETURNING key) "
+            "SELECT (SELECT count(*) FROM inserted), "
+            "(SELECT evidence FROM {evidence} WHERE route = %s AND seen_at >= %s), "
+            "{qualified} FROM (SELECT 1) AS one LEFT JOIN {calls} c ON c.key = %s"
+        )
+        self.take_over = q(
+            "UPDATE {calls} SET {set} WHERE key = %s AND state = %s "
+            "AND owner IS NOT DISTINCT FROM %s AND updated_at = %s"
+        )
+        self.finish = q("UPDATE {calls} SET {set} WHERE key = %s AND owner IS NOT DISTINCT FROM %s")
+        self.select = q("SELECT {cols} FROM {calls}")
+        self.by_key = q("SELECT {cols} FROM {calls} WHERE key = %s")
+        self.learn = q(
+            "INSERT INTO {evidence} (route, evidence, seen_at) VALUES (%s, %s, %s) "
+            "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "
+            "seen_at = excluded.seen_at"
+        )
+        self.settle = q(
+            "UPDATE {calls} SET state = %s, owner = NULL, reason = %s, source = 'operator', "
+            "updated_at = %s WHERE key = %s"
+        )
+        self.prune = q("DELETE FROM {calls} WHERE updated_at < %s")
+
+    def where(self, conditions: Sequence[str], order: str) -> sql.Composed:
+        """``SELECT ... WHERE <conditions> <order>``; the conditions are this module's own."""
+        clause = sql.SQL(" AND ").join(sql.SQL(c) for c in conditions)
+        return sql.SQL("{} WHERE {} {}").format(self.select, clause, sql.SQL(order))
+
+    def find(
+        self, plan: str, tool: str | None, args_hash: str | None, call_id: str | None
+    ) -> tuple[sql.Composed, list[Any]]:
+        where, params = ["plan = %s"], [plan]
+        for column, value in (("tool", tool), ("args_hash", args_hash), ("call_id", call_id)):
+            if value is not None:
+                where.append(f"{column} = %s")
+                params.append(value)
+        return self.where(where, "ORDER BY created_at, key"), params
+
+
+class PostgresJournal:
+    """The journal in a PostgreSQL database.
+
+    ``conninfo`` is a libpq connection string or URL
+    (``postgresql://agent@db/agents``); the journal opens small pools of its
+    own (a synchronous one for :class:`~agentkey.ToolInvoker`, an asyncio one
+    for :class:`~agentkey.AsyncToolInvoker`) on first use. ``statement_timeout``
+    (seconds) bounds every statement, lock waits included. ``table`` names the
+    calls table (the evidence table is ``<table>_evidence``).
+    """
+
+    supports_sync = True
+    supports_async = True
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        retention: float = DEFAULT_RETENTION,
+        statement_timeout: float = 5.0,
+        table: str = "agentkey_calls",
+        clock: Callable[[], float] = now_wall,
+    ) -> None:
+        self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
+        if not isinstance(conninfo, str) or not conninfo:
+            raise ConfigurationError("PostgresJournal takes a libpq connection string or URL")
+        if (
+            isinstance(statement_timeout, bool)
+            or not isinstance(statement_timeout, (int, float))
+            or not 0 < statement_timeout <= 600
+        ):
+            raise ConfigurationError("statement_timeout must be 0 to 600 seconds (not 0)")
+        if not isinstance(table, str) or not _TABLE.fullmatch(table):
+            raise ConfigurationError(
+                f"table must be a lowercase SQL name ([a-z_][a-z0-9_]*, up to 41 characters), "
+                f"got {table!r}"
+            )
+        self._sql = _Sql(table)
+        self._conninfo = conninfo
+        self._options = {
+            "options": f"-c statement_timeout={int(statement_timeout * 1000)} "
+            f"-c lock_timeout={int(statement_timeout * 1000)}"
+        }
+        self.clock = clock
+        self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._schema = False
+
+    def __repr__(self) -> str:
+        return "PostgresJournal(<conninfo>)"  # the conninfo may hold a password
+
+    def _wrap(self, exc: Exception) -> ConfigurationError:
+        return ConfigurationError(
+            f"the PostgreSQL journal failed ({type(exc).__name__}); the call was not sent. "
+            "Check that the database is reachable, or pass another journal"
+        )
+
+    # --- synchronous ---------------------------------------------------------------------
+
+    def _run(self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False) -> Any:
+        if self._pool is None:
+            self._pool = ConnectionPool(
+                self._conninfo, kwargs=self._options, min_size=1, max_size=4, open=True,
+                check=ConnectionPool.check_connection,
+            )  # fmt: skip
+        try:
+            with self._pool.connection() as conn:
+                if not self._schema:
+                    conn.execute(self._sql.schema)
+                    self._schema = True
+                cursor = conn.execute(query, params)
+                return cursor.fetchall() if rows else cursor.rowcount
+        except psycopg.Error as exc:
+            raise self._wrap(exc) from None
+
+    def begin(self, record: CallRecord) -> Begun:
+        (row,) = self._run(self._sql.begin, self._begin_params(record), rows=True)
+        if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
+            return self._begun(
+                (0, row[1], *(self._run(self._sql.by_key, (record.key,), rows=True)[0]))
+            )
+        return self._begun(row)
+
+    def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        return bool(self._run(self._sql.take_over, self._take_over_params(record, previous)) == 1)
+
+    def finish(self, record: CallRecord) -> bool:
+        params = (*row_of_record(record)[1:], record.key, record.owner)
+        return bool(self._run(self._sql.finish, params) == 1)
+
+    def get(self, key: str) -> CallRecord | None:
+        found = self._run(self._sql.by_key, (key,), rows=True)
+        return record_of_row(found[0]) if found else None
+
+    def find(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        query, params = self._sql.find(plan, tool, args_hash, call_id)
+        return [record_of_row(row) for row in self._run(query, params, rows=True)]
+
+    def calls(
+        self,
+        *,
+        plan: str | None = None,
+        states: Sequence[CallState] | None = None,
+        limit: int = 100,
+    ) -> list[CallRecord]:
+        where: list[str] = ["TRUE"]
+        params: list[Any] = []
+        if plan is not None:
+            where.append("plan = %s")
+            params.append(plan)
+        if states is not None:
+            where.append("state = ANY(%s)")
+            params.append([CallState(s).value for s in states])
+        query = self._sql.where(where, "ORDER BY updated_at DESC, key LIMIT %s")
+        rows = self._run(query, [*params, max(0, int(limit))], rows=True)
+        return [record_of_row(row) for row in rows]
+
+    def learn(self, route: str, evidence: str) -> None:
+        self._run(self._sql.learn, (route, evidence, self.clock()))
+
+    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
+        self._run(self._sql.settle, (CallState(state).value, reason, self.clock(), key))
+        return self.get(key)
+
+    def prune(self, *, older_than: float) -> int:
+        count: int = self._run(self._sql.prune, (self.clock() - older_than,))
+        return count
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # --- asyncio -------------------------------------------------------------------------
+
+    async def _arun(
+        self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False
+    ) -> Any:
+        if self._apool is None:
+            pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+                self._conninfo, kwargs=self._options, min_size=1, max_size=4, open=False,
+                check=AsyncConnectionPool.check_connection,
+            )  # fmt: skip
+            await pool.open()
+            self._apool = pool
+        try:
+            async with self._apool.connection() as conn:
+                if not self._schema:
+                    await conn.execute(self._sql.schema)
+                    self._schema = True
+                cursor = await conn.execute(query, params)
+                return await cursor.fetchall() if rows else cursor.rowcount
+        except psycopg.Error as exc:
+            raise self._wrap(exc) from None
+
+    async def abegin(self, record: CallRecord) -> Begun:
+        (row,) = await self._arun(self._sql.begin, self._begin_params(record), rows=True)
+        if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
+            (again,) = await self._arun(self._sql.by_key, (record.key,), rows=True)
+            return self._begun((0, row[1], *again))
+        return self._begun(row)
+
+    async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        return bool(
+            await self._arun(self._sql.take_over, self._take_over_params(record, previous)) == 1
+        )
+
+    async def afinish(self, record: CallRecord) -> bool:
+        params = (*row_of_record(record)[1:], record.key, record.owner)
+        return bool(await self._arun(self._sql.finish, params) == 1)
+
+    async def aget(self, key: str) -> CallRecord | None:
+        found = await self._arun(self._sql.by_key, (key,), rows=True)
+        return record_of_row(found[0]) if found else None
+
+    async def afind(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        query, params = self._sql.find(plan, tool, args_hash, call_id)
+        return [record_of_row(row) for row in await self._arun(query, params, rows=True)]
+
+    async def alearn(self, route: str, evidence: str) -> None:
+        await self._arun(self._sql.learn, (route, evidence, self.clock()))
+
+    async def aclose(self) -> None:
+        if self._apool is not None:
+            await self._apool.close()
+            self._apool = None
+
+    # --- shared --------------------------------------------------------------------------
+
+    def _begin_params(self, record: CallRecord) -> tuple[Any, ...]:
+        return (*row_of_record(record), record.route, self.clock() - EVIDENCE_TTL, record.key)
+
+    @staticmethod
+    def _take_over_params(record: CallRecord, previous: CallRecord) -> tuple[Any, ...]:
+        return (
+            *row_of_record(record)[1:],
+            record.key,
+            previous.state.value,
+            previous.owner,
+            previous.updated_at,
+        )
+
+    def _begun(self, row: Sequence[Any]) -> Begun:
+        inserted, evidence, *rest = row
+        existing = None if inserted or rest[0] is None else record_of_row(rest)
+        live = existing is not None and is_live(existing, self.clock())
+        return Begun(existing, evidence, live)

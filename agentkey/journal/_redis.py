@@ -1,0 +1,369 @@
+"""The journal in Redis, for a fleet of agents that share one record of their calls.
+
+One string per call, ``<prefix>:{<plan>}:<key>``, holding the record as JSON; a
+sorted set per plan, ``<prefix>:{<plan>}``, listing its calls by creation time.
+Both carry the plan in a hash tag, so a Redis Cluster keeps a plan's records in
+one slot and every script touches one slot. A global sorted set,
+``<prefix>:calls``, lists every call by its last change (for ``agentkey
+journal``); what routes showed about honouring keys is a hash, ``<prefix>:evidence``.
+
+Writing a call's start is one round trip (a script that sets the record unless
+it exists, or returns it); its end is another (a compare-and-set on the owner).
+Records expire after ``retention``; Redis's persistence settings decide what a
+crash of Redis itself loses (``appendfsync everysec`` loses at most a second).
+
+Needs redis-py (``pip install 'agentkey-idempotency[redis]'``). Give it a URL
+(both kinds of invoker then work), or a ``redis.Redis`` (``ToolInvoker``) or
+``redis.asyncio.Redis`` (``AsyncToolInvoker``) client of your own.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._exceptions import ConfigurationError, MissingExtra
+from ._base import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RETENTION,
+    EVIDENCE_TTL,
+    Begun,
+    CallRecord,
+    CallState,
+    check_journal_options,
+    is_live,
+    now_wall,
+)
+
+try:
+    import redis
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise MissingExtra("redis", "redis") from exc
+
+__all__ = ["RedisJournal"]
+
+#: Set the record unless its key exists (then return it), and index it under its plan.
+_BEGIN = """
+local existing = redis.call('GET', KEYS[1])
+if existing then return existing end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return false
+"""
+#: Replace the record when its state, owner and last change are still ARGV[3..5]
+#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty).
+_SWAP = """
+local current = redis.call('GET', KEYS[1])
+if not current then return 0 end
+local record = cjson.decode(current)
+local owner = record['owner']
+if owner == cjson.null then owner = '' end
+if owner ~= ARGV[4] then return 0 end
+if ARGV[3] ~= '' then
+  if record['state'] ~= ARGV[3] or record['updated_at'] ~= tonumber(ARGV[5]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+def _encode(record: CallRecord) -> str:
+    data = record.to_dict()
+    data.pop("body", None)
+    data["body64"] = None if record.body is None else base64.b64encode(record.body).decode()
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _decode(raw: bytes | str) -> CallRecord:
+    data = json.loads(raw)
+    body64 = data.pop("body64", None)
+    data["state"] = CallState(data["state"])
+    data["body"] = None if body64 is None else base64.b64decode(body64)
+    return CallRecord(**data)
+
+
+class RedisJournal:
+    """The journal in Redis (or Valkey, or a Redis Cluster).
+
+    ``redis`` is a URL (``redis://host:6379/0``), a ``redis.Redis`` or a
+    ``redis.asyncio.Redis``. ``prefix`` names the journal's keys.
+    """
+
+    def __init__(
+        self,
+        redis_: str | redis.Redis | aioredis.Redis,
+        *,
+        prefix: str = "agentkey:journal",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        retention: float = DEFAULT_RETENTION,
+        clock: Callable[[], float] = now_wall,
+    ) -> None:
+        self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
+        if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
+            raise ConfigurationError(f"prefix must be a non-empty str without braces: {prefix!r}")
+        self.prefix = prefix
+        self.clock = clock
+        self._sync: redis.Redis | None = None
+        self._async: aioredis.Redis | None = None
+        self._url: str | None = None
+        if isinstance(redis_, str):
+            if not redis_.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigurationError(
+                    f"RedisJournal takes a redis:// URL or a client, got {redis_[:40]!r}"
+                )
+            self._url = redis_
+        elif isinstance(redis_, aioredis.Redis):
+            self._async = redis_
+        elif isinstance(redis_, redis.Redis):
+            self._sync = redis_
+        else:
+            raise ConfigurationError(
+                "RedisJournal takes a redis:// URL, a redis.Redis or a redis.asyncio.Redis, "
+                f"got {type(redis_).__name__}"
+            )
+        self.supports_sync = self._async is None
+        self.supports_async = self._sync is None
+
+    def __repr__(self) -> str:
+        return f"RedisJournal(prefix={self.prefix!r})"
+
+    # --- clients and names --------------------------------------------------------------
+
+    def _client(self) -> redis.Redis:
+        if self._sync is None:
+            if self._url is None:
+                raise ConfigurationError(f"{self!r} was given an asyncio client: use the a-methods")
+            self._sync = redis.Redis.from_url(self._url)
+        return self._sync
+
+    def _aclient(self) -> aioredis.Redis:
+        if self._async is None:
+            if self._url is None:
+                raise ConfigurationError(f"{self!r} was given a sync client: use the sync methods")
+            self._async = aioredis.Redis.from_url(self._url)
+        return self._async
+
+    def _record_key(self, plan: str, key: str) -> str:
+        return f"{self.prefix}:{{{plan}}}:{key}"
+
+    def _plan_key(self, plan: str) -> str:
+        return f"{self.prefix}:{{{plan}}}"
+
+    @property
+    def _calls_key(self) -> str:
+        return f"{self.prefix}:calls"
+
+    @property
+    def _evidence_key(self) -> str:
+        return f"{self.prefix}:evidence"
+
+    def _ttl_ms(self) -> int:
+        return int(self.retention * 1000)
+
+    def _begin_args(self, record: CallRecord) -> tuple[list[str], list[Any]]:
+        keys = [self._record_key(record.plan, record.key), self._plan_key(record.plan)]
+        args = [_encode(record), self._ttl_ms(), record.created_at, record.key]
+        return keys, args
+
+    def _swap_args(
+        self, record: CallRecord, previous: CallRecord | None
+    ) -> tuple[list[str], list[Any]]:
+        keys = [self._record_key(record.plan, record.key)]
+        if previous is None:  # finish: the owner must still be this record's
+            args = [_encode(record), self._ttl_ms(), "", record.owner or "", ""]
+        else:
+            args = [
+                _encode(record),
+                self._ttl_ms(),
+                previous.state.value,
+                previous.owner or "",
+                repr(float(previous.updated_at)),
+            ]
+        return keys, args
+
+    def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
+        existing = None if raw is None else _decode(raw)
+        live = existing is not None and is_live(existing, self.clock())
+        return Begun(existing, self._evidence_of(evidence), live)
+
+    def _evidence_of(self, raw: Any) -> str | None:
+        if raw is None:
+            return None
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        evidence, _, seen = text.rpartition("|")
+        try:
+            fresh = self.clock() - float(seen) <= EVIDENCE_TTL
+        except ValueError:
+            return None
+        return evidence if fresh and evidence else None
+
+    def _wrap(self, exc: RedisError) -> ConfigurationError:
+        return ConfigurationError(
+            f"the Redis journal failed ({type(exc).__name__}); the call was not sent. Check "
+            "that Redis is reachable, or pass another journal"
+        )
+
+    # --- synchronous ---------------------------------------------------------------------
+
+    def begin(self, record: CallRecord) -> Begun:
+        keys, args = self._begin_args(record)
+        try:
+            with self._client().pipeline(transaction=False) as pipe:
+                pipe.eval(_BEGIN, len(keys), *keys, *args)
+                pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                pipe.hget(self._evidence_key, record.route)
+                raw, _, evidence = pipe.execute()
+        except RedisError as exc:
+            raise self._wrap(exc) from None
+        return self._begun(record, raw, evidence)
+
+    def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        keys, args = self._swap_args(record, previous)
+        return bool(self._client().eval(_SWAP, len(keys), *keys, *args))
+
+    def finish(self, record: CallRecord) -> bool:
+        keys, args = self._swap_args(record, None)
+        with self._client().pipeline(transaction=False) as pipe:
+            pipe.eval(_SWAP, len(keys), *keys, *args)
+            pipe.zadd(self._calls_key, {record.key: record.updated_at})
+            done, _ = pipe.execute()
+        return bool(done)
+
+    def get(self, key: str) -> CallRecord | None:
+        plan = key.partition(":")[0]
+        raw = self._client().get(self._record_key(plan, key))
+        return None if raw is None else _decode(raw)
+
+    def find(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        client = self._client()
+        keys = client.zrange(self._plan_key(plan), 0, -1)
+        raws = client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
+        return _filtered(raws, tool, args_hash, call_id)
+
+    def calls(
+        self,
+        *,
+        plan: str | None = None,
+        states: Sequence[CallState] | None = None,
+        limit: int = 100,
+    ) -> list[CallRecord]:
+        if plan is not None:
+            found = self.find(plan)
+        else:
+            client = self._client()
+            keys = [_text(k) for k in client.zrevrange(self._calls_key, 0, 10 * limit)]
+            found = [r for r in (self.get(k) for k in keys) if r is not None]
+        wanted = set(states) if states is not None else None
+        found = [r for r in found if wanted is None or r.state in wanted]
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+
+    def learn(self, route: str, evidence: str) -> None:
+        self._client().hset(self._evidence_key, route, f"{evidence}|{self.clock()}")
+
+    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
+        current = self.get(key)
+        if current is None:
+            return None
+        settled = current.with_(
+            state=state, owner=None, reason=reason, updated_at=self.clock(), source="operator"
+        )
+        client = self._client()
+        client.set(self._record_key(current.plan, key), _encode(settled), px=self._ttl_ms())
+        client.zadd(self._calls_key, {key: settled.updated_at})
+        return settled
+
+    def prune(self, *, older_than: float) -> int:
+        client = self._client()
+        cutoff = self.clock() - older_than
+        old = [_text(k) for k in client.zrangebyscore(self._calls_key, 0, cutoff)]
+        for key in old:
+            client.delete(self._record_key(key.partition(":")[0], key))
+            client.zrem(self._calls_key, key)
+        return len(old)
+
+    def close(self) -> None:
+        if self._sync is not None and self._url is not None:
+            self._sync.close()
+            self._sync = None
+
+    # --- asyncio -------------------------------------------------------------------------
+
+    async def abegin(self, record: CallRecord) -> Begun:
+        client = self._aclient()
+        keys, args = self._begin_args(record)
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.eval(_BEGIN, len(keys), *keys, *args)
+                pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                pipe.hget(self._evidence_key, record.route)
+                raw, _, evidence = await pipe.execute()
+        except RedisError as exc:
+            raise self._wrap(exc) from None
+        return self._begun(record, raw, evidence)
+
+    async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
+        keys, args = self._swap_args(record, previous)
+        return bool(await self._aclient().eval(_SWAP, len(keys), *keys, *args))
+
+    async def afinish(self, record: CallRecord) -> bool:
+        keys, args = self._swap_args(record, None)
+        async with self._aclient().pipeline(transaction=False) as pipe:
+            pipe.eval(_SWAP, len(keys), *keys, *args)
+            pipe.zadd(self._calls_key, {record.key: record.updated_at})
+            done, _ = await pipe.execute()
+        return bool(done)
+
+    async def aget(self, key: str) -> CallRecord | None:
+        plan = key.partition(":")[0]
+        raw = await self._aclient().get(self._record_key(plan, key))
+        return None if raw is None else _decode(raw)
+
+    async def afind(
+        self,
+        plan: str,
+        *,
+        tool: str | None = None,
+        args_hash: str | None = None,
+        call_id: str | None = None,
+    ) -> list[CallRecord]:
+        client = self._aclient()
+        keys = await client.zrange(self._plan_key(plan), 0, -1)
+        raws = await client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
+        return _filtered(raws, tool, args_hash, call_id)
+
+    async def alearn(self, route: str, evidence: str) -> None:
+        await self._aclient().hset(self._evidence_key, route, f"{evidence}|{self.clock()}")
+
+    async def aclose(self) -> None:
+        if self._async is not None and self._url is not None:
+            await self._async.aclose()
+            self._async = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _filtered(
+    raws: Sequence[Any], tool: str | None, args_hash: str | None, call_id: str | None
+) -> list[CallRecord]:
+    found = [
+        r
+        for r in (_decode(raw) for raw in raws if raw is not None)
+        if (tool is None or r.tool == tool)
+        and (args_hash is None or r.args_hash == args_hash)
+        and (call_id is None or r.call_id == call_id)
+    ]
+    return sorted(found, key=lambda r: (r.created_at, r.key))

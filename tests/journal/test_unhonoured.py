@@ -1,0 +1,203 @@
+"""Tools that do not honour Idempotency-Key: no duplicate by agentkey's own resend (issue 25).
+
+A real tool on loopback that runs every request it gets, and the same tool behind
+agentkey's middleware. The side effects are counted on the server. Every case runs
+on both invokers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentkey import (
+    AsyncToolInvoker,
+    OutcomeUnknown,
+    PlanSession,
+    RetryPolicy,
+    Step,
+    ToolInvoker,
+    ToolResult,
+)
+from agentkey.journal import CallState, HttpLookup, InDoubt, SQLiteJournal, Verdict
+from agentkey.server import IdempotencyMiddleware, MemoryStore
+from tests._loopback import serve
+from tests.journal._tools import FaultOnce, PlainTool
+
+DRIVERS = ("sync", "async")
+RETRY = RetryPolicy(max_attempts=10, initial_backoff=0.01, max_backoff=0.05, deadline=20.0)
+#: Each attempt waits at most this long for an answer (the tool's slow mode takes longer).
+READ_TIMEOUT = 0.3
+
+
+@dataclass
+class Tool:
+    plain: PlainTool
+    url: str
+    protected: bool
+    faults: FaultOnce
+
+
+@pytest.fixture(params=["plain", "middleware"])
+def tool(request: pytest.FixtureRequest) -> Iterator[Tool]:
+    """The plain tool, alone or behind IdempotencyMiddleware, behind a faulty way back."""
+    plain = PlainTool()
+    app: Any = plain
+    if request.param == "middleware":
+        app = IdempotencyMiddleware(plain, store=MemoryStore(), routes=["/tools/*"])
+    faults = FaultOnce(app, {})
+    with serve(faults) as url:
+        yield Tool(plain, url, request.param == "middleware", faults)
+
+
+def invoke(driver: str, url: str, step: Step, **options: Any) -> ToolResult:
+    options.setdefault("retry", RETRY)
+    options.setdefault("timeout", READ_TIMEOUT)
+    options.setdefault("route_template", "/tools/{tool}")
+    if driver == "sync":
+        with ToolInvoker(url, **options) as invoker:
+            return invoker.invoke(step)
+
+    async def run() -> ToolResult:
+        async with AsyncToolInvoker(url, **options) as invoker:
+            return await invoker.invoke(step)
+
+    return asyncio.run(run())
+
+
+def step_for(tool: str) -> Step:
+    return PlanSession.new().step(0, tool, {"amount": 1999, "currency": "EUR"})
+
+
+FAULTS = ["drop", "slow", "502"]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_call_that_may_have_run_runs_once(tool: Tool, fault: str, driver: str) -> None:
+    """A lost answer, a timeout or a 502 after the side effect: one execution, the truth told.
+
+    Plain tool: OutcomeUnknown, the call in doubt in the journal, never resent
+    (the same call ran 10 times before, once per attempt). Behind the middleware:
+    resent with the same key and replayed.
+    """
+    tool.faults.faults["charge"] = fault
+    step = step_for("charge")
+    journal = SQLiteJournal(os.environ["AGENTKEY_JOURNAL"])
+    if tool.protected:
+        result = invoke(driver, tool.url, step, journal=journal)
+        assert result.replayed
+        assert result.status_code == 201
+        assert journal.get(step.idempotency_key).state is CallState.ANSWERED  # type: ignore[union-attr]
+    else:
+        with pytest.raises(OutcomeUnknown) as caught:
+            invoke(driver, tool.url, step, journal=journal)
+        message = str(caught.value)
+        assert "did not send it again" in message
+        assert "at most once" not in message
+        assert step.idempotency_key not in message  # the key shows as a digest
+        assert journal.get(step.idempotency_key).state is CallState.IN_DOUBT  # type: ignore[union-attr]
+    assert tool.plain.executions["charge"] == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_verify_hook_settles_what_may_have_run(tool: Tool, fault: str, driver: str) -> None:
+    """With verify=HttpLookup the plain tool's call in doubt is looked up: its answer, one run."""
+    tool.faults.faults["charge"] = fault
+    step = step_for("charge")
+    result = invoke(driver, tool.url, step, verify=HttpLookup("/lookup/{key}"))
+    assert tool.plain.executions["charge"] == 1
+    assert result.replayed
+    assert result.body["run"] == 1
+    assert result.source == ("tool" if tool.protected else "verify")
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
+    """A 502 before the tool ran, and a hook that finds nothing: sent again, run once."""
+    plain = PlainTool()
+    plain.modes["charge"] = "502-before"
+    asked: list[InDoubt] = []
+
+    def not_there(call: InDoubt) -> Verdict:
+        asked.append(call)
+        plain.modes["charge"] = "ok"  # the tool recovers
+        return Verdict.not_run()
+
+    step = step_for("charge")
+    with serve(plain) as url:
+        result = invoke(driver, url, step, verify=not_there)
+    assert plain.executions["charge"] == 1
+    assert not result.replayed
+    assert [c.tool for c in asked] == ["charge"]
+    assert asked[0].args == {"amount": 1999, "currency": "EUR"}
+
+
+_AGENT = textwrap.dedent(
+    """
+    import sys
+    from agentkey import PlanSession, ToolInvoker
+    url, plan = sys.argv[1], sys.argv[2]
+    step = PlanSession(id=plan).step(0, "charge", {"amount": 1999, "currency": "EUR"})
+    with ToolInvoker(url, route_template="/tools/{tool}", timeout=30) as invoker:
+        invoker.invoke(step)
+    """
+)
+
+
+def _killed_agent(url: str, plan: str, plain: PlainTool, journal: Path) -> None:
+    """Run an agent process that sends the step; SIGKILL it once the tool ran the side effect."""
+    env = {**os.environ, "AGENTKEY_JOURNAL": str(journal), "PYTHONPATH": os.getcwd()}
+    child = subprocess.Popen([sys.executable, "-c", _AGENT, url, plan], env=env)
+    try:
+        assert plain.ran.wait(30), "the agent's request never reached the tool"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    plain.release.set()  # the tool answers a connection nobody reads any more
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("settle", ["nothing", "verify"])
+def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
+    tool: Tool, driver: str, settle: str, tmp_path: Path
+) -> None:
+    """SIGKILL between "sent" and "answered": the restarted agent never runs the step twice.
+
+    Behind the middleware it resends the same key and gets the replay; on the plain
+    tool it raises OutcomeUnknown (nothing told it more), or settles the call with
+    its verify= hook.
+    """
+    tool.plain.modes["charge"] = "hold"
+    plan = PlanSession.new().id
+    path = tmp_path / "journal.sqlite3"
+    _killed_agent(tool.url, plan, tool.plain, path)
+    journal = SQLiteJournal(path)
+    step = PlanSession(id=plan).step(0, "charge", {"amount": 1999, "currency": "EUR"})
+    record = journal.get(step.idempotency_key)
+    assert record is not None
+    assert record.state is CallState.PENDING  # its sender died before writing more
+    options: dict[str, Any] = {"journal": journal}
+    if settle == "verify":
+        options["verify"] = HttpLookup("/lookup/{key}")
+    if tool.protected or settle == "verify":
+        result = invoke(driver, tool.url, step, **options)
+        assert result.replayed
+        assert result.body["run"] == 1
+    else:
+        with pytest.raises(OutcomeUnknown, match="never recorded an answer"):
+            invoke(driver, tool.url, step, **options)
+        assert journal.get(step.idempotency_key).state is CallState.PENDING  # type: ignore[union-attr]
+    assert tool.plain.executions["charge"] == 1
