@@ -1,4 +1,4 @@
-"""The ``agentkey`` command: ``key``, ``demo``, ``serve`` and ``check`` (see docs/cli.md).
+"""The ``agentkey`` command: ``key``, ``demo``, ``serve``, ``check`` and ``journal`` (docs/cli.md).
 
 Exit codes: 0 success (for ``check``: the server honours the contract), 1 the
 server does NOT honour the contract (or the demo saw the contract broken), 2 a
@@ -301,6 +301,10 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, default=30.0, help="seconds per request (default 30)"
     )
     check.set_defaults(func=_cmd_check)
+
+    from ._journal_cli import add_parser as add_journal_parser
+
+    add_journal_parser(sub)
     return parser
 
 

@@ -1,0 +1,265 @@
+"""``agentkey journal``: what the client's journal says about the calls an agent sent.
+
+```
+agentkey journal [--journal PATH|redis://...|postgresql://...] list [--plan P] [--state S]
+agentkey journal doubt                     every call that may have run, unsettled
+agentkey journal show KEY                  one call (KEY as printed: plan:step:#digest)
+agentkey journal settle KEY --ran|--not-run [--reason TEXT]
+agentkey journal prune --older-than SECONDS
+```
+
+Keys are printed as digests (``plan:step_003:#1a2b3c4d``, never the whole key,
+which is a bearer secret); every command that takes a key takes that form.
+``--json`` prints JSON lines for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ._exceptions import AgentKeyError, ConfigurationError
+from ._keys import shown_key
+from ._net import redact_url
+from .journal._base import CallRecord, CallState, Journal, is_live
+from .journal._default import ENV, resolve_journal
+
+__all__ = ["add_parser"]
+
+EXIT_OK, EXIT_FOUND_NOTHING, EXIT_USAGE = 0, 1, 2
+_STATES = [s.value for s in CallState]
+
+
+def add_parser(sub: Any) -> None:
+    """Add ``journal`` and its sub-commands to the ``agentkey`` parser's sub-parsers."""
+    journal = sub.add_parser(
+        "journal",
+        help="list, show and settle the calls in the client's journal",
+        description="The client's journal records every call before it is sent and how it "
+        "ended: answered, failed, accepted (still running on the tool), not sent, or in "
+        "doubt (it may have run, and nothing says whether it did). A call in doubt to a tool "
+        "that does not honour Idempotency-Key is never sent again blindly: find out whether "
+        "it ran, then settle it here. Keys are printed as digests, never whole.",
+    )
+    journal.add_argument(
+        "--journal",
+        metavar="WHERE",
+        help=f"the journal: a SQLite file, redis://... or postgresql://... (default: "
+        f"${ENV}, else the file in your data directory)",
+    )
+    journal.add_argument("--json", action="store_true", help="print JSON lines for scripts")
+    commands = journal.add_subparsers(dest="journal_command", required=True)
+
+    listing = commands.add_parser("list", help="the latest calls, newest first")
+    listing.add_argument("--plan", help="only this plan session's calls")
+    listing.add_argument("--state", choices=_STATES, action="append", help="only these states")
+    listing.add_argument("--limit", type=_count, default=50, help="at most this many (50)")
+    listing.set_defaults(func_command=_list)
+
+    doubt = commands.add_parser("doubt", help="every call that may have run, unsettled")
+    doubt.add_argument("--plan", help="only this plan session's calls")
+    doubt.add_argument("--limit", type=_count, default=500, help="at most this many (500)")
+    doubt.set_defaults(func_command=_doubt)
+
+    show = commands.add_parser("show", help="one call in full")
+    show.add_argument("key", help="the call's key as printed (plan:step_003:#1a2b3c4d)")
+    show.add_argument("--body", action="store_true", help="print the kept answer too")
+    show.set_defaults(func_command=_show)
+
+    settle = commands.add_parser(
+        "settle",
+        help="record your verdict on a call in doubt",
+        description="Record whether a call in doubt ran. --ran: it did (a later call of the "
+        "same step is answered from the journal, or refused if no answer was kept, and never "
+        "sent again to a tool that does not honour keys); --not-run: it did not, and cannot "
+        "still arrive (the next call of the same step sends it).",
+    )
+    settle.add_argument("key", help="the call's key as printed (plan:step_003:#1a2b3c4d)")
+    verdict = settle.add_mutually_exclusive_group(required=True)
+    verdict.add_argument("--ran", action="store_true", help="the call ran")
+    verdict.add_argument("--not-run", action="store_true", help="the call did not run")
+    settle.add_argument("--reason", default="", help="why you know (kept in the journal)")
+    settle.set_defaults(func_command=_settle)
+
+    prune = commands.add_parser("prune", help="delete records untouched for a while")
+    prune.add_argument("--older-than", type=_seconds, required=True, metavar="SECONDS")
+    prune.set_defaults(func_command=_prune)
+    journal.set_defaults(func=_run)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100000, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 60 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 60, got {text!r}")
+    return value
+
+
+def _run(ns: argparse.Namespace) -> int:
+    try:
+        journal = _open(ns.journal)
+    except AgentKeyError as exc:
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        code: int = ns.func_command(ns, journal)
+    finally:
+        journal.close()
+    return code
+
+
+def _open(where: str | None) -> Any:
+    if where is None:
+        journal = resolve_journal(None)
+        if journal is None:
+            raise ConfigurationError(f"${ENV} turns the journal off; pass --journal")
+        return journal
+    if where.startswith(("redis://", "rediss://", "unix://")):
+        from .journal._redis import RedisJournal
+
+        return RedisJournal(where)
+    if where.startswith(("postgresql://", "postgres://")):
+        from .journal._postgres import PostgresJournal
+
+        return PostgresJournal(where)
+    from .journal._sqlite import SQLiteJournal
+
+    return SQLiteJournal(where)
+
+
+def _find(journal: Journal, shown: str) -> CallRecord | None:
+    """The record a printed key names: ``plan:step:#digest`` (or the whole key)."""
+    plan, _, rest = shown.partition(":")
+    if not rest:
+        return None
+    exact = journal.get(shown) if not shown.count("#") else None
+    if exact is not None:
+        return exact
+    matches = [r for r in journal.find(plan) if shown_key(r.key) == shown]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _row(record: CallRecord, now: float) -> dict[str, Any]:
+    state = record.state.value
+    if record.state is CallState.PENDING and not is_live(record, now):
+        state = "in_doubt"  # its sender is gone
+    return {
+        "key": shown_key(record.key),
+        "plan": record.plan,
+        "step": record.step,
+        "tool": record.tool,
+        "state": state,
+        "status": record.status_code,
+        "attempts": record.attempts,
+        "source": record.source,
+        "updated": record.updated_at,
+        "route": _route(record.route),
+        "reason": record.reason,
+        "error": record.error,
+        "call_id": record.call_id,
+    }
+
+
+def _route(route: str) -> str:
+    method, _, url = route.partition(" ")
+    return f"{method} {redact_url(url)}"
+
+
+def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return
+    if not rows:
+        print("no calls")
+        return
+    header = ("UPDATED", "STATE", "STEP", "TOOL", "STATUS", "KEY", "REASON")
+    lines = [header] + [
+        (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["updated"])),
+            row["state"],
+            row["step"] or "",
+            row["tool"] or "",
+            "" if row["status"] is None else str(row["status"]),
+            row["key"],
+            _clean(row["reason"] or row["error"] or ""),
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+
+
+def _clean(text: str, limit: int = 60) -> str:
+    flat = "".join(ch if ch.isprintable() else " " for ch in text)
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _list(ns: argparse.Namespace, journal: Any) -> int:
+    states = [CallState(s) for s in ns.state] if ns.state else None
+    now = time.time()
+    rows = [_row(r, now) for r in journal.calls(plan=ns.plan, states=states, limit=ns.limit)]
+    _print(rows, ns.json)
+    return EXIT_OK
+
+
+def _doubt(ns: argparse.Namespace, journal: Any) -> int:
+    now = time.time()
+    found = journal.calls(
+        plan=ns.plan, states=[CallState.IN_DOUBT, CallState.PENDING], limit=ns.limit
+    )
+    rows = [_row(r, now) for r in found if not is_live(r, now)]
+    _print(rows, ns.json)
+    return EXIT_OK if rows else EXIT_FOUND_NOTHING
+
+
+def _show(ns: argparse.Namespace, journal: Any) -> int:
+    record = _find(journal, ns.key)
+    if record is None:
+        print(f"agentkey: no call {ns.key!r} in the journal", file=sys.stderr)
+        return EXIT_FOUND_NOTHING
+    row = _row(record, time.time())
+    row["created"] = record.created_at
+    row["body_size"] = record.body_size
+    row["status_url"] = redact_url(record.status_url) if record.status_url else None
+    if ns.body and record.body is not None:
+        row["body"] = record.body.decode("utf-8", "replace")
+    if ns.json:
+        print(json.dumps(row, sort_keys=True))
+    else:
+        for name, value in row.items():
+            if value is not None:
+                print(f"{name:>10}  {_clean(str(value), 2000) if name != 'body' else value}")
+    return EXIT_OK
+
+
+def _settle(ns: argparse.Namespace, journal: Any) -> int:
+    record = _find(journal, ns.key)
+    if record is None:
+        print(f"agentkey: no call {ns.key!r} in the journal", file=sys.stderr)
+        return EXIT_FOUND_NOTHING
+    state = CallState.ANSWERED if ns.ran else CallState.NOT_SENT
+    verdict = "ran" if ns.ran else "did not run"
+    reason = f"settled by an operator: {verdict}" + (f" ({ns.reason})" if ns.reason else "")
+    settled = journal.settle(record.key, state, reason=reason)
+    _print([_row(settled, time.time())], ns.json)
+    return EXIT_OK
+
+
+def _prune(ns: argparse.Namespace, journal: Any) -> int:
+    count = journal.prune(older_than=ns.older_than)
+    print(json.dumps({"deleted": count}) if ns.json else f"deleted {count} record(s)")
+    return EXIT_OK

@@ -1,0 +1,113 @@
+"""``agentkey journal``: list, doubt, show, settle and prune, never printing a whole key."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from agentkey import PlanSession, StepRepeated, ToolInvoker
+from agentkey._keys import shown_key
+from agentkey.cli import main
+from agentkey.journal import CallRecord, CallState, SQLiteJournal
+from tests._loopback import serve
+from tests.journal._tools import PlainTool
+
+
+def _seed(path: Path) -> tuple[CallRecord, CallRecord]:
+    """A journal with one call in doubt (its sender gone) and one answered."""
+    journal = SQLiteJournal(path)
+    plan = PlanSession.new()
+    now = time.time()
+    doubt = plan.step(0, "charge", {"amount": 5})
+    done = plan.step(1, "refund", {"amount": 5})
+    records = []
+    for step, state in ((doubt, CallState.PENDING), (done, CallState.ANSWERED)):
+        record = CallRecord(
+            key=step.idempotency_key,
+            plan=plan.id,
+            step=step.label,
+            tool=step.tool,
+            args_hash=step.key.args_hash,
+            route="POST http://127.0.0.1:9/tools/" + step.tool + "?sig=s3cret",
+            state=state,
+            created_at=now,
+            updated_at=now,
+            owner="gone-host:1:x:1",
+            lease_until=now - 1,  # its lease ended: the sender is gone
+            status_code=201 if state is CallState.ANSWERED else None,
+            body=b'{"ok":true}' if state is CallState.ANSWERED else None,
+        )
+        journal.begin(record)
+        records.append(record)
+    journal.close()
+    return records[0], records[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_doubt_lists_the_calls_whose_sender_is_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pending call whose sender died is in doubt; an answered one is not listed."""
+    path = tmp_path / "j.sqlite3"
+    doubt, done = _seed(path)
+    code, out = run(capsys, "journal", "--journal", str(path), "doubt")
+    assert code == 0
+    assert shown_key(doubt.key) in out
+    assert shown_key(done.key) not in out
+    assert doubt.key not in out  # never the whole key
+    code, out = run(capsys, "journal", "--journal", str(path), "--json", "list")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["state"] for r in rows} == {"in_doubt", "answered"}
+    assert all("s3cret" not in r["route"] for r in rows)  # a URL's query stays out
+
+
+@pytest.mark.parametrize("verdict", ["--ran", "--not-run"])
+def test_settle_takes_effect_on_the_next_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], verdict: str
+) -> None:
+    """--not-run lets the next call of the step go; --ran keeps it from ever running."""
+    path = tmp_path / "j.sqlite3"
+    doubt, _ = _seed(path)
+    shown = shown_key(doubt.key)
+    code, out = run(capsys, "journal", "--journal", str(path), "settle", shown, verdict)
+    assert code == 0
+    assert ("answered" if verdict == "--ran" else "not_sent") in out
+    code, out = run(capsys, "journal", "--journal", str(path), "--json", "show", shown)
+    said = "ran" if verdict == "--ran" else "did not run"
+    assert json.loads(out)["reason"] == f"settled by an operator: {said}"
+    plain = PlainTool()
+    step = PlanSession(id=doubt.plan).step(0, "charge", {"amount": 5})
+    with serve(plain) as url:
+        with ToolInvoker(url, route_template="/tools/{tool}", journal=SQLiteJournal(path)) as inv:
+            if verdict == "--ran":
+                with pytest.raises(StepRepeated, match="already ran"):
+                    inv.invoke(step)  # no answer was kept, and it must not run again
+            else:
+                assert inv.invoke(step).status_code == 201  # not run, so sent now
+                again = inv.invoke(step)  # the tool does not honour keys: the journal answers
+                assert (again.source, again.replayed) == ("journal", True)
+    assert plain.executions["charge"] == (0 if verdict == "--ran" else 1)
+
+
+def test_unknown_key_and_bad_journal_are_clear(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key not in the journal exits 1; a file that is not a journal exits 2, naming it."""
+    path = tmp_path / "j.sqlite3"
+    _seed(path)
+    code, out = run(capsys, "journal", "--journal", str(path), "show", "plan:step_001:#00000000")
+    assert code == 1
+    assert "no call" in out
+    bogus = tmp_path / "not-a-db"
+    bogus.write_bytes(b"\x00" * 4096)
+    code, out = run(capsys, "journal", "--journal", str(bogus), "list")
+    assert code == 2
+    assert "cannot be used as a SQLite database" in out
