@@ -200,7 +200,9 @@ def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
 
 
 def _clean(text: str, limit: int = 60) -> str:

@@ -20,10 +20,11 @@ sent, or the record says the call may have run.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+import operator
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SETTLED", "Begun", "CallRecord", "CallState", "route_of"]
+__all__ = ["FIELDS", "SETTLED", "Begun", "CallRecord", "CallState", "route_of", "values_of"]
 
 
 class CallState(str, enum.Enum):
@@ -79,7 +80,9 @@ class CallRecord:
 
     def with_(self, **changes: Any) -> CallRecord:
         """A copy with ``changes`` applied."""
-        return replace(self, **changes)
+        fields = dict(zip(FIELDS, _values(self), strict=True))
+        fields.update(changes)
+        return CallRecord(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON values (the body as text when it is UTF-8, else omitted)."""
@@ -93,6 +96,18 @@ class CallRecord:
             except UnicodeDecodeError:
                 out["body"] = None
         return out
+
+
+#: The record's fields, in order (the SQL journals' column order too).
+FIELDS: tuple[str, ...] = tuple(CallRecord.__dataclass_fields__)
+#: All of a record's field values at once, in :data:`FIELDS` order.
+_values = operator.attrgetter(*FIELDS)
+
+
+def values_of(record: CallRecord) -> tuple[Any, ...]:
+    """The record's field values, in :data:`FIELDS` order."""
+    values: tuple[Any, ...] = _values(record)
+    return values
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,12 +31,15 @@ from ._base import (
     now_wall,
 )
 from ._memory import SyncJournal
+from ._records import FIELDS, values_of
 
 __all__ = ["COLUMNS", "SQLiteJournal", "default_journal_path", "record_of_row", "row_of_record"]
 
 #: The record's fields, in column order (the SQL journals share it).
-COLUMNS: tuple[str, ...] = tuple(CallRecord.__dataclass_fields__)
+COLUMNS: tuple[str, ...] = FIELDS
 _PRUNE_EVERY = 600.0  # seconds between opportunistic prunes
+_EVIDENCE_READ_EVERY = 60.0  # seconds a route's evidence is trusted from memory
+_EVIDENCE_CACHE = 4096  # routes remembered in memory at most
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agentkey_calls (
@@ -63,9 +66,7 @@ CREATE TABLE IF NOT EXISTS agentkey_calls (
   body_size INTEGER,
   status_url TEXT
 );
-CREATE INDEX IF NOT EXISTS agentkey_calls_by_args ON agentkey_calls (plan, tool, args_hash);
-CREATE INDEX IF NOT EXISTS agentkey_calls_by_call ON agentkey_calls (plan, call_id);
-CREATE INDEX IF NOT EXISTS agentkey_calls_by_time ON agentkey_calls (updated_at);
+CREATE INDEX IF NOT EXISTS agentkey_calls_by_plan ON agentkey_calls (plan, created_at);
 CREATE TABLE IF NOT EXISTS agentkey_evidence (
   route TEXT PRIMARY KEY NOT NULL,
   evidence TEXT NOT NULL,
@@ -89,10 +90,8 @@ _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # no
 
 
 def row_of_record(record: CallRecord) -> tuple[Any, ...]:
-    """The record's column values, in :data:`COLUMNS` order."""
-    values = [getattr(record, name) for name in COLUMNS]
-    values[COLUMNS.index("state")] = record.state.value
-    return tuple(values)
+    """The record's column values, in :data:`COLUMNS` order (a state binds as its value)."""
+    return values_of(record)
 
 
 def record_of_row(row: Sequence[Any]) -> CallRecord:
@@ -169,6 +168,9 @@ class SQLiteJournal(SyncJournal):
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._pruned = 0.0
+        # route -> (evidence, when it was read): read at most once a minute per route,
+        # so starting a call is one statement, not two.
+        self._evidence_cache: dict[str, tuple[str | None, float]] = {}
         self._connection()  # fail at construction, not at the first call
 
     def __repr__(self) -> str:
@@ -206,11 +208,19 @@ class SQLiteJournal(SyncJournal):
         return cursor.rowcount
 
     def _evidence(self, conn: sqlite3.Connection, route: str) -> str | None:
+        now = self.clock()
+        cached = self._evidence_cache.get(route)
+        if cached is not None and now - cached[1] < _EVIDENCE_READ_EVERY:
+            return cached[0]
+        if len(self._evidence_cache) >= _EVIDENCE_CACHE:
+            self._evidence_cache.clear()
         row = conn.execute(
             "SELECT evidence FROM agentkey_evidence WHERE route = ? AND seen_at >= ?",
-            (route, self.clock() - EVIDENCE_TTL),
+            (route, now - EVIDENCE_TTL),
         ).fetchone()
-        return None if row is None else str(row[0])
+        found = None if row is None else str(row[0])
+        self._evidence_cache[route] = (found, now)
+        return found
 
     def begin(self, record: CallRecord) -> Begun:
         with self._lock:
@@ -292,6 +302,7 @@ class SQLiteJournal(SyncJournal):
 
     def learn(self, route: str, evidence: str) -> None:
         with self._lock:
+            self._evidence_cache[route] = (evidence, self.clock())
             self._connection().execute(
                 "INSERT INTO agentkey_evidence (route, evidence, seen_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "

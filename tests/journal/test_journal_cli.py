@@ -85,15 +85,17 @@ def test_settle_takes_effect_on_the_next_call(
     assert json.loads(out)["reason"] == f"settled by an operator: {said}"
     plain = PlainTool()
     step = PlanSession(id=doubt.plan).step(0, "charge", {"amount": 5})
-    with serve(plain) as url:
-        with ToolInvoker(url, route_template="/tools/{tool}", journal=SQLiteJournal(path)) as inv:
-            if verdict == "--ran":
-                with pytest.raises(StepRepeated, match="already ran"):
-                    inv.invoke(step)  # no answer was kept, and it must not run again
-            else:
-                assert inv.invoke(step).status_code == 201  # not run, so sent now
-                again = inv.invoke(step)  # the tool does not honour keys: the journal answers
-                assert (again.source, again.replayed) == ("journal", True)
+    with (
+        serve(plain) as url,
+        ToolInvoker(url, route_template="/tools/{tool}", journal=SQLiteJournal(path)) as inv,
+    ):
+        if verdict == "--ran":
+            with pytest.raises(StepRepeated, match="already ran"):
+                inv.invoke(step)  # no answer was kept, and it must not run again
+        else:
+            assert inv.invoke(step).status_code == 201  # not run, so sent now
+            again = inv.invoke(step)  # the tool does not honour keys: the journal answers
+            assert (again.source, again.replayed) == ("journal", True)
     assert plain.executions["charge"] == (0 if verdict == "--ran" else 1)
 
 

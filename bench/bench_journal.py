@@ -1,0 +1,220 @@
+"""The call journal's cost: ToolInvoker with a journal against the same invoker without one.
+
+Every slot sends fresh steps (a new plan each time), so each call really writes its
+start and its end; both sides talk to the same bare tool in a uvicorn process of its
+own. Rows, each in ABBA rounds (A = ``journal=False``, B = the journal), ratio per
+round = B / A:
+
+- **SQLite** (the default journal, WAL, ``synchronous=NORMAL``), sync and async;
+- **Redis** (a fresh ``redis-server`` on loopback), sync and async, with the Redis
+  round trips of one call counted from the server's own command statistics.
+
+The goal (issue 25): under 10 % of a loopback call on SQLite; on Redis, what one call
+costs in round trips.
+
+    python bench/bench_journal.py            # about a minute, writes bench/results/journal.json
+    python bench/bench_journal.py --smoke    # a few seconds, for CI (writes nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
+
+from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
+from agentkey.journal import RedisJournal, SQLiteJournal
+from bench._harness import machine, palindrome, servers, spread, write_results
+from tests._loopback import redis_server
+
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+Figures = tuple[float, float, float]  # calls, wall seconds, client CPU seconds
+
+
+def fresh_steps(n: int) -> list[Step]:
+    plan = PlanSession.new()
+    return [plan.step(i, "charge", {"amount": 100 + i % 7}) for i in range(n)]
+
+
+def summed(slots: list[Figures]) -> Figures:
+    return (sum(s[0] for s in slots), sum(s[1] for s in slots), sum(s[2] for s in slots))
+
+
+def row(what: str, pairs: list[tuple[Figures, Figures]], extra: dict[str, Any]) -> dict[str, Any]:
+    def wall_us(f: Figures) -> float:
+        return f[1] / f[0] * 1e6
+
+    def cpu_us(f: Figures) -> float:
+        return f[2] / f[0] * 1e6
+
+    out = {
+        "what": what,
+        "N": len(pairs),
+        "wall_per_call_ratio": spread([wall_us(b) / wall_us(a) for a, b in pairs]),
+        "client_cpu_per_call_ratio": spread([cpu_us(b) / cpu_us(a) for a, b in pairs]),
+        "journal_wall_us": round(statistics.median(wall_us(b) for _, b in pairs), 1),
+        "none_wall_us": round(statistics.median(wall_us(a) for a, _ in pairs), 1),
+        "added_wall_us": spread([wall_us(b) - wall_us(a) for a, b in pairs]),
+        **extra,
+    }
+    w, c = out["wall_per_call_ratio"], out["client_cpu_per_call_ratio"]
+    print(
+        f"  {what:<34} wall/call {w['median']:.3f}x ({w['iqr'][0]:.3f}-{w['iqr'][1]:.3f}) "
+        f"{out['journal_wall_us']:.0f}/{out['none_wall_us']:.0f} us "
+        f"(+{out['added_wall_us']['median']:.0f} us)  cpu {c['median']:.3f}x  N={out['N']}"
+        + "".join(f"  {k}={v}" for k, v in extra.items())
+    )
+    return out
+
+
+def sync_rounds(url: str, journal: Any, n: int, rounds: int) -> list[tuple[Figures, Figures]]:
+    options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
+    with (
+        httpx.Client(transport=httpx.HTTPTransport(socket_options=NODELAY)) as a_client,
+        httpx.Client(transport=httpx.HTTPTransport(socket_options=NODELAY)) as b_client,
+        ToolInvoker(url, client=a_client, journal=False, **options) as plain,
+        ToolInvoker(url, client=b_client, journal=journal, **options) as journalled,
+    ):
+
+        def slot(invoker: ToolInvoker) -> Figures:
+            steps = fresh_steps(n)
+            cpu, wall = time.process_time(), time.perf_counter()
+            for step in steps:
+                assert invoker.invoke(step).status_code == 201
+            return float(n), time.perf_counter() - wall, time.process_time() - cpu
+
+        slot(plain)
+        slot(journalled)  # warm-up
+        out = []
+        for _ in range(rounds):
+            got: dict[str, list[Figures]] = {"A": [], "B": []}
+            for side in palindrome(["A", "B"]):
+                got[side].append(slot(plain if side == "A" else journalled))
+            out.append((summed(got["A"]), summed(got["B"])))
+        return out
+
+
+async def async_rounds(
+    url: str, journal: Any, n: int, rounds: int, tasks: int = 10
+) -> list[tuple[Figures, Figures]]:
+    options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
+    async with (
+        httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY)) as a_c,
+        httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY)) as b_c,
+        AsyncToolInvoker(url, client=a_c, journal=False, **options) as plain,
+        AsyncToolInvoker(url, client=b_c, journal=journal, **options) as journalled,
+    ):
+
+        async def slot(invoker: AsyncToolInvoker) -> Figures:
+            steps = fresh_steps(n)
+
+            async def worker(mine: list[Step]) -> None:
+                for step in mine:
+                    assert (await invoker.invoke(step)).status_code == 201
+
+            cpu, wall = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(worker(steps[i::tasks]) for i in range(tasks)))
+            return float(n), time.perf_counter() - wall, time.process_time() - cpu
+
+        await slot(plain)
+        await slot(journalled)
+        out = []
+        for _ in range(rounds):
+            got: dict[str, list[Figures]] = {"A": [], "B": []}
+            for side in palindrome(["A", "B"]):
+                got[side].append(await slot(plain if side == "A" else journalled))
+            out.append((summed(got["A"]), summed(got["B"])))
+        return out
+
+
+def redis_round_trips(url: str, call: Callable[[], None] | Callable[[], Awaitable[None]]) -> int:
+    """Commands of one call, from the server's own statistics (each pipeline is one trip)."""
+    client = redis.Redis.from_url(url)
+    before = client.info("stats")["total_commands_processed"]
+    result = call()
+    if asyncio.iscoroutine(result):
+        asyncio.run(result)
+    after = client.info("stats")["total_commands_processed"]
+    client.close()
+    return int(after - before - 1)  # minus the INFO itself
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per row")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    ns = parser.parse_args()
+    at_start = machine()
+    rounds, n = (1, 20) if ns.smoke else (ns.rounds, 300)
+    print(f"bench_journal: {rounds} ABBA rounds per row; ratio = with journal / journal=False")
+    rows = []
+    with ExitStack() as stack:
+        running = stack.enter_context(servers(["bare"], {}))
+        url = f"http://127.0.0.1:{running['bare'].port}"
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        sqlite = SQLiteJournal(folder / "journal.sqlite3")
+        rows.append(row("SQLite, sync, loopback", sync_rounds(url, sqlite, n, rounds), {}))
+        rows.append(
+            row(
+                "SQLite, async x10, loopback", asyncio.run(async_rounds(url, sqlite, n, rounds)), {}
+            )
+        )
+        if shutil.which("redis-server"):
+            server = stack.enter_context(redis_server())
+
+            def one_sync() -> None:
+                with ToolInvoker(
+                    url, route_template="/tools/{tool}", hooks=(), journal=RedisJournal(server.url)
+                ) as invoker:
+                    invoker.invoke(fresh_steps(1)[0])
+
+            trips = redis_round_trips(server.url, one_sync)
+            rows.append(
+                row(
+                    "Redis, sync, loopback",
+                    sync_rounds(url, RedisJournal(server.url), n, rounds),
+                    {"redis_commands_per_call": trips},
+                )
+            )
+            rows.append(
+                row(
+                    "Redis, async x10, loopback",
+                    asyncio.run(async_rounds(url, RedisJournal(server.url), n, rounds)),
+                    {"redis_commands_per_call": trips},
+                )
+            )
+        else:
+            print("redis-server is not on PATH: the Redis rows are skipped")
+    if not ns.smoke or ns.out:
+        path = write_results(
+            "journal",
+            {
+                "method": "ABBA rounds of fresh steps, ratio per round = journal / journal=False; "
+                "the tool is a bare uvicorn process (1 worker, loopback); client CPU from "
+                "process_time; Redis commands per call from INFO stats (pipelined: the "
+                "start of a call is one round trip, its end another)",
+                "rows": rows,
+            },
+            ns.out,
+            at_start,
+        )
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
