@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
         RetryEvent,
     )
     from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
-    from ._plan import PlanSession, Step
+    from ._plan import OnRepeat, PlanSession, Step
     from ._policy import PollPolicy, RetryPolicy
     from .auth import ClientCredentials, OnBehalfOf, RefreshTokenGrant, StaticToken, TokenExchange
 
@@ -83,7 +83,7 @@ _LAZY: dict[str, str] = {
         "._hooks",
     ),
     **dict.fromkeys(["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], "._invoker"),
-    **dict.fromkeys(["PlanSession", "Step"], "._plan"),
+    **dict.fromkeys(["OnRepeat", "PlanSession", "Step"], "._plan"),
     **dict.fromkeys(["PollPolicy", "RetryPolicy"], "._policy"),
     **dict.fromkeys(
         ["ClientCredentials", "OnBehalfOf", "RefreshTokenGrant", "StaticToken", "TokenExchange"],
@@ -137,6 +137,7 @@ __all__ = [
     "LoggingHook",
     "MissingExtra",
     "OnBehalfOf",
+    "OnRepeat",
     "Outcome",
     "OutcomeUnknown",
     "PayloadMismatch",

@@ -136,6 +136,7 @@ class Call:
     plan: str = ""  # the plan session id
     args_hash: str | None = None
     call_id: str | None = None  # the agent runtime's id of this call (a tool call id)
+    context: str | None = None  # the conversation turn it answers (a user message's id)
     owner: str = ""  # this process, as the journal names it
     repeat_of: str | None = None  # the label of the step this call repeats (on_repeat)
     verify: Verifier | None = None  # the reconcile hook of this call's tool
@@ -387,10 +388,18 @@ class _Run:
             route=route_of(call.method, call.url),
             state=CallState.PENDING,
             call_id=call.call_id,
+            context=call.context,
             created_at=now,
             updated_at=now,
             owner=call.owner,
             lease_until=now + self.s.retry.deadline + LEASE_SLACK,
+        )
+
+    def taken_from(self, earlier: CallRecord) -> CallRecord:
+        """This flow's pending record in place of ``earlier``: the call keeps its identity
+        (when it was first recorded, the runtime's call id and turn); the sender changes."""
+        return self.new_record().with_(
+            created_at=earlier.created_at, call_id=earlier.call_id, context=earlier.context
         )
 
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
@@ -499,7 +508,7 @@ class _Run:
                 raise _in_doubt(call, earlier, None, now)
             if verdict is not None and verdict.happened is None:
                 raise _in_doubt(call, earlier, verdict, now)
-        taken = self.new_record().with_(created_at=earlier.created_at)
+        taken = self.taken_from(earlier)
         if (yield Journaled("take_over", (taken, earlier))):
             self.record = taken
             return None
@@ -545,7 +554,7 @@ class _Run:
     ) -> Generator[Effect, Any, Finished]:
         """The call ran, says the reconcile hook: its answer, recorded as the call's."""
         answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
-        taken = self.new_record().with_(created_at=earlier.created_at)
+        taken = self.taken_from(earlier)
         if (yield Journaled("take_over", (taken, earlier))):
             self.record = taken
             yield from self.close_record(
@@ -734,7 +743,7 @@ class _Run:
             earlier = yield Journaled("get", (self.call.key,))
         done = yield from self.poll(self.call.url, False)
         if earlier is not None:
-            taken = self.new_record().with_(created_at=earlier.created_at)
+            taken = self.taken_from(earlier)
             if (yield Journaled("take_over", (taken, earlier))):
                 self.record = taken
                 yield from self.close_record(

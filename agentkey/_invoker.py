@@ -244,6 +244,11 @@ class _InvokerBase:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r})"
 
+    @property
+    def journal(self) -> Journal | None:
+        """The journal this invoker records its calls in (None with ``journal=False``)."""
+        return self._journal
+
     def _check_client_headers(self, client: Client | AsyncClient | None) -> None:
         """A user client's default credential headers obey the same plain-http rule as auth=."""
         origin = self._config.base_origin
@@ -284,6 +289,7 @@ class _InvokerBase:
         headers: Mapping[str, str] | None,
         idempotency_key: str | None,
         call_id: str | None = None,
+        context: str | None = None,
     ) -> Call:
         if self._closed:
             raise ConfigurationError(f"{self!r} is closed; create a new invoker")
@@ -306,8 +312,9 @@ class _InvokerBase:
                 f"no route for tool {step.tool!r} at {label}: pass path=, or set "
                 "routes={tool: path} or route_template='/tools/{tool}' on the invoker"
             )
-        if call_id is not None and (not isinstance(call_id, str) or not call_id):
-            raise ConfigurationError(f"call_id must be a non-empty str or None, got {call_id!r}")
+        for name, value in (("call_id", call_id), ("context", context)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigurationError(f"{name} must be a non-empty str or None, got {value!r}")
         extra = _check_headers(headers)
         verify = self._verify
         if isinstance(verify, Mapping):
@@ -324,6 +331,7 @@ class _InvokerBase:
             key.plan_session_id,
             key.args_hash,
             call_id,
+            context,
             current_owner(),
             step.repeat_of,
             verify,
@@ -457,13 +465,15 @@ class ToolInvoker(_InvokerBase):
         headers: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         call_id: str | None = None,
+        context: str | None = None,
     ) -> ToolResult:
         """Run ``step`` once: same key on every resend, polls a 202 to its end.
 
-        ``call_id`` is the agent runtime's own id of this call (a model's tool call
-        id), kept in the journal beside the call so an integration can find it again.
+        ``call_id`` (the agent runtime's own id of this call, a model's tool call id)
+        and ``context`` (the conversation turn it answers) are kept in the journal
+        beside the call, so an integration can recognise it again after a restart.
         """
-        call = self._prepare(step, path, method, headers, idempotency_key, call_id)
+        call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
         return self._drive(_flow.invoke(call, self._settings), call.owner)
 
     def resume_poll(
@@ -573,13 +583,15 @@ class AsyncToolInvoker(_InvokerBase):
         headers: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         call_id: str | None = None,
+        context: str | None = None,
     ) -> ToolResult:
         """Run ``step`` once: same key on every resend, polls a 202 to its end.
 
-        ``call_id`` is the agent runtime's own id of this call (a model's tool call
-        id), kept in the journal beside the call so an integration can find it again.
+        ``call_id`` (the agent runtime's own id of this call, a model's tool call id)
+        and ``context`` (the conversation turn it answers) are kept in the journal
+        beside the call, so an integration can recognise it again after a restart.
         """
-        call = self._prepare(step, path, method, headers, idempotency_key, call_id)
+        call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
         return await self._drive(_flow.invoke(call, self._settings), call.owner)
 
     async def resume_poll(

@@ -35,6 +35,7 @@ Needs the ``langchain`` extra (``pip install 'agentkey-idempotency[langchain]'``
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,9 +45,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, TypeAlias
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from .._canonical import to_jsonable
+from .._canonical import args_hash, to_jsonable
 from .._exceptions import ConfigurationError, InvalidArguments, ToolError
 from .._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
@@ -59,12 +60,13 @@ from ._common import (
     make_step,
     missing_extra,
     refusal,
-    repeat_answer,
     server_reason,
 )
+from ._identity import CallSite, Verdict, decide, earlier_of, step_of
 
 try:
     from langchain_core.callbacks import AsyncCallbackManager
+    from langchain_core.messages import ToolMessage
     from langchain_core.runnables import RunnableConfig
     from langchain_core.tools import InjectedToolArg, StructuredTool, ToolException
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
@@ -79,10 +81,8 @@ __all__ = [
     "remote_tool",
 ]
 
-#: Where the tool receives the id of the tool call it serves (see _KeyedTool).
-_CALL_ID = "agentkey_tool_call_id"
 #: Names the tool's own function takes from LangChain; an args_schema may not use them.
-_RESERVED_FIELDS = frozenset({"config", "runtime", "callbacks", "run_manager", _CALL_ID})
+_RESERVED_FIELDS = frozenset({"config", "runtime", "callbacks", "run_manager"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +115,9 @@ StepIndexSource: TypeAlias = (
 )
 
 
-#: A runtime's own memory of finished calls (LangGraph: the earlier ToolMessages). Given a
-#: call and its step, it returns the ``(content, artifact)`` of an earlier finished call of
-#: the same plan that this one repeats (same tool, same args hash, another step), else None.
-RepeatMemory: TypeAlias = "Callable[[ToolCallContext, Step], tuple[str, Mapping[str, Any]] | None]"
+#: A runtime's view of a call (LangGraph: its graph state): the plan, the call's identical
+#: siblings, the conversation turn and what the model saw (``_identity.CallSite``).
+Identity: TypeAlias = "Callable[[ToolCallContext], CallSite]"
 
 
 def remote_tool(
@@ -177,7 +176,7 @@ def remote_tool(
         return_direct=return_direct,
         on_repeat=on_repeat,
         errors_to_model=errors_to_model,
-        memory=None,
+        identity=None,
     )
 
 
@@ -193,9 +192,9 @@ def build_tool(
     return_direct: bool,
     on_repeat: OnRepeat,
     errors_to_model: bool,
-    memory: RepeatMemory | None,
+    identity: Identity | None,
 ) -> StructuredTool:
-    """:func:`remote_tool`, plus a runtime's own ``memory`` of finished calls."""
+    """:func:`remote_tool`, plus a runtime's ``identity`` of each call (see ``_identity``)."""
     check_tool(
         name,
         description,
@@ -211,7 +210,8 @@ def build_tool(
             "same with a pydantic alias in your own schema for the server)"
         )
     policy = check_sources(name, plan, step_index, on_repeat, "a ToolCallContext")
-    call = _Call(name, args_schema, plan, step_index, policy, memory)
+    call = _Call(name, args_schema, plan, step_index, policy, identity, invoker, options)
+    call.errors_to_model = errors_to_model
     common: dict[str, Any] = {
         "name": name,
         "description": description,
@@ -231,17 +231,21 @@ def build_tool(
             runtime: Annotated[Any, InjectedToolArg] = None,
             **kwargs: Any,
         ) -> tuple[str, dict[str, Any]]:
-            step = call.prepare(args, kwargs, config, runtime)
+            prepared = call.prepare(args, kwargs, config, runtime)
+            if not isinstance(prepared, _Pending):
+                step = call.settle(prepared, None)
+            else:
+                step = call.settle(prepared, call.earlier(prepared))
             if isinstance(step, _Repeat):
                 return _traced(callbacks, step.content, step.artifact)
             try:
                 with _in_tool_run(callbacks):
-                    result = sync_invoker.invoke(step, **options)
+                    result = sync_invoker.invoke(step.step, **options, **step.identity)
             except ToolError as exc:
-                raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
-            return _traced(callbacks, *_answer(result, step))
+                raise _for_model(name, step.step, exc, callbacks, errors_to_model) from exc
+            return _traced(callbacks, *_answer(result, step.step))
 
-        return _KeyedTool(func=run, **common)
+        return _KeyedTool(func=run, agentkey_call=call, **common)
 
     async_invoker = invoker
 
@@ -264,20 +268,24 @@ def build_tool(
         runtime: Annotated[Any, InjectedToolArg] = None,
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
-        step = call.prepare(args, kwargs, config, runtime)
+        prepared = call.prepare(args, kwargs, config, runtime)
+        if not isinstance(prepared, _Pending):
+            step = call.settle(prepared, None)
+        else:
+            step = call.settle(prepared, await call.aearlier(prepared))
         if isinstance(step, _Repeat):
             return _traced(callbacks, step.content, step.artifact)
         try:
             with _in_tool_run(callbacks) as run:
                 try:
-                    result = await async_invoker.invoke(step, **options)
+                    result = await async_invoker.invoke(step.step, **options, **step.identity)
                 finally:
                     await run.flush()
         except ToolError as exc:
-            raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
-        return _traced(callbacks, *_answer(result, step))
+            raise _for_model(name, step.step, exc, callbacks, errors_to_model) from exc
+        return _traced(callbacks, *_answer(result, step.step))
 
-    return _KeyedTool(func=refuse, coroutine=arun, **common)
+    return _KeyedTool(func=refuse, coroutine=arun, agentkey_call=call, **common)
 
 
 class _KeyedTool(StructuredTool):
@@ -285,28 +293,75 @@ class _KeyedTool(StructuredTool):
 
     LangChain's own ``InjectedToolCallId`` would make every call without an id
     (``tool.invoke({"amount": 5})``) fail; agentkey needs the id only when the
-    step is derived from it, so it passes it along quietly instead.
+    step is derived from it. ``run`` and ``arun`` (public, and given the id by
+    ``invoke`` whenever the input is a tool call) keep it in a context variable
+    that the function reads.
     """
 
-    def _to_args_and_kwargs(
-        self, tool_input: str | dict[str, Any], tool_call_id: str | None
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, kwargs = super()._to_args_and_kwargs(tool_input, tool_call_id)
-        return args, {**kwargs, _CALL_ID: tool_call_id}
+    #: The call maker of this tool (for agentkey's own helpers, such as the LangGraph
+    #: pending-calls hook); not part of the tool's schema.
+    agentkey_call: Any = Field(default=None, exclude=True)
+
+    def run(self, tool_input: Any, *args: Any, tool_call_id: str | None = None, **kw: Any) -> Any:
+        token = _TOOL_CALL_ID.set(tool_call_id)
+        try:
+            return super().run(tool_input, *args, tool_call_id=tool_call_id, **kw)
+        finally:
+            _TOOL_CALL_ID.reset(token)
+
+    async def arun(
+        self, tool_input: Any, *args: Any, tool_call_id: str | None = None, **kw: Any
+    ) -> Any:
+        token = _TOOL_CALL_ID.set(tool_call_id)
+        try:
+            return await super().arun(tool_input, *args, tool_call_id=tool_call_id, **kw)
+        finally:
+            _TOOL_CALL_ID.reset(token)
+
+
+#: The id of the tool call the current ``_KeyedTool.run``/``arun`` serves.
+_TOOL_CALL_ID: ContextVar[str | None] = ContextVar("agentkey_tool_call_id", default=None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Repeat:
-    """The answer to a repeated call, taken from the runtime's memory: nothing is sent."""
+    """The answer to a repeated call, as the model read it before: nothing is sent."""
 
     content: str
     artifact: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """The step to send, and what the journal keeps beside it (``call_id``, ``context``)."""
+
+    step: Step
+    identity: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A call whose key depends on the plan's earlier calls in the journal."""
+
+    ctx: ToolCallContext
+    site: CallSite
+    args_hash: str
+
+
 class _Call:
     """Turns one LangChain call into a Step: the key is made here, by the runtime."""
 
-    __slots__ = ("_memory", "_name", "_on_repeat", "_plan", "_schema", "_step_index")
+    __slots__ = (
+        "_identity",
+        "_invoker",
+        "_name",
+        "_on_repeat",
+        "_options",
+        "_plan",
+        "_schema",
+        "_step_index",
+        "errors_to_model",
+    )
 
     def __init__(
         self,
@@ -315,14 +370,19 @@ class _Call:
         plan: PlanSource,
         step_index: StepIndexSource,
         on_repeat: OnRepeat,
-        memory: RepeatMemory | None,
+        identity: Identity | None,
+        invoker: ToolInvoker | AsyncToolInvoker,
+        options: Mapping[str, Any],
     ) -> None:
+        self._options = dict(options)
+        self.errors_to_model = True
         self._name = name
         self._schema = schema
         self._plan = plan
         self._step_index = step_index
         self._on_repeat = on_repeat
-        self._memory = memory
+        self._identity = identity
+        self._invoker = invoker
 
     def prepare(
         self,
@@ -330,8 +390,9 @@ class _Call:
         kwargs: dict[str, Any],
         config: RunnableConfig | None,
         runtime: Any,
-    ) -> Step | _Repeat:
-        call_id = kwargs.pop(_CALL_ID, None)
+    ) -> ToolCallContext | _Pending:
+        """The call's context; with a runtime identity, what its key depends on."""
+        call_id = _TOOL_CALL_ID.get()
         if args:
             raise ConfigurationError(
                 f"tool {self._name!r} takes its arguments as a dict matching "
@@ -356,16 +417,131 @@ class _Call:
             state=getattr(runtime, "state", None),
             args_schema=self._schema,
         )
-        index = self._step_index(ctx) if callable(self._step_index) else self._step_index
-        step = make_step(self._plan, ctx, index, self._name, values, self._schema, self._on_repeat)
-        memory = self._memory
-        if memory is None:
-            return step
-        repeat = repeat_answer(step, self._on_repeat, lambda: memory(ctx, step))
-        if repeat is None:
-            return step
-        label, content, artifact = repeat
-        return _Repeat(_repeat_note(label, replayed=True) + content, artifact)
+        if self._identity is None:
+            return ctx
+        site = self._identity(ctx)
+        return _Pending(ctx, site, args_hash(values, profile=site.plan.profile))
+
+    def context_of(
+        self, values: Mapping[str, Any], config: Any, call_id: str, state: Any
+    ) -> _Pending:
+        """What a call's key depends on, for a call made outside LangChain's run (a hook)."""
+        ctx = ToolCallContext(
+            tool=self._name,
+            args=to_jsonable(self._schema.model_validate(values)),
+            config=config or {},
+            tool_call_id=call_id,
+            state=state,
+            args_schema=self._schema,
+        )
+        if self._identity is None:
+            raise ConfigurationError(f"tool {self._name!r} is not keyed by a runtime")
+        site = self._identity(ctx)
+        return _Pending(ctx, site, args_hash(ctx.args, profile=site.plan.profile))
+
+    def sent_before(self, pending: _Pending, earlier: list[Any]) -> bool:
+        """Whether the journal (or the history) holds this very call."""
+        return any(e.call_id == pending.site.call_id for e in earlier)
+
+    def message(self, pending: _Pending, earlier: list[Any]) -> ToolMessage:
+        """Send a call made outside LangChain's run (the pending-calls hook), synchronously."""
+        send = self.settle(pending, earlier)
+        if isinstance(send, _Repeat):
+            return self._tool_message(pending, send.content, send.artifact)
+        invoker = self._invoker
+        if not isinstance(invoker, ToolInvoker):
+            raise ConfigurationError(
+                f"tool {self._name!r} has an AsyncToolInvoker: run the graph with ainvoke"
+            )
+        try:
+            result = invoker.invoke(send.step, **self._options, **send.identity)
+        except ToolError as exc:
+            return self._refused(pending, exc)
+        return self._tool_message(pending, *_answer(result, send.step))
+
+    async def amessage(self, pending: _Pending, earlier: list[Any]) -> ToolMessage:
+        """:meth:`message` on either invoker, awaited."""
+        send = self.settle(pending, earlier)
+        if isinstance(send, _Repeat):
+            return self._tool_message(pending, send.content, send.artifact)
+        invoker = self._invoker
+        try:
+            if isinstance(invoker, AsyncToolInvoker):
+                result = await invoker.invoke(send.step, **self._options, **send.identity)
+            else:
+                result = await asyncio.to_thread(
+                    invoker.invoke, send.step, **self._options, **send.identity
+                )
+        except ToolError as exc:
+            return self._refused(pending, exc)
+        return self._tool_message(pending, *_answer(result, send.step))
+
+    def _tool_message(
+        self, pending: _Pending, content: str, artifact: dict[str, Any]
+    ) -> ToolMessage:
+        call_id = pending.site.call_id or ""
+        return ToolMessage(content, artifact=artifact, tool_call_id=call_id, name=self._name)
+
+    def _refused(self, pending: _Pending, exc: ToolError) -> ToolMessage:
+        text = refusal(self._name, exc, self.errors_to_model, _reason(exc))
+        call_id = pending.site.call_id or ""
+        return ToolMessage(text, tool_call_id=call_id, name=self._name, status="error")
+
+    def earlier(self, pending: _Pending) -> list[Any]:
+        """The plan's earlier calls with this tool and arguments, from the journal."""
+        journal = self._invoker.journal
+        if journal is None:
+            return []
+        found = journal.find(pending.site.plan.id, tool=self._name, args_hash=pending.args_hash)
+        return earlier_of(found)
+
+    async def aearlier(self, pending: _Pending) -> list[Any]:
+        """:meth:`earlier`, on the journal's asyncio client."""
+        journal = self._invoker.journal
+        if journal is None:
+            return []
+        site = pending.site
+        found = await journal.afind(site.plan.id, tool=self._name, args_hash=pending.args_hash)
+        return earlier_of(found)
+
+    def settle(
+        self, prepared: ToolCallContext | _Pending, earlier: list[Any] | None
+    ) -> _Send | _Repeat:
+        """The step to send, or the answer to a repeat; the runtime's identity decides."""
+        if not isinstance(prepared, _Pending):
+            ctx = prepared
+            index = self._step_index(ctx) if callable(self._step_index) else self._step_index
+            step = make_step(
+                self._plan, ctx, index, self._name, ctx.args, self._schema, self._on_repeat
+            )
+            return _Send(step, {})
+        ctx, site = prepared.ctx, prepared.site
+        verdict: Verdict = decide(site, earlier or [], self._on_repeat, prepared.args_hash)
+        if (
+            verdict.content is not None
+            and verdict.earlier is not None
+            and self._on_repeat == "replay"
+        ):
+            label = verdict.earlier.label
+            artifact = {
+                "tool": self._name,
+                "idempotency_key": verdict.earlier.key,
+                "step": label,
+                "outcome": "replayed",
+                "replayed": True,
+                "repeat_of": label,
+                "attempts": 0,
+                "polls": 0,
+                "elapsed": 0.0,
+            }
+            return _Repeat(_repeat_note(label, replayed=True) + verdict.content, artifact)
+
+        def derive() -> Any:
+            return self._step_index(ctx) if callable(self._step_index) else self._step_index
+
+        step = step_of(site, verdict, derive, self._schema, self._on_repeat)
+        identity = {"call_id": site.call_id, "context": site.context}
+        return _Send(step, {k: v for k, v in identity.items() if v is not None})
 
 
 def _repeat_note(label: str, *, replayed: bool) -> str:

@@ -1,30 +1,29 @@
-"""LangGraph: keys from the graph runtime, so re-executed tool calls replay.
+"""LangGraph: keys from the graph runtime and the journal; a recovered run repeats nothing.
 
-LangGraph re-runs a node whenever its writes were not checkpointed: a node
-retry, a resume after a crash, a resume after ``interrupt()``. Every tool call
-inside it runs again. :func:`remote_tool` gives such a call the key it had the
-first time, derived from what LangGraph checkpoints, never from the model:
+LangGraph re-runs a node whenever its writes were not checkpointed (a node
+retry, a resume after a crash, a resume after ``interrupt()``), and
+applications recover in ways of their own: they re-send the user's request
+after a crash, keep the history themselves and send it each turn, reuse a
+thread id for a new conversation. :func:`remote_tool` gives each call of a
+tool run by LangGraph's ``ToolNode`` a key that survives all of these. It reads
+what the tool's ``ToolRuntime`` gives (the graph state, the config and the
+tool call id: LangGraph's public injection) and the invoker's journal:
 
-- plan session id (:func:`thread_plan`): a UUIDv5 of the run's ``thread_id``
-  and the id of the first message in the thread's state. ``add_messages``
-  gives that message a fresh random id when a conversation starts, and the
-  checkpoint keeps it, so a resumed run keeps its plan while a new
-  conversation under a reused ``thread_id`` (a lost checkpointer, a deleted
-  thread, the tutorials' ``"1"``) gets a new one. Inside a subgraph the
-  parent's checkpoint namespace is folded in as well;
-- step index (:func:`graph_step`): ``(superstep, slot, ordinal)``, e.g.
-  ``step_012.2840093214.000``. The superstep is the checkpointed superstep
-  the tool runs in; the slot is a 32-bit number derived from the graph node
-  and the tool's name, so two tools, or two tool nodes in parallel branches,
-  never share a step; the ordinal numbers the call among the identical calls
-  (same tool, same normalised arguments) of the ``AIMessage`` that asked for
-  it, so a re-asked model that returns the same calls in another order keeps
-  their keys, and two identical calls in one message still get two.
+- plan session id (:func:`thread_plan`): a UUIDv5 of the ``thread_id``, the id
+  of the conversation's first user message (``add_messages`` draws it when the
+  conversation starts and the checkpoint keeps it; a system prompt defined once
+  and reused is skipped, since it keeps one id across conversations), and, in
+  a subgraph, the names of the nodes it runs under;
+- step index (:func:`graph_step`): ``(slot, call)``, two 32-bit numbers of the
+  tool node and tool name, and of the model's tool call id;
+- the journal and the state then decide (``_identity``): the same call run
+  again keeps its key; a call the model asks for again without ever having
+  read its answer (a re-sent request after a crash, a re-asked model) gets the
+  earlier call's key back, and its answer is marked as a repeat; a call the
+  model asks for again after reading its answer follows ``on_repeat``.
 
-A call the model repeats at a later turn (same plan, tool and arguments as
-an earlier successful ``ToolMessage`` in the state) follows the tool's
-``on_repeat`` policy: by default it is answered with the earlier result,
-marked as a repeat, and nothing is sent.
+Keys of version 0.x (``(superstep, slot, ordinal)``, :func:`graph_step_v1`)
+can still be used for runs in flight: ``remote_tool(..., step_index=graph_step_v1)``.
 
 Needs the ``langgraph`` extra (``pip install 'agentkey-idempotency[langgraph]'``).
 """
@@ -40,13 +39,23 @@ from .._canonical import Profile, encode_jsonable, to_jsonable
 from .._exceptions import AgentKeyError, ConfigurationError
 from .._invoker import AsyncToolInvoker, ToolInvoker
 from .._keys import StepKey
-from .._plan import OnRepeat, PlanSession, Step
+from .._plan import OnRepeat, PlanSession
 from ._common import code, missing_extra
+from ._identity import CallSite, Seen
 
 try:
     import langgraph.prebuilt  # noqa: F401 - ToolNode injects the ToolRuntime we read
-    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
-    from langchain_core.tools import StructuredTool
+    from langchain_core.messages import (
+        AIMessage,
+        BaseMessage,
+        HumanMessage,
+        RemoveMessage,
+        SystemMessage,
+        ToolMessage,
+    )
+    from langchain_core.runnables import RunnableConfig, RunnableLambda
+    from langchain_core.tools import BaseTool, StructuredTool
+    from langgraph.graph.message import REMOVE_ALL_MESSAGES
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra(exc, "langgraph", "langgraph", "langgraph", "langchain_core") from None
 
@@ -54,149 +63,200 @@ from pydantic import BaseModel, ValidationError
 
 from .langchain import PlanSource, StepIndexSource, ToolCallContext, build_tool
 
-__all__ = ["earlier_result", "graph_step", "remote_tool", "thread_plan"]
+__all__ = [
+    "call_step",
+    "graph_step",
+    "graph_step_v1",
+    "pending_calls_hook",
+    "remote_tool",
+    "thread_plan",
+]
 
-# LangGraph's checkpoint namespace separator: "parent_node:<task id>|node:<task id>".
+# LangGraph's checkpoint namespace: "parent_node:<task id>|node:<task id>".
 _NS_SEP = "|"
-# Where LangGraph puts a task's state reader in its config (used when no ToolNode injects
-# the state, e.g. tool.invoke(tool_call) in a custom node). Read defensively.
-_READ = "__pregel_read"
+# add_messages gives a message without an id ``str(uuid4())``; chat models name theirs
+# ``run-<uuid>``. An id a program chose ("system-prompt") says nothing of a lifetime.
+_DRAWN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
+
+
+def _require_state(ctx: ToolCallContext, what: str) -> Any:
+    if ctx.state is None:
+        raise ConfigurationError(
+            f"tool {ctx.tool!r} ran without LangGraph's ToolRuntime, so {what} cannot read "
+            "the graph state: run it through langgraph.prebuilt.ToolNode (create_react_agent "
+            "and the prebuilt agents use it), or pass plan= and step_index= to remote_tool "
+            "(e.g. step_index=call_step, which needs only the tool call id)"
+        )
+    return ctx.state
 
 
 def thread_plan(ctx: ToolCallContext, *, profile: Profile = "python") -> PlanSession:
-    """The plan session of one lifetime of a LangGraph thread.
+    """The plan session of one conversation on a LangGraph thread.
 
-    A UUIDv5 of the ``thread_id`` and the id of the first message of the
-    thread's message list (given by ``add_messages`` when the conversation
-    started, and checkpointed): a resumed run keeps it, a new conversation
-    under a reused ``thread_id`` gets another. Inside a subgraph the parent's
-    checkpoint namespace (which names the parent task deterministically) is
-    folded in, since each subgraph run counts its supersteps from zero.
-
-    When no message in the state has an id (a ``@task``, a ``Send`` payload
-    built by hand) the plan rests on the ``thread_id`` alone, and
-    :func:`graph_step` puts the tool call's id into the step instead.
-    Use ``functools.partial(thread_plan, profile="jcs")`` for the JCS profile.
+    A UUIDv5 of the ``thread_id``, the id of the first user message in the
+    state (what tells one conversation on a reused thread id from the next),
+    and the names of the nodes a subgraph runs under. A state without such a
+    message (a ``Send`` payload built by hand) gives a plan of the thread id alone;
+    its calls are then keyed by their own ids and never taken for earlier ones. Use
+    ``functools.partial(thread_plan, profile="jcs")`` for the JCS profile.
     """
     configurable = ctx.config.get("configurable") or {}
     thread_id = configurable.get("thread_id")
     if thread_id is None or thread_id == "":
         raise ConfigurationError(
             f"tool {ctx.tool!r} has no plan session: the run config has no thread_id. "
-            "Compile the graph with a checkpointer and run it with "
-            "config={'configurable': {'thread_id': ...}} (the thread id is what makes a "
-            "resumed run reuse its keys), or pass plan=PlanSession(...) to remote_tool"
+            "Run the graph with config={'configurable': {'thread_id': ...}} (the thread id "
+            "is what makes a resumed run reuse its keys), or pass plan=PlanSession(...) to "
+            "remote_tool"
         )
+    lifetime = _lifetime(_require_state(ctx, "thread_plan"))
     metadata = ctx.config.get("metadata") or {}
     namespace = metadata.get("langgraph_checkpoint_ns") or ""
-    parent = namespace.rpartition(_NS_SEP)[0] if isinstance(namespace, str) else ""
-    # A JSON list keeps the parts unambiguous whatever characters they hold.
-    name = json.dumps(["langgraph", str(thread_id), _lifetime(_state(ctx)), parent])
+    nodes = _parent_nodes(namespace if isinstance(namespace, str) else "")
+    name = json.dumps(["langgraph/2", str(thread_id), lifetime, nodes])
     return PlanSession.from_external_id(name, profile=profile)
 
 
-def graph_step(ctx: ToolCallContext) -> tuple[int, int, int]:
-    """``(superstep, slot, ordinal)`` of a call run inside a LangGraph graph.
+def graph_step(ctx: ToolCallContext) -> tuple[int, int]:
+    """``(slot, call)``: 32-bit numbers of the tool node and tool name, and of the call id.
 
-    The superstep is ``config["metadata"]["langgraph_step"]``, which LangGraph
-    checkpoints. The slot is a 32-bit number derived from the node
-    (``langgraph_node``) and the tool name. The ordinal counts the call among
-    the calls of its ``AIMessage`` with the same tool and the same normalised
-    arguments. All three are the same when the node runs again from a
-    checkpoint, or when a re-asked model returns the same calls in another
-    order. When no message in the state holds the call (a ``@task``), or no
-    message has an id to tell this conversation from an earlier one under the
-    same thread id, the ordinal is derived from the tool call's id instead,
-    which the checkpointed message keeps.
+    The same call keeps its step wherever it runs again; two calls never share
+    one (a later turn, a subgraph, a parallel branch: each call has its own id).
+    """
+    if ctx.tool_call_id is None:
+        raise ConfigurationError(
+            f"tool {ctx.tool!r} ran without a tool call id, so graph_step cannot name its "
+            "step. Invoke it with the model's tool call, or through ToolNode, or pass "
+            "step_index= to remote_tool"
+        )
+    metadata = ctx.config.get("metadata") or {}
+    slot = code(json.dumps([str(metadata.get("langgraph_node") or ""), ctx.tool]))
+    return slot, code(ctx.tool_call_id)
+
+
+def call_step(ctx: ToolCallContext) -> tuple[int, int]:
+    """``(slot, call)`` of the tool name and the call id: a step index usable anywhere."""
+    if ctx.tool_call_id is None:
+        raise ConfigurationError(
+            f"tool {ctx.tool!r} ran without a tool call id; invoke it with the model's tool "
+            "call ({'name': ..., 'args': ..., 'id': ..., 'type': 'tool_call'})"
+        )
+    return code(ctx.tool), code(ctx.tool_call_id)
+
+
+def graph_step_v1(ctx: ToolCallContext) -> tuple[int, int, int]:
+    """The step index of agentkey 0.x: ``(superstep, slot, ordinal)``, for runs in flight.
+
+    Runs that started before the upgrade keep their keys with
+    ``remote_tool(..., step_index=graph_step_v1)``; new runs should not use it
+    (a stateless graph restarts its supersteps, so a later turn could get an
+    earlier turn's key).
     """
     metadata = ctx.config.get("metadata") or {}
     superstep = metadata.get("langgraph_step")
     if isinstance(superstep, bool) or not isinstance(superstep, int) or superstep < 0:
         raise ConfigurationError(
             f"tool {ctx.tool!r} is not running inside a LangGraph graph (no langgraph_step "
-            "in its config), so graph_step cannot name the step. Run it in a graph node "
-            "(a ToolNode, or tool.invoke(tool_call) in your own node or task), or pass "
-            "step_index= (an int, a tuple or a callable) to remote_tool"
+            "in its config); pass step_index= to remote_tool"
         )
-    if ctx.tool_call_id is None:
-        raise ConfigurationError(
-            f"tool {ctx.tool!r} ran at superstep {superstep} without a tool call id, so "
-            "graph_step cannot tell its calls apart. Invoke it with the model's tool call "
-            "(tool.invoke({'name': ..., 'args': ..., 'id': ..., 'type': 'tool_call'})) or "
-            "through langgraph.prebuilt.ToolNode, or pass step_index= to remote_tool"
-        )
-    slot = code(json.dumps([str(metadata.get("langgraph_node") or ""), ctx.tool]))
-    state = _state(ctx)
-    message = _holder(state, ctx.tool_call_id)
-    if message is not None:
-        _check_unique(message, ctx, superstep)
-    if message is None or _lifetime(state) is None:
-        # No message to count in, or no message id to tell this conversation from an
-        # earlier one under the same thread id: the call's own id names it.
-        return superstep, slot, code(ctx.tool_call_id)
-    return superstep, slot, _ordinal(message, ctx)
+    slot, call = graph_step(ctx)
+    message = _holder(ctx.state, ctx.tool_call_id or "")
+    if message is None:
+        return superstep, slot, call
+    same = _identical(message, ctx)
+    return superstep, slot, same.index(ctx.tool_call_id or "")
 
 
-def earlier_result(ctx: ToolCallContext, step: Step) -> tuple[str, Mapping[str, Any]] | None:
-    """The earliest successful ``ToolMessage`` in the state that ``step`` repeats.
+def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
+    """The call as the graph state shows it (see ``_identity``)."""
+    state = _require_state(ctx, "remote_tool")
+    lists = _message_lists(state)
+    message = _holder(state, ctx.tool_call_id or "")
+    siblings: tuple[str, ...] = ()
+    context: str | None = None
+    if message is not None and ctx.tool_call_id is not None:
+        _check_unique(message, ctx)
+        siblings = tuple(_identical(message, ctx))
+        context = _context_of(lists, message)
+    answered: dict[str, str | None] = {}
+    known: dict[str, str] = {}
+    contexts: set[str] = set()
+    asked: dict[str, tuple[int, int]] = {}
+    position: tuple[int, int] | None = None
+    for number, messages in enumerate(lists):
+        for place, item in enumerate(messages):
+            if isinstance(item, AIMessage):
+                if item is message:
+                    position = (number, place)
+                for requested in item.tool_calls:
+                    asked.setdefault(str(requested.get("id")), (number, place))
+            elif isinstance(item, ToolMessage) and item.tool_call_id:
+                answered[item.tool_call_id] = None if item.status == "error" else _text(item)
+                key = _key_of(item, ctx.tool, plan.id)
+                if key is not None and item.status != "error":
+                    known[item.tool_call_id] = key
+            elif isinstance(item, HumanMessage) and isinstance(item.id, str):
+                contexts.add(item.id)
+    return CallSite(
+        plan=plan,
+        tool=ctx.tool,
+        values=ctx.args,
+        call_id=ctx.tool_call_id,
+        siblings=siblings,
+        context=context,
+        seen=Seen(answered, frozenset(contexts), asked),
+        position=position,
+        # No user message with a drawn id: nothing tells this conversation from another
+        # on the same thread id, so no earlier call is taken for this one.
+        adopt=_lifetime(state) is not None,
+        known=known,
+    )
 
-    Same tool, same plan, same arguments hash, another step: the model asked
-    again for a call that already succeeded. Returns its content and artifact.
-    """
-    for messages in _message_lists(_state(ctx)):
-        for message in messages:
-            if not (
-                isinstance(message, ToolMessage)
-                and message.status != "error"
-                and message.name == ctx.tool
-                and isinstance(message.artifact, Mapping)
-            ):
-                continue
-            try:
-                key = StepKey.parse(str(message.artifact.get("idempotency_key")))
-            except AgentKeyError:
-                continue
-            if (
-                key.plan_session_id == step.plan_session_id
-                and key.args_hash == step.key.args_hash
-                and key.index != step.index
-            ):
-                content = message.content
-                text = content if isinstance(content, str) else json.dumps(content)
-                # The step label comes from the parsed key, not from what the artifact says.
-                return text, {**message.artifact, "step": key.label}
-    return None
+
+def _text(message: ToolMessage) -> str:
+    content = message.content
+    return content if isinstance(content, str) else json.dumps(content)
 
 
-def _state(ctx: ToolCallContext) -> Any:
-    """The graph state: injected by ToolNode, else read from the task's config."""
-    if ctx.state is not None:
-        return ctx.state
-    read = (ctx.config.get("configurable") or {}).get(_READ)
-    if not callable(read):
+def _key_of(message: ToolMessage, tool: str, plan_id: str) -> str | None:
+    """The key an agentkey ToolMessage's artifact records, if it is this tool's and plan's."""
+    artifact = message.artifact
+    if message.name != tool or not isinstance(artifact, Mapping):
         return None
     try:
-        messages = read("messages")
-    except Exception:  # no such channel (a @task, a state without messages): nothing to read
+        key = StepKey.parse(str(artifact.get("idempotency_key")))
+    except AgentKeyError:
         return None
-    return {"messages": messages} if isinstance(messages, list) else None
+    return key.format() if key.plan_session_id == plan_id else None
 
 
-# LangGraph's add_messages gives a message without an id ``str(uuid4())``; chat models name
-# theirs ``run-<uuid>``. An id a program chose (``"system-prompt"``) is the same in every
-# conversation, so it cannot tell one lifetime of a thread from the next.
-_DRAWN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)
+def _parent_nodes(namespace: str) -> list[str]:
+    """The node names of a checkpoint namespace's parents, without their task ids."""
+    parents = namespace.split(_NS_SEP)[:-1]
+    return [part.partition(":")[0] for part in parents]
 
 
 def _lifetime(state: Any) -> str | None:
-    """The first randomly drawn message id in the state's message lists, messages first."""
-    ids = (
-        m.id
-        for lst in _message_lists(state)
-        for m in lst
-        if _is_message(m) and isinstance(m.id, str) and _DRAWN_ID.search(m.id)
-    )
-    return next(ids, None)
+    """The id of the conversation's first user message (drawn by add_messages)."""
+    for messages in _message_lists(state):
+        for message in messages:
+            if isinstance(message, SystemMessage) or not isinstance(message, BaseMessage):
+                continue
+            if isinstance(message.id, str) and _DRAWN_ID.search(message.id):
+                return message.id
+    return None
+
+
+def _context_of(lists: list[Sequence[Any]], holder: AIMessage) -> str | None:
+    """The id of the last user message before the model response ``holder``."""
+    for messages in lists:
+        last: str | None = None
+        for message in messages:
+            if message is holder:
+                return last
+            if isinstance(message, HumanMessage) and isinstance(message.id, str):
+                last = message.id
+    return None
 
 
 def _holder(state: Any, tool_call_id: str) -> AIMessage | None:
@@ -210,25 +270,25 @@ def _holder(state: Any, tool_call_id: str) -> AIMessage | None:
     return None
 
 
-def _check_unique(message: AIMessage, ctx: ToolCallContext, superstep: int) -> None:
+def _check_unique(message: AIMessage, ctx: ToolCallContext) -> None:
     count = [call.get("id") for call in message.tool_calls].count(ctx.tool_call_id)
     if count > 1:
         raise ConfigurationError(
-            f"tool {ctx.tool!r} at superstep {superstep}: the model's message holds "
-            f"{count} tool calls with the id {ctx.tool_call_id!r}, so they cannot be told "
-            "apart; give each tool call a unique id, or pass step_index= to remote_tool"
+            f"tool {ctx.tool!r}: the model's message holds {count} tool calls with the id "
+            f"{ctx.tool_call_id!r}, so they cannot be told apart; give each tool call a "
+            "unique id, or pass step_index= to remote_tool"
         )
 
 
-def _ordinal(message: AIMessage, ctx: ToolCallContext) -> int:
+def _identical(message: AIMessage, ctx: ToolCallContext) -> list[str]:
+    """The ids of the calls of ``message`` identical to this one (tool and normalised args)."""
     mine = encode_jsonable(to_jsonable(ctx.args), "python")
-    same = [
-        call.get("id")
+    return [
+        str(call.get("id"))
         for call in message.tool_calls
         if call.get("id") == ctx.tool_call_id
         or (call.get("name") == ctx.tool and _normalised(call.get("args"), ctx) == mine)
     ]
-    return same.index(ctx.tool_call_id)
 
 
 def _normalised(args: Any, ctx: ToolCallContext) -> bytes | None:
@@ -238,10 +298,6 @@ def _normalised(args: Any, ctx: ToolCallContext) -> bytes | None:
         return encode_jsonable(to_jsonable(values), "python")
     except (ValidationError, AgentKeyError):
         return None
-
-
-def _is_message(value: object) -> bool:
-    return isinstance(value, BaseMessage)
 
 
 def _message_lists(state: Any) -> list[Sequence[Any]]:
@@ -277,26 +333,149 @@ def remote_tool(
     on_repeat: OnRepeat = "replay",
     errors_to_model: bool = True,
 ) -> StructuredTool:
-    """A LangChain tool for LangGraph, keyed by the graph runtime.
+    """A LangChain tool for LangGraph's ToolNode, keyed by the graph runtime and the journal.
 
-    Same as :func:`agentkey.integrations.langchain.remote_tool`, with
-    LangGraph defaults: ``plan`` is :func:`thread_plan` (an explicit
-    ``PlanSession`` or callable wins) and ``step_index`` is :func:`graph_step`.
-    It runs under ``ToolNode``, and also as ``tool.invoke(tool_call)`` in your
-    own node, ``@task`` or ``Send`` worker. Repeats are found in the earlier
-    ``ToolMessages`` of the state (:func:`earlier_result`) and handled by
-    ``on_repeat`` (default ``"replay"``: the earlier result, marked, nothing sent).
+    Same as :func:`agentkey.integrations.langchain.remote_tool`, with LangGraph
+    defaults: ``plan`` is :func:`thread_plan`, ``step_index`` is
+    :func:`graph_step`, and each call's key is settled against the invoker's
+    journal and the graph state (module docstring). ``on_repeat`` decides what a
+    call the model already saw answered gets when it is asked for again:
+    ``"replay"`` (the default: the earlier answer, marked, nothing sent),
+    ``"raise"`` or ``"allow"`` (a new call).
     """
+    plan_source = thread_plan if plan is None else plan
+
+    def identity(ctx: ToolCallContext) -> CallSite:
+        if plan is None:
+            _require_state(ctx, "remote_tool")
+        session = plan_source(ctx) if callable(plan_source) else plan_source
+        if not isinstance(session, PlanSession):
+            raise ConfigurationError(
+                f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
+            )
+        if ctx.state is None:  # your own node, with your own plan: no history to read
+            return CallSite(session, ctx.tool, ctx.args, ctx.tool_call_id)
+        return _site(ctx, session)
+
     return build_tool(
         name=name,
         description=description,
         args_schema=args_schema,
         invoker=invoker,
-        plan=thread_plan if plan is None else plan,
+        plan=plan_source,
         step_index=graph_step if step_index is None else step_index,
         options={"path": path, "method": method, "headers": headers},
         return_direct=return_direct,
         on_repeat=on_repeat,
         errors_to_model=errors_to_model,
-        memory=earlier_result,
+        identity=identity,
     )
+
+
+# --- after a crash: answer the calls a checkpoint left without an answer ----------------
+
+
+_UNKNOWN = (
+    "The outcome of this call is unknown: the run stopped while it was being made, and the "
+    "tool does not say what happened. Check before asking for it again."
+)
+_NOT_MADE = (
+    "This call was not made: the run stopped before it was sent. Ask for it again if it is "
+    "still needed."
+)
+
+
+def pending_calls_hook(tools: Sequence[BaseTool]) -> RunnableLambda[Any, dict[str, Any]]:
+    """A ``pre_model_hook`` that answers the tool calls a crash left without an answer.
+
+    When a process dies after a tool ran and before its answer was checkpointed,
+    the thread's history ends with the model's request and no answer. An
+    application that recovers by sending the user's request again (not
+    ``invoke(None)``) then makes the prebuilt agent refuse the history
+    (``INVALID_CHAT_HISTORY``), or would have the model ask again. Give this hook
+    to ``create_react_agent(..., pre_model_hook=pending_calls_hook(tools))``:
+    before the model is asked, each unanswered call of an agentkey tool that the
+    journal shows was sent is sent again under its first key (the tool, or the
+    journal, answers with what happened: nothing runs twice), and its answer goes
+    right after the request that asked for it. A call the journal never saw sent
+    is answered "not made"; a call of another tool "outcome unknown".
+    """
+    by_name = {tool.name: tool for tool in tools}
+
+    def plan(state: Any) -> list[tuple[int, Mapping[str, Any], BaseTool | None]]:
+        """The unanswered calls: (position after which the answer goes, call, tool)."""
+        messages = list(_message_lists(state)[0]) if _message_lists(state) else []
+        answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
+        todo: list[tuple[int, Mapping[str, Any], BaseTool | None]] = []
+        for position, message in enumerate(messages):
+            if isinstance(message, AIMessage):
+                todo.extend(
+                    (position, call, by_name.get(str(call.get("name"))))
+                    for call in message.tool_calls
+                    if call.get("id") not in answered
+                )
+        return todo
+
+    def rebuilt(state: Any, answers: Mapping[int, list[ToolMessage]]) -> dict[str, Any]:
+        if not answers:
+            return {}
+        messages = list(_message_lists(state)[0])
+        out: list[Any] = []
+        for position, message in enumerate(messages):
+            out.append(message)
+            out += answers.get(position, [])
+        return {"messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES), *out]}
+
+    def sync(state: Any, config: RunnableConfig) -> dict[str, Any]:
+        answers: dict[int, list[ToolMessage]] = {}
+        for position, call, tool in plan(state):
+            answers.setdefault(position, []).append(_answer_sync(tool, call, state, config))
+        return rebuilt(state, answers)
+
+    async def asynchronous(state: Any, config: RunnableConfig) -> dict[str, Any]:
+        answers: dict[int, list[ToolMessage]] = {}
+        for position, call, tool in plan(state):
+            message = await _answer_async(tool, call, state, config)
+            answers.setdefault(position, []).append(message)
+        return rebuilt(state, answers)
+
+    return RunnableLambda(sync, afunc=asynchronous, name="agentkey_pending_calls")
+
+
+def _maker(tool: BaseTool | None) -> Any:
+    maker = getattr(tool, "agentkey_call", None) if tool is not None else None
+    return maker if maker is not None and getattr(maker, "_identity", None) else None
+
+
+def _unknown(call: Mapping[str, Any], text: str) -> ToolMessage:
+    return ToolMessage(
+        text, tool_call_id=str(call.get("id")), name=str(call.get("name")), status="error"
+    )
+
+
+def _answer_sync(
+    tool: BaseTool | None, call: Mapping[str, Any], state: Any, config: Any
+) -> ToolMessage:
+    maker = _maker(tool)
+    if maker is None:
+        return _unknown(call, _UNKNOWN)
+    pending = maker.context_of(call.get("args") or {}, config, str(call.get("id")), state)
+    earlier = maker.earlier(pending)
+    if not maker.sent_before(pending, earlier):
+        return _unknown(call, _NOT_MADE)
+    message: ToolMessage = maker.message(pending, earlier)
+    return message
+
+
+async def _answer_async(
+    tool: BaseTool | None, call: Mapping[str, Any], state: Any, config: Any
+) -> ToolMessage:
+    maker = _maker(tool)
+    if maker is None:
+        return _unknown(call, _UNKNOWN)
+    pending = maker.context_of(call.get("args") or {}, config, str(call.get("id")), state)
+    earlier = await maker.aearlier(pending)
+    if not maker.sent_before(pending, earlier):
+        return _unknown(call, _NOT_MADE)
+    message: ToolMessage = await maker.amessage(pending, earlier)
+    return message

@@ -51,7 +51,8 @@ class CallRecord:
     ``route`` is ``"<METHOD> <origin><path>"`` (no query), the scope of what is
     learnt about whether the tool honours keys. ``call_id`` is the agent
     runtime's own id of the call (a model's tool call id), when an integration
-    gave one. ``body`` is the answer's bytes when at most the journal's
+    gave one; ``context`` names the turn of the conversation it was made in (the
+    id of the user's message it answers). ``body`` is the answer's bytes when at most the journal's
     ``max_body_bytes``; ``body_size`` is its size either way.
     """
 
@@ -63,6 +64,7 @@ class CallRecord:
     route: str
     state: CallState = CallState.PENDING
     call_id: str | None = None
+    context: str | None = None
     created_at: float = 0.0
     updated_at: float = 0.0
     owner: str | None = None

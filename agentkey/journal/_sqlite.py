@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS agentkey_calls (
   route TEXT NOT NULL,
   state TEXT NOT NULL,
   call_id TEXT,
+  context TEXT,
   created_at REAL NOT NULL,
   updated_at REAL NOT NULL,
   owner TEXT,

@@ -16,6 +16,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 from agentkey import ConfigurationError, StepKey
+from agentkey.integrations._common import code
 from tests.integrations._graph import (
     DRIVERS,
     Command,
@@ -109,8 +110,7 @@ async def test_reexecuted_tool_node_replays(
     assert message.artifact["idempotency_key"] == first_run["idempotency_key"]
     key = _key(message.artifact)
     assert key.plan_session_id != config["configurable"]["thread_id"]  # thread + lifetime
-    assert key.index[0] == 2  # superstep 2 (input, agent, tools)
-    assert key.index[2] == 0  # the first of its identical calls
+    assert key.index[1] == code("c1")  # the step is the model's call id's: (slot, call)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
@@ -137,8 +137,7 @@ async def test_two_tools_with_identical_args_in_one_message_both_run(
 
     charge, provision = (_key(m.artifact) for m in tool_messages(final))
     assert charge.args_hash == provision.args_hash  # identical arguments ...
-    assert charge.index != provision.index  # ... but each tool has its own slot
-    assert charge.index[0] == provision.index[0] == 2
+    assert charge.index != provision.index  # ... but each call has its own step
     assert dict(app.state.executions) == {"charge": 1, "provision": 1}  # ... both executed
     assert not any(m.artifact["replayed"] for m in tool_messages(final))
 
@@ -163,9 +162,8 @@ async def test_new_model_turns_execute_anew(driver: Driver, server: tuple[str, A
     await close(invoker)
 
     keys = [_key(m.artifact) for m in tool_messages(final)]
-    assert [k.index[0] for k in keys[:2]] == [2, 4]
-    assert keys[2].index[0] > 4
-    assert keys[2].index[1:] == keys[1].index[1:]  # same tool node, tool and ordinal
+    assert [k.index[1] for k in keys] == [code("c1"), code("c2"), code("c3")]  # one per call
+    assert keys[2].index[0] == keys[1].index[0]  # same tool node and tool: same slot
     assert keys[0].args_hash != keys[1].args_hash
     assert keys[1].args_hash == keys[2].args_hash
     assert len({k.format() for k in keys}) == 3
@@ -173,10 +171,12 @@ async def test_new_model_turns_execute_anew(driver: Driver, server: tuple[str, A
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-async def test_subgraph_runs_in_one_thread_do_not_share_keys(
-    driver: Driver, server: tuple[str, Any]
+@pytest.mark.parametrize("on_repeat", ["replay", "allow"])
+async def test_a_call_repeated_inside_a_subgraph_is_a_repeat(
+    driver: Driver, on_repeat: str, server: tuple[str, Any]
 ) -> None:
-    """Two runs of one agent subgraph in a thread count supersteps from zero, yet keys differ."""
+    """Issue 23 case 4: a later run of an agent subgraph asking the same call gets the repeat
+    protection the top level has (a labelled replay), or runs anew under "allow"."""
     url, app = server
     model = scripted(
         AIMessage("", tool_calls=[call("charge", "a1", amount=5)]),
@@ -185,7 +185,7 @@ async def test_subgraph_runs_in_one_thread_do_not_share_keys(
         AIMessage("second done"),
     )
     invoker = make_invoker(driver, url)
-    team = build_graph(tools_for(invoker), model, checkpointer=None)
+    team = build_graph(tools_for(invoker, on_repeat=on_repeat), model, checkpointer=None)
 
     def again(state: MessagesState) -> str:
         done = [m for m in state["messages"] if isinstance(m, AIMessage) and not m.tool_calls]
@@ -196,15 +196,17 @@ async def test_subgraph_runs_in_one_thread_do_not_share_keys(
     parent.add_edge(START, "team")
     parent.add_conditional_edges("team", again)
     graph = parent.compile(checkpointer=InMemorySaver())
-    thread = f"nested-{driver}"
-    final = await run(driver, graph, HELLO, _config(thread))
+    final = await run(driver, graph, HELLO, _config(f"nested-{driver}-{on_repeat}"))
     await close(invoker)
 
-    first, second = (_key(m.artifact) for m in tool_messages(final))
-    assert first.label == second.label
-    assert first.args_hash == second.args_hash
-    assert first.plan_session_id != second.plan_session_id != thread
-    assert app.state.executions["charge"] == 2
+    first, second = tool_messages(final)
+    if on_repeat == "replay":
+        assert second.artifact["repeat_of"] == _key(first.artifact).label
+        assert str(second.content).startswith("[repeat of ")
+        assert app.state.executions["charge"] == 1
+    else:
+        assert _key(first.artifact) != _key(second.artifact)
+        assert app.state.executions["charge"] == 2
 
 
 @pytest.mark.parametrize("driver", DRIVERS)

@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel
 
-from agentkey import ConfigurationError, PlanSession, ToolInvoker
+from agentkey import ConfigurationError, OnRepeat, PlanSession, ToolInvoker
+from agentkey.integrations._common import code
+from agentkey.integrations._identity import CallSite, Earlier, Seen, Verdict, decide
 from agentkey.integrations.langchain import ToolCallContext
-from agentkey.integrations.langgraph import earlier_result, graph_step, remote_tool, thread_plan
+from agentkey.integrations.langgraph import graph_step, graph_step_v1, remote_tool, thread_plan
 from tests.integrations._graph import Order
 
 
@@ -61,12 +63,9 @@ json_args = st.dictionaries(
 )
 
 
-@given(
-    calls=st.lists(st.tuples(names, json_args), min_size=1, max_size=8),
-    superstep=st.integers(0, 10_000),
-)
+@given(calls=st.lists(st.tuples(names, json_args), min_size=1, max_size=8))
 def test_every_call_of_a_message_gets_its_own_stable_key(
-    calls: list[tuple[str, dict[str, Any]]], superstep: int
+    calls: list[tuple[str, dict[str, Any]]],
 ) -> None:
     """Calls of one message never share a key, whatever their tools and args; recomputing agrees."""
     message = AIMessage(
@@ -75,100 +74,48 @@ def test_every_call_of_a_message_gets_its_own_stable_key(
     )
     state = {"messages": [HumanMessage("go", id=_drawn("h1")), message]}
 
-    def key(i: int, where: dict[str, Any]) -> str:
+    def key(i: int) -> str:
         name, args = calls[i]
-        ctx = _ctx(where, f"call_{i}", superstep=superstep, tool=name, args=args)
+        ctx = _ctx(state, f"call_{i}", tool=name, args=args)
         return thread_plan(ctx).step(graph_step(ctx), name, args).idempotency_key
 
-    keys = [key(i, state) for i in range(len(calls))]
+    keys = [key(i) for i in range(len(calls))]
     assert len(set(keys)) == len(keys)
-    assert keys == [key(i, state) for i in range(len(calls))]
-    assert all(f":step_{superstep:03d}." in k for k in keys)
-    # A re-asked model answering the same calls in reverse order: the same set of keys.
-    reordered = AIMessage("", tool_calls=list(reversed(message.tool_calls)))
-    again = {"messages": [HumanMessage("go", id=_drawn("h1")), reordered]}
-    assert sorted(key(i, again) for i in range(len(calls))) == sorted(keys)
+    assert keys == [key(i) for i in range(len(calls))]
 
 
-class PydanticState(BaseModel):
-    """A graph state declared as a pydantic model, with messages under another name."""
-
-    turns: list[Any]
-    notes: list[str] = []
-
-
-@pytest.mark.parametrize(
-    "state",
-    [
-        [HumanMessage("a"), _message("x", "y", "z")],
-        {"messages": [_message("x", "y", "z")], "other": 1},
-        {"history": [_message("x", "y", "z")], "messages": []},
-        PydanticState(turns=[_message("x", "y", "z")]),
-    ],
-    ids=["list", "dict", "other key", "pydantic"],
-)
-def test_position_is_found_in_any_state_shape(state: Any) -> None:
-    """The call's ordinal among identical calls is read from a list, a dict or a model state."""
-    superstep, slot, ordinal = graph_step(_ctx(state, "z"))
-    assert (superstep, ordinal) == (3, 2)
-    assert slot == graph_step(_ctx(state, "x"))[1]
-
-
-def test_latest_message_holding_the_id_wins() -> None:
-    """A model that reuses ids across turns: the latest AIMessage decides the ordinal."""
-    state = {"messages": [_message("a", "b"), ToolMessage("ok", tool_call_id="b"), _message("b")]}
-    assert graph_step(_ctx(state, "b"))[2] == 0
-
-
-def test_slot_separates_tools_and_nodes() -> None:
-    """Another tool, or the same tool in another node, gets another step in the same superstep."""
+def test_graph_step_is_the_slot_and_the_call_id() -> None:
+    """(slot, call): the tool node and tool name, and the call id; nothing else moves it."""
     state = {"messages": [_message("a")]}
-    steps = {
-        graph_step(_ctx(state, "a")),
-        graph_step(_ctx(state, "a", tool="refund")),
-        graph_step(_ctx(state, "a", node="tools_b")),
-    }
-    assert len(steps) == 3
-    assert {s[0] for s in steps} == {3}
+    slot, call = graph_step(_ctx(state, "a"))
+    assert call == code("a")
+    assert graph_step(_ctx(state, "a", superstep=99)) == (slot, call)  # not the superstep
+    assert graph_step(_ctx(None, "a")) == (slot, call)  # nor the state
+    assert graph_step(_ctx(state, "a", tool="refund"))[0] != slot
+    assert graph_step(_ctx(state, "a", node="tools_b"))[0] != slot
+    with pytest.raises(ConfigurationError, match="step_index="):
+        graph_step(_ctx(state, None))
 
 
-def test_call_without_its_message_is_keyed_by_its_id() -> None:
-    """No message holds the call (a @task, a Send payload): the call id names it, stably."""
-    one, again, other = (graph_step(_ctx(None, i)) for i in ("c1", "c1", "c2"))
-    assert one == again != other
-    assert one[:2] == other[:2]
+def test_graph_step_v1_gives_the_keys_of_runs_in_flight() -> None:
+    """graph_step_v1 still derives agentkey 0.x's (superstep, slot, ordinal)."""
+    state = {"messages": [_message("x", "y", "z")]}
+    assert graph_step_v1(_ctx(state, "z")) == (3, graph_step(_ctx(state, "z"))[0], 2)
+    assert graph_step_v1(_ctx(None, "c1"))[2] == code("c1")  # no message: the call's id
+    with pytest.raises(ConfigurationError, match="not running inside a LangGraph graph"):
+        graph_step_v1(_ctx(state, "z", superstep=None))
 
 
-def test_messages_without_ids_key_calls_by_their_ids() -> None:
-    """No message id tells this conversation apart: identical calls are keyed by their call ids."""
-    bare = AIMessage("", tool_calls=[{"name": "charge", "args": {}, "id": i} for i in "ab"])
-    state = {"messages": [bare]}
-    a, b = (graph_step(_ctx(state, i)) for i in "ab")
-    assert a != b
-    assert a[2] not in (0, 1)
+def test_thread_plan_follows_the_conversation() -> None:
+    """Same thread and first user message: one plan; a new conversation on the thread: another.
 
-
-_REFUSED: list[tuple[str, ToolCallContext, str]] = [
-    ("outside a graph", _ctx({"messages": [_message("a")]}, "a", superstep=None), "not running"),
-    ("bool superstep", _ctx({"messages": [_message("a")]}, "a", superstep=True), "not running"),
-    ("no tool call id", _ctx({"messages": [_message("a")]}, None), "tool call"),
-    ("duplicate id", _ctx({"messages": [_message("a", "a")]}, "a"), "unique id"),
-]
-
-
-@pytest.mark.parametrize(("ctx", "match"), [c[1:] for c in _REFUSED], ids=[c[0] for c in _REFUSED])
-def test_graph_step_refuses_what_it_cannot_name(ctx: ToolCallContext, match: str) -> None:
-    """Without a superstep, an id, state or a unique position: ConfigurationError with advice."""
-    with pytest.raises(ConfigurationError, match=match) as caught:
-        graph_step(ctx)
-    assert "step_index=" in str(caught.value)
-
-
-def test_thread_plan_follows_the_thread_lifetime() -> None:
-    """Same thread and first message: one plan; a new conversation under the same id: another."""
-    first = {"messages": [HumanMessage("hi", id=_drawn("m-1"))]}
-    resumed = {"messages": [HumanMessage("hi", id=_drawn("m-1")), _message("a")]}
-    new_life = {"messages": [HumanMessage("hi", id=_drawn("m-2"))]}
+    A system prompt defined once and reused keeps the id add_messages gave it the first
+    time, so it never tells one conversation from the next (issue 23, case 3).
+    """
+    prompt = SystemMessage("You take payments.", id=_drawn("system"))
+    first = {"messages": [prompt, HumanMessage("hi", id=_drawn("m-1"))]}
+    resumed = {"messages": [prompt, HumanMessage("hi", id=_drawn("m-1")), _message("a")]}
+    new_life = {"messages": [prompt, HumanMessage("hi", id=_drawn("m-2"))]}
     plan = thread_plan(_ctx(first, None, thread="1"))
     assert plan == thread_plan(_ctx(resumed, None, thread="1"))
     assert plan != thread_plan(_ctx(new_life, None, thread="1"))
@@ -177,29 +124,151 @@ def test_thread_plan_follows_the_thread_lifetime() -> None:
 
 
 @given(thread=st.text(min_size=1, max_size=200), parent=st.text(min_size=1, max_size=40))
-def test_thread_plan_is_valid_deterministic_and_scoped_by_parent(thread: str, parent: str) -> None:
-    """Any thread id gives a valid plan id; a subgraph's parent namespace gives another one."""
-    root = thread_plan(_ctx(None, None, thread=thread))
-    nested = f"{parent.replace('|', '/')}:1|tools:2"
-    inner = thread_plan(_ctx(None, None, thread=thread, namespace=nested))
-    assert root == thread_plan(_ctx(None, None, thread=thread))
-    assert inner == thread_plan(_ctx(None, None, thread=thread, namespace=nested))
+def test_thread_plan_is_valid_and_scoped_by_the_parent_nodes(thread: str, parent: str) -> None:
+    """Any thread id gives a valid plan id; a subgraph's parent node names (not their task ids,
+    which change each turn) give another one."""
+    state = {"messages": [HumanMessage("hi", id=_drawn("m-1"))]}
+    root = thread_plan(_ctx(state, None, thread=thread))
+    node = parent.replace("|", "/").replace(":", "/")
+    inner = thread_plan(_ctx(state, None, thread=thread, namespace=f"{node}:1|tools:2"))
+    later = thread_plan(_ctx(state, None, thread=thread, namespace=f"{node}:9|tools:8"))
+    assert inner == later  # another turn of the same subgraph: the same plan
     assert inner.id != root.id
     assert PlanSession(id=inner.id) == inner
 
 
 @pytest.mark.parametrize("thread", [None, ""])
 def test_thread_plan_without_thread_id_says_what_to_do(thread: object) -> None:
-    """No thread_id: ConfigurationError naming the checkpointer and plan= remedies."""
+    """No thread_id: ConfigurationError naming the plan= remedy."""
     with pytest.raises(ConfigurationError, match=r"thread_id.*plan=PlanSession"):
-        thread_plan(_ctx(None, None, thread=thread))
+        thread_plan(_ctx({"messages": []}, None, thread=thread))
+
+
+def test_thread_plan_needs_the_tool_runtime() -> None:
+    """Without LangGraph's ToolRuntime (no state) the defaults refuse, naming the fix."""
+    with pytest.raises(ConfigurationError, match=r"ToolRuntime.*step_index="):
+        thread_plan(_ctx(None, "a"))
+
+
+# --- the decision, on its own: a table of what the journal and the history say ------------
+
+PLAN = PlanSession(id="plan-1")
+HASH = "a" * 64
+
+
+def _earlier(call_id: str, step: int, context: str | None = "h1") -> Earlier:
+    return Earlier(f"plan-1:step_{step:03d}:{HASH}", call_id, context)
+
+
+def _site(
+    call_id: str,
+    *,
+    siblings: tuple[str, ...] | None = None,
+    answered: dict[str, str | None] | None = None,
+    asked: dict[str, tuple[int, int]] | None = None,
+    position: tuple[int, int] | None = (0, 9),
+    seen: bool = True,
+    adopt: bool = True,
+    context: str | None = "h1",
+) -> CallSite:
+    history = Seen(answered or {}, frozenset({"h1"}), asked or {}) if seen else None
+    return CallSite(
+        PLAN, "charge", {}, call_id, siblings or (call_id,), context, history, position, adopt
+    )
+
+
+_DECISIONS: list[tuple[str, CallSite, list[Earlier], OnRepeat, str]] = [
+    ("the same call again", _site("c1"), [_earlier("c1", 1)], "replay", "key:1"),
+    ("a new call", _site("c2"), [], "replay", "new"),
+    ("asked again, never answered", _site("c2"), [_earlier("c1", 1)], "replay", "key:1 repeat"),
+    (
+        "an identical sibling",
+        _site("c2", siblings=("c1", "c2")),
+        [_earlier("c1", 1)],
+        "replay",
+        "new",
+    ),
+    (
+        "second of two asked again",
+        _site("b2", siblings=("b1", "b2")),
+        [_earlier("a1", 1), _earlier("a2", 2)],
+        "replay",
+        "key:2 repeat",
+    ),
+    (
+        "answered: replay",
+        _site("c2", answered={"c1": "ok"}),
+        [_earlier("c1", 1)],
+        "replay",
+        "repeat:ok",
+    ),
+    ("answered: allow", _site("c2", answered={"c1": "ok"}), [_earlier("c1", 1)], "allow", "new"),
+    (
+        "answered with an error",
+        _site("c2", answered={"c1": None}),
+        [_earlier("c1", 1)],
+        "replay",
+        "new",
+    ),
+    (
+        "another conversation's call",
+        _site("c2"),
+        [_earlier("c1", 1, context="old-user-turn")],
+        "replay",
+        "new",
+    ),
+    (
+        "a parallel branch's own call",
+        _site("c2", asked={"c1": (1, 3)}, position=(0, 3)),
+        [_earlier("c1", 1)],
+        "replay",
+        "new",
+    ),
+    (
+        "an earlier request left unanswered",
+        _site("c2", asked={"c1": (0, 2)}, position=(0, 5)),
+        [_earlier("c1", 1)],
+        "replay",
+        "key:1 repeat",
+    ),
+    ("conversation unknown", _site("c2", adopt=False), [_earlier("c1", 1)], "replay", "new"),
+    ("no history at all", _site("c2", seen=False), [_earlier("c1", 1)], "replay", "new"),
+    ("no history, same call", _site("c1", seen=False), [_earlier("c1", 1)], "replay", "key:1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("site", "earlier", "on_repeat", "expected"),
+    [d[1:] for d in _DECISIONS],
+    ids=[d[0] for d in _DECISIONS],
+)
+def test_decide(site: CallSite, earlier: list[Earlier], on_repeat: OnRepeat, expected: str) -> None:
+    """Which key a call gets from the journal and the history (issue 23's one mechanism)."""
+    verdict = decide(site, earlier, on_repeat, HASH)
+    if expected == "new":
+        assert (verdict.key, verdict.content) == (None, None)
+    elif expected.startswith("repeat:"):
+        assert verdict.content == expected.removeprefix("repeat:")
+    else:
+        step = int(expected.split()[0].removeprefix("key:"))
+        assert verdict.key == f"plan-1:step_{step:03d}:{HASH}"
+        assert (verdict.repeat_of is not None) == expected.endswith("repeat")
+
+
+def test_decide_ignores_other_plans_and_args() -> None:
+    """Records of another plan or other arguments never decide a call."""
+    other = [
+        Earlier(f"plan-2:step_001:{HASH}", "c1", "h1"),
+        Earlier(f"plan-1:step_001:{'b' * 64}", "c1", "h1"),
+    ]
+    assert decide(_site("c1"), other, "replay", HASH) == Verdict()
 
 
 def test_langgraph_tool_outside_a_graph_is_refused() -> None:
     """A LangGraph-default tool invoked directly cannot name its step and sends nothing."""
     with ToolInvoker("https://tools.example.com") as invoker:
         tool = remote_tool(name="charge", description="charge", args_schema=Order, invoker=invoker)
-        with pytest.raises(ConfigurationError, match="not running inside a LangGraph graph"):
+        with pytest.raises(ConfigurationError, match="ToolRuntime"):
             tool.invoke({"amount": 5}, {"configurable": {"thread_id": "t"}})
 
 
@@ -246,19 +315,3 @@ def test_integrations_package_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_a_repeat_takes_its_step_label_from_the_key_not_the_artifact() -> None:
-    """An earlier ToolMessage whose artifact lost its "step" still names the step it repeats."""
-    plan = PlanSession.new()
-    earlier = plan.step((1, 7, 0), "charge", {"amount": 5})
-    done = ToolMessage(
-        "charged",
-        tool_call_id="c1",
-        name="charge",
-        artifact={"idempotency_key": earlier.idempotency_key},  # pruned: no "step"
-    )
-    again = PlanSession(id=plan.id).step((3, 7, 0), "charge", {"amount": 5}, on_repeat="allow")
-    found = earlier_result(_ctx({"messages": [done]}, "c2"), again)
-    assert found is not None
-    assert found[1]["step"] == earlier.label

@@ -1,0 +1,207 @@
+"""Which key a runtime's tool call gets: the one mechanism every agent integration shares.
+
+An agent runtime recovers in ways a plain retry loop never sees: a resumed
+checkpoint re-runs a tool node, a web app re-sends the user's request after a
+crash, a stateless app replays its history, a model asked again names its calls
+anew. Deriving the key from the runtime's counters alone gets some of these
+wrong (a key shifted by an unrelated call runs a charge twice; a counter that
+restarts gives a later turn an earlier turn's key). So a call's key is decided
+from two records instead:
+
+- the **journal**, which holds every call this plan sent, with the runtime's id
+  of the call (``call_id``) and the conversation turn it answered (``context``);
+- the runtime's **history**, which says what the model saw: the calls it asked
+  for and the answers it read.
+
+```
+this call id in the journal ............... the same key (the call itself, run again)
+an identical call (same tool and args) the model never saw answered,
+  asked in this conversation, not a sibling ... its key: it is asked again (repeat_of)
+an identical call the model saw answered ..... on_repeat: replay the answer it read,
+                                                 raise, or allow a new call
+otherwise ..................................... a new key, from the call's own id
+```
+
+A sibling is an identical call in the same model response: two identical
+calls at once mean two operations. Identical calls asked again are matched
+to earlier ones in order (the second of this response to the second unseen
+one), so a re-asked model that repeats two charges gets both keys back.
+Without a journal (``journal=False``) the earlier calls come from the history
+alone: repeats of answered calls are still caught, calls asked again are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._keys import StepKey
+from .._plan import OnRepeat, PlanSession, Step, repeated_error
+from ..journal._records import CallRecord
+
+__all__ = ["CallSite", "Earlier", "Seen", "Verdict", "decide", "earlier_of", "step_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What the model saw, per the runtime's history.
+
+    ``answered`` maps the id of each call whose result is in the history to the
+    text the model read (None for an error it read: asking again is a new call);
+    ``contexts`` holds the ids of the user turns in it.
+    """
+
+    answered: Mapping[str, str | None] = field(default_factory=dict)
+    contexts: frozenset[str] = frozenset()
+    #: Where each requested call stands in the history: (message list, position).
+    asked: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Earlier:
+    """An earlier call of the plan with the same tool and arguments (from the journal)."""
+
+    key: str
+    call_id: str | None
+    context: str | None
+
+    @property
+    def label(self) -> str:
+        return StepKey.parse(self.key).label
+
+
+@dataclass(frozen=True, slots=True)
+class CallSite:
+    """One tool call as the runtime presents it.
+
+    ``siblings`` are the ids of the identical calls (same tool, same normalised
+    arguments) of this call's model response, in order, this one included;
+    ``context`` is the user turn the response answers; ``seen`` is None when the
+    runtime shows no history.
+    """
+
+    plan: PlanSession
+    tool: str
+    values: Mapping[str, Any]
+    call_id: str | None
+    siblings: tuple[str, ...] = ()
+    context: str | None = None
+    seen: Seen | None = None
+    #: Where this call's model response stands in the history: (message list, position).
+    position: tuple[int, int] | None = None
+    #: Whether an unseen earlier call may be taken for this one (False when the history
+    #: cannot tell this conversation from another on the same plan).
+    adopt: bool = True
+    #: Keys the history itself records for answered calls (call id -> key), so a run
+    #: without a journal, or with another one, still knows the calls the model saw.
+    known: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to do with the call: send ``key`` (``repeat_of`` when it is an earlier call's),
+    answer with ``content`` without sending (a repeat), or make a new step (both None)."""
+
+    key: str | None = None
+    repeat_of: str | None = None
+    content: str | None = None
+    earlier: Earlier | None = None
+
+
+def earlier_of(records: Sequence[CallRecord]) -> list[Earlier]:
+    """The journal's records as earlier calls, oldest first."""
+    return [Earlier(r.key, r.call_id, r.context) for r in records]
+
+
+def decide(
+    site: CallSite, earlier: Sequence[Earlier], on_repeat: OnRepeat, args_hash: str
+) -> Verdict:
+    """Which key ``site`` gets, given the plan's ``earlier`` calls with its tool and arguments."""
+    plan_id = site.plan.id
+    journalled = {e.key for e in earlier}
+    earlier = [
+        *earlier,
+        *(Earlier(k, c, None) for c, k in site.known.items() if k not in journalled),
+    ]
+    earlier = [e for e in earlier if _same_call(e.key, plan_id, args_hash)]
+    if site.call_id is not None:
+        for record in earlier:
+            if record.call_id == site.call_id:
+                return Verdict(key=record.key)  # this very call, run again
+    if site.seen is None:
+        return Verdict()
+    seen = site.seen
+    others = [e for e in earlier if e.call_id not in site.siblings]
+    unseen = [e for e in others if site.adopt and _asked_again(site, seen, e)]
+    ordinal = site.siblings.index(site.call_id) if site.call_id in site.siblings else 0
+    if ordinal < len(unseen):
+        record = unseen[ordinal]
+        return Verdict(key=record.key, repeat_of=record.label, earlier=record)
+    answered = [e for e in others if seen.answered.get(e.call_id or "") is not None]
+    if not answered or on_repeat == "allow":
+        return Verdict()
+    record = answered[0]
+    return Verdict(content=seen.answered[record.call_id or ""], earlier=record)
+
+
+def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
+    """Whether ``site`` asks again for ``earlier``, a call whose answer the model never read.
+
+    Not when its answer is in the history, nor when it answered another turn of the
+    conversation (its user message is not in this history). When its request is in the
+    history, only if that request came earlier in the same message list: a request in
+    another list is a parallel branch's own call.
+    """
+    if earlier.call_id in seen.answered:
+        return False
+    if (
+        earlier.context is not None
+        and site.context is not None
+        and earlier.context not in seen.contexts
+    ):
+        return False
+    where = seen.asked.get(earlier.call_id or "")
+    if where is None or site.position is None:
+        return True  # the history lost its request (a crash before the checkpoint)
+    return where[0] == site.position[0] and where[1] < site.position[1]
+
+
+def _same_call(key: str, plan_id: str, args_hash: str) -> bool:
+    try:
+        parsed = StepKey.parse(key)
+    except ValueError:
+        return False
+    return parsed.plan_session_id == plan_id and parsed.args_hash == args_hash
+
+
+def step_of(
+    site: CallSite,
+    verdict: Verdict,
+    derive: Callable[[], int | Sequence[int]],
+    args_model: Any,
+    on_repeat: OnRepeat,
+) -> Step:
+    """The step to send: an earlier call's (a verdict with a key), or a new one.
+
+    A repeat of an answered call under ``on_repeat="raise"`` raises
+    :class:`~agentkey.StepRepeated` here; under ``"replay"`` the caller answers
+    with ``verdict.content`` and never asks for a step.
+    """
+    plan = site.plan
+    index = derive() if verdict.key is None else StepKey.parse(verdict.key).index
+    step = plan.step(index, site.tool, site.values, args_model=args_model, on_repeat="allow")
+    if verdict.content is not None and verdict.earlier is not None and on_repeat == "raise":
+        raise repeated_error(step, verdict.earlier.label)
+    if verdict.repeat_of is None:
+        return step
+    return Step._made(
+        step.plan_session_id,
+        step.index,
+        step.idempotency_key,
+        step.tool,
+        step.args,
+        step.profile,
+        step.body,
+        repeat_of=verdict.repeat_of,
+    )
