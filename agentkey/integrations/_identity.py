@@ -40,7 +40,16 @@ from .._keys import StepKey
 from .._plan import OnRepeat, PlanSession, Step, repeated_error
 from ..journal._records import CallRecord
 
-__all__ = ["CallSite", "Earlier", "Seen", "Verdict", "decide", "earlier_of", "step_of"]
+__all__ = [
+    "CallSite",
+    "Earlier",
+    "Seen",
+    "Verdict",
+    "decide",
+    "earlier_of",
+    "lost_turns",
+    "step_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,11 @@ class CallSite:
     #: Whether an unseen earlier call may be taken for this one (False when the history
     #: cannot tell this conversation from another on the same plan).
     adopt: bool = True
+    #: Set to the thread id when this call's model response is the first of its
+    #: conversation: an unsettled identical call left on the same thread by another
+    #: conversation is then worth a warning (a request re-sent after a crash whose
+    #: checkpoint was lost, e.g. durability="exit").
+    fresh_thread: str | None = None
     #: Keys the history itself records for answered calls (call id -> key), so a run
     #: without a journal, or with another one, still knows the calls the model saw.
     known: Mapping[str, str] = field(default_factory=dict)
@@ -143,6 +157,24 @@ def decide(
         return Verdict()
     record = answered[0]
     return Verdict(content=seen.answered[record.call_id or ""], earlier=record)
+
+
+def lost_turns(site: CallSite, args_hash: str, unsettled: Sequence[CallRecord]) -> list[str]:
+    """Steps of identical calls another conversation on this thread left unsettled.
+
+    ``unsettled`` are the journal's calls in doubt (or pending, their sender gone).
+    """
+    thread = site.fresh_thread
+    if thread is None:
+        return []
+    return [
+        r.step or r.key
+        for r in unsettled
+        if r.tool == site.tool
+        and r.args_hash == args_hash
+        and r.plan != site.plan.id
+        and (r.context or "").startswith(f"{thread}#")
+    ]
 
 
 def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:

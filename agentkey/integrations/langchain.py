@@ -38,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -53,6 +55,8 @@ from .._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._net import redact_url
 from .._plan import OnRepeat, PlanSession, Step
+from ..journal._base import is_live
+from ..journal._records import CallState
 from ._common import (
     call_record,
     check_sources,
@@ -62,7 +66,7 @@ from ._common import (
     refusal,
     server_reason,
 )
-from ._identity import CallSite, Verdict, decide, earlier_of, step_of
+from ._identity import CallSite, Verdict, decide, earlier_of, lost_turns, step_of
 
 try:
     from langchain_core.callbacks import AsyncCallbackManager
@@ -71,6 +75,8 @@ try:
     from langchain_core.tools import InjectedToolArg, StructuredTool, ToolException
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra(exc, "langchain", "langchain_core") from None
+
+_logger = logging.getLogger("agentkey")
 
 __all__ = [
     "LangChainHook",
@@ -493,6 +499,7 @@ class _Call:
         if journal is None:
             return []
         found = journal.find(pending.site.plan.id, tool=self._name, args_hash=pending.args_hash)
+        self._warn_lost_turn(pending)
         return earlier_of(found)
 
     async def aearlier(self, pending: _Pending) -> list[Any]:
@@ -502,7 +509,32 @@ class _Call:
             return []
         site = pending.site
         found = await journal.afind(site.plan.id, tool=self._name, args_hash=pending.args_hash)
+        self._warn_lost_turn(pending)
         return earlier_of(found)
+
+    def _warn_lost_turn(self, pending: _Pending) -> None:
+        """Warn when the first turn of a conversation repeats a call another conversation on
+        the thread left unsettled: a request re-sent after a crash that lost its checkpoint."""
+        journal = self._invoker.journal
+        site = pending.site
+        if site.fresh_thread is None or journal is None or not journal.supports_sync:
+            return
+        unsettled = journal.calls(states=[CallState.IN_DOUBT, CallState.PENDING], limit=200)
+        now = time.time()
+        lost = lost_turns(site, pending.args_hash, [r for r in unsettled if not is_live(r, now)])
+        if lost:
+            _logger.warning(
+                "agentkey: tool %r was asked, in the first turn of a conversation on thread "
+                "%r, for a call another conversation on that thread sent and never settled "
+                "(%s). If this is the same request re-sent after a crash whose checkpoint was "
+                "lost (durability='exit' saves nothing until the run ends), it may run twice: "
+                "re-send the user's message with the id it had (HumanMessage(text, id=...)) so "
+                "agentkey sees the same conversation, or settle the earlier call first "
+                "(agentkey journal doubt)",
+                self._name,
+                site.fresh_thread[:80],
+                ", ".join(lost[:3]),
+            )
 
     def settle(
         self, prepared: ToolCallContext | _Pending, earlier: list[Any] | None

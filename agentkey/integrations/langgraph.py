@@ -170,6 +170,7 @@ def graph_step_v1(ctx: ToolCallContext) -> tuple[int, int, int]:
 def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
     """The call as the graph state shows it (see ``_identity``)."""
     state = _require_state(ctx, "remote_tool")
+    thread = str((ctx.config.get("configurable") or {}).get("thread_id", ""))
     lists = _message_lists(state)
     message = _holder(state, ctx.tool_call_id or "")
     siblings: tuple[str, ...] = ()
@@ -177,7 +178,7 @@ def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
     if message is not None and ctx.tool_call_id is not None:
         _check_unique(message, ctx)
         siblings = tuple(_identical(message, ctx))
-        context = _context_of(lists, message)
+        context = _context_of(lists, message, thread)
     answered: dict[str, str | None] = {}
     known: dict[str, str] = {}
     contexts: set[str] = set()
@@ -196,7 +197,7 @@ def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
                 if key is not None and item.status != "error":
                     known[item.tool_call_id] = key
             elif isinstance(item, HumanMessage) and isinstance(item.id, str):
-                contexts.add(item.id)
+                contexts.add(f"{thread}#{item.id}")
     return CallSite(
         plan=plan,
         tool=ctx.tool,
@@ -209,8 +210,15 @@ def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
         # No user message with a drawn id: nothing tells this conversation from another
         # on the same thread id, so no earlier call is taken for this one.
         adopt=_lifetime(state) is not None,
+        fresh_thread=thread if position is not None and _first_answer(lists, position) else None,
         known=known,
     )
+
+
+def _first_answer(lists: list[Sequence[Any]], position: tuple[int, int]) -> bool:
+    """Whether the model response at ``position`` is the conversation's first."""
+    number, place = position
+    return not any(isinstance(m, AIMessage) for m in lists[number][:place])
 
 
 def _text(message: ToolMessage) -> str:
@@ -237,25 +245,33 @@ def _parent_nodes(namespace: str) -> list[str]:
 
 
 def _lifetime(state: Any) -> str | None:
-    """The id of the conversation's first user message (drawn by add_messages)."""
+    """The id of the conversation's first user message (any id: add_messages draws one,
+    an application may give its own); else of its first other message with a drawn id.
+
+    System messages never count: a prompt defined once and reused keeps the id
+    add_messages gave it the first time, in every conversation.
+    """
+    drawn: str | None = None
     for messages in _message_lists(state):
         for message in messages:
-            if isinstance(message, SystemMessage) or not isinstance(message, BaseMessage):
+            if not isinstance(message, BaseMessage) or isinstance(message, SystemMessage):
                 continue
-            if isinstance(message.id, str) and _DRAWN_ID.search(message.id):
+            if isinstance(message, HumanMessage) and isinstance(message.id, str) and message.id:
                 return message.id
-    return None
+            if drawn is None and isinstance(message.id, str) and _DRAWN_ID.search(message.id):
+                drawn = message.id
+    return drawn
 
 
-def _context_of(lists: list[Sequence[Any]], holder: AIMessage) -> str | None:
-    """The id of the last user message before the model response ``holder``."""
+def _context_of(lists: list[Sequence[Any]], holder: AIMessage, thread: str) -> str | None:
+    """``<thread>#<id>`` of the last user message before the model response ``holder``."""
     for messages in lists:
         last: str | None = None
         for message in messages:
             if message is holder:
                 return last
             if isinstance(message, HumanMessage) and isinstance(message.id, str):
-                last = message.id
+                last = f"{thread}#{message.id}"
     return None
 
 
