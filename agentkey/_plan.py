@@ -71,6 +71,9 @@ class Step(BaseModel):
     #: Set when the plan answered a repeated call with this earlier step (``on_repeat="replay"``):
     #: the label of the step whose key (and so whose stored answer) this is.
     repeat_of: str | None = None
+    #: What the invoker does when its journal shows this call (same tool and arguments)
+    #: already sent at another step of the plan: the ``on_repeat`` it was made with.
+    on_repeat: OnRepeat = Field(default="replay", exclude=True, repr=False)
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class Step(BaseModel):
         args: Mapping[str, Any] | BaseModel,
         profile: Profile = "python",
         repeat_of: str | None = None,
+        on_repeat: OnRepeat = "replay",
     ) -> None:
         # Validate here, not in pydantic validators, so bad input raises agentkey's
         # typed errors (InvalidKey, InvalidArguments) rather than a ValidationError.
@@ -95,6 +99,7 @@ class Step(BaseModel):
             args=plain,
             profile=profile,
             repeat_of=repeat_of,
+            on_repeat=check_on_repeat(on_repeat),
         )
         self.__dict__["body"] = body  # fixed now: the cached_property below reads it
 
@@ -109,6 +114,7 @@ class Step(BaseModel):
         profile: Profile,
         body: bytes,
         repeat_of: str | None = None,
+        on_repeat: OnRepeat = "replay",
     ) -> Step:
         """A step from parts :meth:`PlanSession.step` already validated and computed.
 
@@ -126,6 +132,7 @@ class Step(BaseModel):
                 "args": args,
                 "profile": profile,
                 "repeat_of": repeat_of,
+                "on_repeat": on_repeat,
                 "body": body,  # the cached properties below, already known
                 "idempotency_key": raw,
             },
@@ -172,7 +179,7 @@ class Step(BaseModel):
 
 # The fields a validated Step reports as set (Step.__init__ passes them all). Shared:
 # pydantic never changes an instance's set in place (model_copy copies it first).
-_FIELDS_SET = {"plan_session_id", "index", "tool", "args", "profile", "repeat_of"}
+_FIELDS_SET = {"plan_session_id", "index", "tool", "args", "profile", "repeat_of", "on_repeat"}
 
 
 def _check_tool(tool: object) -> None:
@@ -381,14 +388,14 @@ class PlanSession(BaseModel):
         if earlier == steps or on_repeat == "allow":
             prefix = memory.prefixes.get(steps)
             raw = prefix + digest if prefix is not None else memory.key(plan_id, steps, digest)
-            return Step._made(plan_id, steps, raw, tool, plain, profile, body)
+            return Step._made(plan_id, steps, raw, tool, plain, profile, body, None, on_repeat)
         label = format_step(earlier)
         if on_repeat == "raise":
             raw = memory.key(plan_id, steps, digest)
             step = Step._made(plan_id, steps, raw, tool, plain, profile, body)
             raise repeated_error(step, label)
         raw = memory.key(plan_id, earlier, digest)
-        return Step._made(plan_id, earlier, raw, tool, plain, profile, body, repeat_of=label)
+        return Step._made(plan_id, earlier, raw, tool, plain, profile, body, label, on_repeat)
 
     def _remember(self, index: tuple[int, ...], tool: str, args_hash: str) -> tuple[int, ...]:
         """Record a step handed out; return the first index this call was handed out at."""
