@@ -581,12 +581,25 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
             return StepKey.parse(text)
         value = _parse_sf_string(text) if text.startswith('"') else text
     except InvalidKey as exc:
-        return str(exc) + (
+        return _without_key(str(exc), text) + (
             "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
         )
     if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
         return _OPAQUE_RULE
     return OpaqueKey(value)
+
+
+def _without_key(message: str, text: str) -> str:
+    """``message`` with the key it quotes in its redacted form: a key is a bearer secret,
+    even a malformed one, and a problem detail may end up in a log."""
+    shown = shown_key(text)
+    unquoted = text[1:-1] if text.startswith('"') and text.endswith('"') else text
+    tail = unquoted.rpartition(":")[2]  # what stands for the args_hash
+    parts = {text, text[:80], unquoted, unquoted[:80], tail, tail[:80]}
+    for part in sorted(parts, key=len, reverse=True):
+        if len(part) >= 8:
+            message = message.replace(repr(part)[1:-1], shown)
+    return message
 
 
 def record_key(principal: str, key: StepKey | OpaqueKey) -> str:

@@ -218,6 +218,30 @@ def test_keys_are_redacted_in_logs_events_and_claims(caplog: pytest.LogCaptureFi
     assert key not in repr(claim)
 
 
+_HASH = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"plan-1:step_1:{_HASH}",  # non-canonical step
+        f"plan-1:step_001:{_HASH[:-1]}X",  # a hash that is not hex
+        f'"plan-1:step_01:{_HASH}"',  # sf-string form
+        '"ik_secret-value-123\\q"',  # an opaque sf-string with a bad escape
+    ],
+)
+def test_a_malformed_keys_problem_detail_does_not_quote_it(key: str) -> None:
+    """The 400 for a malformed key names it by shown_key: a problem detail may reach a log."""
+    app = IdempotencyMiddleware(_answer_201, store=MemoryStore(), shared_key_space=True)
+    with serve(app) as url:
+        answer = httpx.post(url + "/x", headers={"idempotency-key": key}, content=b"{}")
+    assert answer.status_code == 400
+    detail = answer.json()["detail"]
+    assert _HASH[:40] not in detail
+    assert "secret" not in detail
+    assert "#" in detail  # the redacted form stands in its place
+
+
 # --- §2: recorded answers have a size cap ----------------------------------------------
 
 _CHUNK = 256 * 1024
