@@ -63,7 +63,7 @@ async def _run(out: Callable[[str], None]) -> int:
         out("agentkey demo needs the server half: pip install 'agentkey-idempotency[server]'")
         return 1
 
-    app = example_app(work_seconds=0.3)
+    app = example_app(work_seconds=0.3, shared_key_space=True)  # one agent, in process
     faulty = _LoseFirstAnswer(app, "/tools/charge")
     events: dict[str, list[str]] = {}  # per asyncio task, so racing workers keep their own
 

@@ -100,7 +100,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     where = "Redis" if ns.redis else "memory (lost on exit)"
     print(
         f"agentkey example tool server on http://{ns.host}:{ns.port}: POST /tools/charge, "
-        f"/tools/provision, /tools/report; GET /executions counts runs; records in {where}",
+        f"/tools/provision, /tools/report; GET /executions counts runs; records in {where}; "
+        "send Authorization: Bearer <any token> (each token is its own caller; none: 401)",
         flush=True,
     )
     uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")

@@ -196,9 +196,13 @@ def example_app(store: Store | None = None, **options: Any) -> Starlette:
     """The example tool server (``POST /tools/charge``, ``/provision``, ``/report``).
 
     It runs behind ``IdempotencyMiddleware`` on ``store`` (a fresh ``MemoryStore`` by
-    default) and counts executions in ``app.state.executions``. Needs
-    ``agentkey[server]``; see :func:`agentkey.server._example.example_app` for ``options``.
+    default) and counts executions in ``app.state.executions``. Every caller shares
+    one key space (``shared_key_space=True``: the agent under test is the only
+    caller); pass ``shared_key_space=False`` to require a bearer token per caller.
+    Needs ``agentkey[server]``; see :func:`agentkey.server._example.example_app` for
+    ``options``.
     """
     from .server._example import example_app as make
 
+    options.setdefault("shared_key_space", True)
     return make(store, **options)

@@ -123,4 +123,4 @@ def app() -> Any:
         return tool
     from agentkey.server import IdempotencyMiddleware
 
-    return IdempotencyMiddleware(tool, store=store)
+    return IdempotencyMiddleware(tool, store=store, shared_key_space=True)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -29,10 +29,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: Any, *, timeout_keep_alive: int = 5, root_path: str = "") -> Iterator[str]:
+def serve(
+    app: Any,
+    *,
+    timeout_keep_alive: int = 5,
+    root_path: str = "",
+    lifespan: Literal["on", "off"] = "off",
+) -> Iterator[str]:
     """Run an ASGI ``app`` under uvicorn on 127.0.0.1 in a thread; yield its base URL.
 
-    ``root_path`` is what ``uvicorn --root-path`` sets (a proxy's path prefix).
+    ``root_path`` is what ``uvicorn --root-path`` sets (a proxy's path prefix);
+    ``lifespan="on"`` runs the app's startup (an MCP streamable HTTP app needs it).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -44,7 +51,7 @@ def serve(app: Any, *, timeout_keep_alive: int = 5, root_path: str = "") -> Iter
     config = uvicorn.Config(
         app,
         log_level="warning",
-        lifespan="off",
+        lifespan=lifespan,
         timeout_keep_alive=timeout_keep_alive,
         access_log=False,
         root_path=root_path,

@@ -110,7 +110,7 @@ def test_serve_runs_the_example_tool_server_on_a_port() -> None:
             key = step_key("serve-test", 0, {"amount": 5, "currency": "EUR"})
             sent = {
                 "content": b'{"amount":5,"currency":"EUR"}',
-                "headers": {"Idempotency-Key": key},
+                "headers": {"Idempotency-Key": key, "Authorization": "Bearer agent-7"},
             }
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
                 deadline = time.monotonic() + 30
@@ -122,10 +122,17 @@ def test_serve_runs_the_example_tool_server_on_a_port() -> None:
                         assert time.monotonic() < deadline, "agentkey serve did not listen"
                         time.sleep(0.05)
                 second = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
+                anonymous = client.post(
+                    "/tools/charge",
+                    content=b'{"amount":5,"currency":"EUR"}',
+                    headers={"Idempotency-Key": key},
+                )
                 counts = client.get("/executions").json()
         finally:
             proc.terminate()
     assert first.status_code == second.status_code == 201
     assert second.headers["idempotent-replayed"] == "true"
     assert second.json() == first.json()
+    assert anonymous.status_code == 401  # no token: no key space, nothing replayed or run
+    assert "idempotent-replayed" not in anonymous.headers
     assert counts == {"charge": 1}

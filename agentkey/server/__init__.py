@@ -17,10 +17,17 @@ except ImportError:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("server", "starlette") from None
 
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, LeaseLost, current_claim, get_claim
+from ._claim import Claim, LeaseLost, current_claim
 from ._decide import DecisionEvent
 from ._example import example_app
-from ._middleware import REPLAY_HEADER, IdempotencyMiddleware, PrincipalFunc, is_storable
+from ._middleware import (
+    REPLAY_HEADER,
+    IdempotencyMiddleware,
+    PrincipalFunc,
+    get_claim,
+    is_storable,
+    starlette_user_identity,
+)
 from ._stores import MemoryStore, Store
 
 if TYPE_CHECKING:
@@ -64,4 +71,5 @@ __all__ = [
     "example_app",
     "get_claim",
     "is_storable",
+    "starlette_user_identity",
 ]

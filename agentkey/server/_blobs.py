@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import secrets
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,6 +41,47 @@ class BlobStore(Protocol):
     async def delete(self, uri: str) -> None:
         """Remove ``uri`` if it exists."""
         ...
+
+
+def _private_directory(path: Path) -> Path:
+    """``path`` as a directory only this user can use, created 0700 if missing.
+
+    The shared temp dir is writable by everyone, so someone else may have put
+    something at ``path`` first: a symlink (to a directory of this user's,
+    which ``resolve()`` would follow), or a directory they own or can read.
+    Each is refused. The check opens the directory without following a link
+    (``O_NOFOLLOW``) and inspects what it opened, so nothing can be swapped in
+    between the check and the use.
+    """
+
+    def refuse(why: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"the default blob directory {str(path)!r} {why}; pass FileBlobStore(<a directory "
+            "you control>) explicitly"
+        )
+
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise refuse(f"cannot be created ({exc.strerror})") from None
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise refuse("is a symlink, which another user may have planted")
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise refuse(f"cannot be opened as a directory ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o077):
+            raise refuse("is not private to this user")
+        if not stat.S_ISDIR(info.st_mode):
+            raise refuse("is not a directory")
+    finally:
+        os.close(fd)
+    return path
 
 
 class FileBlobStore:
@@ -82,29 +124,20 @@ class FileBlobStore:
         self.ttl = float(ttl)
         self._clock = clock
         self._next_sweep = float("-inf")
-        default = directory is None
         if directory is None:
             suffix = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
-            directory = Path(tempfile.gettempdir()) / f"agentkey-blobs{suffix}"
+            # The temp dir itself may be a symlink (macOS: /tmp): resolve it, never our name.
+            self.directory = _private_directory(
+                Path(tempfile.gettempdir()).resolve() / f"agentkey-blobs{suffix}"
+            )
+            return
         self.directory = Path(directory).resolve()
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            info = self.directory.stat()
         except OSError as exc:
             raise ConfigurationError(
                 f"FileBlobStore cannot use directory {str(self.directory)!r}: {exc.strerror}"
             ) from None
-        # The shared temp dir is writable by everyone: refuse a default directory
-        # that someone else created or that others can read.
-        if (
-            default
-            and hasattr(os, "getuid")
-            and (info.st_uid != os.getuid() or info.st_mode & 0o077)
-        ):
-            raise ConfigurationError(
-                f"the default blob directory {str(self.directory)!r} is not private to this "
-                "user; pass FileBlobStore(<a directory you control>) explicitly"
-            )
 
     def __repr__(self) -> str:
         return f"FileBlobStore({str(self.directory)!r})"
@@ -118,13 +151,16 @@ class FileBlobStore:
             raise StoreError(f"blob URI {uri!r} does not belong to {self!r}")
         return path, None if name[1] is None else float(name[1])
 
-    def _put(self, data: bytes) -> str:
+    def _name(self) -> str:
+        """A new blob's file name, its expiry in it."""
+        expires = int(self._clock() + self.ttl + self.GRACE) + 1
+        return f"{secrets.token_hex(16)}.{expires}.blob"
+
+    def _put(self, data: bytes, name: str) -> str:
         now = self._clock()
         if now >= self._next_sweep:
             self._next_sweep = now + self.SWEEP_INTERVAL
             self._sweep(now)
-        expires = int(now + self.ttl + self.GRACE) + 1
-        name = f"{secrets.token_hex(16)}.{expires}.blob"
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -153,7 +189,18 @@ class FileBlobStore:
             ) from None
 
     async def put(self, data: bytes) -> str:
-        return await asyncio.to_thread(self._put, bytes(data))
+        """Write ``data`` in a worker thread; a cancelled put leaves no file behind.
+
+        The thread cannot be stopped, so a put cancelled while it writes deletes
+        the blob once the thread is done: nobody will ever name it.
+        """
+        name = self._name()
+        written = asyncio.get_running_loop().run_in_executor(None, self._put, bytes(data), name)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:
+            written.add_done_callback(lambda _: (self.directory / name).unlink(missing_ok=True))
+            raise
 
     async def get(self, uri: str) -> bytes:
         return await asyncio.to_thread(self._get, uri)

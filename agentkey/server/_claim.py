@@ -20,10 +20,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
-from starlette.requests import HTTPConnection
-
 from .._exceptions import ConfigurationError, LeaseLost, StoreError
-from .._keys import StepKey
+from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._records import (
     Binding,
@@ -35,10 +33,7 @@ from ._records import (
 )
 from ._stores import Store
 
-__all__ = ["SCOPE_STATE_KEY", "Claim", "LeaseLost", "current_claim", "get_claim"]
-
-#: Where the middleware puts the claim in ``scope["state"]`` (``request.state``).
-SCOPE_STATE_KEY = "agentkey_claim"
+__all__ = ["Claim", "LeaseLost", "current_claim"]
 
 #: The longest leaving a renewal loop waits for a renewal in flight.
 STOP_WAIT_SECONDS = 5.0
@@ -128,7 +123,9 @@ class Claim:
         self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
 
     def __repr__(self) -> str:
-        return f"Claim(key={self.idempotency_key!r}, mutation_started={self._mutation_started})"
+        # The key is a bearer secret: a claim that reaches a log shows its redacted form.
+        key = shown_key(self.idempotency_key)
+        return f"Claim(key={key!r}, mutation_started={self._mutation_started})"
 
     @property
     def owner(self) -> str:
@@ -162,9 +159,9 @@ class Claim:
         """
         if self._lost:
             raise LeaseLost(
-                f"another request took the key {self.idempotency_key} after this request's "
-                "lease expired, so the side effect must not start here; the client retries "
-                "with the same key and gets the other request's answer"
+                f"another request took the key {shown_key(self.idempotency_key)} after this "
+                "request's lease expired, so the side effect must not start here; the client "
+                "retries with the same key and gets the other request's answer"
             )
         self._mutation_started = True
 
@@ -203,7 +200,7 @@ class Claim:
                     "the lease on %s had expired (nobody claimed the key meanwhile) and was "
                     "taken back; if the event loop or the store stalls for a whole lease, "
                     "another request may run this step",
-                    self.idempotency_key,
+                    shown_key(self.idempotency_key),
                 )
                 return True
         if current is None or current == value or self._is_ours(current):
@@ -213,7 +210,7 @@ class Claim:
             _logger.warning(
                 "another request took the key %s after this request's lease expired; "
                 "this request's result will not be stored",
-                self.idempotency_key,
+                shown_key(self.idempotency_key),
             )
         return False
 
@@ -241,7 +238,7 @@ class Claim:
                     "lease (the event loop was blocked, or the store was slow), so another "
                     "request may have run this step; keep blocking calls out of async "
                     "handlers (use a def endpoint or a thread) or raise lock_ttl",
-                    self.idempotency_key,
+                    shown_key(self.idempotency_key),
                     stalled,
                     lease,
                 )
@@ -254,7 +251,7 @@ class Claim:
                     _logger.warning(
                         "renewing the lease on %s failed (%s); retrying until the store "
                         "answers (the lease ends %.1f s after the last renewal)",
-                        self.idempotency_key,
+                        shown_key(self.idempotency_key),
                         exc,
                         lease,
                     )
@@ -263,7 +260,7 @@ class Claim:
                 if failures:
                     _logger.warning(
                         "renewed the lease on %s after %d failed attempts",
-                        self.idempotency_key,
+                        shown_key(self.idempotency_key),
                         failures,
                     )
                 self._renewed = time.monotonic()
@@ -324,7 +321,7 @@ class Claim:
                 _logger.warning(
                     "a lease renewal of %s was still running when its handler finished; "
                     "it was cancelled",
-                    self.idempotency_key,
+                    shown_key(self.idempotency_key),
                 )
 
     def mark_settled(self) -> None:
@@ -424,21 +421,6 @@ def current_claim() -> Claim:
     return claim
 
 
-def get_claim(request: HTTPConnection) -> Claim:
-    """The claim stored on a Starlette/FastAPI ``request`` (``request.state``).
-
-    Works as a FastAPI dependency too: ``claim: Claim = Depends(get_claim)``.
-    """
-    state = request.scope.get("state") or {}
-    claim = state.get(SCOPE_STATE_KEY)
-    if not isinstance(claim, Claim):
-        raise ConfigurationError(
-            "this request carries no idempotency claim: it did not pass through "
-            "IdempotencyMiddleware, or the route is not one the middleware protects"
-        )
-    return claim
-
-
 def set_current(claim: Claim | None) -> contextvars.Token[Claim | None]:
     return _current.set(claim)
 
@@ -484,12 +466,14 @@ async def record_until_stored(store: Store, claim: Claim, outcome: Outcome, *, t
             stored = await record_outcome(store, claim, outcome, ttl_ms=ttl_ms)
         except StoreError as exc:
             _logger.debug(
-                "recording the outcome of %s failed again: %s", claim.idempotency_key, exc
+                "recording the outcome of %s failed again: %s",
+                shown_key(claim.idempotency_key),
+                exc,
             )
             continue
         _logger.warning(
             "recorded the outcome of %s after %d retries (the store was unavailable)",
-            claim.idempotency_key,
+            shown_key(claim.idempotency_key),
             attempt,
         )
         return stored

@@ -52,7 +52,7 @@ from urllib.parse import quote
 
 from .._canonical import Profile, canonical_json
 from .._exceptions import InvalidArguments, InvalidKey, StoreError
-from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string
+from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string, shown_key
 from ._records import Binding, InProgress, Outcome, decode_record, digest
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "parse_key",
     "record_key",
     "stored_headers",
+    "unauthenticated",
     "unavailable",
 ]
 
@@ -91,6 +92,9 @@ REPLAY_HEADER = "Idempotent-Replayed"
 PROBLEM_TYPE = "application/problem+json"
 
 _NOT_STORED = frozenset({401, 403, 408, 409, 429})
+# Redirects that resend the same request elsewhere (a trailing-slash fix-up, a moved
+# route): the request did not run here, and the client follows them with the same key.
+_RESENT_ELSEWHERE = frozenset({307, 308})
 # Never stored or replayed: per-connection, recomputed, or credentials.
 _DROP_HEADERS = frozenset(
     {
@@ -130,6 +134,8 @@ _TITLES = {
     "in_progress": "A request with this Idempotency-Key is in progress",
     "store_unavailable": "Idempotency store unavailable",
     "step_failed": "The step failed after its side effect began",
+    "unauthenticated": "Authentication required",
+    "response_too_large": "The answer was too large to record",
 }
 
 
@@ -263,6 +269,8 @@ class DecisionEvent:
     payload_mismatch), ``rejected`` (400/413/422 before any claim),
     ``unavailable`` (503) or ``passthrough`` (not protected). ``route`` is the
     path as the router matches it (MCP: the tool name). Never a body or a token.
+    ``idempotency_key`` is the whole key; the event's ``repr`` shows it redacted
+    (:func:`agentkey._keys.shown_key`), so an event written to a log keeps it secret.
     """
 
     decision: str
@@ -270,6 +278,14 @@ class DecisionEvent:
     route: str
     idempotency_key: str | None
     status_code: int
+
+    def __repr__(self) -> str:
+        # A key is a bearer secret: an event that reaches a log shows its redacted form.
+        key = None if self.idempotency_key is None else shown_key(self.idempotency_key)
+        return (
+            f"DecisionEvent(decision={self.decision!r}, method={self.method!r}, "
+            f"route={self.route!r}, idempotency_key={key!r}, status_code={self.status_code})"
+        )
 
 
 # --- the decisions ------------------------------------------------------------------
@@ -347,6 +363,21 @@ def body_too_large(limit: int) -> Reject:
     return Reject(413, "body_too_large", f"the request body exceeds {limit} bytes")
 
 
+def unauthenticated() -> Reject:
+    """401: the front end found no principal for the request, so no key space to use.
+
+    Nothing runs and nothing is looked up: a replay, a 409 or a 422 ``key_reused``
+    would each tell an unauthenticated caller something about another's key.
+    """
+    return Reject(
+        401,
+        "unauthenticated",
+        "this endpoint runs each Idempotency-Key once per authenticated caller, and this "
+        "request is not authenticated, so nothing ran and no stored answer was looked up; "
+        "send it again with the same key and valid credentials",
+    )
+
+
 def unavailable(retry_after: int, cause: str = "", *, reading: bool = False) -> Unavailable:
     """503: the store (``reading``: a stored response) cannot be used; nothing ran."""
     detail = (
@@ -411,9 +442,21 @@ def on_finished(
     binding: Binding | None,
     now_ms: int,
     max_inline_bytes: int,
+    max_recorded_bytes: int | None = None,
+    size: int | None = None,
 ) -> Complete | Fail | Release:
-    """What to record once the tool answered ``status`` (or raised: ``error``)."""
+    """What to record once the tool answered ``status`` (or raised: ``error``).
+
+    ``size`` is the answer's length when the front end stopped keeping its body
+    (default ``len(body)``). An answer above ``max_recorded_bytes`` that would be
+    recorded is not: a small FAILED record says so instead, and every resend gets
+    that 500 rather than running the step again or receiving a partial answer.
+    """
     if not error and is_storable(status):
+        if max_recorded_bytes is not None and _too_large(body, size, max_recorded_bytes):
+            return _not_recorded(
+                len(body) if size is None else size, max_recorded_bytes, binding, now_ms
+            )
         stored = stored_headers(headers)
         offload = len(body) > max_inline_bytes
         return Complete(Outcome("COMPLETED", status, stored, body, None, now_ms, binding), offload)
@@ -428,10 +471,32 @@ def on_finished(
             "the server and is not retried automatically. Inspect the target system "
             "before running the step again under a new key",
         )
+    elif max_recorded_bytes is not None and _too_large(body, size, max_recorded_bytes):
+        return _not_recorded(
+            len(body) if size is None else size, max_recorded_bytes, binding, now_ms
+        )
     else:
         stored = stored_headers(headers)
     offload = len(body) > max_inline_bytes
     return Fail(Outcome("FAILED", status, stored, body, None, now_ms, binding), offload)
+
+
+def _too_large(body: bytes, size: int | None, limit: int) -> bool:
+    return (len(body) if size is None else size) > limit
+
+
+def _not_recorded(size: int, limit: int, binding: Binding | None, now_ms: int) -> Fail:
+    """The record of an answer too large to keep: the step ran, its answer is gone."""
+    body = problem_body(
+        500,
+        "response_too_large",
+        f"the step ran, but its answer ({size} bytes or more) was larger than the "
+        f"server's max_recorded_bytes ({limit}), so it was not stored and cannot be "
+        "replayed; the step is not run again under this key. Read its result from the "
+        "target system, or have the server raise max_recorded_bytes for this tool",
+    )
+    headers = (("content-type", PROBLEM_TYPE),)
+    return Fail(Outcome("FAILED", 500, headers, body, None, now_ms, binding))
 
 
 # --- rules ------------------------------------------------------------------------
@@ -442,9 +507,13 @@ def is_storable(status: int) -> bool:
 
     2xx, 3xx (a ``303 See Other`` after a POST reports success) and the 4xx
     that are about the request. Not 401, 403, 408, 409, 429 or any 5xx: those
-    depend on the moment, not on the request.
+    depend on the moment, not on the request. Not 307 or 308 either: they send
+    the same request, with the same key, to another URL (a trailing-slash
+    redirect), where it must run rather than meet this route's record.
     """
-    return 200 <= status < 400 or (400 <= status < 500 and status not in _NOT_STORED)
+    if 200 <= status < 400:
+        return status not in _RESENT_ELSEWHERE
+    return 400 <= status < 500 and status not in _NOT_STORED
 
 
 def stored_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> tuple[tuple[str, str], ...]:
@@ -512,12 +581,25 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
             return StepKey.parse(text)
         value = _parse_sf_string(text) if text.startswith('"') else text
     except InvalidKey as exc:
-        return str(exc) + (
+        return _without_key(str(exc), text) + (
             "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
         )
     if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
         return _OPAQUE_RULE
     return OpaqueKey(value)
+
+
+def _without_key(message: str, text: str) -> str:
+    """``message`` with the key it quotes in its redacted form: a key is a bearer secret,
+    even a malformed one, and a problem detail may end up in a log."""
+    shown = shown_key(text)
+    unquoted = text[1:-1] if text.startswith('"') and text.endswith('"') else text
+    tail = unquoted.rpartition(":")[2]  # what stands for the args_hash
+    parts = {text, text[:80], unquoted, unquoted[:80], tail, tail[:80]}
+    for part in sorted(parts, key=len, reverse=True):
+        if len(part) >= 8:
+            message = message.replace(repr(part)[1:-1], shown)
+    return message
 
 
 def record_key(principal: str, key: StepKey | OpaqueKey) -> str:

@@ -14,21 +14,28 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ._blobs import BlobStore
-from ._claim import get_claim
-from ._middleware import IdempotencyMiddleware, Scope
+from ._middleware import IdempotencyMiddleware, Scope, get_claim
 from ._stores import MemoryStore, Store
 
 __all__ = ["bearer_principal", "example_app"]
 
-_MAX_ROWS = 100_000  # a report of at most ~3 MB: a request cannot make the server build more
+# A report of at most ~800 KB: under the middleware's max_recorded_bytes (1 MiB), and
+# no request can make the server build more.
+_MAX_ROWS = 20_000
 
 
-def bearer_principal(scope: Scope) -> str:
-    """Each bearer token is its own principal (fits static API keys, not rotating tokens)."""
+def bearer_principal(scope: Scope) -> str | None:
+    """Each bearer token is its own principal (fits static API keys, not rotating tokens).
+
+    A request without one has no principal: the middleware answers 401. Any token
+    is accepted, so this is for a demo server; a real one verifies the token.
+    """
     for name, value in scope.get("headers", ()):
         if name.lower() == b"authorization" and value[:7].lower() == b"bearer ":
-            return "token-" + hashlib.sha256(value[7:].strip()).hexdigest()[:32]
-    return "anonymous"
+            token = value[7:].strip()
+            if token:
+                return "token-" + hashlib.sha256(token).hexdigest()[:32]
+    return None
 
 
 def example_app(
@@ -37,6 +44,7 @@ def example_app(
     blob_store: BlobStore | None = None,
     work_seconds: float = 0.2,
     lock_ttl: float = 15.0,
+    shared_key_space: bool = False,
 ) -> Starlette:
     """A tool server with ``POST /tools/charge``, ``/tools/provision`` and ``/tools/report``.
 
@@ -44,6 +52,11 @@ def example_app(
     ``GET /executions``), so tests and demos can see that a duplicate was
     replayed instead of run. ``provision`` works for ``work_seconds`` before
     its side effect, long enough for a concurrent duplicate to get 409.
+
+    Each bearer token is its own caller, and a request without one gets 401
+    (any token is accepted: this is a demo). ``shared_key_space=True`` drops
+    that: every caller shares one key space, for one agent talking to the
+    server in its own process.
     """
     executions: Counter[str] = Counter()
 
@@ -96,7 +109,8 @@ def example_app(
                 IdempotencyMiddleware,
                 store=store if store is not None else MemoryStore(),
                 routes=["/tools/*"],
-                principal=bearer_principal,
+                principal=None if shared_key_space else bearer_principal,
+                shared_key_space=shared_key_space,
                 blob_store=blob_store,
                 lock_ttl=lock_ttl,
             )

@@ -2,6 +2,7 @@
 
 ```
 request ─▶ protected method and route? (the path relative to root_path / the mount) ─no─▶ app
+        ─▶ principal(scope): whose key space? none (not authenticated) ─401─▶ (nothing looked up)
         ─▶ key? ─400─▶ key well formed? ─400─▶ body within max_body_bytes? ─413─▶
              agentkey key <plan>:<step>:<hash>: body a JSON object ─400─▶ hash matches ─422─▶
              opaque key (UUID, ik_...): fingerprint = digest of the canonical body
@@ -15,14 +16,17 @@ request ─▶ protected method and route? (the path relative to root_path / the
              ├─ COMPLETED / FAILED .... replay status, headers, body + Idempotent-Replayed: true
              └─ claimed ─▶ handler, lease renewed every lock_ttl/3 (unless auto_renew=False)
                     ─▶ finish (compare-and-set on the owner token)
-                    storable answer (2xx, 3xx, request 4xx) ... COMPLETED
-                    other answer or exception, mutation begun .. FAILED
-                    other answer or exception, no mutation ..... released (retry is safe)
+                    storable answer (2xx, 3xx but 307/308, request 4xx) .. COMPLETED
+                    other answer or exception, mutation begun ......... FAILED
+                    answer over max_recorded_bytes (never buffered) ... FAILED, a 500 saying so
+                    other answer or exception, no mutation ............ released (retry is safe)
 ```
 The final chunk of a response is held back until its record is written, so a
 client never holds a result the store does not know about. When that write fails
 (a store outage), the answer is sent and the write retried, shielded, for up to
 10 s: the step has run, and an unrecorded outcome would let a retry run it again.
+The claim, the hold and the settle are the ones every front end shares
+(:mod:`agentkey.server._lifecycle`); this module keeps the ASGI plumbing.
 The middleware's own errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
 ``urn:agentkey:problem:<code>``) that keep an ``"error": <code>`` member.
 """
@@ -30,70 +34,64 @@ The middleware's own errors are RFC 9457 problem details (``application/problem+
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import os
-import time
 from collections.abc import (
     Awaitable,
     Callable,
     Collection,
+    Coroutine,
     Iterable,
     MutableMapping,
     Sequence,
 )
-from dataclasses import replace
 from typing import Any
 
 import anyio
+from starlette.requests import HTTPConnection
 
 from .._canonical import Profile, check_profile
 from .._exceptions import ConfigurationError, StoreError
-from .._keys import StepKey
+from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import (
-    SCOPE_STATE_KEY,
-    Claim,
-    _wall_ms,
-    record_outcome,
-    record_until_stored,
-    reset_current,
-    set_current,
-)
+from ._claim import Claim, _wall_ms, reset_current, set_current
 from ._decide import (
     REPLAY_HEADER,
-    Checked,
-    Complete,
     Conflict,
     DecisionEvent,
-    Fail,
     KeyFormat,
     Problem,
     Reject,
-    Release,
     Replay,
     Run,
     Unavailable,
     body_too_large,
     check_body,
     is_storable,
-    on_claimed,
     on_finished,
     parse_key,
     stored_headers,
+    unauthenticated,
     unavailable,
 )
-from ._records import Outcome
-from ._stores import SETTLE_SECONDS, MemoryStore, Store
+from ._lifecycle import (
+    SHARED_PRINCIPAL,
+    Lifecycle,
+    check_principal_options,
+    resolve_principal,
+)
+from ._stores import MemoryStore, Store
 
 __all__ = [
     "REPLAY_HEADER",
+    "SCOPE_STATE_KEY",
     "DecisionHook",
     "IdempotencyMiddleware",
     "KeyFormat",
     "PrincipalFunc",
+    "get_claim",
     "is_storable",
     "route_path",
+    "starlette_user_identity",
     "stored_headers",
 ]
 
@@ -102,16 +100,14 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-PrincipalFunc = Callable[[Scope], "str | Awaitable[str]"]
+PrincipalFunc = Callable[[Scope], "str | Awaitable[str | None] | None"]
 RoutesFunc = Callable[[Scope], bool]
 DecisionHook = Callable[[DecisionEvent], object]
 
 _logger = logging.getLogger("agentkey.server")
-# The longest a shielded finish/release may take, its retries included (the answer is
-# sent once the first write fails, so a store outage holds no client that long).
-_SETTLE_SECONDS = SETTLE_SECONDS
-# How often a held duplicate (hold_in_flight) asks the store again: one round trip each.
-_HOLD_POLL_SECONDS = 0.1
+
+#: Where the middleware puts the claim in ``scope["state"]`` (``request.state``).
+SCOPE_STATE_KEY = "agentkey_claim"
 
 
 #: Set on every answer of a protected route: clients learn that it honours the key.
@@ -129,14 +125,29 @@ def _advertising(send: Send) -> Send:
     return advertise
 
 
-def _default_principal(scope: Scope) -> str:
-    """Starlette's authenticated user's ``identity`` (AuthenticationMiddleware), else ``anonymous``.
+def starlette_user_identity(scope: Scope) -> str | None:
+    """The principal of Starlette's ``AuthenticationMiddleware``: ``scope["user"].identity``.
 
-    Never the display name: two users may share one, and would share records.
+    Pass it as ``principal=`` when the idempotency middleware runs inside
+    Starlette's (or FastAPI's) ``AuthenticationMiddleware``. An unauthenticated
+    request has no principal (None), so the middleware answers 401 and runs
+    nothing. Never the display name: two users may share one, and would share
+    records. Raises :class:`~agentkey.ConfigurationError` when the scope has no
+    ``user`` at all (the middleware sits outside the authentication, so it would
+    decide before anyone checked the caller) or an authenticated user has no
+    ``str`` identity.
     """
-    user = scope.get("user")
+    if "user" not in scope:
+        raise ConfigurationError(
+            "starlette_user_identity found no scope['user']: IdempotencyMiddleware runs "
+            "before AuthenticationMiddleware, so it would decide before the caller is "
+            "authenticated. Put AuthenticationMiddleware first in Starlette(middleware=[...]) "
+            "(with add_middleware, add IdempotencyMiddleware first: the last one added runs "
+            "first)"
+        )
+    user = scope["user"]
     if user is None or not getattr(user, "is_authenticated", False):
-        return "anonymous"
+        return None
     try:
         identity = user.identity
     except (AttributeError, NotImplementedError):
@@ -144,10 +155,25 @@ def _default_principal(scope: Scope) -> str:
     if not isinstance(identity, str) or not identity:
         raise ConfigurationError(
             f"the authenticated user ({type(user).__name__}) has no str identity to scope "
-            "idempotency records by; implement BaseUser.identity or pass principal= to "
-            "IdempotencyMiddleware"
+            "idempotency records by; implement BaseUser.identity or pass another principal= "
+            "to IdempotencyMiddleware"
         )
     return identity
+
+
+def get_claim(request: HTTPConnection) -> Claim:
+    """The claim stored on a Starlette/FastAPI ``request`` (``request.state``).
+
+    Works as a FastAPI dependency too: ``claim: Claim = Depends(get_claim)``.
+    """
+    state = request.scope.get("state") or {}
+    claim = state.get(SCOPE_STATE_KEY)
+    if not isinstance(claim, Claim):
+        raise ConfigurationError(
+            "this request carries no idempotency claim: it did not pass through "
+            "IdempotencyMiddleware, or the route is not one the middleware protects"
+        )
+    return claim
 
 
 def route_path(scope: Scope) -> str:
@@ -250,6 +276,8 @@ class _Exchange:
         "abandoned",
         "answer",
         "claim",
+        "dropped",
+        "final",
         "finished",
         "headers",
         "held",
@@ -261,6 +289,7 @@ class _Exchange:
         "server_send",
         "settle_began",
         "settling",
+        "size",
         "started",
         "status",
     )
@@ -281,8 +310,11 @@ class _Exchange:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.answer = bytearray()
+        self.size = 0  # bytes the app has answered so far
+        self.dropped = False  # over max_recorded_bytes: the answer is no longer kept
         self.started = self.finished = False
         self.held: Message | None = None  # the response's start, until its body goes out
+        self.final: Message | None = None  # the answer's last message, sent by the settle
         self.settling: asyncio.Task[str] | None = None  # the settle, beside the app
         self.settle_began = False  # the settle has started to run (see _settled)
         self.abandoned = False  # the request was cancelled: the answer is not sent
@@ -300,13 +332,14 @@ class _Exchange:
             self.held = None
             await self.server_send(held)
 
-    async def deliver(self, message: Message) -> None:
+    async def deliver(self) -> None:
         """Send the answer's last message (and the start still held), unless the
         request was cancelled meanwhile."""
-        if self.abandoned:
+        final = self.final
+        if self.abandoned or final is None:
             return
         await self.send_held()
-        await self.server_send(message)
+        await self.server_send(final)
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
@@ -316,14 +349,24 @@ class _Exchange:
                     "the app sent a response body after its final one (more_body=False); "
                     "an ASGI response ends with exactly one final body message"
                 )
-            self.answer += message.get("body", b"")
+            chunk = message.get("body", b"")
+            self.size += len(chunk)
+            if not self.dropped:
+                if self.size > self.middleware.max_recorded_bytes:
+                    # Never an unbounded buffer: the answer goes out as it comes, and
+                    # the record says it was too large to keep.
+                    self.dropped = True
+                    self.answer = bytearray()
+                else:
+                    self.answer += chunk
             if message.get("more_body", False):
                 await self.send_held()
                 await self.server_send(message)
                 return
             self.finished = True
+            self.final = message
             middleware, claim = self.middleware, self.claim
-            settle = middleware._finish(claim, self, error=False, final=message)
+            settle = middleware._finish(self, error=False)
             try:
                 # Alone (no other request in flight), nothing allocates while the store
                 # answers, so the stack costs the collector nothing, and a task would
@@ -360,10 +403,22 @@ class _Exchange:
 class IdempotencyMiddleware:
     """Turn a repeated ``Idempotency-Key`` into a replay, never a second side effect.
 
-    Keyword options (production defaults):
+    It must know whose key space a request belongs to: give it ``principal=``
+    (a function of the request's authentication) or, when every caller may
+    share one key space, ``shared_key_space=True``; with neither it refuses to
+    start. Keyword options (production defaults):
 
     ``store``
         A :class:`Store` (``RedisStore`` in production, ``MemoryStore`` for tests).
+    ``principal``
+        ``(scope) -> str | None`` (or async): the tenant, user or client the
+        request acts for, from the same authentication the app trusts (for
+        Starlette's ``AuthenticationMiddleware``: :func:`starlette_user_identity`).
+        Records are scoped by it. None or ``""`` means the request is not
+        authenticated: a protected route then answers 401 and runs nothing.
+    ``shared_key_space``
+        True: every caller shares one key space (one client, or callers that
+        trust each other), and no principal is asked for. Default False.
     ``routes``
         Paths to protect: exact paths, ``/prefix/*`` patterns, or a callable
         ``(scope) -> bool``. Paths are relative to ``root_path`` (a ``Mount``,
@@ -388,21 +443,24 @@ class IdempotencyMiddleware:
         (set ``lock_ttl`` to the tool's timeout plus slack).
     ``hold_in_flight``
         Seconds a duplicate of a request in flight waits for it to finish and
-        then gets its replay, before a 409 (default 0: a 409 at once). Each
-        held duplicate asks the store again every 0.1 s and keeps its
-        connection open; keep it below your clients' read timeout.
+        then gets its replay, before a 409 (default 0: a 409 at once). The
+        first request's settle wakes the duplicates held in its process; for
+        a request running elsewhere one held duplicate per key asks the store
+        (every 0.1 s, doubling to 1 s). At most 1,000 are held at once; keep
+        it below your clients' read timeout.
     ``result_ttl``
         Seconds a finished record lives (24 h).
     ``retry_after``
         Seconds sent in ``Retry-After`` with 409 and 503 (default 1). A 409 for
         a claim whose holder stopped renewing says when its lease ends instead.
-    ``principal``
-        ``(scope) -> str`` (or async): the tenant, user or client the request
-        acts for. Records are scoped by it. Default: Starlette's authenticated
-        user, else ``"anonymous"`` — set it whenever more than one caller exists.
     ``hash_profile``
         Canonical JSON profile used to re-serialise a body whose bytes do not
         hash to ``args_hash`` directly (``python`` or ``jcs``).
+    ``max_recorded_bytes``
+        The largest answer recorded (default 1 MiB). A larger one, streamed or
+        not, still reaches its client as it comes, but is neither buffered nor
+        stored: the key records a 500 ``response_too_large`` that every resend
+        gets, so the step never runs twice.
     ``max_inline_bytes``
         Larger response bodies go to ``blob_store`` (default 100 KiB).
     ``blob_store``
@@ -422,6 +480,8 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         store: Store,
+        principal: PrincipalFunc | None = None,
+        shared_key_space: bool = False,
         routes: Collection[str] | RoutesFunc | None = None,
         methods: Sequence[str] = ("POST",),
         require_key: bool = True,
@@ -431,8 +491,8 @@ class IdempotencyMiddleware:
         hold_in_flight: float = 0.0,
         result_ttl: float = 86_400.0,
         retry_after: int = 1,
-        principal: PrincipalFunc | None = None,
         hash_profile: Profile = "python",
+        max_recorded_bytes: int = 1024 * 1024,
         max_inline_bytes: int = 100 * 1024,
         blob_store: BlobStore | None = None,
         max_body_bytes: int = 1024 * 1024,
@@ -441,6 +501,15 @@ class IdempotencyMiddleware:
         if not isinstance(store, Store):
             raise ConfigurationError(
                 f"store must implement agentkey.server.Store, got {type(store).__name__}"
+            )
+        check_principal_options(principal, shared_key_space, what="scope")
+        if principal is None and not shared_key_space:
+            raise ConfigurationError(
+                "IdempotencyMiddleware cannot tell callers apart: pass principal=, a function "
+                "(scope) -> str | None giving the caller from the app's authentication "
+                "(starlette_user_identity for Starlette's AuthenticationMiddleware), or "
+                "shared_key_space=True if every caller may share one key space (and so "
+                "replay each other's answers)"
             )
         for name, value in (("lock_ttl", lock_ttl), ("result_ttl", result_ttl)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0.001:
@@ -461,6 +530,7 @@ class IdempotencyMiddleware:
                 f"got {key_format!r}"
             )
         for name, size in (
+            ("max_recorded_bytes", max_recorded_bytes),
             ("max_inline_bytes", max_inline_bytes),
             ("max_body_bytes", max_body_bytes),
         ):
@@ -470,10 +540,6 @@ class IdempotencyMiddleware:
             # A bare "POST" would become the methods P, O, S and T and protect nothing.
             raise ConfigurationError(
                 f"methods is a collection of HTTP method names, got {methods!r}; use ['POST']"
-            )
-        if principal is not None and not callable(principal):
-            raise ConfigurationError(
-                f"principal must be a function (scope) -> str, got {type(principal).__name__}"
             )
         if callable(hooks) or not all(callable(h) for h in hooks):
             raise ConfigurationError(
@@ -508,13 +574,23 @@ class IdempotencyMiddleware:
         self.hold_in_flight = float(hold_in_flight)
         self.result_ttl_ms = max(self.lock_ttl_ms, round(result_ttl * 1000))
         self.retry_after = retry_after
-        self._principal: PrincipalFunc = principal or _default_principal
+        self._principal = principal
+        self.shared_key_space = shared_key_space
         self.hash_profile = check_profile(hash_profile)
+        self.max_recorded_bytes = max_recorded_bytes
         self.max_inline_bytes = max_inline_bytes
         self.max_body_bytes = max_body_bytes
         self._blob_store = blob_store
         self._hooks = tuple(hooks)
-        self._clock: Callable[[], int] = _wall_ms  # Unix ms; tests inject their own
+        self._life = Lifecycle(
+            store,
+            lock_ttl_ms=self.lock_ttl_ms,
+            result_ttl_ms=self.result_ttl_ms,
+            retry_after=retry_after,
+            auto_renew=self.auto_renew,
+            clock=_wall_ms,  # Unix ms; tests inject their own
+            blob_store=lambda: self.blob_store,
+        )
 
     @property
     def blob_store(self) -> BlobStore:
@@ -545,6 +621,15 @@ class IdempotencyMiddleware:
             await self._pass(scope, receive, send, method, path)
             return
         send = _advertising(send)
+        # Whose key space, before anything about the key: an unauthenticated request
+        # learns nothing (no replay, no 409, no 422 saying the key exists).
+        principal = SHARED_PRINCIPAL
+        if self._principal is not None:
+            found = await resolve_principal(self._principal, scope)
+            if found is None:
+                await self._problem(send, unauthenticated(), "rejected", method, path, None)
+                return
+            principal = found
         key = parse_key(values, key_format=self.key_format)
         if isinstance(key, Reject):
             await self._problem(send, key, "rejected", method, path, None)
@@ -563,20 +648,8 @@ class IdempotencyMiddleware:
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
-        principal = await self._principal_of(scope)
-        claim = Claim(
-            key=key if isinstance(key, StepKey) else None,
-            idempotency_key=checked.idempotency_key,
-            principal=principal,
-            record_key=checked.record_key(principal),
-            owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
-            store=self.store,
-            lock_ttl_ms=self.lock_ttl_ms,
-            auto_renew=self.auto_renew,
-            binding=checked.binding,
-            clock=self._clock,
-        )
-        decision = await self._claim(claim, checked)
+        claim = self._life.new_claim(checked, principal)
+        decision = await self._life.claim(claim, checked, hold=self.hold_in_flight)
         if isinstance(decision, Run):
             await self._run(scope, receive, send, body, claim, method, path)
         elif isinstance(decision, Replay):
@@ -586,59 +659,6 @@ class IdempotencyMiddleware:
                 type(decision), "mismatch"
             )
             await self._problem(send, decision, event, method, path, claim.idempotency_key)
-
-    async def _claim(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
-        """Claim the key; with ``hold_in_flight``, wait for a request in flight to finish."""
-        hold_until = time.monotonic() + self.hold_in_flight if self.hold_in_flight else 0.0
-        while True:
-            existing: bytes | StoreError | None
-            now = self._clock()  # the lease's start; a 409's Retry-After counts from it
-            try:
-                existing = await self.store.claim(
-                    claim.record_key, claim.in_progress_record(now), ttl_ms=self.lock_ttl_ms
-                )
-            except StoreError as exc:
-                existing = exc
-            decision = on_claimed(
-                existing,
-                checked,
-                owner=claim.owner,
-                now_ms=now,
-                retry_after=self.retry_after,
-            )
-            if isinstance(decision, Run) and decision.renew:
-                try:
-                    await claim.renew()
-                except StoreError as exc:
-                    decision = unavailable(self.retry_after, str(exc))
-            if isinstance(decision, Unavailable):
-                _logger.error(
-                    "idempotency store failed while claiming %s: %s",
-                    claim.idempotency_key,
-                    decision.cause,
-                )
-            if not isinstance(decision, Conflict) or not hold_until:
-                return decision
-            left = hold_until - time.monotonic()
-            if left <= 0:
-                return decision
-            # hold_in_flight: wait for the first request, then replay or claim.
-            await anyio.sleep(min(_HOLD_POLL_SECONDS, left))
-
-    async def _principal_of(self, scope: Scope) -> str:
-        value = self._principal(scope)
-        if type(value) is str and value:
-            return value
-        if inspect.isawaitable(value):
-            value = await value
-        if not isinstance(value, str) or not value:
-            # The type only: a principal function gone wrong may return a credential.
-            raise ConfigurationError(
-                "the principal function must return a non-empty str, got "
-                + ("an empty str" if value == "" else f"a {type(value).__name__}")
-                + "; return the tenant, user or client id of the request"
-            )
-        return value
 
     def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
         event = DecisionEvent(decision, method, path, key, status)
@@ -676,7 +696,7 @@ class IdempotencyMiddleware:
             try:
                 body = await self.blob_store.get(replay.blob_uri)
             except StoreError as exc:
-                _logger.error("stored response of %s is unreadable: %s", key, exc)
+                _logger.error("stored response of %s is unreadable: %s", shown_key(key), exc)
                 problem = unavailable(self.retry_after, reading=True)
                 await self._problem(send, problem, "unavailable", method, path, key)
                 return
@@ -702,7 +722,7 @@ class IdempotencyMiddleware:
             _logger.warning(
                 "no asyncio loop runs this request, so the lease on %s is not renewed "
                 "automatically; renew it from the handler or raise lock_ttl",
-                claim.idempotency_key,
+                shown_key(claim.idempotency_key),
             )
         self._in_flight += 1
         try:
@@ -725,7 +745,7 @@ class IdempotencyMiddleware:
             await self._settled(exchange)
         elif not exchange.finished:
             claim = exchange.claim
-            decision = await self._finish(claim, exchange, error=True)
+            decision = await self._finish(exchange, error=True)
             if self._hooks:
                 self._emit(decision, exchange.method, exchange.path, claim.idempotency_key, 500)
 
@@ -736,8 +756,8 @@ class IdempotencyMiddleware:
         not leave the settle behind, and the answer is no longer sent. A settle that
         is running is cancelled too, as it was when it ran inside the app's send,
         which makes it record the outcome again, shielded and within the settle
-        budget (see :meth:`_finish`); one that has not run yet runs uncancelled. The
-        request waits for it before the cancellation goes on.
+        budget (see :meth:`Lifecycle.settle`); one that has not run yet runs
+        uncancelled. The request waits for it before the cancellation goes on.
         """
         task = exchange.settling
         assert task is not None
@@ -759,7 +779,7 @@ class IdempotencyMiddleware:
             if not task.cancelled() and task.exception() is not None:
                 _logger.error(
                     "settling %s after its request was cancelled failed: %r",
-                    claim.idempotency_key,
+                    shown_key(claim.idempotency_key),
                     task.exception(),
                 )
             raise
@@ -768,32 +788,22 @@ class IdempotencyMiddleware:
                 decision, exchange.method, exchange.path, claim.idempotency_key, exchange.status
             )
 
-    async def _finish(
-        self,
-        claim: Claim,
-        exchange: _Exchange,
-        *,
-        error: bool,
-        final: Message | None = None,
-    ) -> str:
-        """Stop renewing, then settle the claim: record the outcome or release the key.
+    def _finish(self, exchange: _Exchange, *, error: bool) -> Coroutine[Any, Any, str]:
+        """The settle of the claim once the app answered (or failed: ``error``).
 
-        ``final``, the answer's last message, is sent after the first write of
-        the outcome (so a client normally never holds an unrecorded result), or
-        at once when that write failed; the write is then retried, shielded,
-        until it lands or the settle budget (``_SETTLE_SECONDS`` in all) runs out.
-
-        The first attempt runs inline: it is one store call, bounded by the
-        store's own timeout, and costs no cancel scope. A request cancelled from
-        outside (a client gone under an anyio cancel scope, a server shutting
-        down) has that attempt interrupted; the settle is then done again,
-        shielded and within the budget (recording and releasing are idempotent
-        for this claim's owner), before the cancellation propagates. So the
-        claim still records FAILED or frees its key, instead of staying locked
-        until its lease ends and letting a retry repeat a side effect that
-        already began. Returns the decision for the hooks: claimed, failed or
-        released."""
+        What to record comes from the decision table; the settle itself
+        (:meth:`Lifecycle.settle`) sends the answer's last message after the
+        first write. Returned unawaited: the caller awaits it inline or in a task.
+        """
         exchange.settle_began = True
+        claim = exchange.claim
+        if exchange.dropped:
+            _logger.warning(
+                "the answer of %s is over max_recorded_bytes (%d) and was not stored; "
+                "resends of the key get 500 response_too_large",
+                shown_key(claim.idempotency_key),
+                self.max_recorded_bytes,
+            )
         decision = on_finished(
             exchange.status,
             exchange.headers,
@@ -801,131 +811,13 @@ class IdempotencyMiddleware:
             error=error or not exchange.started,
             mutation_started=claim.mutation_started,
             binding=claim.binding,
-            now_ms=self._clock(),
+            now_ms=self._life.clock(),
             max_inline_bytes=self.max_inline_bytes,
+            max_recorded_bytes=self.max_recorded_bytes,
+            size=exchange.size,
         )
-        started = time.monotonic()
-        try:
-            await self._stop_lease(claim)
-            pending = await self._settle(claim, decision)
-        except BaseException as exc:
-            if not isinstance(exc, anyio.get_cancelled_exc_class()):
-                raise
-
-            async def settle() -> None:
-                await self._stop_lease(claim)
-                left = await self._settle(claim, decision)
-                if left is not None:
-                    await self._record_until_stored(claim, left)
-
-            await self._shielded(claim, started, settle)
-            raise
-        try:
-            if final is not None:
-                await exchange.deliver(final)  # after a failed write too: it is retried meanwhile
-        finally:
-            if pending is not None:
-                await self._shielded(
-                    claim, started, lambda: self._record_until_stored(claim, pending)
-                )
-        if isinstance(decision, Release):
-            return "released"
-        return "claimed" if isinstance(decision, Complete) else "failed"
-
-    @staticmethod
-    async def _stop_lease(claim: Claim) -> None:
-        """Before settling: stop the renewals, and keep any from writing the record again."""
-        await claim.stop_renewing()
-        claim.mark_settled()
-
-    async def _shielded(
-        self, claim: Claim, started: float, work: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Run ``work`` shielded from cancellation, until the settle budget that began at
-        ``started`` (``time.monotonic()``) runs out; log when it cut the work short."""
-        left = _SETTLE_SECONDS - (time.monotonic() - started)
-        with anyio.CancelScope(deadline=anyio.current_time() + left, shield=True):
-            await work()
-            return
-        _logger.error(
-            "settling %s did not finish within %s s (the store is unreachable or slow) "
-            "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
-            "and a retry after that runs the step again",
-            claim.idempotency_key,
-            _SETTLE_SECONDS,
-        )
-
-    async def _settle(self, claim: Claim, decision: Complete | Fail | Release) -> Outcome | None:
-        """Record the outcome (compare-and-set on the owner), or release the claim.
-
-        Returns the outcome when the store failed to record it: the handler has
-        run, so the caller retries (:meth:`_record_until_stored`).
-        """
-        key = claim.idempotency_key
-        if isinstance(decision, Release):
-            try:
-                await self.store.release(claim.record_key, claim.owner)
-            except StoreError as exc:
-                # No side effect began: a retry after the lease runs the step cleanly.
-                _logger.error(
-                    "could not release %s (%s); the key stays locked until its lease "
-                    "(lock_ttl) ends",
-                    key,
-                    exc,
-                )
-            return None
-        outcome = decision.outcome
-        if decision.offload:
-            try:
-                uri = await self.blob_store.put(outcome.body)
-            except StoreError as exc:
-                # The handler has run: an unrecorded outcome would free the key after
-                # its lease and let a retry run the side effect again. Keep it inline.
-                _logger.warning(
-                    "blob store failed (%s); keeping the %d-byte response inline in the record",
-                    exc,
-                    len(outcome.body),
-                )
-            else:
-                outcome = replace(outcome, body=b"", blob_uri=uri)
-        try:
-            # Awaited here rather than in a helper: the fewer coroutines a request holds
-            # across the store's round trip, the less the garbage collector walks.
-            stored = await record_outcome(self.store, claim, outcome, ttl_ms=self.result_ttl_ms)
-        except StoreError as exc:
-            _logger.warning(
-                "could not record the outcome of %s (%s); the handler has run, so the "
-                "write is retried for up to %s s",
-                key,
-                exc,
-                _SETTLE_SECONDS,
-            )
-            return outcome
-        if not stored:
-            await self._lost(claim, outcome)
-        return None
-
-    async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
-        """Retry the write until the store answers; the caller's deadline cuts it."""
-        ttl = self.result_ttl_ms
-        if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
-            await self._lost(claim, outcome)
-
-    async def _lost(self, claim: Claim, outcome: Outcome) -> None:
-        _logger.warning(
-            "the lease on %s lapsed before the handler finished and another request "
-            "owns the key now; this result was not stored (the lease is renewed "
-            "automatically unless auto_renew=False; it lapses when the store or the "
-            "event loop stalls for a whole lock_ttl)",
-            claim.idempotency_key,
-        )
-        if outcome.blob_uri is not None:
-            try:
-                await self.blob_store.delete(outcome.blob_uri)
-            except StoreError as exc:
-                _logger.warning(
-                    "could not delete the unused blob of %s: %s", claim.idempotency_key, exc
-                )
+        deliver = exchange.deliver if exchange.final is not None else None
+        return self._life.settle(claim, decision, deliver)
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int | None:

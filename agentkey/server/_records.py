@@ -30,6 +30,7 @@ from json.encoder import encode_basestring_ascii as _quote
 from typing import Literal
 
 from .._exceptions import StoreError
+from .._keys import shown_key
 
 __all__ = [
     "Binding",
@@ -136,7 +137,10 @@ def encode_outcome(outcome: Outcome) -> bytes:
 
 
 def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
-    """Decode a stored value; a value this module did not write raises StoreError."""
+    """Decode a stored value; a value this module did not write raises StoreError.
+
+    ``key`` (the Idempotency-Key) is named in that error in its redacted form only.
+    """
     try:
         if value.startswith(b"P:"):
             fields = value.decode("ascii").split(":")
@@ -168,6 +172,6 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError, RecursionError):
         pass  # a status of 1e400, JSON nested past the recursion limit: not ours either
     raise StoreError(
-        f"the stored record for {key!r} is not an agentkey record; something else wrote "
+        f"the stored record for {shown_key(key)!r} is not an agentkey record; something else wrote "
         "to the store's key space. Use a dedicated prefix or database for agentkey"
     )

@@ -66,7 +66,7 @@ class Order(BaseModel):
 @contextmanager
 def running_server() -> Iterator[tuple[str, Any]]:
     """agentkey's example tool server (MemoryStore) on loopback: (base URL, app)."""
-    app = example_app(work_seconds=0.0)
+    app = example_app(work_seconds=0.0, shared_key_space=True)
     with serve(app) as url:
         yield url, app
 
@@ -109,7 +109,14 @@ def ledger_app() -> Starlette:
         routes=[
             Route(f"/tools/{n}", tool(n), methods=["POST"]) for n in ("charge", "refund", "broken")
         ],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), routes=["/tools/*"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                routes=["/tools/*"],
+                shared_key_space=True,
+            )
+        ],
     )
     app.state.executions = executions
     return app

@@ -170,6 +170,8 @@ async def _authorized(scope: Scope, lab: Lab, send: Send) -> bool:
 def running(store: Store | None, lab: Lab | None = None, **options: Any) -> Iterator[Lab]:
     """Serve the test tools (behind the middleware when ``store`` is given) on 127.0.0.1."""
     lab = lab or Lab()
+    if "principal" not in options:  # the lab's bearer check is not the SDK's OAuth
+        options.setdefault("shared_key_space", True)
     middleware = None if store is None else IdempotentToolsMiddleware(store, **options)
     app = wrap(build_server(lab, middleware).streamable_http_app(), lab)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -47,7 +47,7 @@ async def sessions(mode: str) -> AsyncIterator[tuple[ClientSession, ClientSessio
             plain = await stack.enter_async_context(connect(bare.url + "/mcp"))
             wrapped = await stack.enter_async_context(connect(guarded.url + "/mcp"))
         else:
-            middleware = IdempotentToolsMiddleware(MemoryStore())
+            middleware = IdempotentToolsMiddleware(MemoryStore(), shared_key_space=True)
             bare_client = Client(build_server(Lab(), None))
             guarded_client = Client(build_server(Lab(), middleware))
             plain = (await stack.enter_async_context(bare_client)).session
@@ -95,7 +95,7 @@ def client_side(calls: int) -> float:
 
 async def server_side(calls: int) -> tuple[float, float, float]:
     """Median seconds of (a bare handler, the middleware on a new key, the middleware replaying)."""
-    middleware = IdempotentToolsMiddleware(MemoryStore())
+    middleware = IdempotentToolsMiddleware(MemoryStore(), shared_key_space=True)
     plan = PlanSession(id=str(uuid.uuid4()))
     answer = {"content": [{"type": "text", "text": "ok"}], "isError": False}
 

@@ -230,7 +230,7 @@ async def test_the_server_span_gets_the_middlewares_decision(
     """Behind IdempotencyMiddleware: the server spans say claimed, then replay, with the key."""
     hook = OTelHook(tracer_provider=provider)
     tools = ToolApp()
-    app = IdempotencyMiddleware(tools, store=MemoryStore(), hooks=[hook])
+    app = IdempotencyMiddleware(tools, store=MemoryStore(), hooks=[hook], shared_key_space=True)
     step = PlanSession.new().step(0, "charge", {"amount": 5})
     served = serve(OpenTelemetryMiddleware(app, tracer_provider=provider))
     with served as url, _invoker("sync", url, hook) as invoker:

@@ -62,7 +62,7 @@ def _app(store: PostgresStore, kill_at: str) -> Any:
         return response
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(app, store=store, lock_ttl=LEASE)
+    return IdempotencyMiddleware(app, store=store, lock_ttl=LEASE, shared_key_space=True)
 
 
 async def _attempt(dsn: str, key: str, body: bytes, kill_at: str) -> str:

@@ -83,7 +83,7 @@ def _charge_app(store: PostgresStore, **middleware: Any) -> Any:
             return await tx.complete(JSONResponse({"charge_id": row[0]}, status_code=201))
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(app, store=store, **middleware)
+    return IdempotencyMiddleware(app, store=store, shared_key_space=True, **middleware)
 
 
 async def _charges(dsn: str) -> int:
@@ -480,7 +480,7 @@ async def test_a_recovery_point_is_resumed_only_by_the_same_operation(
         return JSONResponse({"resumed": dict(point.data)})
 
     routes = [Route(p, handler, methods=["POST"]) for p in ("/a", "/b")]
-    app = IdempotencyMiddleware(Starlette(routes=routes), store=store)
+    app = IdempotencyMiddleware(Starlette(routes=routes), store=store, shared_key_space=True)
     headers = {"idempotency-key": "order-7f3a"}
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     try:

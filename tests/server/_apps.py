@@ -158,7 +158,7 @@ def charge_app(variant: str, redis_url: str = "") -> Any:
     from agentkey.server import MemoryStore, RedisStore
 
     store = RedisStore(redis_url) if variant == "redis" else MemoryStore()
-    return IdempotencyMiddleware(app, store=store)
+    return IdempotencyMiddleware(app, store=store, shared_key_space=True)
 
 
 def bench_app() -> Any:

@@ -42,6 +42,7 @@ def app() -> Starlette:
                 ),
                 routes=["/tools/*"],
                 lock_ttl=float(os.environ["AGENTKEY_TEST_LEASE"]),
+                shared_key_space=True,
             )
         ],
     )

@@ -112,7 +112,15 @@ def test_a_blob_store_that_would_expire_before_its_records_is_refused(tmp_path: 
     inner = tool_app(MemoryStore())
     short = FileBlobStore(tmp_path, ttl=HOUR)
     with pytest.raises(ConfigurationError, match="result_ttl"):
-        IdempotencyMiddleware(inner, store=MemoryStore(), blob_store=short, result_ttl=48 * HOUR)
-    default = IdempotencyMiddleware(inner, store=MemoryStore(), result_ttl=48 * HOUR).blob_store
+        IdempotencyMiddleware(
+            inner,
+            store=MemoryStore(),
+            blob_store=short,
+            result_ttl=48 * HOUR,
+            shared_key_space=True,
+        )
+    default = IdempotencyMiddleware(
+        inner, store=MemoryStore(), result_ttl=48 * HOUR, shared_key_space=True
+    ).blob_store
     assert isinstance(default, FileBlobStore)
     assert default.ttl == 48 * HOUR

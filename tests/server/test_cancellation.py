@@ -19,8 +19,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import ConfigurationError, StepKey
-from agentkey.server import IdempotencyMiddleware, MemoryStore, Store, current_claim
-from agentkey.server import _middleware as middleware_module
+from agentkey.server import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    Store,
+    current_claim,
+    starlette_user_identity,
+)
+from agentkey.server import _lifecycle as lifecycle_module
 from agentkey.server._decide import record_key as _record_key
 from agentkey.server._records import Outcome, decode_record
 from tests._loopback import serve
@@ -188,9 +194,9 @@ def _exchange(
     return app(scope, receive, send), sent
 
 
-@pytest.mark.parametrize("bad", [b"Bearer s3cret-token", "", None])
+@pytest.mark.parametrize("bad", [b"Bearer s3cret-token", 42])
 async def test_bad_principal_fails_closed_without_echoing_it(bad: object) -> None:
-    """A principal function returning a non-str fails before the handler, never quoting it."""
+    """A principal function returning neither a str nor None fails before the handler, unquoted."""
     runs: list[int] = []
 
     async def tool(scope: Any, receive: Any, send: Any) -> None:
@@ -243,7 +249,7 @@ def test_default_principal_never_scopes_by_display_name() -> None:
         routes=[Route("/charge", charge, methods=["POST"])],
         middleware=[
             Middleware(AuthenticationMiddleware, backend=_TokenAuth()),
-            Middleware(IdempotencyMiddleware, store=store),
+            Middleware(IdempotencyMiddleware, store=store, principal=starlette_user_identity),
         ],
     )
     headers, body = request_for({"amount": 1})
@@ -269,7 +275,7 @@ def test_headers_given_as_a_one_shot_iterable_reach_the_client_and_the_replay() 
         await send({"type": "http.response.start", "status": 201, "headers": headers})
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
-    app = IdempotencyMiddleware(tool, store=MemoryStore())
+    app = IdempotencyMiddleware(tool, store=MemoryStore(), shared_key_space=True)
     headers, body = request_for({"amount": 1})
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         first = client.post("/charge", headers=headers, content=body)
@@ -313,7 +319,7 @@ async def test_the_shielded_settle_of_a_cancelled_request_is_bounded(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A store that never answers cannot hold a cancelled request beyond the settle budget."""
-    monkeypatch.setattr(middleware_module, "_SETTLE_SECONDS", 0.2)
+    monkeypatch.setattr(lifecycle_module, "SETTLE_SECONDS", 0.2)
     store = _SlowFinish(hangs=2)
     request, _, _ = _charge(store)
     task = asyncio.ensure_future(request)

@@ -151,7 +151,9 @@ def test_check_passes_on_redis_in_sf_string_style(redis_proc: RedisServer) -> No
     """The checker's primary style can be sf-string; the example on Redis passes every point."""
     store = RedisStore(redis_proc.url, prefix="check")
     with serve_closing(example_app(store), store) as url:
-        report = check_server(url, path="/tools/provision", args={"region": "x"}, style="sf-string")
+        report = check_server(
+            url, path="/tools/provision", args={"region": "x"}, style="sf-string", token="tk-1"
+        )
     assert report.ok, report.table()
     assert set(_verdicts(report).values()) == {"PASS"}
 
@@ -272,7 +274,9 @@ def test_check_on_a_fast_tool_skips_the_concurrency_point() -> None:
     """When duplicates only ever see replays, the 409 point is SKIP (unproven), not PASS."""
     app = example_app()
     with serve(app) as url:
-        report = check_server(url, path="/tools/charge", args={"amount": 5}, concurrency=2)
+        report = check_server(
+            url, path="/tools/charge", args={"amount": 5}, concurrency=2, token="tk-1"
+        )
     verdicts = _verdicts(report)
     assert verdicts["concurrent duplicates run once"] == "PASS"
     assert verdicts["in-flight duplicate gets 409 + Retry-After"] in {"PASS", "SKIP"}
@@ -475,7 +479,11 @@ def test_example_report_refuses_bad_row_counts(rows: object) -> None:
     with serve(app) as url:
         response = httpx.post(
             url + "/tools/report",
-            headers={"idempotency-key": key, "content-type": "application/json"},
+            headers={
+                "idempotency-key": key,
+                "content-type": "application/json",
+                "authorization": "Bearer tk-1",
+            },
             content=canonical_json(args),
             timeout=30,
         )

@@ -71,10 +71,24 @@ def test_conflict_and_unavailable_reach_the_hooks() -> None:
             return (await client.post("/x", headers=headers, content=body)).status_code
 
     async def run() -> None:
-        assert await post(IdempotencyMiddleware(app, store=Down(), hooks=[events.append])) == 503
+        assert (
+            await post(
+                IdempotencyMiddleware(
+                    app, store=Down(), hooks=[events.append], shared_key_space=True
+                )
+            )
+            == 503
+        )
         held = encode_in_progress("c" * 32, 0)  # another request holds the key
-        await store.claim(checked.record_key("anonymous"), held, ttl_ms=10_000)
-        assert await post(IdempotencyMiddleware(app, store=store, hooks=[events.append])) == 409
+        await store.claim(checked.record_key("shared"), held, ttl_ms=10_000)
+        assert (
+            await post(
+                IdempotencyMiddleware(
+                    app, store=store, hooks=[events.append], shared_key_space=True
+                )
+            )
+            == 409
+        )
 
     anyio.run(run)
     assert [(e.decision, e.status_code) for e in events] == [
@@ -87,4 +101,9 @@ def test_conflict_and_unavailable_reach_the_hooks() -> None:
 def test_hooks_must_be_a_sequence_of_callables(hooks: Any) -> None:
     """A bare callable or a non-callable hook is a ConfigurationError, not a silent no-op."""
     with pytest.raises(ConfigurationError, match="hooks"):
-        IdempotencyMiddleware(lambda *a: None, store=MemoryStore(), hooks=hooks)  # type: ignore[arg-type]
+        IdempotencyMiddleware(
+            lambda *a: None,  # type: ignore[arg-type]
+            store=MemoryStore(),
+            hooks=hooks,
+            shared_key_space=True,
+        )

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agentkey._keys import shown_key
 from agentkey.server import (
     Claim,
     IdempotencyMiddleware,
@@ -132,6 +133,7 @@ def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
         store=MemoryStore(),
         lock_ttl=0.1,
         auto_renew=False,
+        shared_key_space=True,
     )
     headers, body = request_for({"region": "eu"})
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
@@ -337,7 +339,7 @@ async def test_a_claim_read_back_after_a_resend_renews_its_lease_before_the_hand
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route("/x", tool, methods=["POST"])])
-    wrapped = IdempotencyMiddleware(app, store=store, lock_ttl=60)
+    wrapped = IdempotencyMiddleware(app, store=store, lock_ttl=60, shared_key_space=True)
     headers, body = request_for({"a": 1})
     transport = httpx.ASGITransport(app=wrapped)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
@@ -360,7 +362,8 @@ async def test_a_blocked_event_loop_that_outlives_the_lease_is_logged(
         await asyncio.sleep(0.05)
         await claim.stop_renewing()
     [record] = [r for r in caplog.records if "lapsed" in r.getMessage()]
-    assert claim.idempotency_key in record.getMessage()
+    assert shown_key(claim.idempotency_key) in record.getMessage()
+    assert claim.idempotency_key not in record.getMessage()  # a key is a bearer secret
     assert "blocking calls" in record.getMessage()
 
 

@@ -29,7 +29,13 @@ def _tools(runs: Counter[str], **options: Any) -> Starlette:
     return Starlette(
         routes=[Route("/tools/charge", charge, methods=["POST"])],
         middleware=[
-            Middleware(IdempotencyMiddleware, store=MemoryStore(), routes=["/tools/*"], **options)
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                routes=["/tools/*"],
+                shared_key_space=True,
+                **options,
+            )
         ],
     )
 
@@ -73,7 +79,10 @@ def test_a_pattern_that_never_matches_is_reported_once(caplog: pytest.LogCapture
     inner = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
     # The middleware wraps the outer app, so it sees /api/...: a misconfiguration.
     outer = IdempotencyMiddleware(
-        Starlette(routes=[Mount("/api", app=inner)]), store=MemoryStore(), routes=["/tools/*"]
+        Starlette(routes=[Mount("/api", app=inner)]),
+        store=MemoryStore(),
+        routes=["/tools/*"],
+        shared_key_space=True,
     )
     headers, body = request_for({"amount": 5})
     with (
@@ -116,7 +125,7 @@ def test_two_mounted_apps_sharing_a_store_never_answer_with_each_others_records(
 
         return Starlette(
             routes=[Route("/create", create, methods=["POST"])],
-            middleware=[Middleware(IdempotencyMiddleware, store=store)],
+            middleware=[Middleware(IdempotencyMiddleware, store=store, shared_key_space=True)],
         )
 
     app = Starlette(

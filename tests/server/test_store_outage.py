@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import StoreUnavailable
+from agentkey._keys import shown_key
 from agentkey.server import (
     Claim,
     IdempotencyMiddleware,
@@ -47,7 +48,7 @@ def _gated_app(store: RedisStore | MemoryStore, *, lock_ttl: float) -> Starlette
         return JSONResponse({"charged": await request.json(), "run": runs[0]}, status_code=201)
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, lock_ttl=lock_ttl)
+    app.add_middleware(IdempotencyMiddleware, store=store, lock_ttl=lock_ttl, shared_key_space=True)
     app.state.gate, app.state.entered, app.state.runs = gate, entered, runs
     return app
 
@@ -151,8 +152,9 @@ async def test_a_failed_renewal_is_retried_before_the_next_interval(
         await claim.stop_renewing()
     # Once per interval (1 s) the fourth attempt would come at 4 s, after the 3 s lease.
     assert renewed_after < 2.9
-    assert "renewing the lease on ik_outage failed" in caplog.text
-    assert "renewed the lease on ik_outage after 3 failed attempts" in caplog.text
+    shown = shown_key("ik_outage")
+    assert f"renewing the lease on {shown} failed" in caplog.text
+    assert f"renewed the lease on {shown} after 3 failed attempts" in caplog.text
     assert "lapsed" not in caplog.text
 
 

@@ -53,6 +53,7 @@ def test_public_surface() -> None:
         "example_app",
         "get_claim",
         "is_storable",
+        "starlette_user_identity",
     ]
     assert server.__all__ == sorted(server.__all__, key=lambda n: (not n.isupper(), n))
     assert all(getattr(server, name) is not None for name in server.__all__)
@@ -120,7 +121,9 @@ async def ok(request):
     return JSONResponse(await request.json(), status_code=201)
 
 app = s.IdempotencyMiddleware(
-    Starlette(routes=[Route("/ok", ok, methods=["POST"])]), store=s.MemoryStore()
+    Starlette(routes=[Route("/ok", ok, methods=["POST"])]),
+    store=s.MemoryStore(),
+    shared_key_space=True,
 )
 key = StepKey.build("plan", 0, {"a": 1}).format()
 
@@ -225,18 +228,23 @@ def _plain(app: Any) -> Any:
         {"methods": ["POST", ""]},
         {"principal": "tenant"},
         {"blob_store": "/var/blobs"},
+        {"max_recorded_bytes": -1},
+        {"max_recorded_bytes": 1.5},
+        {"shared_key_space": "yes"},
     ],
 )
 def test_bad_middleware_options_are_refused(options: dict[str, Any]) -> None:
     """Each invalid option is a ConfigurationError at construction."""
     with pytest.raises(ConfigurationError):
-        IdempotencyMiddleware(_plain(None), store=MemoryStore(), **options)
+        IdempotencyMiddleware(
+            _plain(None), store=MemoryStore(), **{"shared_key_space": True, **options}
+        )
 
 
 def test_store_must_implement_the_protocol() -> None:
     """Passing something that is not a Store fails at construction, naming the type."""
     with pytest.raises(ConfigurationError, match="dict"):
-        IdempotencyMiddleware(_plain(None), store={})  # type: ignore[arg-type]
+        IdempotencyMiddleware(_plain(None), store={}, shared_key_space=True)  # type: ignore[arg-type]
 
 
 def test_claim_accessors_outside_a_claimed_request_explain() -> None:
@@ -273,7 +281,7 @@ async def test_routes_select_what_is_protected(
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route(path, plain, methods=["POST"])])
-    wrapped = IdempotencyMiddleware(app, store=MemoryStore(), routes=routes)
+    wrapped = IdempotencyMiddleware(app, store=MemoryStore(), routes=routes, shared_key_space=True)
     transport = httpx.ASGITransport(app=wrapped)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         response = await client.post(path, content=b"{}")  # no key
@@ -281,7 +289,7 @@ async def test_routes_select_what_is_protected(
 
 
 async def test_async_principal_and_validation() -> None:
-    """An async principal function works; one returning '' is a ConfigurationError."""
+    """An async principal function works; one returning a non-str is a ConfigurationError."""
 
     async def tenant(scope: Any) -> str:
         return "acme"
@@ -295,7 +303,7 @@ async def test_async_principal_and_validation() -> None:
         assert (await client.post("/x", headers=headers, content=body)).json() == {
             "principal": "acme"
         }
-    bad = IdempotencyMiddleware(app, store=MemoryStore(), principal=lambda scope: "")
+    bad = IdempotencyMiddleware(app, store=MemoryStore(), principal=lambda scope: 7)  # type: ignore[arg-type,return-value]
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=bad), base_url="http://t"
     ) as client:
@@ -337,7 +345,9 @@ async def test_hostile_key_bytes_never_run_or_store(raw: bytes) -> None:
         return JSONResponse({})
 
     app = IdempotencyMiddleware(
-        Starlette(routes=[Route("/x", handler, methods=["POST"])]), store=store
+        Starlette(routes=[Route("/x", handler, methods=["POST"])]),
+        store=store,
+        shared_key_space=True,
     )
     status = await _asgi_call(app, [(b"idempotency-key", raw)], b"{}")
     if isinstance(_parse_key([raw]), str):
@@ -369,6 +379,7 @@ async def test_hash_profile_decides_how_a_reformatted_body_is_checked(profile: P
             Starlette(routes=[Route("/x", handler, methods=["POST"])]),
             store=MemoryStore(),
             hash_profile=configured,
+            shared_key_space=True,
         )
         status = await _asgi_call(app, [(b"idempotency-key", str(step_key).encode())], loose)
         results[configured] = status
@@ -383,7 +394,7 @@ def test_fastapi_dependency_reaches_the_claim() -> None:
     from tests._loopback import serve
 
     app = FastAPI()
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), shared_key_space=True)
     seen: list[str] = []
 
     @app.post("/tools/provision")

@@ -17,6 +17,7 @@ from agentkey import (
     PayloadMismatch,
     PlanSession,
     RetryPolicy,
+    StaticToken,
     ToolInvoker,
     ToolResult,
 )
@@ -30,13 +31,13 @@ RETRY = RetryPolicy(initial_backoff=0.05, max_backoff=0.2, deadline=30)
 def _invoke_all(driver: str, url: str, calls: list[dict[str, Any]]) -> list[ToolResult]:
     """Run ``calls`` concurrently with the chosen driver; each is invoke(**call)."""
     if driver == "sync":
-        with ToolInvoker(url, retry=RETRY) as invoker:
+        with ToolInvoker(url, retry=RETRY, auth=StaticToken("agent-7")) as invoker:
             pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(calls))
             with pool:
                 return list(pool.map(lambda call: invoker.invoke(**call), calls))
 
     async def run() -> list[ToolResult]:
-        async with AsyncToolInvoker(url, retry=RETRY) as invoker:
+        async with AsyncToolInvoker(url, retry=RETRY, auth=StaticToken("agent-7")) as invoker:
             return list(await asyncio.gather(*(invoker.invoke(**c) for c in calls)))
 
     return asyncio.run(run())

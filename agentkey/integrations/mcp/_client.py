@@ -461,6 +461,13 @@ class IdempotentSession:
                 "Send the arguments exactly as the plan step holds them (Step.args)",
                 **context,
             )
+        if kind == "unauthenticated":
+            return AuthenticationError(
+                f"the server refused {where} because the session is not authenticated, so "
+                "nothing ran; connect with credentials (connect(url, auth=...)) and call again "
+                "with the same step",
+                **context,
+            )
         return KeyRejected(
             f"the server refused the idempotency key of {where} ({kind}): it expects the "
             f"key in params._meta[{KEY_FIELD!r}] as <plan_session_id>:<step>:<args_hash>",

@@ -8,56 +8,50 @@ canonical JSON of the call's arguments.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
-import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel
 
 from ..._canonical import Profile, canonical_json, check_profile
-from ..._exceptions import ConfigurationError, InvalidArguments, StoreError
-from ..._keys import StepKey
-from ...server._claim import (
-    Claim,
-    record_outcome,
-    record_until_stored,
-    reset_current,
-    set_current,
-)
+from ..._exceptions import ConfigurationError, InvalidArguments
+from ..._keys import shown_key
+from ...server._claim import Claim, reset_current, set_current
 from ...server._decide import (
     Checked,
-    Complete,
     Conflict,
     DecisionEvent,
     KeyFormat,
     Reject,
-    Release,
     Replay,
     Unavailable,
     check_request,
-    on_claimed,
     on_finished,
 )
+from ...server._lifecycle import (
+    SHARED_PRINCIPAL,
+    Lifecycle,
+    check_principal_options,
+    resolve_principal,
+)
 from ...server._records import Outcome
-from ...server._stores import SETTLE_SECONDS, Store
+from ...server._stores import Store
 from ._wire import ERROR_CODES, KEY_FIELD, REPLAYED_FIELD, RefusalKind, refusal_data
 
 __all__ = ["IdempotentToolsMiddleware", "MCPPrincipalFunc"]
 
 #: ``(ctx) -> principal`` (or an awaitable of it): the tenant, user or client id records
-#: are scoped by. The default is the authenticated OAuth identity, else ``anonymous``.
-MCPPrincipalFunc = Callable[[ServerRequestContext[Any, Any]], "str | Awaitable[str]"]
+#: are scoped by; None (or ``""``) for a call that is not authenticated, which is refused.
+#: The default is the OAuth identity the SDK verified.
+MCPPrincipalFunc = Callable[[ServerRequestContext[Any, Any]], "str | Awaitable[str | None] | None"]
 
 _logger = logging.getLogger("agentkey.server")
-_SETTLE_SECONDS = SETTLE_SECONDS
 _METHOD = "tools/call"
 _REJECT_KINDS: Mapping[str, RefusalKind] = {
     "idempotency_key_missing": "key-required",
@@ -82,9 +76,9 @@ def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _default_principal(ctx: ServerRequestContext[Any, Any]) -> str:
-    """The OAuth identity the SDK's auth verified (client, issuer, subject), else ``anonymous``."""
-    return authenticated_principal(ctx) or "anonymous"
+def _oauth_principal(ctx: ServerRequestContext[Any, Any]) -> str | None:
+    """The OAuth identity the SDK's auth verified (client, issuer, subject), else None."""
+    return authenticated_principal(ctx)
 
 
 class IdempotentToolsMiddleware:
@@ -112,6 +106,14 @@ class IdempotentToolsMiddleware:
       ``agentkey.server.current_claim().begin_mutation()`` first: then the
       outcome is stored as FAILED and replayed as an ``isError`` result.
 
+    Records are scoped by the caller: by default the OAuth identity the SDK
+    verified, else ``principal(ctx)``. A call with a key and no caller (a
+    server without OAuth) is refused as ``unauthenticated``, unless the app
+    passes ``shared_key_space=True``: then every session shares one key space
+    (one client, or callers that trust each other). A result larger than
+    ``max_recorded_bytes`` (1 MiB) reaches its caller but is not stored: later
+    calls with the key get an ``isError`` result saying so, never a second run.
+
     A call without the field runs as before, or is refused (``key-required``)
     when ``require_key`` is true. ``tools`` limits protection to those tool
     names (the others pass through). Refusals are JSON-RPC errors whose
@@ -130,6 +132,8 @@ class IdempotentToolsMiddleware:
         key_format: KeyFormat = "any",
         hash_profile: Profile = "python",
         principal: MCPPrincipalFunc | None = None,
+        shared_key_space: bool = False,
+        max_recorded_bytes: int = 1024 * 1024,
         auto_renew: bool = True,
         hooks: Sequence[Callable[[DecisionEvent], None]] = (),
         clock: Callable[[], int] = _wall_ms,
@@ -148,8 +152,13 @@ class IdempotentToolsMiddleware:
             raise ConfigurationError(f"retry_after must be an int >= 0, got {retry_after!r}")
         if key_format not in ("any", "agentkey"):
             raise ConfigurationError(f"key_format must be 'any' or 'agentkey', got {key_format!r}")
-        if principal is not None and not callable(principal):
-            raise ConfigurationError("principal must be a function (ctx) -> str")
+        check_principal_options(principal, shared_key_space, what="ctx")
+        if (
+            isinstance(max_recorded_bytes, bool)
+            or not isinstance(max_recorded_bytes, int)
+            or max_recorded_bytes < 0
+        ):
+            raise ConfigurationError("max_recorded_bytes must be a whole number of bytes >= 0")
         if isinstance(tools, str):
             raise ConfigurationError("tools must be a collection of tool names, not one str")
         self.store = store
@@ -161,9 +170,21 @@ class IdempotentToolsMiddleware:
         self.key_format: KeyFormat = key_format
         self.hash_profile = check_profile(hash_profile)
         self.auto_renew = auto_renew
-        self._principal: MCPPrincipalFunc = principal or _default_principal
+        self.shared_key_space = shared_key_space
+        self.max_recorded_bytes = max_recorded_bytes
+        self._principal: MCPPrincipalFunc | None = (
+            None if shared_key_space else principal or _oauth_principal
+        )
         self._hooks = tuple(hooks)
         self._clock = clock
+        self._life = Lifecycle(
+            store,
+            lock_ttl_ms=self.lock_ttl_ms,
+            result_ttl_ms=self.result_ttl_ms,
+            retry_after=retry_after,
+            auto_renew=auto_renew,
+            clock=clock,
+        )
 
     def __repr__(self) -> str:
         return f"IdempotentToolsMiddleware(store={self.store!r}, require_key={self.require_key})"
@@ -182,33 +203,25 @@ class IdempotentToolsMiddleware:
         if value is None and not self.require_key:
             self._emit("passthrough", name, None)
             return await call_next(ctx)
+        # Whose key space, before anything about the key: a caller nobody authenticated
+        # learns nothing (no replay, no in-progress, no key-reused about another's key).
+        principal = SHARED_PRINCIPAL
+        if self._principal is not None:
+            found = await resolve_principal(self._principal, ctx)
+            if found is None:
+                self._emit("rejected", name, None, 401)
+                raise _refusal(
+                    "unauthenticated",
+                    "this server runs each idempotency key once per authenticated caller, "
+                    "and this call is not authenticated (no OAuth identity), so nothing ran; "
+                    "call again with the same key over an authenticated session",
+                )
+            principal = found
         checked = self._check(value, name, params.get("arguments"))
-        principal = await self._principal_of(ctx)
-        claim = Claim(
-            key=checked.key if isinstance(checked.key, StepKey) else None,
-            idempotency_key=checked.idempotency_key,
-            principal=principal,
-            record_key=checked.record_key(principal),
-            owner=secrets.token_hex(16),
-            store=self.store,
-            lock_ttl_ms=self.lock_ttl_ms,
-            auto_renew=self.auto_renew,
-            binding=checked.binding,
-            clock=self._clock,
-        )
-        existing: bytes | StoreError | None
-        try:
-            existing = await self.store.claim(
-                claim.record_key, claim.in_progress_record(), ttl_ms=self.lock_ttl_ms
-            )
-        except StoreError as exc:
-            existing = exc
-        decision = on_claimed(
-            existing, checked, owner=claim.owner, now_ms=self._clock(), retry_after=self.retry_after
-        )
+        claim = self._life.new_claim(checked, principal)
+        decision = await self._life.claim(claim, checked)
         key = checked.idempotency_key
         if isinstance(decision, Unavailable):
-            _logger.error("idempotency store failed while claiming %s: %s", key, decision.cause)
             self._emit("unavailable", name, key, 503)
             raise _refusal("unavailable", decision.detail, retry_after=decision.retry_after)
         if isinstance(decision, Reject):
@@ -219,8 +232,6 @@ class IdempotentToolsMiddleware:
         if isinstance(decision, Replay):
             self._emit("replay", name, key)
             return _replayed(decision.outcome)
-        if decision.renew:
-            await claim.renew()
         return await self._run(ctx, call_next, claim, name)
 
     # -- before the claim ------------------------------------------------------------
@@ -259,19 +270,6 @@ class IdempotentToolsMiddleware:
             detail = detail.replace(http, mcp)
         return _refusal(kind, detail)
 
-    async def _principal_of(self, ctx: ServerRequestContext[Any, Any]) -> str:
-        value = self._principal(ctx)
-        if inspect.isawaitable(value):
-            value = await value
-        if not isinstance(value, str) or not value:
-            # The type only: a principal function gone wrong may return a credential.
-            raise ConfigurationError(
-                "the principal function must return a non-empty str, got "
-                + ("an empty str" if value == "" else f"a {type(value).__name__}")
-                + "; return the tenant, user or client id of the request"
-            )
-        return value
-
     # -- the run ------------------------------------------------------------------
 
     async def _run(
@@ -292,24 +290,18 @@ class IdempotentToolsMiddleware:
         return result
 
     async def _finish(self, claim: Claim, name: str, result: HandlerResult) -> None:
-        """Record the outcome (or release the key), shielded from a cancellation outside."""
-        with anyio.move_on_after(_SETTLE_SECONDS, shield=True) as scope:
-            await claim.stop_renewing()
-            claim.mark_settled()
-            await self._settle(claim, name, result)
-        if scope.cancelled_caught:
-            _logger.error(
-                "settling %s took over %s s and was abandoned; the key stays locked "
-                "until its lease (lock_ttl) ends",
-                claim.idempotency_key,
-                _SETTLE_SECONDS,
-            )
-
-    async def _settle(self, claim: Claim, name: str, result: HandlerResult) -> None:
+        """Record the outcome (or release the key): the settle every front end shares."""
         doc = _as_dict(result)
         final = doc is not None and doc.get("isError") is not True and _complete(doc)
         body = b"" if doc is None else json.dumps(doc, separators=(",", ":")).encode()
-        outcome = on_finished(
+        if len(body) > self.max_recorded_bytes and (final or claim.mutation_started):
+            _logger.warning(
+                "the result of %s is over max_recorded_bytes (%d) and was not stored; "
+                "later calls with the key get an isError result saying so",
+                shown_key(claim.idempotency_key),
+                self.max_recorded_bytes,
+            )
+        decision = on_finished(
             200 if final else 500,
             (),
             body,
@@ -318,40 +310,9 @@ class IdempotentToolsMiddleware:
             binding=claim.binding,
             now_ms=self._clock(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
+            max_recorded_bytes=self.max_recorded_bytes,
         )
-        key, store, ttl = claim.idempotency_key, self.store, self.result_ttl_ms
-        if isinstance(outcome, Release):
-            try:
-                await store.release(claim.record_key, claim.owner)
-            except StoreError as exc:  # no side effect began: a retry after the lease runs it
-                _logger.error(
-                    "could not release %s (%s); the key stays locked until its lease "
-                    "(lock_ttl) ends",
-                    key,
-                    exc,
-                )
-            self._emit("released", name, key)
-            return
-        try:
-            stored = await record_outcome(store, claim, outcome.outcome, ttl_ms=ttl)
-        except StoreError as exc:
-            # The tool has run: an unrecorded outcome would free the key after its lease
-            # and let a retry run it again. Retry within the settle budget (the caller's).
-            _logger.warning(
-                "could not record the outcome of %s (%s); the tool has run, so the write "
-                "is retried for up to %s s",
-                key,
-                exc,
-                _SETTLE_SECONDS,
-            )
-            stored = await record_until_stored(store, claim, outcome.outcome, ttl_ms=ttl)
-        if not stored:
-            _logger.warning(
-                "the lease on %s lapsed before the tool finished and another call "
-                "owns the key now; this result was not stored",
-                key,
-            )
-        self._emit("claimed" if isinstance(outcome, Complete) else "failed", name, key)
+        self._emit(await self._life.settle(claim, decision), name, claim.idempotency_key)
 
     def _emit(self, decision: str, name: str, key: str | None, status: int | None = None) -> None:
         event = DecisionEvent(
@@ -390,7 +351,11 @@ def _replayed(outcome: Outcome) -> dict[str, Any]:
     if not isinstance(doc, dict) or "content" not in doc:
         detail = doc.get("detail") if isinstance(doc, dict) else None
         text = detail if isinstance(detail, str) else "the tool failed after its side effect began"
-        doc = {"content": [{"type": "text", "text": text}], "isError": True}
+        doc = {
+            "resultType": "complete",
+            "content": [{"type": "text", "text": text}],
+            "isError": True,
+        }
     meta = doc.get("_meta")
     doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), REPLAYED_FIELD: True}
     return doc

@@ -45,8 +45,16 @@ REPLAYED_FIELD: Final = PREFIX + "replayed"
 #: - ``payload-mismatch``: the arguments do not hash to the key's ``args_hash``, or
 #:   differ from the arguments first stored under this opaque key.
 #: - ``key-reused``: the key is bound to another tool.
+#: - ``unauthenticated``: the server scopes keys by caller and this call has none
+#:   (no OAuth identity); nothing ran and nothing was looked up.
 RefusalKind = Literal[
-    "in-progress", "unavailable", "key-required", "invalid-key", "payload-mismatch", "key-reused"
+    "in-progress",
+    "unavailable",
+    "key-required",
+    "invalid-key",
+    "payload-mismatch",
+    "key-reused",
+    "unauthenticated",
 ]
 _KINDS: Final[frozenset[str]] = frozenset(get_args(RefusalKind))
 _TRANSIENT: Final = frozenset({"in-progress", "unavailable"})

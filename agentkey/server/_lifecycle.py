@@ -1,0 +1,511 @@
+"""One claim lifecycle for every front end: whose key space, the claim, the settle.
+
+The HTTP middleware and the MCP middleware read requests and send answers each in
+their own way. Between those two ends they do the same I/O around the pure
+decisions of :mod:`agentkey.server._decide`, and it lives here, once::
+
+    resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
+    Lifecycle.new_claim(checked, principal) -> Claim
+    Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
+        ... the tool runs, its lease renewed ...
+    Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
+
+:meth:`Lifecycle.settle` records the outcome (or releases the key) and keeps the
+rules every front end needs: the first write runs inline; a cancellation makes it
+run again, shielded, within the settle budget; a failed write is retried there
+after the answer is delivered; a blob is written once per claim, and a blob no
+record will name is deleted. A duplicate held by ``hold_in_flight`` waits for a
+notification from the settle of its key in this process, while one of the
+duplicates of the key (never all of them) asks the store, with backoff, in case
+another process holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import anyio
+
+from .._exceptions import ConfigurationError, StoreError
+from .._keys import StepKey, shown_key
+from .._schedule import Backoff
+from ._blobs import BlobStore
+from ._claim import Claim, record_outcome, record_until_stored
+from ._decide import (
+    Checked,
+    Complete,
+    Conflict,
+    Fail,
+    Problem,
+    Reject,
+    Release,
+    Replay,
+    Run,
+    Unavailable,
+    on_claimed,
+    unavailable,
+)
+from ._records import Outcome
+from ._stores import SETTLE_SECONDS, Store
+
+__all__ = [
+    "MAX_HELD",
+    "SHARED_PRINCIPAL",
+    "Lifecycle",
+    "check_principal_options",
+    "resolve_principal",
+]
+
+_logger = logging.getLogger("agentkey.server")
+_T = TypeVar("_T")
+
+#: The principal of every request when the app declares one shared key space.
+SHARED_PRINCIPAL = "shared"
+#: The most duplicates one front end holds at once (``hold_in_flight``); beyond it a
+#: duplicate gets its 409 at once, so held requests cannot pile up without bound.
+MAX_HELD = 1000
+# How often the one duplicate that asks the store for a held key does so: 0.1 s, then
+# doubling to 1 s. A settle in this process wakes the duplicates at once.
+_HOLD_BACKOFF = Backoff(initial=0.1, cap=1.0, jitter=False)
+
+
+def check_principal_options(principal: object, shared_key_space: object, *, what: str) -> None:
+    """Refuse a front end that cannot tell its callers apart, unless it says it need not."""
+    if not isinstance(shared_key_space, bool):
+        raise ConfigurationError(
+            f"shared_key_space must be True or False, got {type(shared_key_space).__name__}"
+        )
+    if principal is not None and not callable(principal):
+        raise ConfigurationError(
+            f"principal must be a function ({what}) -> str | None, got {type(principal).__name__}"
+        )
+    if principal is not None and shared_key_space:
+        raise ConfigurationError(
+            "pass either principal= (records are scoped by caller) or shared_key_space=True "
+            "(every caller shares one key space), not both"
+        )
+
+
+async def resolve_principal(func: Callable[[_T], object], request: _T) -> str | None:
+    """The principal ``func`` gives for ``request`` (sync or async); None when it has none.
+
+    None or an empty string means the request is not authenticated: the front end
+    refuses it before looking anything up. Any other non-str is a bug in the
+    principal function, raised as :class:`~agentkey.ConfigurationError`.
+    """
+    value = func(request)
+    if type(value) is str and value:
+        return value
+    if inspect.isawaitable(value):
+        value = await value
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        # The type only: a principal function gone wrong may return a credential.
+        raise ConfigurationError(
+            f"the principal function must return a str (or None for an unauthenticated "
+            f"request), got a {type(value).__name__}; return the tenant, user or client id "
+            "of the request"
+        )
+    return value
+
+
+class _Held:
+    """The duplicates of one record key that this front end holds (``hold_in_flight``)."""
+
+    __slots__ = ("count", "event", "finished", "poller")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.finished = 0  # bumped each time the key may have finished
+        self.event = anyio.Event()  # set (and replaced) on a finish or a handover
+        self.poller: Claim | None = None  # the one duplicate that asks the store
+
+
+class _Blob:
+    """The blob of one settle: written once, whichever attempt of the settle asks."""
+
+    __slots__ = ("task", "uri")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[str] | None = None
+        self.uri: str | None = None
+
+
+class Lifecycle:
+    """The I/O of one front end's claims: claiming, holding, settling.
+
+    ``blob_store`` is a function returning the blob store (it may be built on
+    first use); None keeps every answer inline.
+    """
+
+    __slots__ = (
+        "_blob_store",
+        "_held",
+        "_holding",
+        "auto_renew",
+        "clock",
+        "lock_ttl_ms",
+        "result_ttl_ms",
+        "retry_after",
+        "store",
+    )
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        lock_ttl_ms: int,
+        result_ttl_ms: int,
+        retry_after: int,
+        auto_renew: bool,
+        clock: Callable[[], int],
+        blob_store: Callable[[], BlobStore] | None = None,
+    ) -> None:
+        self.store = store
+        self.lock_ttl_ms = lock_ttl_ms
+        self.result_ttl_ms = result_ttl_ms
+        self.retry_after = retry_after
+        self.auto_renew = auto_renew
+        self.clock = clock
+        self._blob_store = blob_store
+        # Per thread: an event loop's events are woken from that loop only. A loop in
+        # another thread that shares this front end has its own poller per key.
+        self._held: dict[tuple[int, str], _Held] = {}
+        self._holding = 0
+
+    # --- claiming --------------------------------------------------------------------
+
+    def new_claim(self, checked: Checked, principal: str) -> Claim:
+        key = checked.key
+        return Claim(
+            key=key if isinstance(key, StepKey) else None,
+            idempotency_key=checked.idempotency_key,
+            principal=principal,
+            record_key=checked.record_key(principal),
+            owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
+            store=self.store,
+            lock_ttl_ms=self.lock_ttl_ms,
+            auto_renew=self.auto_renew,
+            binding=checked.binding,
+            clock=self.clock,
+        )
+
+    def claim(
+        self, claim: Claim, checked: Checked, *, hold: float = 0.0
+    ) -> Coroutine[Any, Any, Problem | Run | Replay]:
+        """Claim the key; with ``hold`` (seconds), a duplicate waits for the key to finish.
+
+        Without ``hold`` it is one coroutine, not two: every request pays for the
+        frames it holds across the store's round trip.
+        """
+        if hold:
+            return self._claim_or_hold(claim, checked, hold)
+        return self._claim_once(claim, checked)
+
+    async def _claim_or_hold(
+        self, claim: Claim, checked: Checked, hold: float
+    ) -> Problem | Run | Replay:
+        until = time.monotonic() + hold
+        decision = await self._claim_once(claim, checked)
+        if isinstance(decision, Conflict):
+            return await self._hold(claim, checked, decision, until)
+        return decision
+
+    async def _claim_once(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
+        existing: bytes | StoreError | None
+        now = self.clock()  # the lease's start; a 409's Retry-After counts from it
+        try:
+            existing = await self.store.claim(
+                claim.record_key, claim.in_progress_record(now), ttl_ms=self.lock_ttl_ms
+            )
+        except StoreError as exc:
+            existing = exc
+        decision = on_claimed(
+            existing, checked, owner=claim.owner, now_ms=now, retry_after=self.retry_after
+        )
+        if isinstance(decision, Run) and decision.renew:
+            try:
+                await claim.renew()
+            except StoreError as exc:
+                decision = unavailable(self.retry_after, str(exc))
+        if isinstance(decision, Unavailable):
+            _logger.error(
+                "idempotency store failed while claiming %s: %s",
+                shown_key(claim.idempotency_key),
+                decision.cause,
+            )
+        return decision
+
+    async def _hold(
+        self, claim: Claim, checked: Checked, decision: Conflict, until: float
+    ) -> Problem | Run | Replay:
+        """Wait for the key in flight to finish, then claim it again (replay or run).
+
+        The settle of the key in this process wakes every held duplicate at once.
+        For a key held elsewhere, one duplicate (the poller) asks the store, with
+        backoff, and wakes the others when the key has finished; each of them then
+        asks once. So N held duplicates cost N round trips plus a few, not N per poll.
+        """
+        if self._holding >= MAX_HELD:
+            return decision
+        key = (threading.get_ident(), claim.record_key)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = _Held()
+        held.count += 1
+        self._holding += 1
+        polls = 0
+        try:
+            while True:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return decision
+                if held.poller is None:
+                    held.poller = claim
+                polling = held.poller is claim
+                seen, event = held.finished, held.event
+                if polling:
+                    polls += 1
+                    left = min(left, _HOLD_BACKOFF.delay(polls))
+                with anyio.move_on_after(left):
+                    await event.wait()
+                if held.finished == seen and not polling:
+                    continue  # a handover, or out of time: look again
+                result = await self._claim_once(claim, checked)
+                if isinstance(result, Conflict):
+                    decision = result
+                    continue
+                if polling and held.finished == seen and isinstance(result, (Replay, Reject)):
+                    self._wake(claim.record_key)  # it finished elsewhere: the others ask now
+                return result
+        finally:
+            held.count -= 1
+            self._holding -= 1
+            if held.count == 0:
+                if self._held.get(key) is held:
+                    del self._held[key]
+            elif held.poller is claim:
+                held.poller = None
+                held.event.set()  # another duplicate takes over the polling
+                held.event = anyio.Event()
+
+    def _wake(self, record_key: str) -> None:
+        """The key may have finished: every duplicate this thread holds for it asks again."""
+        held = self._held.get((threading.get_ident(), record_key))
+        if held is not None:
+            held.finished += 1
+            held.event.set()
+            held.event = anyio.Event()
+
+    # --- settling ----------------------------------------------------------------------
+
+    async def settle(
+        self,
+        claim: Claim,
+        decision: Complete | Fail | Release,
+        deliver: Callable[[], Awaitable[None]] | None = None,
+    ) -> str:
+        """Stop renewing, then record the outcome or release the key; say which.
+
+        ``deliver`` sends the answer: after the first write of the outcome (so a
+        client normally never holds an unrecorded result), or at once when that
+        write failed; the write is then retried, shielded, until it lands or the
+        settle budget (``SETTLE_SECONDS`` in all) runs out.
+
+        The first attempt runs inline: it is one store call, bounded by the
+        store's own timeout, and costs no cancel scope. A settle cancelled from
+        outside (a client gone under an anyio cancel scope, a server shutting
+        down) has that attempt interrupted; it is then done again, shielded and
+        within the budget (recording and releasing are idempotent for this
+        claim's owner), before the cancellation propagates. So the claim still
+        records FAILED or frees its key, instead of staying locked until its
+        lease ends and letting a retry repeat a side effect that already began.
+        Returns the decision for the hooks: ``claimed``, ``failed`` or ``released``.
+        """
+        started = time.monotonic()
+        blob = None if isinstance(decision, Release) or not decision.offload else _Blob()
+        try:
+            await _stop_lease(claim)
+            pending = await self._write(claim, decision, blob)
+        except BaseException as exc:
+            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+
+            async def again() -> None:
+                await _stop_lease(claim)
+                left = await self._write(claim, decision, blob)
+                if left is not None:
+                    await self._record_until_stored(claim, left)
+
+            await self._shielded(claim, started, again, blob)
+            raise
+        try:
+            if deliver is not None:
+                await deliver()  # after a failed write too: it is retried meanwhile
+        finally:
+            if pending is not None:
+                await self._shielded(
+                    claim, started, lambda: self._record_until_stored(claim, pending), blob
+                )
+        if isinstance(decision, Release):
+            return "released"
+        return "claimed" if isinstance(decision, Complete) else "failed"
+
+    async def _shielded(
+        self,
+        claim: Claim,
+        started: float,
+        work: Callable[[], Awaitable[None]],
+        blob: _Blob | None,
+    ) -> None:
+        """Run ``work`` shielded from cancellation, until the settle budget that began at
+        ``started`` (``time.monotonic()``) runs out; log when it cut the work short."""
+        left = SETTLE_SECONDS - (time.monotonic() - started)
+        with anyio.CancelScope(deadline=anyio.current_time() + left, shield=True):
+            await work()
+            return
+        if blob is not None and blob.uri is None and blob.task is not None:
+            # Still being written, and no record will name it now.
+            blob.task.add_done_callback(self._drop_late_blob)
+        _logger.error(
+            "settling %s did not finish within %s s (the store is unreachable or slow) "
+            "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
+            "and a retry after that runs the step again",
+            shown_key(claim.idempotency_key),
+            SETTLE_SECONDS,
+        )
+
+    async def _write(
+        self, claim: Claim, decision: Complete | Fail | Release, blob: _Blob | None
+    ) -> Outcome | None:
+        """Record the outcome (compare-and-set on the owner), or release the claim.
+
+        Returns the outcome when the store failed to record it: the handler has
+        run, so the caller retries (:meth:`_record_until_stored`).
+        """
+        if isinstance(decision, Release):
+            try:
+                await self.store.release(claim.record_key, claim.owner)
+            except StoreError as exc:
+                # No side effect began: a retry after the lease runs the step cleanly.
+                _logger.error(
+                    "could not release %s (%s); the key stays locked until its lease "
+                    "(lock_ttl) ends",
+                    shown_key(claim.idempotency_key),
+                    exc,
+                )
+            if self._held:
+                self._wake(claim.record_key)
+            return None
+        outcome = decision.outcome
+        if blob is not None:
+            outcome = await self._offload(claim, outcome, blob)
+        try:
+            # Awaited here rather than in a helper: the fewer coroutines a request holds
+            # across the store's round trip, the less the garbage collector walks.
+            stored = await record_outcome(self.store, claim, outcome, ttl_ms=self.result_ttl_ms)
+        except StoreError as exc:
+            _logger.warning(
+                "could not record the outcome of %s (%s); the handler has run, so the "
+                "write is retried for up to %s s",
+                shown_key(claim.idempotency_key),
+                exc,
+                SETTLE_SECONDS,
+            )
+            return outcome
+        if not stored:
+            await self._lost(claim, outcome)
+        elif self._held:
+            self._wake(claim.record_key)
+        return None
+
+    async def _offload(self, claim: Claim, outcome: Outcome, blob: _Blob) -> Outcome:
+        """The outcome with its body in the blob store, written once for this claim.
+
+        On asyncio the write runs in a task of its own: a cancellation of the
+        settle leaves it running, and the settle's shielded second attempt waits
+        for the same write instead of starting another (which left two copies).
+        """
+        if blob.uri is None:
+            try:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # trio: its cancellations respect the shield
+                    with anyio.CancelScope(shield=True):
+                        blob.uri = await self._blobs().put(outcome.body)
+                else:
+                    if blob.task is None:
+                        blob.task = loop.create_task(self._blobs().put(outcome.body))
+                    blob.uri = await asyncio.shield(blob.task)
+            except StoreError as exc:
+                # The handler has run: an unrecorded outcome would free the key after
+                # its lease and let a retry run the side effect again. Keep it inline.
+                blob.task = None
+                _logger.warning(
+                    "blob store failed (%s); keeping the %d-byte response of %s inline "
+                    "in the record",
+                    exc,
+                    len(outcome.body),
+                    shown_key(claim.idempotency_key),
+                )
+                return outcome
+        return replace(outcome, body=b"", blob_uri=blob.uri)
+
+    def _blobs(self) -> BlobStore:
+        if self._blob_store is None:  # pragma: no cover - on_finished never offloads then
+            raise ConfigurationError("this front end keeps answers inline: it has no blob store")
+        return self._blob_store()
+
+    def _drop_late_blob(self, task: asyncio.Task[str]) -> None:
+        """A blob write that finished after its settle was abandoned: delete the blob."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        uri = task.result()
+        task.get_loop().create_task(self._delete_blob(uri, "abandoned settle"))
+
+    async def _delete_blob(self, uri: str, why: str) -> None:
+        try:
+            await self._blobs().delete(uri)
+        except StoreError as exc:
+            _logger.warning("could not delete the unused blob of an %s: %s", why, exc)
+
+    async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
+        """Retry the write until the store answers; the caller's deadline cuts it."""
+        ttl = self.result_ttl_ms
+        if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
+            await self._lost(claim, outcome)
+        elif self._held:
+            self._wake(claim.record_key)
+
+    async def _lost(self, claim: Claim, outcome: Outcome) -> None:
+        _logger.warning(
+            "the lease on %s lapsed before the handler finished and another request "
+            "owns the key now; this result was not stored (the lease is renewed "
+            "automatically unless auto_renew=False; it lapses when the store or the "
+            "event loop stalls for a whole lock_ttl)",
+            shown_key(claim.idempotency_key),
+        )
+        if outcome.blob_uri is not None:
+            try:
+                await self._blobs().delete(outcome.blob_uri)
+            except StoreError as exc:
+                _logger.warning(
+                    "could not delete the unused blob of %s: %s",
+                    shown_key(claim.idempotency_key),
+                    exc,
+                )
+
+
+async def _stop_lease(claim: Claim) -> None:
+    """Before settling: stop the renewals, and keep any from writing the record again."""
+    await claim.stop_renewing()
+    claim.mark_settled()
