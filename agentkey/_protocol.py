@@ -37,6 +37,7 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
+from ._keys import shown_key
 from ._net import Origin, has_control_character, origin_of
 from ._retry_after import TOO_LONG, parse_retry_after
 
@@ -151,8 +152,9 @@ class CallContext:
     polls: int = 0
 
     def where(self) -> str:
+        """The key as messages show it: plan id and step label, never the whole key."""
         step = f" (step {self.step})" if self.step else ""
-        return f"key {self.idempotency_key!r}{step}"
+        return f"key {shown_key(self.idempotency_key)}{step}"
 
     def error(
         self,

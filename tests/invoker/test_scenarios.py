@@ -31,6 +31,7 @@ from agentkey import (
 )
 from agentkey._hooks import PollEvent, ReplayEvent
 from agentkey._invoker import Outcome, ToolResult
+from agentkey._keys import shown_key
 
 from ._support import (
     BASE,
@@ -484,7 +485,8 @@ def test_scenario(row: Row, driver: Driver) -> None:
         assert outcome.idempotency_key == step.idempotency_key
         assert outcome.step == "step_003"
         assert outcome.attempts == row.posts
-        assert step.idempotency_key in str(outcome)
+        assert shown_key(step.idempotency_key) in str(outcome)  # plan and step readable
+        assert step.idempotency_key not in str(outcome)  # a bearer secret: never whole
     assert not script.answers, "every scripted answer was used"
     assert len(script.posts()) == row.posts
     assert len(script.gets()) == row.gets
