@@ -8,6 +8,7 @@ import socket
 import time
 import tracemalloc
 import zlib
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -225,3 +226,61 @@ def test_deadline_bounds_a_drip_on_a_reused_connection() -> None:
         elapsed = time.monotonic() - start
     assert answered == [1], "the retry reused the kept-alive connection"
     assert elapsed < 1.0 + 1.5, f"took {elapsed:.2f} s"
+
+
+def _poll_now(gets: list[bytes]) -> Handler:
+    """202 for the step, then "running" with ``Retry-After: 0`` on every poll (counted)."""
+
+    def handler(conn: socket.socket, head: bytes) -> None:
+        if head.startswith(b"POST"):
+            conn.sendall(
+                b"HTTP/1.1 202 Accepted\r\nLocation: /ops/1\r\nRetry-After: 0\r\n"
+                b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            return
+        gets.append(head)
+        body = b'{"status": "running"}'
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nRetry-After: 0\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+    return handler
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_retry_after_zero_on_a_status_url_cannot_spin(driver: str) -> None:
+    """Polls answering Retry-After: 0 wait PollPolicy.min_interval: a handful in 2 s, not 1000s."""
+    gets: list[bytes] = []
+    with raw_server(_poll_now(gets)) as base, pytest.raises(PollTimeout):
+        _invoke(driver, base, retry=FAST.replace(deadline=2.0))
+    assert len(gets) <= 5, f"{len(gets)} polls in 2 s"  # 0.5 s apart at the least
+
+
+async def _running_app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    """An in-process tool: 202 for the step, then "running" with Retry-After: 0, at once."""
+    accepted = scope["method"] == "POST"
+    headers = [(b"retry-after", b"0"), (b"content-type", b"application/json")]
+    if accepted:
+        headers.append((b"location", b"/ops/1"))
+    await send(
+        {"type": "http.response.start", "status": 202 if accepted else 200, "headers": headers}
+    )
+    await send({"type": "http.response.body", "body": b'{"status": "running"}'})
+
+
+async def test_an_in_process_poll_loop_yields_to_a_callers_timeout() -> None:
+    """Through ASGITransport, Retry-After: 0 polls still sleep, so wait_for cancels the call."""
+    import httpx
+
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=_running_app))
+    start = time.monotonic()
+    retry = RetryPolicy(deadline=5.0)  # without the floor: a PollTimeout after 5 s of spinning
+    async with (
+        client,
+        AsyncToolInvoker("http://tool.test", client=client, hooks=(), retry=retry) as invoker,
+    ):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(invoker.invoke(_step(), path="/t"), 0.3)
+    assert time.monotonic() - start < 3.0
