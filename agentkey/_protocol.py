@@ -481,7 +481,8 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             error=ctx.error(
                 AuthenticationError,
                 f"the tool refused the credentials (401){said} for {ctx.where()}, even after "
-                "the auth layer's refresh; check the token's scopes and audience"
+                "the auth layer's refresh (a token provider renews a rejected token at most "
+                "once per TokenPolicy.rejection_interval); check the token's scopes and audience"
                 if cfg.has_auth
                 else f"the tool answered 401{said} for {ctx.where()}: it wants credentials and "
                 "the invoker has no auth=; pass a token provider such as "
