@@ -40,6 +40,7 @@ import httpx
 
 from ._exceptions import ConfigurationError
 from ._flow import Outgoing
+from ._net import secret_forms
 from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
 
 __all__ = [
@@ -387,6 +388,7 @@ class _Body:
             url,
             oversize=oversize,
             unreadable=unreadable or None,
+            sent_secrets=_sent_secrets(self._response),
         )
 
     def _take(self, pieces: list[bytes] | None) -> bool:
@@ -418,6 +420,50 @@ class _Body:
         if self.result is None:
             self.result = self._answer(b"".join(self._chunks))
         return self.result
+
+
+#: Request headers whose values are never credentials.
+_PLAIN_HEADERS = frozenset(
+    {
+        b"accept",
+        b"accept-encoding",
+        b"connection",
+        b"content-length",
+        b"content-type",
+        b"host",
+        b"idempotency-key",  # the key: messages show it as shown_key, the reason as <key>
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
+_CREDENTIAL_HEADERS = frozenset({b"authorization", b"proxy-authorization", b"cookie"})
+_SHORTEST_HEADER_SECRET = 8  # a shorter value of another header (X-Tenant: t1) is kept
+
+
+def _sent_secrets(response: httpx.Response) -> tuple[str, ...]:
+    """The credentials the requests behind ``response`` carried, longest first.
+
+    The requests: the one answered, and any an auth flow sent before it (a 401's).
+    ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` count whole and in parts
+    (the token after the scheme, each cookie's value); any other header a user or a
+    client default set counts from 8 characters (API keys travel there).
+    """
+    found: set[str] = set()
+    for sent in (*response.history, response):
+        for raw_name, raw_value in sent.request.headers.raw:
+            name = raw_name.lower()
+            if name in _PLAIN_HEADERS:
+                continue
+            value = raw_value.decode("latin-1").strip()
+            if name in _CREDENTIAL_HEADERS:
+                found.add(value)
+                if name == b"cookie":
+                    found.update(c.partition("=")[2].strip() for c in value.split(";"))
+                else:
+                    found.add(value.partition(" ")[2].strip())
+            elif len(value) >= _SHORTEST_HEADER_SECRET:
+                found.add(value)
+    return secret_forms(found)
 
 
 def translate(exc: httpx.RequestError, lib: Any = httpx) -> Failure:

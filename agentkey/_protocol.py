@@ -38,7 +38,7 @@ from ._exceptions import (
     UnsafeRedirect,
 )
 from ._keys import shown_key
-from ._net import Origin, has_control_character, origin_of
+from ._net import Origin, has_control_character, origin_of, scrub_json
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
@@ -115,6 +115,9 @@ class Answer:
     url: str
     oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
     unreadable: str | None = None  # why the body was refused unread (stacked codings, ...)
+    #: The credentials the request carried (tokens, cookies, API keys in headers), longest
+    #: first: cut out of whatever the server says before any of it reaches an error.
+    sent_secrets: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -219,6 +222,11 @@ def parse_json(content: bytes) -> object:
         return json.loads(content)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def _parsed(answer: Answer) -> object:
+    """The answer's JSON body, with every credential the request carried cut out of it."""
+    return scrub_json(parse_json(answer.content), answer.sent_secrets)
 
 
 def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
@@ -390,7 +398,7 @@ def _redirect_target(answer: Answer, ctx: CallContext, cfg: ProtocolConfig) -> s
                 f"{ctx.where()}; fix the tool or the route. {_ran_note(status)}".rstrip(". ")
                 + ".",
                 status_code=status,
-                body=parse_json(answer.content),
+                body=_parsed(answer),
             ),
         )
     target = _join(answer.url, location)
@@ -470,7 +478,7 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
                 )
         return _done(status, replayed)
 
-    body = parse_json(reply.content)
+    body = _parsed(reply)
     reason = short_reason(body, ctx.idempotency_key)
     said = f" ({reason})" if reason else ""
     if status == 401:
@@ -803,7 +811,7 @@ def interpret_poll(
     if reply.oversize or reply.unreadable:
         return _unread(reply, ctx, "a poll")
     status = reply.status_code
-    body = parse_json(reply.content)
+    body = _parsed(reply)
     if status == 202:
         return Decision(Action.WAIT, "accepted", retry_after=_retry_after(reply))
     if status == 303 or status in _REDIRECTS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import socket
 import time
 import tracemalloc
@@ -15,13 +16,17 @@ import pytest
 
 from agentkey import (
     AsyncToolInvoker,
+    AuthenticationError,
+    InvokeError,
     OutcomeUnknown,
     PlanSession,
     PollTimeout,
     RetryPolicy,
+    StaticToken,
     StepInProgress,
     ToolError,
     ToolInvoker,
+    ToolRejected,
 )
 from tests._loopback import Handler, raw_server
 
@@ -284,3 +289,56 @@ async def test_an_in_process_poll_loop_yields_to_a_callers_timeout() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(invoker.invoke(_step(), path="/t"), 0.3)
     assert time.monotonic() - start < 3.0
+
+
+TOKEN = "tok-echoed-by-the-tool-0123"
+API_KEY = "key-echoed-by-the-tool-4567"
+
+
+def _echoing_tool(status: int) -> Handler:
+    """Answers ``status`` with a body that quotes the request's Authorization and X-Api-Key."""
+
+    def handler(conn: socket.socket, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")[1:]
+        headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+        said = f"{headers.get('authorization')} with key {headers.get('x-api-key')} refused"
+        body = json.dumps(
+            {"error": "invalid_token", "detail": said, "echo": {said: [said, {"x": said}]}}
+        ).encode()
+        conn.sendall(
+            f"HTTP/1.1 {status} No\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+    return handler
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize(
+    ("status", "error"), [(401, AuthenticationError), (403, ToolRejected)], ids=["401", "403"]
+)
+def test_credentials_a_tool_echoes_never_reach_the_error(
+    driver: str, status: int, error: type[InvokeError]
+) -> None:
+    """A tool quoting the bearer token and an API key back: message, reason and body are clean."""
+    with raw_server(_echoing_tool(status)) as base, pytest.raises(error) as caught:
+        _invoke_with(driver, base, auth=StaticToken(TOKEN), headers={"X-Api-Key": API_KEY})
+    exc = caught.value
+    seen = " ".join([str(exc), repr(exc), str(exc.reason), json.dumps(exc.body)])
+    assert TOKEN not in seen
+    assert API_KEY not in seen
+    assert "<redacted> with key <redacted> refused" in str(exc)
+
+
+def _invoke_with(driver: str, base: str, *, headers: dict[str, str], **options: Any) -> Any:
+    options.update(retry=FAST, hooks=())
+    if driver == "sync":
+        with ToolInvoker(base, **options) as invoker:
+            return invoker.invoke(_step(), path="/t", headers=headers)
+
+    async def main() -> Any:
+        async with AsyncToolInvoker(base, **options) as invoker:
+            return await invoker.invoke(_step(), path="/t", headers=headers)
+
+    return asyncio.run(main())
