@@ -366,8 +366,9 @@ class TokenProvider(_http.Auth):
     def _open(self, factory: Callable[..., _C]) -> _C:
         # Unpooled: refreshes come minutes apart, long after an idle connection would have
         # closed, and an async client with no pooled connection serves any event loop.
+        # Cookieless: token requests go out bare, and this client sends them itself.
         timeout = _http.make_timeout(self._policy.timeout)
-        return factory(timeout, verify=self._require_endpoint().verify, pooled=False)
+        return factory(timeout, verify=self._require_endpoint().verify, pooled=False, cookies=False)
 
     @staticmethod
     def _bounded(attempt: Attempt) -> _http.Outgoing:
