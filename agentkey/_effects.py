@@ -121,6 +121,9 @@ class Answer:
     url: str
     oversize: bool = False  # the body was over the invoker's max_response_bytes (not kept)
     unreadable: str | None = None  # why the body was refused unread (stacked codings, ...)
+    #: The credentials the request carried (tokens, cookies, API keys in headers), longest
+    #: first: cut out of whatever the server says before any of it reaches an error.
+    sent_secrets: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())

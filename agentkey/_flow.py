@@ -596,7 +596,7 @@ class _Run:
         )
         url, ambiguous, in_flight, waited = call.url, False, False, 0
         unreachable = 0  # sends in a row that never reached the tool
-        held: Decision | None = None  # the last answer, when it said the key is in flight
+        held: Decision | None = None  # the last answer that said the key is in flight
         while True:
             out = yield from self.outgoing(
                 call.method, url, headers, call.body, True, self.attempts + 1
@@ -616,7 +616,8 @@ class _Run:
                 break
             ambiguous = ambiguous or decision.ambiguous
             in_flight = in_flight or decision.in_flight
-            held = decision if decision.in_flight else None
+            if decision.in_flight:
+                held = decision
             if not decision.retry:
                 break
             if decision.ambiguous and not self.honoured():

@@ -6,7 +6,8 @@ to (see :func:`_lib`), and hand an ``httpx.Auth`` such as a token provider to
 an httpx2 client through a bridge. httpx2 is never imported here: a user's
 httpx2 client has already loaded it.
 
-Two hostile-server defences live here, because only here are bytes read:
+Only public interfaces of httpx and httpcore are used. Three hostile-server
+defences live here, because only here are bytes read:
 
 - **Bounded decoding.** Bodies are read raw and decoded by agentkey, never by httpx,
   so a compressed answer can never inflate past ``max_response_bytes`` in memory.
@@ -14,32 +15,43 @@ Two hostile-server defences live here, because only here are bytes read:
   codings are refused unread.
 - **The caller's deadline.** Each request carries the call's deadline: every timeout
   is cut to the time left, the body read stops when it passes (a server dripping one
-  byte at a time never resets it), and the sync driver shuts the connection's
-  socket when it passes (the async driver cancels the whole exchange).
+  byte at a time never resets it), and a sync request's socket operations end by it
+  (``_deadline``); the async driver cancels the whole exchange.
+- **Redirects httpx never parses.** httpx builds the request of any redirect it
+  receives inside ``send``, even one it does not follow, and a ``Location`` it cannot
+  parse (``data:,x``, a bad host) escapes as a raw error. The clients agentkey builds
+  move a redirect's ``Location`` out of httpx's way with a response event hook; the
+  core reads it from there. With a user's client, an error httpx raises on it is
+  turned into the same typed failure.
+
+Requests to another origin (polls of an allowed status origin, token requests) go
+through a client agentkey builds without a cookie jar, so that origin's cookies
+never reach the tool.
 """
 
 from __future__ import annotations
 
 import abc
+import http.cookiejar
 import math
-import os
-import socket
 import ssl
 import sys
-import threading
 import time
-import types
+import urllib.request
+import weakref
 import zlib
-from collections.abc import Mapping
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 
+from ._deadline import REDIRECTS, DeadlineTransport, Watchdog, deadline_scope
 from ._effects import Outgoing
 from ._exceptions import ConfigurationError
+from ._net import secret_forms
 from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
 
 __all__ = [
@@ -114,36 +126,150 @@ def _default_ssl() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+#: Where a response hook of agentkey's clients keeps a redirect's Location (see ``_park``).
+_PARKED = "agentkey.location"
+
+
+def _park(response: httpx.Response) -> None:
+    """Move a redirect's ``Location`` where httpx does not look, so ``send`` never parses it.
+
+    httpx builds the request of every redirect it receives, followed or not, and a
+    ``Location`` it cannot parse raises from ``send``. agentkey follows no redirect
+    itself and judges every ``Location`` in the core, so it takes the header out of
+    httpx's sight (a response event hook runs first) and reads it back in ``_Body``.
+    """
+    if response.status_code in REDIRECTS and "location" in response.headers:
+        response.extensions[_PARKED] = response.headers["location"]
+        del response.headers["location"]
+
+
+async def _apark(response: httpx.Response) -> None:
+    _park(response)
+
+
+class _NoCookies(http.cookiejar.CookiePolicy):
+    """A cookie policy that stores and returns no cookie at all."""
+
+    netscape = True
+    rfc2965 = False
+    hide_cookie2 = True
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: urllib.request.Request) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: urllib.request.Request) -> bool:
+        return False
+
+    def domain_return_ok(self, domain: str, request: urllib.request.Request) -> bool:
+        return False
+
+    def path_return_ok(self, path: str, request: urllib.request.Request) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Made:
+    """How agentkey built a client (clients it did not build have no entry)."""
+
+    timeout: httpx.Timeout | None
+    verify: ssl.SSLContext | bool
+    cookies: bool  # False: no cookie jar, so it sends any origin's requests itself
+    exact: bool  # every socket operation keeps the deadline (DeadlineTransport, no proxy)
+
+
+_MADE: weakref.WeakKeyDictionary[Any, _Made] = weakref.WeakKeyDictionary()
+_FOREIGN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def _options(
-    timeout: httpx.Timeout | None, verify: ssl.SSLContext | bool, pooled: bool
+    timeout: httpx.Timeout | None, verify: ssl.SSLContext | bool, pooled: bool, cookies: bool
 ) -> dict[str, Any]:
     return {
         "timeout": timeout or DEFAULT_TIMEOUT,
         "follow_redirects": False,
-        "verify": _default_ssl() if verify is True else verify,
+        "verify": _context(verify),
         # An unpooled client keeps no connection open between requests, so it needs no
         # closing to free a socket and is not tied to the event loop of its last request.
-        **({} if pooled else {"limits": httpx.Limits(max_keepalive_connections=0)}),
+        "limits": httpx.Limits() if pooled else httpx.Limits(max_keepalive_connections=0),
+        **({} if cookies else {"cookies": http.cookiejar.CookieJar(_NoCookies())}),
     }
 
 
+def _context(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
+    if verify is True:
+        return _default_ssl()
+    if verify is False:
+        return httpx.create_ssl_context(verify=False)
+    return verify
+
+
 def make_client(
-    timeout: httpx.Timeout | None, *, verify: ssl.SSLContext | bool = True, pooled: bool = True
+    timeout: httpx.Timeout | None,
+    *,
+    verify: ssl.SSLContext | bool = True,
+    pooled: bool = True,
+    cookies: bool = True,
 ) -> httpx.Client:
-    """A client agentkey owns: no redirects followed, the shared SSL context when verifying."""
-    return httpx.Client(**_options(timeout, verify, pooled))
+    """A client agentkey owns: no redirects followed, the shared SSL context when verifying.
+
+    Its transport keeps each request's deadline at the socket (``_deadline``). A proxy
+    from the environment is mounted by httpx with its own transport; requests through
+    it are watched by the fallback alarm instead. ``cookies=False``: no cookie jar.
+    """
+    options = _options(timeout, verify, pooled, cookies)
+    client = httpx.Client(
+        **options,
+        transport=DeadlineTransport(verify=options["verify"], limits=options["limits"]),
+        event_hooks={"response": [_park]},
+    )
+    exact = not urllib.request.getproxies()  # what httpx mounts proxies from
+    _MADE[client] = _Made(timeout, verify, cookies, exact)
+    return client
 
 
 def make_async_client(
-    timeout: httpx.Timeout | None, *, verify: ssl.SSLContext | bool = True, pooled: bool = True
+    timeout: httpx.Timeout | None,
+    *,
+    verify: ssl.SSLContext | bool = True,
+    pooled: bool = True,
+    cookies: bool = True,
 ) -> httpx.AsyncClient:
-    """The async form of :func:`make_client`."""
-    return httpx.AsyncClient(**_options(timeout, verify, pooled))
+    """The async form of :func:`make_client` (the deadline cancels the whole exchange)."""
+    client = httpx.AsyncClient(
+        **_options(timeout, verify, pooled, cookies), event_hooks={"response": [_apark]}
+    )
+    _MADE[client] = _Made(timeout, verify, cookies, exact=True)
+    return client
 
 
 def asgi_client(app: Any) -> httpx.AsyncClient:
     """An AsyncClient that calls the ASGI ``app`` in-process: no socket, no server."""
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), event_hooks={"response": [_apark]}
+    )
+    _MADE[client] = _Made(None, True, cookies=True, exact=True)
+    return client
+
+
+def _foreign(client: Any) -> Any:
+    """The client for requests to another origin: one with no cookie jar.
+
+    A client agentkey built without a jar serves them itself (it keeps its settings).
+    For any other client, a companion is built once: agentkey's own settings, with
+    the timeout and certificate verification of a client agentkey built. A user's
+    client lends it nothing: its jar would keep that origin's cookies, and httpx
+    offers no public way to share its transport.
+    """
+    made = _MADE.get(client)
+    if made is not None and not made.cookies:
+        return client
+    companion = _FOREIGN.get(client)
+    if companion is None:
+        timeout, verify = (made.timeout, made.verify) if made is not None else (None, True)
+        factory = make_async_client if isinstance(client, AsyncClient) else make_client
+        companion = factory(timeout, verify=verify, pooled=False, cookies=False)
+        _FOREIGN[client] = companion
+    return companion
 
 
 def _fork() -> Any:
@@ -353,6 +479,9 @@ class _Body:
         self._response, self._limit, self._deadline = response, limit, deadline
         # Read once: both the checks below and the Answer use them (keys in lowercase).
         self._headers = {k.lower(): v for k, v in response.headers.items()}
+        parked = response.extensions.get(_PARKED)
+        if isinstance(parked, str):
+            self._headers["location"] = parked
         self._chunks: list[bytes] = []
         self._size = 0
         self.result: Reply | None = None
@@ -387,6 +516,7 @@ class _Body:
             url,
             oversize=oversize,
             unreadable=unreadable or None,
+            sent_secrets=_sent_secrets(self._response),
         )
 
     def _take(self, pieces: list[bytes] | None) -> bool:
@@ -420,6 +550,50 @@ class _Body:
         return self.result
 
 
+#: Request headers whose values are never credentials.
+_PLAIN_HEADERS = frozenset(
+    {
+        b"accept",
+        b"accept-encoding",
+        b"connection",
+        b"content-length",
+        b"content-type",
+        b"host",
+        b"idempotency-key",  # the key: messages show it as shown_key, the reason as <key>
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
+_CREDENTIAL_HEADERS = frozenset({b"authorization", b"proxy-authorization", b"cookie"})
+_SHORTEST_HEADER_SECRET = 8  # a shorter value of another header (X-Tenant: t1) is kept
+
+
+def _sent_secrets(response: httpx.Response) -> tuple[str, ...]:
+    """The credentials the requests behind ``response`` carried, longest first.
+
+    The requests: the one answered, and any an auth flow sent before it (a 401's).
+    ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` count whole and in parts
+    (the token after the scheme, each cookie's value); any other header a user or a
+    client default set counts from 8 characters (API keys travel there).
+    """
+    found: set[str] = set()
+    for sent in (*response.history, response):
+        for raw_name, raw_value in sent.request.headers.raw:
+            name = raw_name.lower()
+            if name in _PLAIN_HEADERS:
+                continue
+            value = raw_value.decode("latin-1").strip()
+            if name in _CREDENTIAL_HEADERS:
+                found.add(value)
+                if name == b"cookie":
+                    found.update(c.partition("=")[2].strip() for c in value.split(";"))
+                else:
+                    found.add(value.partition(" ")[2].strip())
+            elif len(value) >= _SHORTEST_HEADER_SECRET:
+                found.add(value)
+    return secret_forms(found)
+
+
 def translate(exc: httpx.RequestError, lib: Any = httpx) -> Failure:
     """The one place httpx (or httpx2, ``lib``) errors become the core's categories."""
     if isinstance(exc, (lib.ConnectError, lib.ConnectTimeout, lib.PoolTimeout)):
@@ -436,9 +610,13 @@ def translate(exc: httpx.RequestError, lib: Any = httpx) -> Failure:
     return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
 
 
-def _failed(exc: httpx.RequestError, lib: Any, deadline: float | None) -> Failure:
-    if isinstance(exc, lib.RemoteProtocolError) and str(exc).startswith("Invalid URL in loc"):
-        # httpx builds the redirect request even when it does not follow it, and raises.
+def _failed(exc: httpx.RequestError, lib: Any, deadline: float | None, redirected: bool) -> Failure:
+    if isinstance(exc, lib.RemoteProtocolError) and (
+        redirected or isinstance(exc.__context__, lib.InvalidURL)
+    ):
+        # A user's client: httpx parsed the Location of a redirect it does not follow, and
+        # failed. The trace saw the redirect's head read whole; without a trace (a mock or
+        # ASGI transport), httpx raised it while handling the Location's InvalidURL.
         return Failure(FailureKind.UNSENDABLE, BAD_LOCATION)
     failure = translate(exc, lib)
     left = _left(deadline)
@@ -463,116 +641,32 @@ def _build(
         return Failure(FailureKind.UNSENDABLE, "a URL httpx cannot parse")
 
 
-class _Alarms:
-    """One daemon thread that shuts the sockets of sync requests whose deadline passed.
+def _target(client: Any, out: Outgoing) -> tuple[Any, Any, _Made | None]:
+    """The client that sends ``out``, its library, and how agentkey built it (if it did)."""
+    target = client if out.same_origin else _foreign(client)
+    return target, _lib(target), _MADE.get(target)
 
-    It holds only requests in flight (a lock and a dict entry each, cheaper than a
-    timer thread per request) and sleeps until the nearest deadline. Arming a
-    request wakes it only when that request's deadline comes before the one it
-    sleeps until: otherwise it finds the request when it wakes (a request's
-    deadline is usually later than those already in flight), so a request costs
-    no thread switch.
+
+def _sending(lib: Any, auth: httpx.Auth | None, out: Outgoing) -> dict[str, Any]:
+    """``send``'s options: auth only to the tool's origin, no redirect followed, streamed."""
+    return {
+        "auth": _adapt(lib, auth) if out.same_origin else None,
+        "follow_redirects": False,
+        "stream": True,
+    }
+
+
+def _bad_location(made: _Made | None, watchdog: Watchdog | None) -> Failure | None:
+    """An InvalidURL or IDNA error out of ``send`` as a Failure, when it is about a Location.
+
+    The request itself was built before ``send``, so with a user's client the only URL
+    httpx parses there is a redirect's ``Location`` (unless the trace saw a head that is
+    no redirect). agentkey's own clients never let httpx see a ``Location``: None, so
+    the caller re-raises.
     """
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._live: dict[_Watchdog, socket.socket] = {}
-        self._thread: threading.Thread | None = None
-        self._wake_at = math.inf  # when the thread wakes next (inf: nothing to watch)
-
-    def arm(self, dog: _Watchdog, sock: socket.socket) -> None:
-        with self._cond:
-            self._live[dog] = sock
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="agentkey-deadline")
-                self._thread.daemon = True
-                self._thread.start()
-            elif dog.deadline < self._wake_at:
-                self._wake_at = dog.deadline  # one notify per earlier deadline, not per arm
-                self._cond.notify()
-
-    def disarm(self, dog: _Watchdog) -> bool:
-        """Stop watching ``dog``; True if its deadline already shut its socket."""
-        with self._cond:
-            self._live.pop(dog, None)
-            return dog.fired
-
-    def _run(self) -> None:
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                for dog in [d for d in self._live if d.deadline <= now]:
-                    dog.fired = True
-                    with suppress(OSError):  # already closed: nothing left to stop
-                        self._live.pop(dog).shutdown(socket.SHUT_RDWR)
-                nearest = min((d.deadline for d in self._live), default=math.inf)
-                self._wake_at = nearest
-                self._cond.wait(None if nearest == math.inf else nearest - now)
-
-
-_ALARMS = _Alarms()
-if hasattr(os, "register_at_fork"):  # a forked child has no alarm thread: start afresh
-    os.register_at_fork(after_in_child=_ALARMS._reset)
-
-
-class _Watchdog:
-    """Shuts the connection's socket at the deadline, so no blocking read outlives it.
-
-    Armed from httpcore's ``trace`` extension: with the stream it reports when a
-    connection opens, or, for a connection reused from the pool (httpcore reports
-    no stream then), with the stream of the connection that starts sending. Once
-    armed it leaves the request's extensions, so httpcore's later phases call no hook.
-    """
-
-    def __init__(self, deadline: float, extensions: dict[str, Any]) -> None:
-        self.deadline = deadline
-        self.fired = False  # the deadline shut the socket (set by the alarm thread)
-        self._armed = False  # the alarm thread watches the socket (set and read by the sender)
-        self._extensions = extensions
-        extensions["trace"] = self.trace
-
-    def trace(self, name: str, info: Mapping[str, Any]) -> None:
-        if name == "connection.connect_tcp.complete":
-            stream = info.get("return_value")
-        elif name.endswith(".send_request_headers.started") and not self._armed:
-            stream = _sending_stream()
-        else:
-            return
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if isinstance(sock, socket.socket) and not self._armed:
-            self._armed = True
-            # httpcore reads the hook afresh for every phase: without it, none is called.
-            if self._extensions.get("trace") == self.trace:
-                del self._extensions["trace"]
-            _ALARMS.arm(self, sock)
-
-    def stop(self) -> bool:
-        """Disarm; True if the deadline shut the socket (what was read may be cut short)."""
-        if self._armed:
-            self._armed = False
-            self.fired = _ALARMS.disarm(self)
-        return self.fired
-
-
-def _sending_stream() -> Any:
-    """The network stream of the httpcore connection whose send called the trace hook.
-
-    httpcore calls the hook from the connection's ``handle_request``; its trace
-    carries the request only, so the stream is read from that frame. Should
-    httpcore change shape, nothing is found and the watchdog stays unarmed for
-    this request (its timeouts are still cut to the deadline).
-    """
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        stream = getattr(frame.f_locals.get("self"), "_network_stream", None)
-        if stream is not None and callable(getattr(stream, "get_extra_info", None)):
-            return stream
-        frame = frame.f_back
+    status = None if watchdog is None else watchdog.status
+    if made is None and status in (None, *REDIRECTS):
+        return Failure(FailureKind.UNSENDABLE, BAD_LOCATION)
     return None
 
 
@@ -585,42 +679,45 @@ def send_sync(
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    lib = _lib(client)
-    request = _build(lib, client, out, timeout)
+    target, lib, made = _target(client, out)
+    request = _build(lib, target, out, timeout)
     if isinstance(request, Failure):
         return request
-    watchdog = _Watchdog(out.deadline, request.extensions) if out.deadline is not None else None
+    # A transport agentkey did not build (a user's client, an environment proxy) is watched
+    # through httpcore's trace extension instead of keeping the deadline at each socket call.
+    watchdog = (
+        None if made is not None and made.exact else Watchdog(out.deadline, request.extensions)
+    )
     try:
-        # Auth and redirects are explicit, so a user client's own auth never applies and
-        # no redirect is followed behind our back. Another origin's answer goes straight
-        # through the client's transport (its proxies and mounts): client.send would put
-        # its Set-Cookie in the jar, and the jar ignores ports, so a poll origin on the same
-        # host could plant cookies the tool then receives.
-        if out.same_origin:
-            response = client.send(
-                request, auth=_adapt(lib, auth), follow_redirects=False, stream=True
-            )
-        else:
-            response = client._transport_for_url(request.url).handle_request(request)
-            response.request = request  # what client.send does, minus the cookie jar
-        try:
-            body = _Body(response, max_bytes, out.deadline)
-            if body.pending and body.result is None:
-                for raw in response.iter_raw():
-                    if body.feed(raw):
-                        break
-            # Disarmed before the response is closed: once closed, its connection may go
-            # back to the pool and serve another request, whose socket this alarm must
-            # never shut.
-            if watchdog is not None and watchdog.stop():
-                # The shut socket looks like a normal end to a read-until-close body:
-                # what was read may be cut short, so it is never taken as the answer.
-                return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
-            return body.finish()
-        finally:
-            response.close()  # also on KeyboardInterrupt
+        with deadline_scope(out.deadline):
+            # Auth and redirects are explicit, so a user client's own auth never applies and
+            # no redirect is followed behind our back. Another origin's request goes through
+            # a client without a cookie jar (``_foreign``): this one's jar ignores ports, so
+            # a poll origin on the same host could plant cookies the tool then receives.
+            response = target.send(request, **_sending(lib, auth, out))
+            try:
+                body = _Body(response, max_bytes, out.deadline)
+                if body.pending and body.result is None:
+                    for raw in response.iter_raw():
+                        if body.feed(raw):
+                            break
+                # Disarmed before the response is closed: once closed, its connection may go
+                # back to the pool and serve another request, whose socket this alarm must
+                # never shut.
+                if watchdog is not None and watchdog.stop():
+                    # The shut socket looks like a normal end to a read-until-close body:
+                    # what was read may be cut short, so it is never taken as the answer.
+                    return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
+                return body.finish()
+            finally:
+                response.close()  # also on KeyboardInterrupt
     except lib.RequestError as exc:
-        return _failed(exc, lib, out.deadline)
+        return _failed(exc, lib, out.deadline, watchdog is not None and watchdog.redirected)
+    except (lib.InvalidURL, UnicodeError):
+        failure = _bad_location(made, watchdog)
+        if failure is None:
+            raise
+        return failure
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -635,21 +732,14 @@ async def send_async(
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> Reply:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
-    lib = _lib(client)
-    request = _build(lib, client, out, timeout)
+    target, lib, made = _target(client, out)
+    request = _build(lib, target, out, timeout)
     if isinstance(request, Failure):
         return request
     left = _left(out.deadline)
     try:
         with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
-            if out.same_origin:
-                response = await client.send(
-                    request, auth=_adapt(lib, auth), follow_redirects=False, stream=True
-                )
-            else:  # past the cookie jar, as in send_sync
-                transport = client._transport_for_url(request.url)
-                response = await transport.handle_async_request(request)
-                response.request = request
+            response = await target.send(request, **_sending(lib, auth, out))
             try:
                 body = _Body(response, max_bytes, out.deadline)
                 if body.pending and body.result is None:
@@ -663,4 +753,9 @@ async def send_async(
     except TimeoutError:
         return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
     except lib.RequestError as exc:
-        return _failed(exc, lib, out.deadline)
+        return _failed(exc, lib, out.deadline, redirected=False)
+    except (lib.InvalidURL, UnicodeError):
+        failure = _bad_location(made, None)
+        if failure is None:
+            raise
+        return failure

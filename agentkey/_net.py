@@ -6,17 +6,22 @@
   for bearer tokens, client credentials and credential headers.
 - :func:`redact_url`: a URL made fit for a message (no user info, query or fragment,
   which can hold passwords and signatures).
+- :func:`scrub` and :func:`scrub_json`: server-provided text with every credential
+  agentkey sent cut out, before anything else is done to it (a server may echo
+  the bearer token, the client secret or the refresh token it received).
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, urlsplit, urlunsplit
 
 from ._exceptions import InsecureTransport
 
 __all__ = [
+    "REDACTED",
     "Origin",
     "has_control_character",
     "is_loopback",
@@ -24,7 +29,14 @@ __all__ = [
     "origin_of",
     "redact_url",
     "require_secure",
+    "scrub",
+    "scrub_json",
+    "secret_forms",
 ]
+
+#: What stands in a message for a credential a server echoed.
+REDACTED = "<redacted>"
+_SHORTEST_SECRET = 4
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -110,3 +122,56 @@ def redact_url(url: str) -> str:
     host = parts.netloc.rpartition("@")[2]
     text = urlunsplit((parts.scheme, host, parts.path, "", ""))
     return "".join(f"%{ord(ch):02X}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in text)
+
+
+def secret_forms(values: Iterable[str]) -> tuple[str, ...]:
+    """The credentials in ``values`` as a server may echo them: as sent, and form-encoded.
+
+    Longest first, so a secret that contains another is cut out whole. Values shorter
+    than 4 characters are left out: no real credential is that short, and cutting
+    such a string out of every word would leave a message unreadable.
+    """
+    forms: set[str] = set()
+    for value in values:
+        if len(value) >= _SHORTEST_SECRET:
+            forms.update((value, quote(value, safe=""), quote_plus(value)))
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+def scrub(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every one of ``secrets`` (longest first) replaced by ``<redacted>``."""
+    for secret in secrets:
+        if secret and secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub_json(value: object, secrets: tuple[str, ...]) -> object:
+    """A copy of the parsed JSON ``value`` whose strings (keys too) hold none of ``secrets``.
+
+    Iterative, so a body nested as deep as the JSON parser allows cannot exhaust the stack.
+    """
+    if not secrets:
+        return value
+    root = _scrubbed(value, secrets)
+    todo = [root] if isinstance(root, (dict, list)) else []
+    while todo:
+        node = todo.pop()
+        pairs = node.items() if isinstance(node, dict) else enumerate(node)
+        for slot, item in list(pairs):
+            child = _scrubbed(item, secrets)
+            node[slot] = child
+            if isinstance(child, (dict, list)):
+                todo.append(child)
+    return root
+
+
+def _scrubbed(item: object, secrets: tuple[str, ...]) -> object:
+    """One JSON value made safe on its own level: a string scrubbed, a container copied."""
+    if isinstance(item, str):
+        return scrub(item, secrets)
+    if isinstance(item, dict):
+        return {scrub(k, secrets) if isinstance(k, str) else k: v for k, v in item.items()}
+    if isinstance(item, list):
+        return list(item)
+    return item

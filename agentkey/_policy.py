@@ -57,7 +57,7 @@ def check_backoff(policy: Any, prefix: str = "") -> None:
         raise ConfigurationError(f"{prefix}jitter must be True or False, got {policy.jitter!r}")
 
 
-def schedule_of(policy: Any) -> Backoff:
+def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
     """The :class:`Backoff` of a policy that has the shared backoff options."""
     return Backoff(
         policy.initial_backoff,
@@ -65,6 +65,7 @@ def schedule_of(policy: Any) -> Backoff:
         policy.backoff_multiplier,
         policy.jitter,
         policy.max_retry_after,
+        floor,
     )
 
 
@@ -184,7 +185,9 @@ class PollPolicy:
 
     The first wait is ``initial_backoff``; each later one is ``backoff_multiplier``
     times the previous, up to ``max_backoff``. A ``Retry-After`` on a poll answer
-    wins (capped by ``max_retry_after``). After ``deadline`` seconds of polling, or
+    wins (capped by ``max_retry_after``). No wait is shorter than ``min_interval``
+    (0.5 s), whatever the server asks: a status URL answering ``Retry-After: 0``
+    gets at most two polls a second, not thousands. After ``deadline`` seconds of polling, or
     at the call's ``RetryPolicy.deadline`` if that comes first,
     :class:`~agentkey.PollTimeout` carries the status URL so polling can be
     resumed later with ``resume_poll``. ``interval``, ``backoff`` and
@@ -197,6 +200,7 @@ class PollPolicy:
     max_retry_after: float = 30.0
     deadline: float = 600.0
     jitter: bool = False
+    min_interval: float = 0.5
     interval: InitVar[float | None] = None
     backoff: InitVar[float | None] = None
     max_interval: InitVar[float | None] = None
@@ -208,6 +212,7 @@ class PollPolicy:
         used = apply_aliases(self, _POLL_ALIASES, given)
         check_backoff(self)
         _positive("deadline", self.deadline)
+        _positive("min_interval", self.min_interval, allow_zero=True)
         warn_aliases(PollPolicy, _POLL_ALIASES, used)
 
     def replace(self, **changes: Any) -> PollPolicy:
@@ -217,7 +222,7 @@ class PollPolicy:
     @property
     def schedule(self) -> Backoff:
         """The wait between polls, as one :class:`~agentkey._schedule.Backoff`."""
-        return schedule_of(self)
+        return schedule_of(self, floor=self.min_interval)
 
     def wait(self, poll_number: int) -> float:
         """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``."""

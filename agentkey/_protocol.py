@@ -38,7 +38,8 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
-from ._net import Origin, has_control_character, origin_of
+from ._keys import shown_key
+from ._net import Origin, has_control_character, origin_of, scrub_json
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
@@ -118,8 +119,9 @@ class CallContext:
     polls: int = 0
 
     def where(self) -> str:
+        """The key as messages show it: plan id and step label, never the whole key."""
         step = f" (step {self.step})" if self.step else ""
-        return f"key {self.idempotency_key!r}{step}"
+        return f"key {shown_key(self.idempotency_key)}{step}"
 
     def error(
         self,
@@ -184,6 +186,11 @@ def parse_json(content: bytes) -> object:
         return json.loads(content)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def _parsed(answer: Answer) -> object:
+    """The answer's JSON body, with every credential the request carried cut out of it."""
+    return scrub_json(parse_json(answer.content), answer.sent_secrets)
 
 
 def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
@@ -355,7 +362,7 @@ def _redirect_target(answer: Answer, ctx: CallContext, cfg: ProtocolConfig) -> s
                 f"{ctx.where()}; fix the tool or the route. {_ran_note(status)}".rstrip(". ")
                 + ".",
                 status_code=status,
-                body=parse_json(answer.content),
+                body=_parsed(answer),
             ),
         )
     target = _join(answer.url, location)
@@ -435,7 +442,7 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
                 )
         return _done(status, replayed)
 
-    body = parse_json(reply.content)
+    body = _parsed(reply)
     reason = short_reason(body, ctx.idempotency_key)
     said = f" ({reason})" if reason else ""
     if status == 401:
@@ -446,7 +453,8 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             error=ctx.error(
                 AuthenticationError,
                 f"the tool refused the credentials (401){said} for {ctx.where()}, even after "
-                "the auth layer's refresh; check the token's scopes and audience"
+                "the auth layer's refresh (a token provider renews a rejected token at most "
+                "once per TokenPolicy.rejection_interval); check the token's scopes and audience"
                 if cfg.has_auth
                 else f"the tool answered 401{said} for {ctx.where()}: it wants credentials and "
                 "the invoker has no auth=; pass a token provider such as "
@@ -785,7 +793,7 @@ def interpret_poll(
     if reply.oversize or reply.unreadable:
         return _unread(reply, ctx, "a poll")
     status = reply.status_code
-    body = parse_json(reply.content)
+    body = _parsed(reply)
     if status == 202:
         return Decision(Action.WAIT, "accepted", retry_after=_retry_after(reply))
     if status == 303 or status in _REDIRECTS:

@@ -3,8 +3,9 @@
 ``Backoff.delay(attempt)`` is the wait before the next attempt after ``attempt``
 attempts: ``initial * multiplier ** (attempt - 1)``, capped at ``cap``, times a
 uniform draw in ``[0, 1)`` when ``jitter`` ("full jitter"). A server's
-``Retry-After`` wins over the formula, capped at ``max_retry_after``. The
-caller cuts the result to its deadline.
+``Retry-After`` wins over the formula, capped at ``max_retry_after``. No wait is
+shorter than ``floor`` (polls set it, so ``Retry-After: 0`` cannot make them
+spin). The caller cuts the result to its deadline.
 
 The capped exponential is tenacity's ``wait_exponential`` (overflow-safe for any
 attempt count), called with a call state the schedule owns; tenacity's retry
@@ -35,10 +36,11 @@ class Backoff:
     multiplier: float = 2.0
     jitter: bool = True
     max_retry_after: float = math.inf
+    floor: float = 0.0
     _ceiling: tenacity.wait_exponential = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("initial", "cap", "multiplier", "max_retry_after"):
+        for name in ("initial", "cap", "multiplier", "max_retry_after", "floor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigurationError(f"Backoff.{name} must be a number >= 0, got {value!r}")
@@ -46,6 +48,8 @@ class Backoff:
             raise ConfigurationError(
                 f"Backoff needs finite 0 <= initial <= cap, got {self.initial!r}, {self.cap!r}"
             )
+        if not math.isfinite(self.floor):
+            raise ConfigurationError(f"Backoff.floor must be finite, got {self.floor!r}")
         if not 1 <= self.multiplier < math.inf:
             raise ConfigurationError(f"Backoff.multiplier must be >= 1, got {self.multiplier!r}")
         ceiling = tenacity.wait_exponential(
@@ -60,13 +64,16 @@ class Backoff:
         *,
         rng: Callable[[], float] = random.random,
     ) -> float:
-        """Seconds to wait after ``attempt`` (>= 1) attempts; ``retry_after`` wins, capped."""
+        """Seconds to wait after ``attempt`` (>= 1) attempts; ``retry_after`` wins, capped.
+
+        Never less than ``floor``.
+        """
         if retry_after is not None:
-            return max(0.0, min(float(retry_after), self.max_retry_after))
+            return max(self.floor, min(float(retry_after), self.max_retry_after))
         state = tenacity.RetryCallState(_NO_ENGINE, fn=None, args=(), kwargs={})
         state.attempt_number = max(1, attempt)
         base = float(self._ceiling(state))
-        return base * rng() if self.jitter else base
+        return max(self.floor, base * rng() if self.jitter else base)
 
 
 #: The call state tenacity's wait strategies read names an engine; none ever runs.

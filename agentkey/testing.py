@@ -178,6 +178,7 @@ def fast_poll_policy(**changes: Any) -> PollPolicy:
         max_backoff=0.001,
         max_retry_after=0.01,
         deadline=10.0,
+        min_interval=0.001,
     )
     return policy.replace(**changes) if changes else policy
 

@@ -77,7 +77,7 @@ IO_MODULES = {
     "uvicorn",
 }
 #: httpx (and its fork) may be imported here only.
-HTTPX_OWNERS = {"agentkey._http", "agentkey.testing"}
+HTTPX_OWNERS = {"agentkey._deadline", "agentkey._http", "agentkey.testing"}
 
 
 def _layer(module: str) -> int:

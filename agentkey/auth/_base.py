@@ -12,7 +12,10 @@ refresh already in flight or becomes its leader:
   against a token that was just issued, so a short-lived token cannot cause a
   refresh loop);
 - a failure is remembered for ``TokenPolicy.failure_ttl`` seconds, so the
-  callers right behind it fail fast.
+  callers right behind it fail fast;
+- a token a tool rejected (401) is renewed at most once per
+  ``TokenPolicy.rejection_interval``, so a tool that refuses every token does
+  not turn each call into a token request.
 
 Decisions are made once, under the lock, in ``_decide``; the sync and async
 paths only wait, send and await. Token requests go through ``_http`` on
@@ -154,7 +157,9 @@ class TokenProvider(_http.Auth):
     tool answers 401 and the token it rejected is still the current one, the
     token is refreshed once and the same request (same body, same headers,
     ``Idempotency-Key`` included) is sent again; a second 401 is returned to
-    the caller, who raises. A 403 never causes a refresh. When an early
+    the caller, who raises. Such refreshes are at least
+    ``TokenPolicy.rejection_interval`` apart: a 401 sooner than that after the
+    last one is returned at once. A 403 never causes a refresh. When an early
     renewal fails while the current token still has a safe margin left, that
     token is used (with a warning) rather than failing the call.
 
@@ -195,6 +200,7 @@ class TokenProvider(_http.Auth):
         self._token: Token | None = None
         self._flight: _Flight | None = None
         self._failure: tuple[AuthError, float] | None = None
+        self._rejected_at: float | None = None  # when a 401 last caused a refresh
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: _http.Client | None = None
         self._async_client: _http.AsyncClient | None = None
@@ -266,7 +272,12 @@ class TokenProvider(_http.Auth):
         return self._endpoint
 
     def _decide(self, rejected: Token | None) -> Token | tuple[_Flight, bool, Token | None]:
-        """A token to use now, or the flight to join (False) or lead (True)."""
+        """A token to use now, or the flight to join (False) or lead (True).
+
+        With ``rejected`` (the token a tool answered 401 to), returning ``rejected``
+        itself means "not renewed": a 401 caused a refresh less than
+        ``rejection_interval`` ago, so this 401 goes back to the caller.
+        """
         now = self._policy.clock()
         with self._lock:
             current = self._token
@@ -277,6 +288,11 @@ class TokenProvider(_http.Auth):
                     return current  # someone already replaced the rejected token
             if self._flight is not None:
                 return self._flight, False, current
+            if rejected is not None and current is not None:
+                last = self._rejected_at
+                if last is not None and now - last < self._policy.rejection_interval:
+                    return current  # the identity provider was asked moments ago
+                self._rejected_at = now
             if self._failure is not None:
                 error, until = self._failure
                 if now < until:
@@ -350,8 +366,9 @@ class TokenProvider(_http.Auth):
     def _open(self, factory: Callable[..., _C]) -> _C:
         # Unpooled: refreshes come minutes apart, long after an idle connection would have
         # closed, and an async client with no pooled connection serves any event loop.
+        # Cookieless: token requests go out bare, and this client sends them itself.
         timeout = _http.make_timeout(self._policy.timeout)
-        return factory(timeout, verify=self._require_endpoint().verify, pooled=False)
+        return factory(timeout, verify=self._require_endpoint().verify, pooled=False, cookies=False)
 
     @staticmethod
     def _bounded(attempt: Attempt) -> _http.Outgoing:
@@ -555,8 +572,9 @@ class TokenProvider(_http.Auth):
         response = yield request
         if self._retry_after_401(response):
             renewed = self._token_sync(rejected=sent)
-            self._authorize(request, renewed)
-            yield request
+            if renewed is not sent:  # not renewed: the 401 goes back to the caller
+                self._authorize(request, renewed)
+                yield request
 
     async def async_auth_flow(
         self, request: _http.Request
@@ -568,8 +586,9 @@ class TokenProvider(_http.Auth):
         response = yield request
         if self._retry_after_401(response):
             renewed = await self._token_async(rejected=sent)
-            self._authorize(request, renewed)
-            yield request
+            if renewed is not sent:  # not renewed: the 401 goes back to the caller
+                self._authorize(request, renewed)
+                yield request
 
     def auth_flow(self, request: _http.Request) -> Generator[_http.Request, _http.Response, None]:
         """Not used: httpx calls ``sync_auth_flow`` or ``async_auth_flow``, which do the I/O."""

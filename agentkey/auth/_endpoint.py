@@ -15,13 +15,13 @@ import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import SecretStr
 
 from .._exceptions import ConfigurationError, TokenError
 from .._http import Outgoing
-from .._net import origin_of, redact_url, require_secure
+from .._net import origin_of, redact_url, require_secure, scrub, secret_forms
 from .._protocol import Failure, Reply, parse_json
 from .._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
@@ -141,11 +141,31 @@ def _number(value: object) -> float | None:
     return number if math.isfinite(number) and number >= 0 else None
 
 
-def _clean(text: object, limit: int = 300) -> str | None:
-    """An endpoint-provided string, made safe for one line of a message."""
+#: Form fields of a token request that hold a credential (RFC 6749, 7521, 7523, 8693).
+_SECRET_FIELDS = frozenset(
+    {
+        "actor_token",
+        "assertion",
+        "client_assertion",
+        "client_secret",
+        "code",
+        "code_verifier",
+        "password",
+        "refresh_token",
+        "subject_token",
+    }
+)
+
+
+def _clean(text: object, secrets: tuple[str, ...], limit: int = 300) -> str | None:
+    """An endpoint-provided string, made safe for one line of a message.
+
+    Every credential the request carried is cut out first, before control characters
+    are folded and the text is cut, so no trace of one survives in any form.
+    """
     if not isinstance(text, str):
         return None
-    flat = "".join(ch if ch.isprintable() else " " for ch in text).strip()
+    flat = "".join(ch if ch.isprintable() else " " for ch in scrub(text, secrets)).strip()
     return flat[:limit] or None
 
 
@@ -225,8 +245,37 @@ class TokenEndpoint:
         # Sent bare (same_origin=False): no cookie jar, no client defaults, no auth flow.
         return Outgoing("POST", self.url, tuple(headers.items()), body, same_origin=False)
 
-    def interpret(self, request: TokenRequest, reply: Reply, sent_at: float) -> Token:
-        """The Token in a successful answer; raises TokenError or _Retryable otherwise."""
+    def sent_secrets(self, request: TokenRequest, out: Outgoing | None = None) -> tuple[str, ...]:
+        """Every credential ``request`` carries, sent as ``out``, in the forms a server echoes.
+
+        The client secret and the grant's secret parameters always; from ``out``, the
+        ``Authorization`` header (Basic client authentication) and the secret fields of
+        the form, such as a ``private_key_jwt`` assertion signed for this one request.
+        """
+        values = [v.get_secret_value() for _, v in request.params if isinstance(v, SecretStr)]
+        if self.client.client_secret is not None:
+            values.append(self.client.client_secret.get_secret_value())
+        if out is not None:
+            for name, value in out.headers:
+                if name.lower() == "authorization":
+                    values += [value, value.partition(" ")[2]]
+            form = (out.content or b"").decode("ascii", "replace")
+            values += [v for k, v in parse_qsl(form) if k in _SECRET_FIELDS]
+        return secret_forms(values)
+
+    def interpret(
+        self,
+        request: TokenRequest,
+        reply: Reply,
+        sent_at: float,
+        *,
+        secrets: tuple[str, ...] | None = None,
+    ) -> Token:
+        """The Token in a successful answer; raises TokenError or _Retryable otherwise.
+
+        ``secrets`` (default: :meth:`sent_secrets` of ``request``) never reach an error.
+        """
+        sent = self.sent_secrets(request) if secrets is None else secrets
         where = f"token endpoint {redact_url(self.url)}"
         who = f"the {request.grant_name} request of client {self.client.client_id!r}"
         if isinstance(reply, Failure):
@@ -251,9 +300,11 @@ class TokenEndpoint:
             )
         payload: Any = parse_json(reply.content)
         if status != 200:
-            error = _clean(payload.get("error"), 80) if isinstance(payload, dict) else None
+            error = _clean(payload.get("error"), sent, 80) if isinstance(payload, dict) else None
             description = (
-                _clean(payload.get("error_description")) if isinstance(payload, dict) else None
+                _clean(payload.get("error_description"), sent)
+                if isinstance(payload, dict)
+                else None
             )
             what = error or "no OAuth error code"
             detail = f" ({description})" if description else ""
@@ -287,7 +338,7 @@ class TokenEndpoint:
         token_type = payload.get("token_type", "Bearer")
         if not isinstance(token_type, str) or token_type.lower() != "bearer":
             raise TokenError(
-                f"{where} issued a {_clean(token_type, 40)!r} token to {who}; agentkey sends "
+                f"{where} issued a {_clean(token_type, sent, 40)!r} token to {who}; agentkey sends "
                 "Bearer tokens only (RFC 6750)",
                 status_code=status,
             )
@@ -310,7 +361,8 @@ class TokenEndpoint:
             )
         elif expected is not None and issued_type not in expected:
             raise TokenError(
-                f"{where} answered {who} with issued_token_type {_clean(str(issued_type), 80)!r}, "
+                f"{where} answered {who} with issued_token_type "
+                f"{_clean(str(issued_type), sent, 80)!r}, "
                 f"but agentkey sends only {' or '.join(sorted(expected))} to a tool; make the "
                 "identity provider issue one of those (or pass requested_token_type= naming "
                 "the type the tool accepts, if the provider honours it)",
@@ -322,7 +374,7 @@ class TokenEndpoint:
             if lifetime is None:
                 raise TokenError(
                     f"{where} answered {who} with an unusable expires_in "
-                    f"{_clean(str(payload['expires_in']), 40)!r}; it must be seconds >= 0",
+                    f"{_clean(str(payload['expires_in']), sent, 40)!r}; it must be seconds >= 0",
                     status_code=status,
                 )
         refresh = payload.get("refresh_token")
@@ -355,10 +407,13 @@ class TokenEndpoint:
             attempt += 1
             sent_at = policy.clock()
             left = policy.deadline - (sent_at - start)
-            reply = yield Attempt(self.outgoing(request), max(0.001, min(policy.timeout, left)))
+            out = self.outgoing(request)
+            reply = yield Attempt(out, max(0.001, min(policy.timeout, left)))
             assert reply is not None
             try:
-                token = self.interpret(request, reply, sent_at)
+                token = self.interpret(
+                    request, reply, sent_at, secrets=self.sent_secrets(request, out)
+                )
             except _Retryable as exc:
                 wait = policy.schedule.delay(attempt, exc.retry_after)
                 left = policy.deadline - (policy.clock() - start)

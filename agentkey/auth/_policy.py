@@ -50,10 +50,16 @@ class TokenPolicy:
     - ``timeout``: HTTP timeout of one token request.
     - ``failure_ttl``: how long a failed refresh is remembered, so callers
       arriving right after it fail fast instead of hammering a broken endpoint.
-    - ``clock``: the monotonic clock token lifetimes, refresh points and
-      remembered failures are measured on (default ``time.monotonic``). Tests
-      pass a fake clock they advance by hand, so a loaded machine cannot make
-      a short-lived token expire between two lines of the test.
+    - ``rejection_interval``: the least time between two refreshes caused by a
+      tool rejecting the token (401). A token the tool rejects again within it
+      is not renewed: the 401 goes back to the caller (``AuthenticationError``),
+      so a tool that refuses every token costs the identity provider one request
+      per interval, not one per call.
+    - ``clock``: the monotonic clock token lifetimes, refresh points,
+      remembered failures and the rejection interval are measured on (default
+      ``time.monotonic``). Tests pass a fake clock they advance by hand, so a
+      loaded machine cannot make a short-lived token expire between two lines
+      of the test.
 
     ``attempts``, ``backoff`` and ``max_wait`` are the deprecated names of
     ``max_attempts``, ``initial_backoff`` and ``max_backoff`` (``max_wait`` also
@@ -72,6 +78,7 @@ class TokenPolicy:
     deadline: float = 30.0
     timeout: float = 10.0
     failure_ttl: float = 2.0
+    rejection_interval: float = 10.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     attempts: InitVar[int | None] = None
     backoff: InitVar[float | None] = None
@@ -82,7 +89,7 @@ class TokenPolicy:
     ) -> None:
         given = {"attempts": attempts, "backoff": backoff, "max_wait": max_wait}
         used = apply_aliases(self, _ALIASES, given)
-        for name in ("leeway", "leeway_jitter", "failure_ttl"):
+        for name in ("leeway", "leeway_jitter", "failure_ttl", "rejection_interval"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ConfigurationError(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import json
 import os
 import secrets
+import stat
 import sys
 import tempfile
 import threading
@@ -110,6 +112,10 @@ class EncryptedFileTokenStore:
     one stored. The lock files must live on a local file system (network file
     systems may not honour the locks). A lock not obtained within
     ``lock_timeout`` seconds raises AuthError.
+
+    No other local user can read the file or hold its locks: lock files are
+    created mode 0600 (and refused when another user owns one), and the
+    directories the store creates are mode 0700.
     """
 
     def __init__(
@@ -163,8 +169,8 @@ class EncryptedFileTokenStore:
     def _locked(self, suffix: str) -> Iterator[None]:
         lock_path = self._path.with_name(self._path.name + suffix)
         try:
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(lock_path, "a+b")  # noqa: SIM115 - closed below, on every path
+            _make_private_dir(lock_path.parent)
+            handle = _open_lock(lock_path)
         except OSError as exc:
             raise AuthError(
                 f"cannot open the lock file {str(lock_path)!r} ({exc.strerror}); "
@@ -209,7 +215,7 @@ class EncryptedFileTokenStore:
         blob = _MAGIC + nonce + self._aead.encrypt(nonce, plain, _MAGIC)
         directory = self._path.parent
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            _make_private_dir(directory)
             self._remove_orphans()
             fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", suffix=_TMP, dir=directory)
             try:
@@ -242,6 +248,45 @@ class EncryptedFileTokenStore:
 
 
 _TMP = ".agentkey-tmp"
+
+
+def _make_private_dir(directory: Path) -> None:
+    """Create ``directory`` and any missing parent, each mode 0700 (existing ones stay as they are).
+
+    ``Path.mkdir(parents=True)`` gives the parents it creates the umask's mode (often
+    0755), which would let other local users list the store's files.
+    """
+    missing = []
+    for part in (directory, *directory.parents):
+        if part.exists():
+            break
+        missing.append(part)
+    for part in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            part.mkdir(mode=0o700)
+
+
+def _open_lock(path: Path) -> IO[bytes]:
+    """Open (creating it mode 0600) the lock file at ``path``, which must be the user's own.
+
+    A lock file another local user can open is one they can ``flock`` to block the store's
+    owner: it is never followed through a symlink, a lock file owned by someone else is
+    refused, and one an older version left group- or world-readable is made 0600.
+    """
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if sys.platform != "win32":
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid():
+                owner = "the lock file belongs to another user; remove it or move the store"
+                raise OSError(errno.EPERM, owner)
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "r+b")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _glob_escape(name: str) -> str:

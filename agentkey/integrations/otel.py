@@ -9,7 +9,8 @@ turns it into spans. Give the same object to whichever parts you run::
     IdempotencyMiddleware(app, ..., hooks=[hook])      # the decision on the server span
 
 Client side, each ``invoke`` is an ``INTERNAL`` span (``agentkey.invoke``)
-with ``idempotency.key``, ``agentkey.step``, ``agentkey.tool`` (when the
+with ``idempotency.key`` (the key as shown in logs: plan id and step label,
+its args hash replaced by a short digest), ``agentkey.step``, ``agentkey.tool`` (when the
 event names it), ``agentkey.outcome``, ``agentkey.attempts``,
 ``agentkey.polls``. Each request it sends (the first, every resend, every
 poll) is a ``CLIENT`` child span named after the method, with the OTel HTTP
@@ -26,9 +27,10 @@ on the current span, which is the server span when the app runs under an
 OTel server instrumentation (``opentelemetry-instrumentation-asgi``); when
 that span has already ended, a child span ``agentkey.decision`` carries it.
 
-No attribute or event ever holds a token, a header value, a body or a query
-string. Spans are made through the OTel API: with no SDK configured they cost
-almost nothing and go nowhere.
+No attribute or event ever holds a token, a whole Idempotency-Key (a bearer
+secret: with the caller's credentials it fetches the stored answer), a header
+value, a body or a query string. Spans are made through the OTel API: with no
+SDK configured they cost almost nothing and go nowhere.
 
 Needs the ``otel`` extra (``pip install 'agentkey-idempotency[otel]'``).
 """
@@ -49,6 +51,7 @@ from .._hooks import (
     ReplayEvent,
     RetryEvent,
 )
+from .._keys import shown_key
 from .._net import origin_of, redact_url
 from .._version import __version__
 from ..auth._token import TokenEvent
@@ -118,7 +121,7 @@ class OTelHook:
         tool = event.tool
         url_attributes = _url_attributes(event.url)
         attributes: dict[str, Any] = {
-            "idempotency.key": event.idempotency_key,
+            "idempotency.key": shown_key(event.idempotency_key),
             "http.request.method": event.method,
             **url_attributes,
         }
@@ -259,7 +262,7 @@ class OTelHook:
         attributes: dict[str, Any] = {"agentkey.decision": decision}
         key = getattr(event, "idempotency_key", None)
         if key:
-            attributes["idempotency.key"] = str(key)
+            attributes["idempotency.key"] = shown_key(str(key))
         status = getattr(event, "status_code", None)
         if isinstance(status, int):
             attributes["agentkey.decision_status_code"] = status

@@ -563,3 +563,20 @@ async def test_token_never_follows_a_redirect_to_another_origin(idp: IdP, driver
     assert response.status_code == 200
     assert seen == [None]
     assert idp.token_requests == 1  # the token was fetched, and sent to the first origin only
+
+
+async def test_a_tool_that_rejects_every_token_does_not_hammer_the_idp(
+    idp: IdP, driver: Driver
+) -> None:
+    """50 calls to a tool answering 401 cost 2 token requests, then 1 per rejection_interval."""
+    idp.lifetime = 3600.0
+    idp.force_401 = 10_000
+    auth = _cc(idp)  # TokenPolicy.rejection_interval: 10 s by default
+    for _ in range(50):
+        response = await driver.request("GET", idp.url + "/tool", auth=auth)
+        assert response.status_code == 401
+    assert idp.hits["client_credentials"] == 2  # the first token, one refresh after a 401
+    assert idp.tool_401 == 51  # each call sent once; the first also resent with the new token
+    CLOCK.advance(10.0)
+    await driver.request("GET", idp.url + "/tool", auth=auth)
+    assert idp.hits["client_credentials"] == 3  # the interval passed: one refresh more

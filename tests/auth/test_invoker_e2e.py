@@ -109,7 +109,11 @@ async def test_polls_carry_a_fresh_token(idp: IdP, kind: str) -> None:
     idp.polls_until_done = 8
     auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET)
     polling = PollPolicy(
-        initial_backoff=0.3, backoff_multiplier=1.0, max_backoff=0.3, deadline=30.0
+        initial_backoff=0.3,
+        backoff_multiplier=1.0,
+        max_backoff=0.3,
+        deadline=30.0,
+        min_interval=0.3,
     )
     step = PlanSession.new().step(0, "build", {"image": "api:1.2"})
     routes = {"build": "/jobs"}

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
+from urllib.parse import parse_qsl, quote, quote_plus
 
 import httpx
 import pytest
 
-from agentkey import AgentKeyError
+from agentkey import AgentKeyError, DelegationExpired, TokenError
+from agentkey._protocol import Answer
 from agentkey.auth import (
     ACCESS_TOKEN_TYPE,
     ClientCredentials,
@@ -22,6 +25,7 @@ from agentkey.auth import (
     TokenPolicy,
 )
 from agentkey.auth._base import TokenProvider
+from agentkey.auth._endpoint import TokenRequest
 from tests.auth._idp import IdP, Reply
 from tests.auth.conftest import (
     CLIENT_ID,
@@ -159,3 +163,83 @@ print([m for m in sys.modules if m.startswith("authlib.integrations")])
     )
     assert out.stdout.strip() == "[]"
     assert out.stderr == ""
+
+
+def _echo(idp: IdP, text: str) -> None:
+    """The token endpoint's next answer: 400 invalid_grant whose description is ``text``."""
+    idp.replies = [Reply(400, {"error": "invalid_grant", "error_description": text})]
+
+
+def _no_trace(error: BaseException, secret: str) -> None:
+    """Neither the secret nor any 8 characters of it, raw or form-encoded, in the error."""
+    texts = [str(error), repr(error), str(getattr(error, "error_description", ""))]
+    texts.append(str(getattr(error, "error", "")))
+    pieces = {secret[i : i + 8] for i in range(len(secret) - 7)}
+    for text in texts:
+        assert not any(piece in text for piece in pieces), text
+        assert quote(secret, safe="") not in text, text
+
+
+@pytest.mark.parametrize("where", ["plain", "encoded", "straddling-the-cut", "in-control-chars"])
+def test_secrets_the_token_endpoint_echoes_never_reach_errors(idp: IdP, where: str) -> None:
+    """A client secret, refresh token or subject token echoed in error_description is cut out.
+
+    Cut first, before control characters are folded and the text is shortened to 300
+    characters: an echo that straddles the cut leaves no piece of the secret either.
+    """
+    url = idp.url + "/token"
+    secret, refresh, subject = "p@ss:w/rd-odd-secret", "rt-echoed-refresh-0123", "user-echoed-0123"
+
+    def said(value: str) -> str:
+        if where == "encoded":
+            return f"refused {quote_plus(value)} for this client"
+        if where == "straddling-the-cut":  # the 300-character cut falls 10 characters in
+            return "x" * 290 + value
+        if where == "in-control-chars":
+            return f"refused\x00{value}\x1b[0m"
+        return f"the value {value} is not valid"
+
+    cases: list[tuple[TokenProvider, str, type[TokenError]]] = [
+        (ClientCredentials(url, CLIENT_ID, secret, policy=FAST), secret, TokenError),
+        (
+            ClientCredentials(url, CLIENT_ID, secret, auth_method="client_secret_post"),
+            secret,
+            TokenError,
+        ),
+        (
+            RefreshTokenGrant(url, CLIENT_ID, secret, refresh_token=refresh, policy=FAST),
+            refresh,
+            DelegationExpired,
+        ),
+        (
+            TokenExchange(url, CLIENT_ID, secret, subject_token=subject, policy=FAST),
+            subject,
+            DelegationExpired,
+        ),
+    ]
+    for auth, echoed, expected in cases:
+        _echo(idp, said(echoed) + " / " + said(secret))
+        with pytest.raises(expected) as caught:
+            auth.get_token()
+        for value in (echoed, secret):
+            _no_trace(caught.value, value)
+        assert "<redacted>" in (caught.value.error_description or "")
+
+
+def test_a_private_key_jwt_assertion_echoed_is_cut_out() -> None:
+    """The client assertion signed for one token request never comes back in its TokenError."""
+    auth = ClientCredentials(
+        "https://idp.example/token", JWT_CLIENT, auth_method="private_key_jwt",
+        private_key=PRIVATE_PEM,
+    )  # fmt: skip
+    endpoint = auth._endpoint
+    request = TokenRequest("client_credentials")
+    out = endpoint.outgoing(request)
+    assertion = dict(parse_qsl((out.content or b"").decode()))["client_assertion"]
+    echoed = {"error": "invalid_client", "error_description": f"bad assertion {assertion}"}
+    answer = Answer(400, {}, json.dumps(echoed).encode(), endpoint.url)
+    secrets = endpoint.sent_secrets(request, out)
+    with pytest.raises(TokenError) as caught:
+        endpoint.interpret(request, answer, 0.0, secrets=secrets)
+    _no_trace(caught.value, assertion)
+    assert caught.value.error_description == "bad assertion <redacted>"

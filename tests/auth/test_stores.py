@@ -280,3 +280,53 @@ def test_two_providers_on_one_store_take_turns_rotating(
     assert errors == []
     assert idp.hits["refresh_token"] == 20
     assert len(idp.spent_refresh) == 20
+
+
+def test_lock_files_and_new_directories_are_private(tmp_path: Path) -> None:
+    """Lock files are 0600 and every directory the store creates is 0700, whatever the umask."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    path = shared / "a" / "b" / "tokens.bin"
+    store = EncryptedFileTokenStore(path, key=os.urandom(32))
+    old = os.umask(0o022)
+    try:
+        store.save("k", SecretStr("v"))
+        with store.rotation_lock("k"):
+            pass
+    finally:
+        os.umask(old)
+    for name in ("tokens.bin.lock", "tokens.bin.rotate.lock"):
+        assert stat.S_IMODE((path.parent / name).stat().st_mode) == 0o600, name
+    for directory in (shared / "a", shared / "a" / "b"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755  # an existing directory is left alone
+
+
+def test_a_readable_lock_file_left_by_an_older_version_is_made_private(tmp_path: Path) -> None:
+    """A lock file created 0644 before this release is narrowed to 0600 on first use."""
+    path = tmp_path / "tokens.bin"
+    lock = tmp_path / "tokens.bin.lock"
+    lock.touch()
+    lock.chmod(0o644)
+    EncryptedFileTokenStore(path, key=os.urandom(32)).save("k", SecretStr("v"))
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX symlinks and owners")
+def test_a_planted_lock_file_is_refused(tmp_path: Path) -> None:
+    """A symlinked lock file, or one another user owns, is an AuthError, never a lock to share."""
+    path = tmp_path / "tokens.bin"
+    store = EncryptedFileTokenStore(path, key=os.urandom(32))
+    target = tmp_path / "elsewhere"
+    (tmp_path / "tokens.bin.lock").symlink_to(target)
+    with pytest.raises(AuthError, match="lock file"):
+        store.save("k", SecretStr("v"))
+    assert not target.exists()
+    if os.geteuid() != 0:
+        return  # only root can give a file to another user
+    (tmp_path / "tokens.bin.lock").unlink()
+    (tmp_path / "tokens.bin.lock").touch()
+    os.chown(tmp_path / "tokens.bin.lock", 65534, 65534)
+    with pytest.raises(AuthError, match="belongs to another user"):
+        store.save("k", SecretStr("v"))

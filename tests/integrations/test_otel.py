@@ -30,6 +30,7 @@ from agentkey import (
     ToolInvoker,
     ToolRejected,
 )
+from agentkey._keys import shown_key
 from agentkey.auth import ClientCredentials
 from agentkey.integrations.otel import OTelHook
 from agentkey.server import IdempotencyMiddleware, MemoryStore
@@ -130,7 +131,9 @@ async def test_each_attempt_carries_its_own_traceparent(
     assert invoke.name == "agentkey.invoke charge"
     attempts = sorted(_spans(exporter, "POST"), key=lambda s: s.start_time or 0)
     assert invoke.attributes is not None
-    assert invoke.attributes["idempotency.key"] == step.idempotency_key
+    assert invoke.attributes["idempotency.key"] == shown_key(step.idempotency_key)
+    assert invoke.attributes["idempotency.key"].startswith(f"{step.plan_session_id}:step_000:#")
+    _no_whole_key(exporter, step.idempotency_key)
     assert invoke.attributes["agentkey.step"] == "step_000"
     assert invoke.attributes["agentkey.outcome"] == "executed"
     assert invoke.attributes["agentkey.attempts"] == 2 == result.attempts
@@ -224,6 +227,15 @@ async def test_a_failed_call_ends_its_span_with_the_error(
     assert "agentkey.outcome" not in (invoke.attributes or {})
 
 
+def _no_whole_key(exporter: InMemorySpanExporter, key: str) -> None:
+    """No span attribute or event attribute holds the key's args hash (the key is a secret)."""
+    secret = key.rsplit(":", 1)[1]
+    for span in exporter.get_finished_spans():
+        values = [*(span.attributes or {}).values()]
+        values += [v for event in span.events for v in (event.attributes or {}).values()]
+        assert not any(secret in str(v) for v in values), span.name
+
+
 async def test_the_server_span_gets_the_middlewares_decision(
     provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
@@ -238,7 +250,8 @@ async def test_the_server_span_gets_the_middlewares_decision(
         invoker.invoke(step)
     decisions = [_decision(exporter, s) for s in _server_spans(exporter, 2)]
     assert [d.get("agentkey.decision") for d in decisions] == ["claimed", "replay"]
-    assert all(d["idempotency.key"] == step.idempotency_key for d in decisions)
+    assert all(d["idempotency.key"] == shown_key(step.idempotency_key) for d in decisions)
+    _no_whole_key(exporter, step.idempotency_key)
     assert sum(tools.executions.values()) == 1
 
 

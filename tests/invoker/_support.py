@@ -41,6 +41,7 @@ FAST_POLL = PollPolicy(
     max_backoff=0.002,
     max_retry_after=0.002,
     deadline=10.0,
+    min_interval=0.001,
 )
 
 Event = InvokeEvent

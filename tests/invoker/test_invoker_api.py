@@ -21,7 +21,7 @@ from agentkey import (
     ToolResult,
 )
 
-from ._support import BASE, DRIVERS, FAST_POLL, Bearer, Driver, Script, make_step, run_invoke
+from ._support import BASE, DRIVERS, Bearer, Driver, Script, make_step, run_invoke
 
 
 def ok() -> httpx.Response:
@@ -279,50 +279,6 @@ def test_key_and_body_are_the_steps(args: dict[str, object]) -> None:
     (request,) = script.requests
     assert request.headers["Idempotency-Key"] == step.idempotency_key == result.idempotency_key
     assert request.content == step.body
-
-
-@pytest.mark.parametrize("driver", DRIVERS)
-def test_foreign_polls_carry_nothing_of_the_client(driver: Driver) -> None:
-    """A poll to an allowed foreign origin omits the client's default headers and cookies."""
-    script = Script(
-        [
-            httpx.Response(202, headers={"Location": "https://status.test/ops/1"}),
-            httpx.Response(200, json={"status": "succeeded"}),
-        ]
-    )
-    defaults: dict[str, Any] = {
-        "headers": {"Authorization": "Bearer client-default", "X-Api-Key": "k"},
-        "cookies": {"session": "abc"},
-    }
-    transport = httpx.MockTransport(script)
-    options: dict[str, Any] = {
-        "allowed_poll_origins": ["https://status.test"],
-        "hooks": (),
-        "polling": FAST_POLL,
-    }
-    step = make_step()
-    if driver == "sync":
-        with (
-            httpx.Client(transport=transport, **defaults) as client,
-            ToolInvoker(BASE, client=client, **options) as inv,
-        ):
-            inv.invoke(step, path="/t", headers={"X-Tenant": "t1"})
-    else:
-
-        async def main() -> None:
-            async with (
-                httpx.AsyncClient(transport=transport, **defaults) as client,
-                AsyncToolInvoker(BASE, client=client, **options) as inv,
-            ):
-                await inv.invoke(step, path="/t", headers={"X-Tenant": "t1"})
-
-        asyncio.run(main())
-    post, poll = script.requests
-    assert post.headers["X-Api-Key"] == "k"
-    assert post.headers["X-Tenant"] == "t1"
-    assert poll.url.host == "status.test"
-    for name in ("Authorization", "X-Api-Key", "Cookie", "Idempotency-Key", "X-Tenant"):
-        assert name not in poll.headers, name
 
 
 @pytest.mark.parametrize("invoker_cls", [ToolInvoker, AsyncToolInvoker])

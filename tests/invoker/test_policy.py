@@ -105,7 +105,16 @@ def test_every_policy_speaks_one_vocabulary() -> None:
         assert shared | {"deadline"} <= {f.name for f in dataclasses.fields(cls)}
     assert {"max_attempts"} <= {f.name for f in dataclasses.fields(TokenPolicy)}
     assert RetryPolicy().schedule == Backoff(0.5, 10.0, 2.0, True, 30.0)
-    assert PollPolicy().schedule == Backoff(1.0, 30.0, 1.5, False, 30.0)
+    assert PollPolicy().schedule == Backoff(1.0, 30.0, 1.5, False, 30.0, 0.5)
+
+
+def test_polls_have_a_floor() -> None:
+    """Retry-After: 0 on a status URL still waits PollPolicy.min_interval (0.5 s by default)."""
+    assert PollPolicy().schedule.delay(3, 0.0) == 0.5
+    assert PollPolicy(initial_backoff=0.0, max_backoff=0.0).wait(1) == 0.5
+    assert PollPolicy(min_interval=0.0).schedule.delay(1, 0.0) == 0.0  # an explicit opt-out
+    with pytest.raises(ConfigurationError, match="min_interval"):
+        PollPolicy(min_interval=-1.0)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from agentkey import (
     ToolRejected,
     UnsafeRedirect,
 )
+from agentkey._keys import shown_key
 from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
 from agentkey._protocol import (
@@ -164,7 +165,8 @@ def test_budget_exhausted_errors() -> None:
     assert isinstance(unknown, OutcomeUnknown)
     assert "may have run" in str(unknown)
     assert "same key is safe" in str(unknown)
-    assert CTX.idempotency_key in str(unknown)
+    assert shown_key(CTX.idempotency_key) in str(unknown)
+    assert CTX.idempotency_key not in str(unknown)
 
 
 @given(

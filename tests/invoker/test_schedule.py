@@ -60,9 +60,36 @@ def test_full_jitter_scales_the_ceiling() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [(-1.0, 1.0), (2.0, 1.0), (0.1, math.inf), (0.1, 1.0, 0.5), (0.1, 1.0, 2.0, True, -1.0)],
+    [
+        (-1.0, 1.0),
+        (2.0, 1.0),
+        (0.1, math.inf),
+        (0.1, 1.0, 0.5),
+        (0.1, 1.0, 2.0, True, -1.0),
+        (0.1, 1.0, 2.0, True, 1.0, -1.0),
+        (0.1, 1.0, 2.0, True, 1.0, math.inf),
+    ],
 )
 def test_nonsense_is_refused(args: tuple[float, ...]) -> None:
     """Negative, inverted, infinite or shrinking schedules raise ConfigurationError."""
     with pytest.raises(ConfigurationError):
         Backoff(*args)  # type: ignore[arg-type]
+
+
+@given(
+    backoff=backoffs(),
+    floor=st.floats(0, 100, allow_nan=False),
+    attempt=st.integers(1, 100),
+    hint=st.none() | st.floats(0, 1e300),
+    draw=draws,
+)
+def test_no_wait_is_below_the_floor(
+    backoff: Backoff, floor: float, attempt: int, hint: float | None, draw: float
+) -> None:
+    """With a floor, every wait (Retry-After: 0 and a jitter draw of 0 included) is >= floor."""
+    floored = Backoff(
+        backoff.initial, backoff.cap, backoff.multiplier, backoff.jitter,
+        backoff.max_retry_after, floor,
+    )  # fmt: skip
+    wait = floored.delay(attempt, hint, rng=lambda: draw)
+    assert wait == max(floor, backoff.delay(attempt, hint, rng=lambda: draw))

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from agentkey._http import _ALARMS, Outgoing, _Watchdog, send_sync
+from agentkey._deadline import _ALARMS, Watchdog
+from agentkey._http import Outgoing, send_sync
 from agentkey._protocol import Failure, FailureKind
 from tests._loopback import raw_server
 
@@ -30,7 +31,7 @@ def _drip(conn: socket.socket, head: bytes) -> None:
 def other_request(seconds: float, *, ended: bool) -> Iterator[None]:
     """Another sync request's alarm, due in ``seconds``: in flight, or already ``ended``."""
     ours, theirs = socket.socketpair()
-    dog = _Watchdog(time.monotonic() + seconds, {})
+    dog = Watchdog(time.monotonic() + seconds, {})
     _ALARMS.arm(dog, ours)
     give_up = time.monotonic() + 10
     while _ALARMS._wake_at != dog.deadline and time.monotonic() < give_up:
@@ -71,7 +72,7 @@ def test_a_later_deadline_does_not_wake_the_alarm_thread() -> None:
         wake_at = _ALARMS._wake_at
         assert wake_at < time.monotonic() + 31
         ours, theirs = socket.socketpair()
-        dog = _Watchdog(time.monotonic() + 60.0, {})
+        dog = Watchdog(time.monotonic() + 60.0, {})
         try:
             _ALARMS.arm(dog, ours)
             assert _ALARMS._wake_at == wake_at
