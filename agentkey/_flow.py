@@ -609,9 +609,9 @@ class _Run:
             if isinstance(reply, Answer):
                 yield from self.learn(reply)
             decision = classify(reply, self.ctx(), s.protocol)
-            if self.asked_last and held is not None and isinstance(reply, Failure):
-                # The last question about the key in flight was cut by the deadline: the
-                # holder's answer stands, this duplicate question ran nothing.
+            if held is not None and isinstance(reply, Failure) and s.clock() >= self.deadline:
+                # A question about the key in flight was cut by the deadline: the holder's
+                # answer stands (an in-flight key runs nothing for a duplicate).
                 decision = held
                 break
             ambiguous = ambiguous or decision.ambiguous
