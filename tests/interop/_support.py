@@ -251,11 +251,12 @@ def serve_idemkit(
 
 
 @contextmanager
-def serve_agentkey(redis: RedisServer) -> Iterator[Served]:
-    """agentkey's IdempotencyMiddleware on ``redis``, in front of a fresh counting tool."""
+def serve_agentkey(redis: RedisServer, **options: Any) -> Iterator[Served]:
+    """agentkey's IdempotencyMiddleware on ``redis`` (with ``options``), in front of a
+    fresh counting tool."""
     tool = Tool()
     store = RedisStore(redis.url, prefix=f"ak{uuid.uuid4().hex[:12]}")
-    middleware = Middleware(IdempotencyMiddleware, store=store)
+    middleware = Middleware(IdempotencyMiddleware, store=store, **options)
     wire = Wire(Starlette(routes=tool.routes, middleware=[middleware]))
     with serve_closing(wire, store) as url:
         yield Served(url, tool, wire, Events())
