@@ -159,7 +159,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(report.table())
-    if report.unreachable is not None:
+    if report.unreachable is not None or report.no_verdict is not None:
         return EXIT_UNREACHABLE
     return EXIT_OK if report.ok else EXIT_FAILED
 
