@@ -69,7 +69,15 @@ from ._protocol import (
     short_reason,
 )
 
-__all__ = ["CheckReport", "CheckResult", "Scope", "Verdict", "acheck_server", "check_server"]
+__all__ = [
+    "CheckReport",
+    "CheckResult",
+    "Scope",
+    "Verdict",
+    "acheck_server",
+    "check_options",
+    "check_server",
+]
 
 Verdict = Literal["PASS", "FAIL", "WARN", "SKIP"]
 Scope = Literal["contract", "agentkey"]
@@ -677,7 +685,12 @@ def _validate(
             "$AGENTKEY_CHECK_TOKEN"
         )
     if parts.scheme not in ("http", "https") or not host:
-        raise ConfigurationError(f"the target must be an http(s) URL, got {_shown(joined)!r}")
+        base = str(base_url)
+        hint = f"; did you mean 'http://{base}'?" if "://" not in base else ""
+        raise ConfigurationError(
+            f"the target must be an http(s) URL such as http://127.0.0.1:8000, got "
+            f"{_shown(base)!r}{hint}"
+        )
     if token is not None and not _TOKEN.fullmatch(token):
         # Checked here, never echoed: httpx would fail deep inside with the token in
         # the exception (UnicodeEncodeError carries the whole header value).
@@ -714,6 +727,18 @@ def _validate(
                 "other_path (--other-path) must name another route than path (--path)"
             )
     return joined, urlunsplit(parts._replace(path=other))
+
+
+def check_options(
+    base_url: str,
+    *,
+    path: str,
+    token: str | None = None,
+    style: str = "raw",
+    other_path: str | None = None,
+) -> None:
+    """Refuse an unusable target, path, token or style (ConfigurationError), sending nothing."""
+    _validate(base_url, path, token, style, 8, 30.0, other_path)
 
 
 async def acheck_server(
