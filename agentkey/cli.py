@@ -176,21 +176,18 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if isinstance(sock, str):
         print(f"agentkey: {sock}", file=sys.stderr)
         return EXIT_USAGE
+    port = sock.getsockname()[1]  # --port 0: the free port just found
+    sock.close()  # uvicorn binds it again at once (SO_REUSEADDR): the check is a fast fail
     store: Store = RedisStore(ns.redis) if ns.redis else MemoryStore()
     app = example_app(store, work_seconds=ns.work_seconds)
     where = "Redis" if ns.redis else "memory (lost on exit)"
-    port = sock.getsockname()[1]
     host = f"[{ns.host}]" if ":" in ns.host else ns.host
     print(
         f"agentkey example tool server on http://{host}:{port}: POST /tools/charge, "
         f"/tools/provision, /tools/report; GET /executions counts runs; records in {where}",
         flush=True,
     )
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
+    uvicorn.run(app, host=ns.host, port=port, log_level="warning")
     return EXIT_OK
 
 

@@ -94,7 +94,14 @@ def test_serve_on_a_live_redis_listens_on_the_port_it_prints(redis_proc: RedisSe
                 "headers": {"Idempotency-Key": key},
             }
             with httpx.Client(base_url=found.group(0), timeout=10) as client:
-                first = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
+                deadline = time.monotonic() + 30
+                while True:  # uvicorn binds the port just after the banner
+                    try:
+                        first = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
+                        break
+                    except httpx.ConnectError:
+                        assert time.monotonic() < deadline, "agentkey serve did not listen"
+                        time.sleep(0.05)
                 second = client.post("/tools/charge", **sent)  # type: ignore[arg-type]
         finally:
             proc.terminate()
