@@ -21,8 +21,19 @@ execution unless a replay header (any dialect) marks it or it repeats an
 earlier answer's status and body exactly.
 
 A target that cannot be reached (down, DNS, TLS) gives no verdict at all: the
-report says "could not reach" with the cause. All HTTP goes through
-``_http``, which caps how much of an answer is read.
+report says "could not reach" with the cause. Neither does a fresh request the
+tool refuses (a wrong ``--path``, ``--args`` or ``--token``: the report says
+which to fix), nor a connection that fails mid-check twice (the second time on a
+fresh connection): that is a transport problem, not the server's contract.
+
+A refusal that is safe but not the draft's answer (a 409 for another body, where
+the draft says 422) is a ``WARN``: a deviation, reported, never a failure.
+
+All HTTP goes through ``_http``, which caps how much of an answer is read; each
+request must be answered whole within ``timeout`` seconds (a server that drips
+one byte at a time cannot hold the check). Everything a server says is printed
+with its control characters replaced, and the token is redacted from the answer
+before any of it is parsed or normalised.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import asyncio
 import re
 import socket
 import ssl
+import time
+import unicodedata
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 from . import _http
 from ._canonical import canonical_json, to_jsonable
 from ._exceptions import ConfigurationError
-from ._keys import HeaderStyle, StepKey
+from ._keys import HEADER_STYLES, HeaderStyle, StepKey
 from ._net import redact_url, require_secure
 from ._protocol import (
     DEFAULT_REPLAY_HEADERS,
@@ -53,11 +66,20 @@ from ._protocol import (
     problem_code,
     replay_header,
     retry_after,
+    short_reason,
 )
 
-__all__ = ["CheckReport", "CheckResult", "Scope", "Verdict", "acheck_server", "check_server"]
+__all__ = [
+    "CheckReport",
+    "CheckResult",
+    "Scope",
+    "Verdict",
+    "acheck_server",
+    "check_options",
+    "check_server",
+]
 
-Verdict = Literal["PASS", "FAIL", "SKIP"]
+Verdict = Literal["PASS", "FAIL", "WARN", "SKIP"]
 Scope = Literal["contract", "agentkey"]
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")
@@ -86,19 +108,24 @@ class CheckReport:
     """Every point checked against one target.
 
     :attr:`ok` when the target was reached and no ``contract`` row failed;
-    ``agentkey`` rows are reported but not required. :attr:`unreachable`
-    holds "could not reach <target>: <cause>" when no verdict could be given.
+    ``agentkey`` rows and ``WARN`` rows (deviations) are reported but not
+    required. :attr:`unreachable` holds "could not reach <target>: <cause>" and
+    :attr:`no_verdict` what else stopped the check (the fresh request refused,
+    a transport problem mid-check): either means no verdict was given.
     """
 
     target: str
     style: HeaderStyle
     results: tuple[CheckResult, ...]
     unreachable: str | None = field(default=None)
+    no_verdict: str | None = field(default=None)
 
     @property
     def ok(self) -> bool:
-        return self.unreachable is None and all(
-            r.verdict != "FAIL" for r in self.results if r.scope == "contract"
+        return (
+            self.unreachable is None
+            and self.no_verdict is None
+            and all(r.verdict != "FAIL" for r in self.results if r.scope == "contract")
         )
 
     def table(self) -> str:
@@ -109,25 +136,44 @@ class CheckReport:
             lines.append("")
             lines.append("no verdict: the contract was not checked")
             return "\n".join(lines)
-        width = max(len(r.name) for r in self.results)
-        lines.append(f"  {'result':<6}  {'scope':<8}  {'check':<{width}}  detail")
-        lines.append(f"  {'-' * 6}  {'-' * 8}  {'-' * width}  {'-' * 40}")
-        lines += [
-            f"  {r.verdict:<6}  {r.scope:<8}  {r.name:<{width}}  {r.detail}" for r in self.results
-        ]
-        counts = {v: sum(r.verdict == v for r in self.results) for v in ("PASS", "FAIL", "SKIP")}
+        if self.results:
+            width = max(len(r.name) for r in self.results)
+            lines.append(f"  {'result':<6}  {'scope':<8}  {'check':<{width}}  detail")
+            lines.append(f"  {'-' * 6}  {'-' * 8}  {'-' * width}  {'-' * 40}")
+            lines += [
+                f"  {r.verdict:<6}  {r.scope:<8}  {r.name:<{width}}  {r.detail}"
+                for r in self.results
+            ]
+            lines.append("")
+        if self.no_verdict is not None:
+            lines.append(self.no_verdict)
+            lines.append("")
+            lines.append("no verdict: the contract was not (fully) checked")
+            return "\n".join(lines)
+        verdicts = ("PASS", "FAIL", "WARN", "SKIP")
+        counts = {v: sum(r.verdict == v for r in self.results) for v in verdicts}
         extra = sum(r.verdict == "FAIL" and r.scope == "agentkey" for r in self.results)
-        lines.append("")
-        lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+        warned = f", {counts['WARN']} deviated" if counts["WARN"] else ""
+        lines.append(
+            f"{counts['PASS']} passed, {counts['FAIL']} failed{warned}, {counts['SKIP']} skipped"
+        )
+        deviated = (
+            f"; {counts['WARN']} deviation(s) from the draft: safe, reported, not required"
+            if counts["WARN"]
+            else ""
+        )
         if not self.ok:
             lines.append("-> the server does NOT honour the contract (a contract row failed)")
         elif extra:
             lines.append(
                 "-> the server honours the idempotency contract (IETF draft); "
-                f"{extra} agentkey-specific row(s) failed: reported, not required"
+                f"{extra} agentkey-specific row(s) failed: reported, not required{deviated}"
             )
         else:
-            lines.append("-> the server honours the idempotency contract, agentkey's rows included")
+            lines.append(
+                "-> the server honours the idempotency contract, agentkey's rows included"
+                + deviated
+            )
         return "\n".join(lines)
 
 
@@ -163,39 +209,82 @@ class _NoAnswer(Exception):
 
 
 class _Target:
-    def __init__(self, client: _http.AsyncClient, url: str, token: str | None) -> None:
+    def __init__(
+        self, client: _http.AsyncClient, url: str, token: str | None, timeout: float
+    ) -> None:
         self.client = client
         self.url = url
         self.token = token
+        self.timeout = timeout
 
     async def post(self, body: bytes, key: str | None, *, url: str | None = None) -> _Sent:
+        """One request, answered whole within ``timeout``.
+
+        A request whose connection failed (a server that closed a kept-alive connection
+        as it was reused) is sent once more on a fresh connection: its key makes that
+        safe, and the one request without a key expects a refusal. Only a second
+        failure raises :class:`_NoAnswer`; a request not answered within ``timeout`` is
+        not resent.
+        """
         headers = [("content-type", "application/json"), ("accept-encoding", "identity")]
         if key is not None:
             headers.append(("idempotency-key", key))
         if self.token is not None:
             headers.append(("authorization", f"Bearer {self.token}"))
-        out = _http.Outgoing("POST", url or self.url, tuple(headers), body, same_origin=True)
-        reply = await _http.send_async(
-            self.client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
-        )
+        reply = await self._send(self.client, url or self.url, tuple(headers), body)
+        if isinstance(reply, Failure) and not _timed_out(reply):
+            async with _http.make_async_client(_http.make_timeout(self.timeout)) as fresh:
+                reply = await self._send(fresh, url or self.url, tuple(headers), body)
         if isinstance(reply, Failure):
+            if _timed_out(reply):
+                reply = Failure(
+                    reply.kind, f"no complete answer within --timeout ({self.timeout:g} s)"
+                )
             raise _NoAnswer(reply)
-        return _sent(reply)
+        return _sent(reply, self.token)
+
+    async def _send(
+        self,
+        client: _http.AsyncClient,
+        url: str,
+        headers: tuple[tuple[str, str], ...],
+        body: bytes,
+    ) -> Answer | Failure:
+        deadline = time.monotonic() + self.timeout  # the whole exchange, not each read
+        out = _http.Outgoing("POST", url, headers, body, same_origin=True, deadline=deadline)
+        return await _http.send_async(
+            client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
+        )
 
 
-def _sent(answer: Answer) -> _Sent:
+def _timed_out(failure: Failure) -> bool:
+    return failure.description.startswith("the call's deadline")
+
+
+def _sent(answer: Answer, token: str | None = None) -> _Sent:
     marked = replay_header(answer, DEFAULT_REPLAY_HEADERS)
     error = not 200 <= answer.status_code < 300
-    code, meaning = problem_code(parse_json(answer.content)) if error else (None, None)
+    content = answer.content
+    retry_after = answer.header("retry-after")
+    if token:  # before anything is parsed or normalised (lowercased, "-" read as "_")
+        content = content.replace(token.encode(), b"***")
+        retry_after = retry_after.replace(token, "***") if retry_after else retry_after
+    code, meaning = problem_code(parse_json(content)) if error else (None, None)
     return _Sent(
         answer.status_code,
-        answer.content,
+        content,
         answer.oversize,
         marked,
-        answer.header("retry-after"),
-        code,
+        retry_after,
+        _printable(code) if code else None,
         meaning,
     )
+
+
+def _printable(text: str) -> str:
+    """``text`` fit for a terminal: control and format characters (escape sequences,
+    bidirectional overrides) become ``?``."""
+    return "".join("?" if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text)
 
 
 def _status(sent: _Sent) -> str:
@@ -217,7 +306,7 @@ def _retry_after_problem(value: str | None) -> str | None:
 
 
 def _clip(value: str, limit: int = 20) -> str:
-    flat = "".join(ch if ch.isprintable() else "?" for ch in value)
+    flat = "".join(ch if ch.isprintable() else "?" for ch in value)  # no escape reaches a tty
     return repr(flat if len(flat) <= limit else f"{flat[:limit]}... {len(flat)} chars")
 
 
@@ -243,16 +332,46 @@ class _Run:
         return StepKey.build(self.plan, step, args).header_value(style or self.style)
 
 
+class _NoVerdict(Exception):
+    """The check cannot go on, and that says nothing about the contract (the message why)."""
+
+
+def _refused_fresh(first: _Sent, style: HeaderStyle) -> str:
+    """Why a fresh request was not run, and which option to fix: no contract verdict."""
+    status = first.status
+    reason = short_reason(parse_json(first.body))
+    said = f" ({reason})" if reason else ""
+    head = f"the fresh request was answered {_status(first)}{said}, so the tool never ran: "
+    if first.meaning is Meaning.KEY:
+        others = " or ".join(f"--style {s}" for s in HEADER_STYLES if s != style)
+        fix = f"the server refused the key itself; try {others}"
+    elif status in (404, 405):
+        fix = "no tool answers POST there; fix --path (and the base URL)"
+    elif status in (401, 403):
+        fix = "the credentials were refused; fix --token (or $AGENTKEY_CHECK_TOKEN)"
+    elif 400 <= status < 500 and status not in _NOT_NOW:
+        fix = "the tool refused the request; fix --path or --args (valid arguments for it)"
+    elif status in _NOT_NOW:
+        fix = "the server is busy or the key is in use; run the check again later"
+    elif status >= 500:
+        fix = "the tool failed; fix the tool or --args, then run the check again"
+    else:
+        fix = "expected a 2xx; fix --path"
+    return head + fix
+
+
 async def _fresh_and_duplicate(run: _Run) -> list[CheckResult]:
     key = run.key(0, run.args)
     first = await run.target.post(run.body, key)
-    if not first.ok() or first.replay_header:
-        why = f" with a replay header ({first.replay_header})" if first.replay_header else ""
+    if not first.ok():
+        raise _NoVerdict(_refused_fresh(first, run.style))
+    if first.replay_header:
         return [
             CheckResult(
                 "fresh request runs",
                 "FAIL",
-                f"{_status(first)}{why}; expected a 2xx: check --path, --args and --token",
+                f"{_status(first)} with a replay header ({first.replay_header}) for a key "
+                "never sent before: the answer of another request",
             ),
             CheckResult("duplicate is replayed", "SKIP", "no fresh result"),
             CheckResult("replays carry a replay header", "SKIP", "no fresh result", "agentkey"),
@@ -304,9 +423,14 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
     name = "concurrent duplicates run once"
     problems = []
     if not done:
+        statuses = sorted({s.status for s in sent})
+        stuck = (
+            " (a key stuck in progress answers 409 forever)"
+            if all(s.status in IN_FLIGHT_STATUSES for s in sent)
+            else ""
+        )
         problems.append(
-            f"none of the {n} answers was a 2xx: the step never ran (a key stuck in "
-            "progress answers 409 forever)"
+            f"none of the {n} answers was a 2xx ({statuses}): the step never ran{stuck}"
         )
     if len(executed) > 1:
         problems.append(f"the answers show {len(executed)} executions of one key")
@@ -345,7 +469,7 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
 
 async def _changed_args(run: _Run) -> list[CheckResult]:
     changed_body = canonical_json(run.changed)
-    sent = await run.target.post(changed_body, run.key(0, run.changed, "raw"))
+    sent = await run.target.post(changed_body, run.key(0, run.changed))
     results = []
     name = "changed args are a new operation"
     if sent.ok() and not sent.replay_header:
@@ -370,14 +494,25 @@ async def _changed_args(run: _Run) -> list[CheckResult]:
 
 
 def _expect_mismatch(name: str, sent: _Sent, scope: Scope) -> CheckResult:
-    """422, or a 4xx whose problem code means "another body" in a known dialect (Stripe's)."""
+    """422, or a 4xx whose problem code means "another body" in a known dialect (Stripe's).
+
+    Any other refusal (a 409, a 400) is safe, as nothing ran: a deviation (the draft
+    says SHOULD), never a failure. A 2xx ran or replayed a body the key was not made
+    for: that fails.
+    """
+    code = f" {sent.code}" if sent.code else ""
     if sent.status == 422:
-        return CheckResult(name, "PASS", "422" + (f" {sent.code}" if sent.code else ""), scope)
+        return CheckResult(name, "PASS", f"422{code}", scope)
     if 400 <= sent.status < 500 and sent.meaning is Meaning.MISMATCH:
         return CheckResult(
+            name, "PASS", f"{sent.status}{code} (a mismatch dialect; the draft says 422)", scope
+        )
+    if 400 <= sent.status < 500:
+        return CheckResult(
             name,
-            "PASS",
-            f"{sent.status} {sent.code} (a mismatch dialect; the draft says 422)",
+            "WARN",
+            f"{sent.status}{code}: refused, so nothing ran twice, but the draft says 422; "
+            "clients may read it as something else (a 409 as 'in flight')",
             scope,
         )
     ran = " (the tool ran or replayed with a body its key was not made for)" if sent.ok() else ""
@@ -447,6 +582,10 @@ async def _malformed(run: _Run) -> list[CheckResult]:
 
 async def _styles(run: _Run) -> CheckResult:
     name = "both header styles accepted"
+    if run.style == "uuid":
+        return CheckResult(
+            name, "SKIP", "--style uuid: the raw and sf-string forms are other keys", "agentkey"
+        )
     key = StepKey.build(run.plan, 2, run.args)
     other = _other(run.style)
     first = await run.target.post(run.body, key.header_value(other))
@@ -546,7 +685,12 @@ def _validate(
             "$AGENTKEY_CHECK_TOKEN"
         )
     if parts.scheme not in ("http", "https") or not host:
-        raise ConfigurationError(f"the target must be an http(s) URL, got {_shown(joined)!r}")
+        base = str(base_url)
+        hint = f"; did you mean 'http://{base}'?" if "://" not in base else ""
+        raise ConfigurationError(
+            f"the target must be an http(s) URL such as http://127.0.0.1:8000, got "
+            f"{_shown(base)!r}{hint}"
+        )
     if token is not None and not _TOKEN.fullmatch(token):
         # Checked here, never echoed: httpx would fail deep inside with the token in
         # the exception (UnicodeEncodeError carries the whole header value).
@@ -556,8 +700,10 @@ def _validate(
         )
     if token is not None:
         require_secure(joined, what="a bearer token")
-    if style not in ("raw", "sf-string"):
-        raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
+    if style not in HEADER_STYLES:
+        raise ConfigurationError(
+            f"unknown key header style {style!r}; use 'raw', 'sf-string' or 'uuid'"
+        )
     if (
         isinstance(concurrency, bool)
         or not isinstance(concurrency, int)
@@ -581,6 +727,18 @@ def _validate(
                 "other_path (--other-path) must name another route than path (--path)"
             )
     return joined, urlunsplit(parts._replace(path=other))
+
+
+def check_options(
+    base_url: str,
+    *,
+    path: str,
+    token: str | None = None,
+    style: str = "raw",
+    other_path: str | None = None,
+) -> None:
+    """Refuse an unusable target, path, token or style (ConfigurationError), sending nothing."""
+    _validate(base_url, path, token, style, 8, 30.0, other_path)
 
 
 async def acheck_server(
@@ -613,14 +771,20 @@ async def acheck_server(
     plan = "agentkey-check-" + uuid.uuid4().hex[:16]
     shown = _shown(url)
     results: list[CheckResult] = []
+    no_verdict = None
     async with _http.make_async_client(_http.make_timeout(timeout)) as client:
-        target = _Target(client, url, token)
+        target = _Target(client, url, token, float(timeout))
         run = _Run(target, plan, canonical_json(plain), plain, changed, style, other_url)
         try:
             results += await _fresh_and_duplicate(run)
         except _NoAnswer as exc:
-            cause = await _why_unreachable(url, exc.failure, float(timeout))
-            return CheckReport(shown, style, (), unreachable=f"could not reach {shown}: {cause}")
+            if run.first is None:  # nothing answered yet
+                cause = await _why_unreachable(url, exc.failure, float(timeout))
+                why = _shown_text(f"could not reach {shown}: {cause}", token)
+                return CheckReport(shown, style, (), unreachable=why)
+            return CheckReport(shown, style, (), no_verdict=_transport(shown, exc, token))
+        except _NoVerdict as exc:
+            return CheckReport(shown, style, (), no_verdict=_shown_text(str(exc), token))
         steps: Sequence[Any] = (
             lambda: _concurrent(run, concurrency),
             lambda: _changed_args(run),
@@ -632,20 +796,27 @@ async def acheck_server(
             try:
                 produced = await step()
             except _NoAnswer as exc:
-                results.append(
-                    CheckResult(
-                        "request",
-                        "FAIL",
-                        f"no answer from {shown} ({exc.failure.description}) in mid-check",
-                    )
-                )
+                no_verdict = _transport(shown, exc, token)
                 break
             results += produced if isinstance(produced, list) else [produced]
-    if token:
-        results = [
-            CheckResult(r.name, r.verdict, r.detail.replace(token, "***"), r.scope) for r in results
-        ]
-    return CheckReport(shown, style, tuple(results))
+    results = [
+        CheckResult(r.name, r.verdict, _shown_text(r.detail, token), r.scope) for r in results
+    ]
+    return CheckReport(shown, style, tuple(results), no_verdict=no_verdict)
+
+
+def _transport(shown: str, exc: _NoAnswer, token: str | None) -> str:
+    return _shown_text(
+        f"a transport problem in mid-check: no answer from {shown} "
+        f"({exc.failure.description}), twice (the second time on a fresh connection). "
+        "That says nothing about the contract; run the check again",
+        token,
+    )
+
+
+def _shown_text(text: str, token: str | None) -> str:
+    """``text`` fit to print: the token redacted first, then control characters replaced."""
+    return _printable(text.replace(token, "***") if token else text)
 
 
 def check_server(

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from . import _http
-from ._exceptions import MissingExtra
 from ._hooks import InvokeEvent, ReplayEvent, RetryEvent
 from ._invoker import AsyncToolInvoker, ToolResult
 from ._plan import PlanSession
@@ -59,9 +58,9 @@ def _short(key: str) -> str:
 async def _run(out: Callable[[str], None]) -> int:
     try:
         from .server import example_app  # the server half is an extra
-    except MissingExtra:
+    except ImportError:  # MissingExtra, or a package of the extra missing
         out("agentkey demo needs the server half: pip install 'agentkey-idempotency[server]'")
-        return 1
+        return 2  # a usage error, as for `agentkey serve`: 1 means the contract broke
 
     app = example_app(work_seconds=0.3, shared_key_space=True)  # one agent, in process
     faulty = _LoseFirstAnswer(app, "/tools/charge")

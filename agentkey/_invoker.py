@@ -39,11 +39,11 @@ from ._http import (
     send_async,
     send_sync,
 )
-from ._keys import HeaderStyle, StepKey
+from ._keys import HEADER_STYLES, HeaderStyle, StepKey
 from ._net import is_loopback, origin_of, redact_url
 from ._plan import Step
 from ._policy import PollPolicy, RetryPolicy
-from ._protocol import DEFAULT_REPLAY_HEADERS, ProtocolConfig, parse_json
+from ._protocol import DEFAULT_REPLAY_HEADERS, ProtocolConfig, parse_json, replay_markers
 from .journal._base import Journal, current_owner, in_flight
 from .journal._default import resolve_journal
 from .journal._verify import HttpLookup
@@ -73,6 +73,8 @@ class Outcome(str, enum.Enum):
 
     EXECUTED = "executed"
     REPLAYED = "replayed"
+    #: The server marks no replays (``replay_headers=()``): this answer may be either.
+    UNKNOWN = "unknown"
 
 
 class ToolResult(BaseModel):
@@ -104,7 +106,11 @@ class ToolResult(BaseModel):
     @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern
     @property
     def replayed(self) -> bool:
-        """True when the tool replayed a stored outcome instead of running the step now."""
+        """True when the tool replayed a stored outcome instead of running the step now.
+
+        False when it ran the step, or when the server marks no replays (``outcome``
+        is then ``Outcome.UNKNOWN``).
+        """
         return self.outcome is Outcome.REPLAYED
 
     @property
@@ -155,16 +161,23 @@ class _InvokerBase:
             raise ConfigurationError(f"retry must be a RetryPolicy, got {retry!r}")
         if not isinstance(polling, PollPolicy):
             raise ConfigurationError(f"polling must be a PollPolicy, got {polling!r}")
-        if key_header_style not in ("raw", "sf-string"):
+        if key_header_style not in HEADER_STYLES:
             raise ConfigurationError(
-                f"key_header_style must be 'raw' or 'sf-string', got {key_header_style!r}"
+                "key_header_style must be 'raw', 'sf-string' or 'uuid' (a UUIDv5 of the key, "
+                f"for servers that accept only UUIDs), got {key_header_style!r}"
             )
-        if isinstance(replay_headers, str) or not all(
-            isinstance(h, str) and h.strip() for h in replay_headers
-        ):
+        try:
+            replay_markers(tuple(replay_headers))
+            valid = not isinstance(replay_headers, str)
+        except (TypeError, AttributeError, ValueError):
+            valid = False
+        if not valid:
             raise ConfigurationError(
-                f"replay_headers must be a sequence of header names, got {replay_headers!r}"
+                "replay_headers must be a sequence of header names ('Idempotent-Replayed': "
+                "the value true marks a replay) or 'Name: value' entries ('X-Ichido-Status: "
+                f"replayed'), or () for a server that marks none; got {replay_headers!r}"
             )
+        self._unmarked = Outcome.EXECUTED if replay_headers else Outcome.UNKNOWN
         if isinstance(allowed_poll_origins, str) or not isinstance(allowed_poll_origins, Iterable):
             raise ConfigurationError(
                 "allowed_poll_origins must be a list of origins like "
@@ -352,8 +365,7 @@ class _InvokerBase:
         )  # fmt: skip
         return _flow.resume(call, self._settings)
 
-    @staticmethod
-    def _result(done: Finished) -> ToolResult:
+    def _result(self, done: Finished) -> ToolResult:
         # Validated, not model_construct(): pydantic-core checks these 10 fields in ~5 µs,
         # model_construct (pure Python) takes twice that.
         answer = done.answer
@@ -361,7 +373,7 @@ class _InvokerBase:
             status_code=answer.status_code,
             body=parse_json(answer.content),
             headers=dict(answer.headers),
-            outcome=Outcome.REPLAYED if done.replayed else Outcome.EXECUTED,
+            outcome=Outcome.REPLAYED if done.replayed else self._unmarked,
             idempotency_key=done.key,
             step=done.label,
             attempts=done.attempts,

@@ -6,6 +6,10 @@
   step             step_003, sub-steps step_003.001 (each index >= 0, 3+ digits)
   args_hash        64 lowercase hex: sha256 of the canonical JSON of the arguments
 ```
+
+Header styles: ``raw`` (the key as is), ``sf-string`` (an RFC 8941 string, quoted)
+and ``uuid`` (a UUIDv5 of the raw key, for servers that accept only UUIDs: the same
+step still sends the same UUID).
 """
 
 from __future__ import annotations
@@ -23,24 +27,33 @@ from ._exceptions import ConfigurationError, InvalidKey
 
 __all__ = [
     "AGENTKEY_NAMESPACE",
+    "HEADER_STYLES",
+    "KEY_UUID_NAMESPACE",
     "HeaderStyle",
     "StepIndex",
     "StepKey",
     "format_step",
     "key_prefix",
     "normalize_step",
+    "parse_sf_item",
     "plan_id_from_external",
     "raw_key",
     "shown_key",
     "step_key",
+    "uuid_key",
     "validate_plan_session_id",
 ]
 
-HeaderStyle: TypeAlias = Literal["raw", "sf-string"]
+HeaderStyle: TypeAlias = Literal["raw", "sf-string", "uuid"]
+#: Every key header style, in the order the docs list them.
+HEADER_STYLES: tuple[HeaderStyle, ...] = ("raw", "sf-string", "uuid")
 StepIndex: TypeAlias = "int | Sequence[int]"
 
 #: Namespace for UUIDv5 plan ids derived from external ids that are not valid as is.
 AGENTKEY_NAMESPACE = uuid.UUID("6f1c3d2e-8b4a-5c7d-9e0f-a1b2c3d4e5f6")
+#: Namespace of the ``uuid`` header style: ``uuid5(KEY_UUID_NAMESPACE, raw key)``. Fixed
+#: forever: changing it would give every step already sent a new key.
+KEY_UUID_NAMESPACE = uuid.UUID("0b6f3c52-2d8e-5a41-9c07-6e4d1f8a2b93")
 
 MAX_KEY_LENGTH = 255
 MAX_PLAN_ID_LENGTH = 64
@@ -163,6 +176,37 @@ def _parse_sf_string(value: str) -> str:
     return "".join(out)
 
 
+# RFC 8941 parameters after an Item: ;key or ;key=bare-item (token, number, string, boolean).
+_SF_PARAMS = re.compile(
+    r"(?:;[ ]*[a-z*][a-z0-9_.*-]*(?:=(?:\?[01]|-?[0-9]{1,15}(?:\.[0-9]{1,3})?"
+    r'|[A-Za-z*][!#$%&\'*+.^_`|~0-9A-Za-z:/-]*|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"))?)*'
+)
+
+
+def parse_sf_item(value: str) -> str:
+    """The string of an RFC 8941 Item holding an sf-string, its parameters dropped.
+
+    ``"k"`` and ``"k";x=1`` (parameters, which the IETF draft's syntax allows and
+    which say nothing about the key) both give ``k``. Anything else after the
+    closing quote, or a broken string, raises :class:`InvalidKey`.
+    """
+    end = 1
+    while end < len(value):
+        if value[end] == "\\":
+            end += 2
+            continue
+        if value[end] == '"':
+            break
+        end += 1
+    string, params = value[: end + 1], value[end + 1 :]
+    if params and not _SF_PARAMS.fullmatch(params):
+        raise InvalidKey(
+            f"invalid sf-string header value {value[:80]!r}: after the quoted key only RFC "
+            "8941 parameters (;name or ;name=value) may follow"
+        )
+    return _parse_sf_string(string)
+
+
 @dataclass(frozen=True, slots=True)
 class StepKey:
     """A parsed, validated ``Idempotency-Key``.
@@ -229,7 +273,7 @@ class StepKey:
             raise InvalidKey(
                 f"Idempotency-Key is {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed"
             )
-        raw = _parse_sf_string(value) if value.startswith('"') else value
+        raw = parse_sf_item(value) if value.startswith('"') else value
         fields = raw.split(":")
         if len(fields) != 3:
             raise InvalidKey(
@@ -261,12 +305,16 @@ class StepKey:
         return self._raw
 
     def header_value(self, style: HeaderStyle = "raw") -> str:
-        """The ``Idempotency-Key`` header value in ``raw`` or ``sf-string`` style."""
+        """The ``Idempotency-Key`` header value in ``raw``, ``sf-string`` or ``uuid`` style."""
         if style == "raw":
             return self._raw
         if style == "sf-string":
             return f'"{self._raw}"'  # the key's alphabet needs no escaping
-        raise ConfigurationError(f"unknown key header style {style!r}; use 'raw' or 'sf-string'")
+        if style == "uuid":
+            return uuid_key(self._raw)
+        raise ConfigurationError(
+            f"unknown key header style {style!r}; use 'raw', 'sf-string' or 'uuid'"
+        )
 
     def __str__(self) -> str:
         return self._raw
@@ -300,6 +348,16 @@ def step_key(
 ) -> str:
     """Return the raw ``Idempotency-Key`` for ``args`` at ``step`` of a plan."""
     return StepKey.build(plan_session_id, step, args, profile=profile).format()
+
+
+def uuid_key(key: str) -> str:
+    """The ``uuid`` header style of the raw agentkey ``key``: its UUIDv5, lowercase.
+
+    For servers that accept only UUIDs. The same key always gives the same UUID
+    (so a retry, a restart or a replan with unchanged arguments sends the same
+    value), and changed arguments give another one, as their key differs.
+    """
+    return str(uuid.uuid5(KEY_UUID_NAMESPACE, key))
 
 
 def shown_key(key: str) -> str:

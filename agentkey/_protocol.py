@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,7 +39,7 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
-from ._keys import shown_key
+from ._keys import shown_key, uuid_key
 from ._net import Origin, has_control_character, origin_of, scrub_json
 from ._retry_after import TOO_LONG, parse_retry_after
 
@@ -68,17 +69,20 @@ __all__ = [
     "poll_target",
     "problem_code",
     "replay_header",
+    "replay_markers",
     "retry_after",
     "short_reason",
 ]
 
-#: Replay headers recognised by default (compared case-insensitively, value ``true``).
+#: Replay headers recognised by default. An entry is a header name (its value ``true``
+#: marks a replay) or ``"Name: value"`` (that value does); both compare case-insensitively.
 DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
     "Idempotent-Replayed",
     "Idempotency-Replayed",
     "Idempotent-Replay",
     "X-Idempotent-Replayed",
     "X-Idempotency-Replayed",
+    "X-Ichido-Status: replayed",  # ichido 0.1 (it sends "executed" on a first run)
 )
 
 _SUCCEEDED = frozenset({"succeeded", "success", "completed", "complete", "done"})
@@ -193,13 +197,34 @@ def _parsed(answer: Answer) -> object:
     return scrub_json(parse_json(answer.content), answer.sent_secrets)
 
 
+@functools.lru_cache(maxsize=64)
+def replay_markers(entries: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    """``(lowercase name, lowercase value, the entry)`` of each replay header entry.
+
+    An entry is ``"Name"`` (the value ``true`` marks a replay) or ``"Name: value"``.
+    Raises ValueError for an entry that is neither.
+    """
+    out = []
+    for entry in entries:
+        name, sep, value = entry.partition(":")
+        name, value = name.strip(), value.strip() if sep else "true"
+        if not _HEADER_NAME.fullmatch(name) or not value or not value.isprintable():
+            raise ValueError(f"not a replay header entry: {entry!r}")
+        out.append((name.lower(), value.lower(), entry))
+    return tuple(out)
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+
+
 def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
-    """The first of the replay headers ``names`` that says ``true``, or None."""
+    """The first entry of ``names`` (see :data:`DEFAULT_REPLAY_HEADERS`) that marks
+    ``answer`` as a replay, or None."""
     headers = answer.headers
-    for name in names:
-        value = headers.get(name.lower())
-        if value is not None and value.strip().lower() == "true":
-            return name
+    for name, value, entry in replay_markers(tuple(names)):
+        got = headers.get(name)
+        if got is not None and got.strip().lower() == value:
+            return entry
     return None
 
 
@@ -248,7 +273,47 @@ PROBLEM_CODES: Mapping[str, Meaning] = {
     "idempotency_error": Meaning.MISMATCH,
     "idempotency_key_in_use": Meaning.IN_FLIGHT,
     "idempotency_key_mismatch": Meaning.MISMATCH,
+    # idemgate 0.1: {"error": {"code": ..., "message": ...}}; its 409 for another body
+    "idempotency_key_reused": Meaning.MISMATCH,
+    "idempotency_in_progress": Meaning.IN_FLIGHT,
+    "missing_idempotency_key": Meaning.KEY,  # also drf-idempotency's code
+    "invalid_idempotency_key": Meaning.KEY,  # also drf-idempotency's code
+    # ichido 0.1: {"error": <code>, "message": ...}
+    "fingerprint_mismatch": Meaning.MISMATCH,
+    "request_in_progress": Meaning.IN_FLIGHT,
+    # drf-idempotency 1.0, when its exceptions reach DRF's handler inside a view
+    "idempotency_key_reuse": Meaning.MISMATCH,
+    "idempotency_request_in_progress": Meaning.IN_FLIGHT,
 }
+
+#: Servers that send only a sentence (``{"detail": "..."}``) are read by its words, once
+#: the sentence is about idempotency ("idempotency", "fingerprint"), in this order: a
+#: sentence about another body, then one about a request in flight, then one refusing
+#: the key itself. Sentences seen on the wire (docs/protocol.md has the table):
+#: "Idempotency key was previously used with a different request payload.",
+#: "Request payload does not match the original request for this idempotency key",
+#: "A request with this idempotency key is currently in progress.",
+#: "Request already pending for idempotency key '<key>'",
+#: "'Idempotency-Key' header value must be formatted as a v4 UUID",
+#: "Invalid Idempotency-Key: must contain only letters, digits, and '-._~:' characters".
+_TEXT_MEANINGS: tuple[tuple[re.Pattern[str], Meaning], ...] = (
+    (re.compile(r"\bdifferent\b|\bdoes not match\b|\bmismatch"), Meaning.MISMATCH),
+    (
+        re.compile(
+            r"in[ -]progress|being processed|\bprocessing\b|\bpending\b|\bin flight\b"
+            r"|\blocked\b|\bin use\b"
+        ),
+        Meaning.IN_FLIGHT,
+    ),
+    (
+        re.compile(
+            r"\brequire|\bmissing\b|\binvalid\b|\bmalformed\b|\bmust (?:be|contain|not)\b"
+            r"|\btoo long\b|\bexceeds\b|\bformat"
+        ),
+        Meaning.KEY,
+    ),
+)
+_NAMES_KEY = re.compile(r"idempot|fingerprint")
 
 #: Answers that mean "the same key is in flight": 409 (the contract, Stripe, idemkit's
 #: Stripe mode) and 423 Locked (idemkit's default mode), unless their code says otherwise.
@@ -285,7 +350,15 @@ def problem_code(body: object) -> tuple[str | None, Meaning | None]:
                 if any(word in text for word in _IN_FLIGHT_WORDS):
                     meaning = Meaning.IN_FLIGHT
             return code, meaning
-    return first, None
+    return first, _text_meaning(short_reason(body))
+
+
+def _text_meaning(reason: str | None) -> Meaning | None:
+    """What a server's sentence says about the key (see _TEXT_MEANINGS), or None."""
+    text = (reason or "").lower()
+    if not _NAMES_KEY.search(text):
+        return None
+    return next((meaning for words, meaning in _TEXT_MEANINGS if words.search(text)), None)
 
 
 def short_reason(body: object, key: str | None = None, *, limit: int = 200) -> str | None:
@@ -305,11 +378,13 @@ def short_reason(body: object, key: str | None = None, *, limit: int = 200) -> s
     if text is None:
         return None
     text = text[: limit * 4]
-    if key:
-        text = text.replace(key, "<key>")
+    # The key as sent in the uuid header style is as much a bearer secret as the key.
+    sent = (key, uuid_key(key)) if key else ()
+    for value in sent:
+        text = text.replace(value, "<key>")
     text = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
-    if key:
-        text = text.replace(key, "<key>")
+    for value in sent:
+        text = text.replace(value, "<key>")
     if len(text) > limit:
         text = text[: limit - 3].rstrip() + "..."
     return text or None
@@ -566,10 +641,12 @@ def _final_class(
     """The error class of a final 4xx (or 409/423 not retried)."""
     if meaning is Meaning.REUSED:
         return KeyReused
-    if meaning is Meaning.MISMATCH or (status == 422 and not _validation_only(body, reason)):
+    if meaning is Meaning.MISMATCH:
         return PayloadMismatch
     if meaning is Meaning.KEY or (status == 400 and reason is None):
-        return KeyRejected
+        return KeyRejected  # the key itself was refused, whatever the status (400, 422)
+    if status == 422 and not _validation_only(body, reason):
+        return PayloadMismatch
     if status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT):
         return StepInProgress
     if 400 <= status < 500:
@@ -584,8 +661,9 @@ _ADVICE: dict[type[InvokeError], str] = {
     "is not replayed here. Give each tool call its own step",
     PayloadMismatch: "the key was first used with another body. The key and body must come "
     "from the same Step; do not edit either",
-    KeyRejected: "it rejected the Idempotency-Key itself. Check key_header_style ('raw' or "
-    "'sf-string') and that the server accepts the key's format",
+    KeyRejected: "it rejected the Idempotency-Key itself. Check key_header_style ('raw', "
+    "'sf-string', or 'uuid' for a server that accepts only UUIDs) and that the server "
+    "accepts the key's format",
     StepInProgress: "the same key is still in flight and this status is not in "
     "retry_statuses; resend the same key later",
     ToolRejected: "the tool refused the request for a reason of its own; this is final "

@@ -2,7 +2,10 @@
 
 Exit codes: 0 success (for ``check``: the server honours the contract), 1 the
 server does NOT honour the contract (or the demo saw the contract broken), 2 a
-usage error (bad option or value), 3 ``check`` could not reach the target.
+usage error (bad option or value, a port in use, a missing extra), 3 no verdict:
+``check`` could not reach the target or the tool refused the fresh request, or
+``serve`` could not reach ``--redis``. Every option is checked before anything is
+printed or started.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
 from ._exceptions import AgentKeyError, ConfigurationError, InsecureTransport
+from ._keys import HEADER_STYLES
 from ._plan import PlanSession
 from ._version import __version__
 
@@ -22,16 +27,41 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
 EXIT_OK = 0
 EXIT_FAILED = 1  # check: a contract row failed; demo: the contract broke
 EXIT_USAGE = 2  # argparse's own code for usage errors
-EXIT_UNREACHABLE = 3  # check: no verdict, the target could not be reached
+EXIT_UNREACHABLE = 3  # check: no verdict (target unreachable, fresh request refused);
+# serve: --redis unreachable
 
 
 def _step_index(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(part) for part in text.split("."))
+        parts = tuple(int(part) for part in text.split("."))
     except ValueError:
+        parts = ()
+    if not parts or min(parts) < 0:
         raise argparse.ArgumentTypeError(
-            f"invalid step {text!r}: use an index such as 3, or 3.1 for a sub-step"
-        ) from None
+            f"invalid step {text!r}: use an index such as 3, or 3.1 for a sub-step "
+            "(whole numbers >= 0)"
+        )
+    return parts
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return value
+
+
+def _work_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 0 to 3600 seconds, got {text!r}")
+    return value
 
 
 def _concurrency(text: str) -> int:
@@ -62,11 +92,19 @@ def _cmd_key(ns: argparse.Namespace) -> int:
     args = _json_object(ns.args, "--args")
     if args is None:
         return EXIT_USAGE
+    if ns.plan is not None and not ns.plan.strip():
+        # An empty id would silently draw a new random plan on every run: a new key each time.
+        print(
+            "agentkey: --plan is empty; pass the plan session id, or leave --plan out for a "
+            "new random one",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         plan = PlanSession.from_external_id(ns.plan) if ns.plan else PlanSession.new()
         step = plan.step(ns.step, ns.tool, args)
     except AgentKeyError as exc:  # an unusable --plan or --args value
-        print(f"agentkey: {exc}", file=sys.stderr)
+        print(f"agentkey: --plan or --args: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(step.key.header_value(ns.style))
     return EXIT_OK
@@ -78,33 +116,79 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo()
 
 
+def _missing_extra(command: str, exc: ImportError) -> int:
+    print(
+        f"agentkey: {command} needs the server extra ({exc.name or 'a package'} is missing): "
+        "pip install 'agentkey-idempotency[server]'",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
+
+
+def _redis_problem(url: str) -> tuple[int, str] | None:
+    """Why ``--redis`` cannot be used (exit code, message), or None once it answered PING."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    except ValueError as exc:  # not a redis://, rediss:// or unix:// URL
+        return EXIT_USAGE, f"--redis is not a Redis URL ({exc}); use redis://host:6379/0"
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return EXIT_UNREACHABLE, f"--redis: no Redis answered ({type(exc).__name__}: {exc})"
+    finally:
+        client.close()
+    return None
+
+
+def _listen(host: str, port: int) -> socket.socket | str:
+    """A socket bound and listening on ``host:port``, or why it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or exc
+        return f"cannot listen on {host}:{port} ({why}); choose another --port or --host"
+    return sock
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
 
         from .server import MemoryStore, Store, example_app
 
-        store: Store = MemoryStore()
         if ns.redis:  # redis-py is needed only then: `agentkey serve` on memory runs without it
             from .server import RedisStore
-
-            store = RedisStore(ns.redis)
     except ImportError as exc:
-        print(
-            f"agentkey: serve needs the server extra ({exc.name or 'a package'} is missing): "
-            "pip install 'agentkey-idempotency[server]'",
-            file=sys.stderr,
-        )
+        return _missing_extra("serve", exc)
+    if ns.redis:
+        problem = _redis_problem(ns.redis)
+        if problem is not None:
+            print(f"agentkey: {problem[1]}", file=sys.stderr)
+            return problem[0]
+    sock = _listen(ns.host, ns.port)
+    if isinstance(sock, str):
+        print(f"agentkey: {sock}", file=sys.stderr)
         return EXIT_USAGE
+    port = sock.getsockname()[1]  # --port 0: the free port just found
+    sock.close()  # uvicorn binds it again at once (SO_REUSEADDR): the check is a fast fail
+    store: Store = RedisStore(ns.redis) if ns.redis else MemoryStore()
     app = example_app(store, work_seconds=ns.work_seconds)
     where = "Redis" if ns.redis else "memory (lost on exit)"
+    host = f"[{ns.host}]" if ":" in ns.host else ns.host
     print(
-        f"agentkey example tool server on http://{ns.host}:{ns.port}: POST /tools/charge, "
+        f"agentkey example tool server on http://{host}:{port}: POST /tools/charge, "
         f"/tools/provision, /tools/report; GET /executions counts runs; records in {where}; "
         "send Authorization: Bearer <any token> (each token is its own caller; none: 401)",
         flush=True,
     )
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="warning")
+    uvicorn.run(app, host=ns.host, port=port, log_level="warning")
     return EXIT_OK
 
 
@@ -115,9 +199,28 @@ _CHECK_WARNING = (
 )
 
 
+class _Repeated(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _Repeated(name)
+            seen.add(name)
+    return out
+
+
 def _json_object(text: str, option: str) -> dict[str, object] | None:
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique)
+    except _Repeated as exc:
+        # Parsers disagree on which duplicate wins, so a server refuses such a body (400).
+        print(f"agentkey: {option} repeats the member {str(exc)!r}; name it once", file=sys.stderr)
+        return None
     except json.JSONDecodeError as exc:
         print(f"agentkey: {option} is not valid JSON: {exc}", file=sys.stderr)
         return None
@@ -129,7 +232,7 @@ def _json_object(text: str, option: str) -> dict[str, object] | None:
 
 def _cmd_check(ns: argparse.Namespace) -> int:
     from ._canonical import canonical_json
-    from ._checker import check_server  # the checker loads only when used
+    from ._checker import check_options, check_server  # the checker loads only when used
 
     args = _json_object(ns.args, "--args")
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")
@@ -143,6 +246,13 @@ def _cmd_check(ns: argparse.Namespace) -> int:
         print(f"agentkey: --args or --changed-args: {exc}", file=sys.stderr)
         return EXIT_USAGE
     token = ns.token if ns.token is not None else os.environ.get("AGENTKEY_CHECK_TOKEN")
+    try:  # every option checked before the warning, and before any request
+        check_options(
+            ns.url, path=ns.path, token=token or None, style=ns.style, other_path=ns.other_path
+        )
+    except (ConfigurationError, InsecureTransport) as exc:
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(_CHECK_WARNING, file=sys.stderr)
     try:
         report = check_server(
@@ -160,7 +270,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(report.table())
-    if report.unreachable is not None:
+    if report.unreachable is not None or report.no_verdict is not None:
         return EXIT_UNREACHABLE
     return EXIT_OK if report.ok else EXIT_FAILED
 
@@ -212,10 +322,11 @@ def _parser() -> argparse.ArgumentParser:
     key.add_argument("--args", required=True, help="the arguments as a JSON object")
     key.add_argument(
         "--style",
-        choices=("raw", "sf-string"),
+        choices=HEADER_STYLES,
         default="raw",
-        help="header value style: raw (the default, as Stripe and most servers expect) or "
-        "sf-string (an RFC 8941 quoted string, as the IETF draft specifies)",
+        help="header value style: raw (the default, as Stripe and most servers expect), "
+        "sf-string (an RFC 8941 quoted string, as the IETF draft specifies) or uuid (a UUIDv5 "
+        "of the key, for servers that accept only UUIDs)",
     )
     key.set_defaults(func=_cmd_key)
 
@@ -239,7 +350,9 @@ def _parser() -> argparse.ArgumentParser:
         "Idempotency-Key header.",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address (default: loopback)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free one)"
+    )
     serve.add_argument(
         "--redis",
         metavar="URL",
@@ -247,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--work-seconds",
-        type=float,
+        type=_work_seconds,
         default=0.2,
         help="how long provision works before its side effect (default 0.2)",
     )
@@ -285,11 +398,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--style",
-        choices=("raw", "sf-string"),
+        choices=HEADER_STYLES,
         default="raw",
-        help="key header style of the main requests: raw (the default, as Stripe sends it) "
-        "or sf-string (RFC 8941 quoted, as the IETF draft specifies); the other style is "
-        "checked once as well",
+        help="key header style of the main requests: raw (the default, as Stripe sends it), "
+        "sf-string (RFC 8941 quoted, as the IETF draft specifies; the other of the two is "
+        "checked once as well) or uuid (a UUIDv5 of the key, for servers that accept only "
+        "UUIDs)",
     )
     check.add_argument(
         "--concurrency",

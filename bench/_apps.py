@@ -8,6 +8,9 @@
 - ``naive``: the handler with the idempotency most articles show, written inline on the
   same Redis through the same client library: ``SET key "" NX EX``, run, ``SET key result``;
   a key already set answers its stored result (or 409 while it is empty);
+- ``idemkit``: the handler behind idemkit's ASGI middleware (1.0.2, the interop suite's
+  pin) on its Redis backend, default mode, one tenant: another library's answer to the
+  same problem, on the same Redis;
 - ``bare_insert`` / ``postgres_insert``: a handler whose side effect is one INSERT,
   autocommit, or in the store's transaction with the record.
 
@@ -30,7 +33,16 @@ from starlette.routing import Route
 
 __all__ = ["CONFIGS", "app"]
 
-CONFIGS = ("bare", "memory", "redis", "naive", "postgres", "bare_insert", "postgres_insert")
+CONFIGS = (
+    "bare",
+    "memory",
+    "redis",
+    "naive",
+    "idemkit",
+    "postgres",
+    "bare_insert",
+    "postgres_insert",
+)
 _TTL = 86_400  # a day, as the middleware keeps results
 
 
@@ -91,6 +103,18 @@ def _insert(dsn: str, store: Any) -> Any:
     return insert_charge
 
 
+def _idemkit(tool: Any, redis_url: str) -> Any:
+    import idemkit
+
+    # With redis-py 8's default pool (100 connections), 64 connections of load got idemkit's
+    # 503 storage-error (observed; its pool ran dry): a pool with room, as a deployment would.
+    backend = idemkit.RedisBackend.from_url(
+        redis_url, namespace="bench-idemkit", max_connections=1024
+    )
+    config = idemkit.HttpConfig(scope_mode="single_tenant")
+    return idemkit.IdempotencyMiddleware(tool, backend=backend, config=config)
+
+
 def app() -> Any:
     """The ASGI app named by ``BENCH_APP`` (uvicorn calls this with ``--factory``)."""
     config = os.environ["BENCH_APP"]
@@ -119,6 +143,8 @@ def app() -> Any:
     elif config.endswith("insert"):
         handler = _insert(os.environ["BENCH_PG_DSN"], store)
     tool: Any = Starlette(routes=[Route("/tools/charge", handler, methods=["POST"])])
+    if config == "idemkit":
+        return _idemkit(tool, os.environ["BENCH_REDIS"])
     if store is None:
         return tool
     from agentkey.server import IdempotencyMiddleware

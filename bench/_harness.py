@@ -213,6 +213,10 @@ _HEAD = (
 _TAIL = b"\r\n\r\n" + BODY
 
 
+#: Replay markers the load counts: agentkey's (and Stripe's), and idemkit's default mode.
+_REPLAYED = (b"\r\nidempotent-replayed: true", b"\r\nidempotency-replayed: true")
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection: write a request, wait for its whole answer."""
 
@@ -233,16 +237,23 @@ class _Conn(asyncio.Protocol):
             return
         head = bytes(self.buffer[:end]).lower()
         at = head.find(b"\r\ncontent-length:")
-        if at < 0:
+        if at >= 0:
+            stop = head.find(b"\r\n", at + 2)
+            length = int(head[at + 17 : stop if stop > 0 else len(head)])
+        elif b"\r\ntransfer-encoding: chunked" in head:  # idemkit's replays
+            last = self.buffer.find(b"0\r\n\r\n", end + 4)
+            if last < 0:
+                return
+            length = last + 5 - (end + 4)
+        else:
             self.waiter.set_exception(RuntimeError(f"no content-length in {head[:200]!r}"))
             return
-        stop = head.find(b"\r\n", at + 2)
-        length = int(head[at + 17 : stop if stop > 0 else len(head)])
         if len(self.buffer) < end + 4 + length:
             return
         del self.buffer[: end + 4 + length]
         waiter, self.waiter = self.waiter, None
-        waiter.set_result((int(head[9:12]), b"\r\nidempotent-replayed: true" in head))
+        replayed = any(marker in head for marker in _REPLAYED)
+        waiter.set_result((int(head[9:12]), replayed))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -6,7 +6,9 @@ Configurations, each a uvicorn process of its own (one worker, loopback; see
 - ``bare``: the handler alone (the baseline for the middleware's cost);
 - ``memory`` / ``redis``: behind the middleware on MemoryStore / RedisStore;
 - ``naive``: the handler with the idempotency most articles show (``SET key "" NX EX``,
-  run, ``SET key result``) on the same Redis, through the same client library.
+  run, ``SET key result``) on the same Redis, through the same client library;
+- ``idemkit``: the handler behind idemkit's middleware on the same Redis (another
+  library's answer; it must be installed: the interop dependency group pins it).
 
 Each block (fresh keys or one key replayed; 1 or 64 connections) loads every
 configuration in palindromic rounds (``bare memory redis naive naive redis memory
@@ -28,6 +30,7 @@ than for the bare endpoint, which never waits (see docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 from contextlib import ExitStack
@@ -55,6 +58,7 @@ ROWS = [
     ("middleware + MemoryStore / bare endpoint", "memory", "bare"),
     ("middleware + RedisStore / bare endpoint", "redis", "bare"),
     ("middleware + RedisStore / naive handler, same Redis", "redis", "naive"),
+    ("middleware + RedisStore / idemkit 1.0.2, same Redis", "redis", "idemkit"),
 ]
 
 
@@ -77,6 +81,10 @@ def main() -> None:
             env["BENCH_REDIS"] = redis.url
             redis_pid = redis.process.pid
             configs += ["redis", "naive"]
+            if importlib.util.find_spec("idemkit") is not None:
+                configs.append("idemkit")
+            else:
+                print("idemkit is not installed (pip install --group interop): its row is skipped")
         else:
             print("redis-server is not on PATH: the Redis rows are skipped")
         running = stack.enter_context(servers(configs, env))
@@ -92,7 +100,7 @@ def main() -> None:
             for connections in (1, 64):
 
                 def slot(name: str, mode: str = mode, connections: int = connections) -> Slot:
-                    watch = redis_pid if name in ("redis", "naive") else None
+                    watch = redis_pid if name in ("redis", "naive", "idemkit") else None
                     return measure(load, running[name], mode, connections, seconds, watch=watch)
 
                 block = run_block(Block(mode, connections), rounds, slot, configs)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkey import InvalidKey, StepKey, args_hash, step_key
-from agentkey._keys import format_step
+from agentkey._keys import KEY_UUID_NAMESPACE, format_step
 
 HASH = "a" * 64
 plan_ids = st.text(
@@ -216,3 +217,34 @@ def test_shown_key_hides_the_args_hash_and_keeps_plan_and_step() -> None:
     opaque = "ik_live_4f1d2c3b"
     assert shown_key(opaque).startswith("#")
     assert "ik_live" not in shown_key(opaque)
+
+
+def test_uuid_style_is_a_deterministic_uuid5_of_the_key() -> None:
+    """The uuid style sends a UUIDv5 of the raw key: same step, same UUID; new args, new UUID."""
+    key = StepKey.build("plan-1", 3, {"amount": 5})
+    value = key.header_value("uuid")
+    assert value == str(uuid.uuid5(KEY_UUID_NAMESPACE, key.format()))
+    assert uuid.UUID(value).version == 5
+    assert StepKey.build("plan-1", 3, {"amount": 5}).header_value("uuid") == value
+    assert StepKey.build("plan-1", 3, {"amount": 6}).header_value("uuid") != value
+    assert StepKey.build("plan-1", 4, {"amount": 5}).header_value("uuid") != value
+    # Pinned: a new namespace would give every step already sent a new key.
+    assert StepKey.build("p", 0, {}).header_value("uuid") == "aef5c725-60be-5c49-9a4c-da0594a51545"
+
+
+@pytest.mark.parametrize(
+    "value",
+    ['"{k}";x=1', '"{k}";a;b=?0', '"{k}"; v="two words"', '"{k}";n=-1.5;t=tok/x:y'],
+)
+def test_sf_item_with_parameters_names_the_key(value: str) -> None:
+    """An RFC 8941 Item (an sf-string with parameters) parses to the key inside the quotes."""
+    key = StepKey.build("plan-1", 3, {"amount": 5})
+    assert StepKey.parse(value.format(k=key.format())) == key
+
+
+@pytest.mark.parametrize("value", ['"{k}"x', '"{k}";X=1', '"{k}";=1', '"{k}" ;a', '"{k}";a="b'])
+def test_sf_item_with_broken_parameters_is_refused(value: str) -> None:
+    """Anything after the quotes but RFC 8941 parameters is an invalid key, not ignored."""
+    key = StepKey.build("plan-1", 3, {"amount": 5})
+    with pytest.raises(InvalidKey, match="sf-string"):
+        StepKey.parse(value.format(k=key.format()))

@@ -51,11 +51,12 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 from .._canonical import Profile, canonical_json
-from .._exceptions import InvalidArguments, InvalidKey, StoreError
-from .._keys import MAX_KEY_LENGTH, StepKey, _parse_sf_string, shown_key
+from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
+from .._keys import MAX_KEY_LENGTH, StepKey, parse_sf_item, shown_key
 from ._records import Binding, InProgress, Outcome, decode_record, digest
 
 __all__ = [
+    "PROBLEM_DOCS",
     "PROBLEM_TYPE",
     "REPLAY_HEADER",
     "Checked",
@@ -73,6 +74,7 @@ __all__ = [
     "Unavailable",
     "body_too_large",
     "check_body",
+    "check_replay_header",
     "check_request",
     "in_progress_retry_after",
     "is_storable",
@@ -80,6 +82,7 @@ __all__ = [
     "on_finished",
     "parse_key",
     "record_key",
+    "replay_headers",
     "stored_headers",
     "unauthenticated",
     "unavailable",
@@ -87,9 +90,16 @@ __all__ = [
 
 KeyFormat = Literal["any", "agentkey"]
 
-#: The header every replayed HTTP answer carries.
+#: The header every replayed HTTP answer carries (the middleware's ``replay_header``).
 REPLAY_HEADER = "Idempotent-Replayed"
 PROBLEM_TYPE = "application/problem+json"
+#: Where the problems of 400, 409 and 422 are explained: sent as ``Link: <...>;
+#: rel="describedby"``, as the IETF idempotency-key draft suggests for its error answers.
+PROBLEM_DOCS = "https://github.com/agentkey-idempotency/agentkey/blob/main/docs/protocol.md"
+_LINKED = frozenset({400, 409, 422})
+_LINK = f'<{PROBLEM_DOCS}>; rel="describedby"; type="text/html"'
+# RFC 9110 token: what a header field name may be.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 _NOT_STORED = frozenset({401, 403, 408, 409, 429})
 # Redirects that resend the same request elsewhere (a trailing-slash fix-up, a moved
@@ -159,9 +169,12 @@ class Problem:
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
-        if self.retry_after is None:
-            return (("content-type", PROBLEM_TYPE),)
-        return (("content-type", PROBLEM_TYPE), ("retry-after", str(self.retry_after)))
+        headers: tuple[tuple[str, str], ...] = (("content-type", PROBLEM_TYPE),)
+        if self.retry_after is not None:
+            headers += (("retry-after", str(self.retry_after)),)
+        if self.status in _LINKED:
+            headers += (("link", _LINK),)
+        return headers
 
     @property
     def body(self) -> bytes:
@@ -236,6 +249,29 @@ class Replay:
     @property
     def blob_uri(self) -> str | None:
         return self.outcome.blob_uri
+
+
+def check_replay_header(name: object) -> str:
+    """``name`` as a replay header name (lowercase), or a ConfigurationError."""
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name) or len(name) > 64:
+        raise ConfigurationError(
+            f"replay_header must be an HTTP header name such as {REPLAY_HEADER!r} or "
+            f"'X-Idempotent-Replayed', got {name!r}"
+        )
+    return name.lower()
+
+
+def replay_headers(
+    replay: Replay, name: str = "idempotent-replayed"
+) -> tuple[tuple[str, str], ...]:
+    """The stored headers of ``replay`` marked with ``name: true`` (a lowercase name).
+
+    A stored header of that name (the app's own) is dropped, so the answer says it once.
+    """
+    stored = replay.headers
+    if any(k == name for k, _ in stored):
+        stored = tuple((k, v) for k, v in stored if k != name)
+    return (*stored, (name, "true"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,7 +615,7 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
             return StepKey._trusted(plan, tuple(map(int, steps.split("."))), args_hash)
         if ":" in text or not opaque:
             return StepKey.parse(text)
-        value = _parse_sf_string(text) if text.startswith('"') else text
+        value = parse_sf_item(text) if text.startswith('"') else text
     except InvalidKey as exc:
         return _without_key(str(exc), text) + (
             "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"

@@ -66,9 +66,11 @@ from ._decide import (
     Unavailable,
     body_too_large,
     check_body,
+    check_replay_header,
     is_storable,
     on_finished,
     parse_key,
+    replay_headers,
     stored_headers,
     unauthenticated,
     unavailable,
@@ -473,6 +475,10 @@ class IdempotencyMiddleware:
         Callables each receiving one :class:`DecisionEvent` per request once its
         answer is sent (``claimed``, ``replay``, ``conflict``, ``rejected`` ...).
         An exception in a hook propagates.
+    ``replay_header``
+        The header, set to ``true``, that marks a replayed answer (default
+        ``Idempotent-Replayed``, as Stripe sends it; some clients expect
+        ``Idempotency-Replayed`` or ``X-Idempotent-Replayed``).
     """
 
     def __init__(
@@ -497,7 +503,9 @@ class IdempotencyMiddleware:
         blob_store: BlobStore | None = None,
         max_body_bytes: int = 1024 * 1024,
         hooks: Sequence[DecisionHook] = (),
+        replay_header: str = REPLAY_HEADER,
     ) -> None:
+        self._replay_header = check_replay_header(replay_header)
         if not isinstance(store, Store):
             raise ConfigurationError(
                 f"store must implement agentkey.server.Store, got {type(store).__name__}"
@@ -700,7 +708,7 @@ class IdempotencyMiddleware:
                 problem = unavailable(self.retry_after, reading=True)
                 await self._problem(send, problem, "unavailable", method, path, key)
                 return
-        await _send(send, replay.status, (*replay.headers, (REPLAY_HEADER.lower(), "true")), body)
+        await _send(send, replay.status, replay_headers(replay, self._replay_header), body)
         if self._hooks:
             self._emit("replay", method, path, key, replay.status)
 

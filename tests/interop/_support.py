@@ -109,6 +109,11 @@ class Tool:
     async def _tool(self, request: Request) -> Response:
         args = await request.json()
         name = request.path_params["name"]
+        key = request.headers.get("idempotency-key")
+        return JSONResponse(await self.run(name, request.url.path, key, args), status_code=201)
+
+    async def run(self, name: str, path: str, key: str | None, args: object) -> dict[str, Any]:
+        """One execution of tool ``name`` on ``path``: counted, then its answer."""
         self.entered(name).set()
         gate = self.gates.get(name)
         if gate is not None:  # waits in a worker thread: the server loop stays free
@@ -116,10 +121,9 @@ class Tool:
         if self.delay:
             await asyncio.sleep(self.delay)
         with self._lock:
-            self.runs.append(Run(request.url.path, request.headers.get("idempotency-key")))
-            count = sum(r.path == request.url.path for r in self.runs)
-        answer = {"tool": name, "route": request.url.path, "args": args, "execution": count}
-        return JSONResponse(answer, status_code=201)
+            self.runs.append(Run(path, key))
+            count = sum(r.path == path for r in self.runs)
+        return {"tool": name, "route": path, "args": args, "execution": count}
 
     def entered(self, name: str) -> threading.Event:
         with self._lock:
@@ -251,11 +255,13 @@ def serve_idemkit(
 
 
 @contextmanager
-def serve_agentkey(redis: RedisServer) -> Iterator[Served]:
-    """agentkey's IdempotencyMiddleware on ``redis``, in front of a fresh counting tool."""
+def serve_agentkey(redis: RedisServer, **options: Any) -> Iterator[Served]:
+    """agentkey's IdempotencyMiddleware on ``redis`` (with ``options``), in front of a
+    fresh counting tool."""
     tool = Tool()
     store = RedisStore(redis.url, prefix=f"ak{uuid.uuid4().hex[:12]}")
-    middleware = Middleware(IdempotencyMiddleware, store=store, shared_key_space=True)
+    options.setdefault("shared_key_space", True)
+    middleware = Middleware(IdempotencyMiddleware, store=store, **options)
     wire = Wire(Starlette(routes=tool.routes, middleware=[middleware]))
     with serve_closing(wire, store) as url:
         yield Served(url, tool, wire, Events())

@@ -62,10 +62,12 @@ def test_2xx_is_done(status: int) -> None:
     assert not decision.replayed
 
 
-@pytest.mark.parametrize("name", DEFAULT_REPLAY_HEADERS)
-def test_replay_headers_are_recognised(name: str) -> None:
-    """Each default replay header with value true (any case) marks the result replayed."""
-    decision = classify(Answer(200, {name.lower(): "True"}, b"", BASE), CTX, CFG)
+@pytest.mark.parametrize("entry", DEFAULT_REPLAY_HEADERS)
+def test_replay_headers_are_recognised(entry: str) -> None:
+    """Each default replay entry with its value (true or the one named, any case) is a replay."""
+    name, _, value = entry.partition(":")
+    said = value.strip().upper() or "True"
+    decision = classify(Answer(200, {name.lower(): said}, b"", BASE), CTX, CFG)
     assert decision.replayed
 
 
