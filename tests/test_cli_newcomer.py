@@ -91,7 +91,7 @@ def test_serve_on_a_live_redis_listens_on_the_port_it_prints(redis_proc: RedisSe
             key = step_key("serve-redis", 0, {"amount": 5, "currency": "EUR"})
             sent = {
                 "content": b'{"amount":5,"currency":"EUR"}',
-                "headers": {"Idempotency-Key": key},
+                "headers": {"Idempotency-Key": key, "Authorization": "Bearer demo"},
             }
             with httpx.Client(base_url=found.group(0), timeout=10) as client:
                 deadline = time.monotonic() + 30

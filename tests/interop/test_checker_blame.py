@@ -191,7 +191,7 @@ def test_a_connection_dropped_on_reuse_is_retried_on_a_fresh_one() -> None:
     """A kept-alive connection the server drops on reuse costs a resend, not a FAIL row."""
     app = example_app(work_seconds=0.2)
     with serve(app) as url, dropping_proxy(url) as proxied:
-        report = check_server(proxied, path="/tools/provision", args=ARGS, timeout=10)
+        report = check_server(proxied, path="/tools/provision", args=ARGS, timeout=10, token="demo")
     table = report.table()
     assert report.no_verdict is None, table
     assert report.ok, table
@@ -204,7 +204,8 @@ def test_a_transport_failing_twice_mid_check_is_no_verdict(
 ) -> None:
     """When the fresh connection fails too, the report says "transport problem", exit 3."""
     with serve(example_app()) as url, dropping_proxy(url, answers=1) as proxied:
-        code = main(["check", proxied, "--path", "/tools/provision", "--args", json.dumps(ARGS)])
+        argv = ["check", proxied, "--path", "/tools/provision", "--args", json.dumps(ARGS)]
+        code = main([*argv, "--token", "demo"])
     out = capsys.readouterr().out
     assert code == EXIT_UNREACHABLE, out
     assert "transport problem" in out

@@ -54,7 +54,9 @@ def tool(request: pytest.FixtureRequest) -> Iterator[Tool]:
     plain = PlainTool()
     app: Any = plain
     if request.param == "middleware":
-        app = IdempotencyMiddleware(plain, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True)
+        app = IdempotencyMiddleware(
+            plain, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True
+        )
     faults = FaultOnce(app, {})
     with serve(faults) as url:
         yield Tool(plain, url, request.param == "middleware", faults)

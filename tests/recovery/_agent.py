@@ -18,7 +18,7 @@ import sys
 import uuid
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage

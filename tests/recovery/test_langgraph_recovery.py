@@ -74,7 +74,9 @@ class Setup:
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Setup]:
     tool = PlainTool()
-    app = IdempotencyMiddleware(tool, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True)
+    app = IdempotencyMiddleware(
+        tool, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True
+    )
     with serve(app) as url:
         yield Setup(tool, url, tmp_path / "checkpoints.sqlite3", tmp_path / "journal.sqlite3")
 
