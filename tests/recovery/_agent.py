@@ -23,6 +23,7 @@ from typing import Any, Literal, cast
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.sqlite import SqliteSaver
 from pydantic import BaseModel
 
@@ -93,8 +94,9 @@ def main() -> None:
         message = (
             HumanMessage(ns.text, id=ns.message_id) if ns.message_id else HumanMessage(ns.text)
         )
-        config = {"configurable": {"thread_id": ns.thread}}
-        final = agent.invoke({"messages": [message]}, config, durability=ns.durability)
+        config: RunnableConfig = {"configurable": {"thread_id": ns.thread}}
+        durability = cast(Literal["sync", "async", "exit"], ns.durability)
+        final: Any = agent.invoke({"messages": [message]}, config, durability=durability)
     for item in final["messages"]:
         print(json.dumps({"type": item.type, "id": item.id, "content": str(item.content),
                           "artifact": getattr(item, "artifact", None),
