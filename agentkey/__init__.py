@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
         InvokeHook,
         LoggingHook,
         PollEvent,
+        RepeatEvent,
         ReplayEvent,
         RetryEvent,
     )
@@ -77,6 +78,7 @@ _LAZY: dict[str, str] = {
             "InvokeHook",
             "LoggingHook",
             "PollEvent",
+            "RepeatEvent",
             "ReplayEvent",
             "RetryEvent",
         ],
@@ -147,6 +149,7 @@ __all__ = [
     "PollTimeout",
     "Profile",
     "RefreshTokenGrant",
+    "RepeatEvent",
     "ReplayEvent",
     "RetryEvent",
     "RetryPolicy",

@@ -78,10 +78,11 @@ class Emit:
 
 @dataclass(frozen=True, slots=True)
 class Journaled:
-    """Call ``op`` on the journal with ``args`` (``a`` + ``op`` in an async driver)."""
+    """Call ``op`` on the journal with ``args`` and ``kwargs`` (``a`` + ``op`` when async)."""
 
     op: str
     args: tuple[Any, ...]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 from ._effects import Answer, Effect, Emit, Failure, FailureKind, Journaled, Outgoing, Sleep, Verify
@@ -56,11 +56,12 @@ from ._hooks import (
     CallStartEvent,
     GiveUpEvent,
     PollEvent,
+    RepeatEvent,
     ReplayEvent,
     RetryEvent,
     _one_line,
 )
-from ._keys import shown_key
+from ._keys import StepKey, shown_key
 from ._net import redact_url
 from ._policy import PollPolicy, RetryPolicy
 from ._protocol import (
@@ -140,6 +141,8 @@ class Call:
     owner: str = ""  # this process, as the journal names it
     repeat_of: str | None = None  # the label of the step this call repeats (on_repeat)
     verify: Verifier | None = None  # the reconcile hook of this call's tool
+    on_repeat: str = "replay"  # the step's policy for a repeat the journal finds
+    key_style: str = "raw"  # how the key's header value is written (for a repeat's key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,6 +445,39 @@ class _Run:
             fields["reason"] = getattr(error, "reason", None)
         yield Journaled("finish", (record.with_(**fields),))
 
+    def check_repeat(self) -> Generator[Effect, Any, None]:
+        """Send a call the journal shows at another step of the plan under that step's key.
+
+        The plan itself catches a repeat among the steps it handed out; the journal
+        catches one whatever the plan remembered (a plan saved before the first step was
+        handed out, restored after it was sent).
+        """
+        call = self.call
+        found = yield Journaled(
+            "find", (call.plan,), {"tool": call.tool, "args_hash": call.args_hash}
+        )
+        earlier = [r for r in found if r.key != call.key and r.call_id is None]
+        if not earlier:
+            return
+        first = StepKey.parse(earlier[0].key)
+        if call.on_repeat == "raise":
+            raise StepRepeated(
+                f"tool {call.tool!r} was already called with these arguments at {first.label} "
+                f"of plan {call.plan!r} (the journal shows it); {call.label} would run it a "
+                "second time. If the model asked again by mistake, tell it the call is done; "
+                "if it really is a new operation, change an argument or use on_repeat='allow'",
+                tool=call.tool or "",
+                previous_step=first.label,
+                idempotency_key=first.format(),
+            )
+        self.call = replace(
+            call,
+            key=first.format(),
+            label=first.label,
+            key_value=first.header_value(call.key_style),  # type: ignore[arg-type]
+            repeat_of=first.label,
+        )
+
     def begin(self) -> Generator[Effect, Any, Finished | None]:
         """Record the call in the journal, or settle the record of an earlier send of it.
 
@@ -575,6 +611,13 @@ class _Run:
     # --- the step --------------------------------------------------------------------------
 
     def step(self) -> Flow:
+        call = self.call
+        unmarked = call.repeat_of is None and call.call_id is None
+        if self.s.journal and unmarked and call.on_repeat != "allow":
+            yield from self.check_repeat()
+            call = self.call
+        if call.repeat_of is not None and self.s.hooks:
+            yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))
         if self.s.journal:
             known = yield from self.begin()
             if known is not None:

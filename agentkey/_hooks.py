@@ -25,6 +25,7 @@ __all__ = [
     "InvokeHook",
     "LoggingHook",
     "PollEvent",
+    "RepeatEvent",
     "ReplayEvent",
     "RetryEvent",
 ]
@@ -127,6 +128,17 @@ class ReplayEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RepeatEvent:
+    """The call repeats an earlier step of its plan (same tool, same arguments) and is sent
+    under that step's key, so the tool answers with that step's result (``repeat_of``)."""
+
+    idempotency_key: str
+    step: str | None
+    repeat_of: str
+    tool: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class GiveUpEvent:
     """The invoker gave up on the step: its budget or deadline ran out.
 
@@ -149,6 +161,7 @@ InvokeEvent: TypeAlias = (
     | RetryEvent
     | PollEvent
     | ReplayEvent
+    | RepeatEvent
     | GiveUpEvent
     | CallEndEvent
 )
@@ -164,10 +177,10 @@ class InvokeHook(Protocol):
 class LoggingHook:
     """The default hook: one ``logging`` record per event on the ``agentkey`` logger.
 
-    Visible at Python's default level (WARNING): the first retry of a step
-    and every give-up. Later retries, polls and replays (the protocol
-    working, not a problem) log at INFO; the start and end of each call at
-    DEBUG. Only the key (as a digest: :func:`~agentkey._keys.shown_key`), step,
+    Visible at Python's default level (WARNING): the first retry of a step,
+    a call sent as a repeat of an earlier step, and every give-up. Later
+    retries, polls and replays (the protocol working, not a problem) log at
+    INFO; the start and end of each call at DEBUG. Only the key (as a digest: :func:`~agentkey._keys.shown_key`), step,
     attempt, state and wait are logged: never a token, a header or a body.
     """
 
@@ -189,6 +202,15 @@ class LoggingHook:
                     event.wait,
                     _WHY_SAFE[event.honoured],
                 )
+        elif isinstance(event, RepeatEvent):
+            log.warning(
+                "repeat key=%s tool=%s: the same call was made at %s of this plan, so it is "
+                "sent under that step's key and the tool answers with that step's result "
+                "(nothing runs twice); pass on_repeat='allow' to make it a new call",
+                shown_key(event.idempotency_key),
+                event.tool,
+                event.repeat_of,
+            )
         elif isinstance(event, GiveUpEvent):
             log.warning(
                 "giving up key=%s step=%s attempts=%d polls=%d last=%s raising=%s",

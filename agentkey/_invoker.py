@@ -348,6 +348,8 @@ class _InvokerBase:
             current_owner(),
             step.repeat_of,
             verify,
+            step.on_repeat if idempotency_key is None else "allow",  # your key is yours
+            self._style,
         )
 
     def _resume(self, status_url: str, key: str, headers: Mapping[str, str] | None) -> Flow:
@@ -519,7 +521,7 @@ class ToolInvoker(_InvokerBase):
             time.sleep(effect.seconds)
             return None
         if isinstance(effect, Journaled):
-            return getattr(self._journal, effect.op)(*effect.args)
+            return getattr(self._journal, effect.op)(*effect.args, **effect.kwargs)
         assert isinstance(effect, Verify)
         verdict = effect.hook(effect.call)
         if inspect.isawaitable(verdict):
@@ -637,7 +639,7 @@ class AsyncToolInvoker(_InvokerBase):
             await asyncio.sleep(effect.seconds)
             return None
         if isinstance(effect, Journaled):
-            return await getattr(self._journal, "a" + effect.op)(*effect.args)
+            return await getattr(self._journal, "a" + effect.op)(*effect.args, **effect.kwargs)
         assert isinstance(effect, Verify)
         verdict = effect.hook(effect.call)
         return await verdict if inspect.isawaitable(verdict) else verdict

@@ -1,0 +1,99 @@
+"""Issue 23, case 11: a custom loop repeating a call at a new step index.
+
+The plan answers a repeat it remembers with the earlier step; the journal catches the
+repeats the plan cannot know (a plan saved before the step was handed out). Either
+way the repeat is visible: a WARNING log line, ``repeat_of`` on the result; and
+``on_repeat="allow"`` is the one argument that makes it a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from agentkey import AsyncToolInvoker, PlanSession, Step, StepRepeated, ToolInvoker, ToolResult
+from agentkey.server import IdempotencyMiddleware, MemoryStore
+from tests._loopback import serve
+from tests.journal._tools import PlainTool
+
+DRIVERS = ("sync", "async")
+ARGS = {"amount": 1999, "currency": "EUR"}
+
+
+def invoke(driver: str, url: str, step: Step) -> ToolResult:
+    options: dict[str, Any] = {"route_template": "/tools/{tool}"}
+    if driver == "sync":
+        with ToolInvoker(url, **options) as invoker:
+            return invoker.invoke(step)
+
+    async def run() -> ToolResult:
+        async with AsyncToolInvoker(url, **options) as invoker:
+            return await invoker.invoke(step)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(params=["plain", "middleware"])
+def tool(request: pytest.FixtureRequest) -> Any:
+    plain = PlainTool()
+    app: Any = plain
+    if request.param == "middleware":
+        app = IdempotencyMiddleware(plain, store=MemoryStore(), shared_key_space=True)
+    with serve(app) as url:
+        yield plain, url
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("saved", ["before the first step", "after the first step"])
+def test_a_repeat_at_a_new_index_is_merged_visibly_whenever_the_plan_was_saved(
+    tool: Any, driver: str, saved: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """plan.step(0, ...) then plan.step(1, ...) with the same call: one run, step_000's answer,
+    repeat_of on the result and a WARNING, whether the plan was saved before or after step 0
+    was handed out (restored in a new process, the journal remembers)."""
+    plain, url = tool
+    plan = PlanSession.new()
+    snapshot = plan.to_json() if saved == "before the first step" else None
+    first = invoke(driver, url, plan.step(0, "charge", ARGS))
+    restored = PlanSession.from_json(snapshot or plan.to_json())
+    with caplog.at_level(logging.WARNING, logger="agentkey"):
+        again = invoke(driver, url, restored.step(1, "charge", ARGS))
+    assert plain.executions["charge"] == 1
+    assert again.repeat_of == "step_000"
+    assert again.idempotency_key == first.idempotency_key
+    assert again.body == first.body
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("repeat")]
+    assert len(warned) == 1
+    assert "on_repeat='allow'" in warned[0]
+    assert first.idempotency_key not in warned[0]  # the key shows as a digest
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_allow_is_the_one_argument_for_an_intended_repeat(tool: Any, driver: str) -> None:
+    """on_repeat="allow" makes the same call at a new step a new operation: it runs again."""
+    plain, url = tool
+    plan = PlanSession.new()
+    snapshot = plan.to_json()
+    invoke(driver, url, plan.step(0, "charge", ARGS))
+    again = PlanSession.from_json(snapshot).step(1, "charge", ARGS, on_repeat="allow")
+    result = invoke(driver, url, again)
+    assert result.repeat_of is None
+    assert result.idempotency_key.split(":")[1] == "step_001"
+    assert plain.executions["charge"] == 2
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_raise_refuses_a_repeat_the_journal_finds(tool: Any, driver: str) -> None:
+    """on_repeat="raise": a repeat found in the journal raises StepRepeated, nothing is sent."""
+    plain, url = tool
+    plan = PlanSession.new()
+    snapshot = plan.to_json()
+    invoke(driver, url, plan.step(0, "charge", ARGS))
+    again = PlanSession.from_json(snapshot).step(1, "charge", ARGS, on_repeat="raise")
+    with pytest.raises(StepRepeated) as caught:
+        invoke(driver, url, again)
+    assert caught.value.previous_step == "step_000"
+    assert plain.executions["charge"] == 1
