@@ -180,8 +180,9 @@ class LoggingHook:
     Visible at Python's default level (WARNING): the first retry of a step,
     a call sent as a repeat of an earlier step, and every give-up. Later
     retries, polls and replays (the protocol working, not a problem) log at
-    INFO; the start and end of each call at DEBUG. Only the key (as a digest: :func:`~agentkey._keys.shown_key`), step,
-    attempt, state and wait are logged: never a token, a header or a body.
+    INFO; the start and end of each call at DEBUG. Only the key (as a digest:
+    :func:`~agentkey._keys.shown_key`), step, attempt, state and wait are
+    logged: never a token, a header or a body.
     """
 
     def __init__(self, logger_: logging.Logger | None = None) -> None:
