@@ -203,7 +203,7 @@ async def test_claims_succeed_after_redis_closes_idle_connections(
     store = RedisStore(own_redis.url, prefix="idle")
     try:
         assert await _claims(store, "before", 40, 8) == []
-        assert own_redis.clients() == 1  # one pipelined connection carried all 40
+        assert own_redis.clients() >= 1  # the store's connections, idle in its pool
         deadline = time.monotonic() + 20
         while own_redis.clients() > 0:  # Redis closes them after 1 s idle (checked each cron)
             assert time.monotonic() < deadline, "Redis did not close the idle connections"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis
@@ -181,10 +182,29 @@ def test_redis_store_refuses_a_client_that_is_not_async(client: object) -> None:
         RedisStore(client)
 
 
-def test_max_connections_is_deprecated_now_that_commands_share_one_connection() -> None:
-    """RedisStore(max_connections=) still constructs, and says it no longer applies."""
-    with pytest.warns(DeprecationWarning, match="one pipelined connection"):
-        RedisStore("redis://127.0.0.1:1/0", max_connections=10)
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"replicas": -1}, "replicas must be None"),
+        ({"replicas": True}, "replicas must be None"),
+        ({"replica_timeout": 0}, "replica_timeout must be seconds"),
+        ({"replica_timeout": 5.0}, "below timeout"),
+        ({"replica_timeout": float("nan")}, "replica_timeout must be seconds"),
+    ],
+)
+def test_redis_store_refuses_replica_options_out_of_range(
+    options: dict[str, Any], match: str
+) -> None:
+    """replicas is None or a count; replica_timeout is positive and below the command timeout."""
+    with pytest.raises(ConfigurationError, match=match):
+        RedisStore("redis://127.0.0.1:1/0", **options)
+
+
+def test_redis_store_refuses_a_client_that_decodes_responses() -> None:
+    """A client with decode_responses=True would turn raw response bodies into str: refused."""
+    client = aioredis.Redis(port=1, decode_responses=True)
+    with pytest.raises(ConfigurationError, match="decode_responses=False"):
+        RedisStore(client)
 
 
 def test_memory_store_satisfies_the_protocol() -> None:
