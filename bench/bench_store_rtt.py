@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,9 +70,10 @@ def replica_of(port: int) -> Iterator[None]:
     rport = free_port()
     with redis.Redis(port=port) as master:
         master.config_set("repl-diskless-sync-delay", 0)  # 5 s by default
-    with subprocess.Popen(  # noqa: S603, S607 - our own argv, redis-server from PATH
+    binary = shutil.which("redis-server") or "redis-server"
+    with subprocess.Popen(  # noqa: S603 - our own argv
         [
-            "redis-server",
+            binary,
             "--port",
             str(rport),
             "--bind",

@@ -442,12 +442,14 @@ class RedisStore:
     # --- replicas ---------------------------------------------------------------------
 
     async def _ask_replicas(self, link: _Link) -> int:
-        """How many replicas the deployment reports: a cluster's replica nodes, or the
-        replicas attached to a single Redis (``ROLE``)."""
+        """How many replicas the deployment reports: a cluster's replica nodes, failed ones
+        too (``CLUSTER NODES``; ``CLUSTER SLOTS`` leaves out a replica that has not
+        replicated anything yet), or the replicas attached to a single Redis (``ROLE``)."""
         client = link.client
         if link.cluster:
-            await client.initialize()
-            return 1 if client.get_replicas() else 0
+            nodes = await client.cluster_nodes()
+            flags = [str(n.get("flags", "")) for n in nodes.values() if isinstance(n, dict)]
+            return 1 if any("slave" in f.split(",") for f in flags) else 0
         role = await client.execute_command("ROLE")
         if isinstance(role, (list, tuple)) and len(role) >= 3 and _text(role[0]) == "master":
             return 1 if role[2] else 0
