@@ -584,12 +584,14 @@ class RedisStore:
         self._start_persistence_check()
         rkey = self.redis_key(key)
         link = self._link()
+        sent = False
         try:
             if self._replicas is None:
                 await self._settle_replicas(link)
             elif not self._replicas:
                 self._maybe_recheck(link)
             # Redis >= 7: NX and GET together; one round trip claims or reads.
+            sent = True
             op = await link.send(
                 _Op(rkey, ("SET", rkey, value, "NX", "PX", ttl, "GET"), _SET_OPTIONS, True)
             )
@@ -597,10 +599,11 @@ class RedisStore:
                 raise op.result
             result = op.result
             if link.wait and (result is None or result == value):
-                if op.confirmed is None:
+                if op.confirmed is None or result is not None:
                     # Written on another connection (a re-sent SET reads its own record
-                    # back) or on a node found through a redirect: no WAIT covered it yet.
-                    # Rewrite its lease here, where the WAIT follows it.
+                    # back: the WAIT after it covers only this connection's writes) or on
+                    # a node found through a redirect: no WAIT covered it yet. Rewrite its
+                    # lease here, where the WAIT follows it.
                     owner = _owner_of(value)
                     if owner is not None:
                         again = await self._script(link, _RENEW, rkey, (owner, ttl), True)
@@ -613,7 +616,7 @@ class RedisStore:
         except StoreError:
             raise
         except Exception as exc:
-            if not isinstance(exc, redis_errors.ResponseError):
+            if sent and not isinstance(exc, redis_errors.ResponseError):
                 # The answer was lost (or the client broke): the SET may have landed.
                 await self._release_own(link, key, rkey, value, "its answer was lost")
             raise self._failure("claim", key, exc) from None

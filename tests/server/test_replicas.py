@@ -190,3 +190,32 @@ async def test_a_client_passed_in_keeps_its_own_settings(pair: tuple[Node, Node]
     finally:
         await store.aclose()
         await client.aclose()
+
+
+def _calls(node: Node, command: str) -> int:
+    with node.admin() as probe:
+        stats: dict[str, Any] = probe.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_resent_claim_is_written_again_under_the_wait(pair: tuple[Node, Node]) -> None:
+    """The answer to SET + WAIT is lost and redis-py re-sends both on a new connection: the SET
+    reads its own record back, and that connection's WAIT covers none of its writes. The store
+    rewrites the lease there (one EVALSHA) so the WAIT after it proves the replica has it."""
+    master, _ = pair
+    proxy = ReplyDropper(master.port)
+    store = RedisStore(proxy.url, prefix="resent", replica_timeout=_PATIENT)
+    owner = secrets.token_hex(16)
+    try:
+        assert await store.claim("warm", _held(owner), ttl_ms=60_000) is None  # finds the replica
+        assert await store.renew("warm", owner, ttl_ms=60_000)  # loads the script
+        evalsha, waits = _calls(master, "evalsha"), _waits(master)
+        proxy.arm(b"\r\nSET\r\n")
+        value = _held(owner)
+        assert await store.claim("k", value, ttl_ms=60_000) == value  # its own, read back
+        assert len(proxy.dropped) == 1
+        assert _calls(master, "evalsha") - evalsha == 1  # the lease written again
+        assert _waits(master) - waits == 3  # the lost pipeline's, the re-sent one's, the rewrite's
+    finally:
+        proxy.close()
+        await store.aclose()
