@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import itertools
 import logging
 import time
 from typing import Any
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from .._schedule import Backoff
 from ._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
@@ -58,6 +60,8 @@ RETRIES = 1
 _LOST = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 #: Cluster answers that say the command did not run on the node it was sent to.
 _ELSEWHERE = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
+#: Between retries of a release that failed on the connection: 0.1 s doubling to 1 s, jittered.
+_RELEASE_BACKOFF = Backoff(initial=0.1, cap=1.0)
 #: While the deployment has no replica, how often a store on ``replicas=None`` asks again.
 _RECHECK_SECONDS = 30.0
 
@@ -363,6 +367,7 @@ class RedisStore:
         self._recheck_at = 0.0
         self._recheck: asyncio.Task[None] | None = None
         self._asking: asyncio.Future[None] | None = None
+        self._releasing: set[asyncio.Task[None]] = set()
         self._link_: _Link | None = None
         self._persistence_check: asyncio.Task[None] | None = None
 
@@ -611,18 +616,22 @@ class RedisStore:
                         again = await self._script(link, _FINISH, rkey, (value, value, ttl), True)
                     op.confirmed = bool(again.result) and again.confirmed is True
                 if not op.confirmed:
-                    await self._release_own(link, key, rkey, value, "not confirmed by a replica")
+                    await self._release_own(
+                        link, key, rkey, value, "not confirmed by a replica", ttl
+                    )
                     raise self._unconfirmed("claim", key)
         except StoreError:
             raise
         except Exception as exc:
             if sent and not isinstance(exc, redis_errors.ResponseError):
                 # The answer was lost (or the client broke): the SET may have landed.
-                await self._release_own(link, key, rkey, value, "its answer was lost")
+                await self._release_own(link, key, rkey, value, "its answer was lost", ttl)
             raise self._failure("claim", key, exc) from None
         return None if result is None else bytes(result)
 
-    async def _release_own(self, link: _Link, key: str, rkey: str, value: bytes, why: str) -> None:
+    async def _release_own(
+        self, link: _Link, key: str, rkey: str, value: bytes, why: str, ttl_ms: int
+    ) -> None:
         """Delete the claim ``value`` wrote, if it is there, so a refused request leaves its
         key free instead of locked for a lease."""
         owner = _owner_of(value)
@@ -634,15 +643,44 @@ class RedisStore:
             )
         except Exception as exc:
             _logger.warning(
-                "a claim of %s was refused (%s) and could not be released (%s); if it landed, "
-                "the key stays locked until its lease (lock_ttl) ends",
+                "a claim of %s was refused (%s) and could not be released yet (%s); the "
+                "release is retried until Redis answers or the claim's lease ends",
                 shown(key),
                 why,
                 type(exc).__name__,
             )
+            self._release_later(link, key, rkey, owner, ttl_ms)
             return
         if op.result:
             _logger.info("released the claim of %s: %s", shown(key), why)
+
+    def _release_later(self, link: _Link, key: str, rkey: str, owner: bytes, ttl_ms: int) -> None:
+        """Retry a release that failed on the connection, in the background, until Redis
+        answers or the claim's lease would have ended anyway: a key refused with 503 is freed
+        as soon as its store is back (after a failover, say), not a lease later."""
+        give_up = time.monotonic() + ttl_ms / 1000
+
+        async def retry() -> None:
+            for attempt in itertools.count(1):
+                await asyncio.sleep(_RELEASE_BACKOFF.delay(attempt))
+                if time.monotonic() >= give_up:
+                    return
+                try:
+                    op = await asyncio.wait_for(
+                        self._script(link, _RELEASE, rkey, (owner,), confirm=False),
+                        self._timeout,
+                    )
+                except _LOST:
+                    continue
+                except Exception:  # anything else will not pass with time
+                    return
+                if op.result:
+                    _logger.info("released the claim of %s once Redis answered", shown(key))
+                return
+
+        task = link.loop.create_task(retry())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
@@ -703,7 +741,7 @@ class RedisStore:
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()
-        for task in (self._persistence_check, self._recheck):
+        for task in (self._persistence_check, self._recheck, *self._releasing):
             if task is not None and not task.done() and task.get_loop() is loop:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

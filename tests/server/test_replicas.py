@@ -4,6 +4,7 @@ Real redis-server processes on loopback; a stalled replica is a SIGSTOPped one."
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +217,33 @@ async def test_a_resent_claim_is_written_again_under_the_wait(pair: tuple[Node, 
         assert len(proxy.dropped) == 1
         assert _calls(master, "evalsha") - evalsha == 1  # the lease written again
         assert _waits(master) - waits == 3  # the lost pipeline's, the re-sent one's, the rewrite's
+    finally:
+        proxy.close()
+        await store.aclose()
+
+
+async def test_a_lost_claim_is_released_once_redis_answers_again(
+    own_redis: RestartableRedis,
+) -> None:
+    """The claim lands, its answer and its re-send are lost, and so is the first release: the
+    store keeps releasing in the background, and the key is free soon after, not a lease later."""
+    proxy = ReplyDropper(own_redis.port)
+    store = RedisStore(proxy.url, prefix="later")
+    owner = secrets.token_hex(16)
+    try:
+        assert await store.claim("warm", _held(owner), ttl_ms=60_000) is None
+        assert await store.release("warm", owner)  # loads the release script
+        proxy.arm(b"\r\nSET\r\n")
+        proxy.swallow(b"\r\nSET\r\n", store._release.sha.encode(), store._release.sha.encode())
+        with pytest.raises(StoreUnavailable, match="could not be reached during claim"):
+            await store.claim("k", _held(owner), ttl_ms=60_000)
+        with redis.Redis(port=own_redis.port) as probe:
+            assert probe.exists("later:{k}")  # it landed, and the release was lost
+            for _ in range(200):
+                if not probe.exists("later:{k}"):
+                    break
+                await asyncio.sleep(0.05)
+            assert not probe.exists("later:{k}")
     finally:
         proxy.close()
         await store.aclose()
