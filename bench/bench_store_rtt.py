@@ -32,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -71,24 +72,29 @@ def replica_of(port: int) -> Iterator[None]:
     with redis.Redis(port=port) as master:
         master.config_set("repl-diskless-sync-delay", 0)  # 5 s by default
     binary = shutil.which("redis-server") or "redis-server"
-    with subprocess.Popen(  # noqa: S603 - our own argv
-        [
-            binary,
-            "--port",
-            str(rport),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--replicaof",
-            "127.0.0.1",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as proc:
+    with (
+        tempfile.TemporaryDirectory(prefix="agentkey-replica-") as workdir,
+        subprocess.Popen(  # noqa: S603 - our own argv
+            [
+                binary,
+                "--port",
+                str(rport),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,  # a replica writes what it loads from its primary there
+                "--replicaof",
+                "127.0.0.1",
+                str(port),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ) as proc,
+    ):
         try:
             deadline = time.monotonic() + 20
             with redis.Redis(port=port) as master:

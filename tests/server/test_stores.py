@@ -298,3 +298,34 @@ async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_clo
         await store.finish("k", _owner(), _done(), ttl_ms=1000)
     with pytest.raises(StoreError):
         await store.release("k", _owner())
+
+
+def test_redis_store_uses_only_redis_pys_public_names() -> None:
+    """agentkey/server/_redis.py imports no private redis-py module or name and reads no
+    private attribute of anything but its own objects (issue 27 §3: no socket takeover)."""
+    import ast
+    import inspect as inspect_
+
+    from agentkey.server import _redis
+
+    tree = ast.parse(inspect_.getsource(_redis))
+    private_imports = [
+        f"{node.module}: {[a.name for a in node.names]}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("redis")
+        and (
+            any(part.startswith("_") for part in (node.module or "").split("."))
+            or any(a.name.startswith("_") for a in node.names)
+        )
+    ]
+    reaches = [
+        f"line {node.lineno}: .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert private_imports == []
+    assert reaches == []
