@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -45,7 +42,7 @@ import redis
 from redis.asyncio import Redis
 
 from agentkey.server import RedisStore
-from tests._loopback import free_port, redis_server
+from tests._loopback import redis_server
 
 Pair = Callable[[str], Awaitable[None]]
 RESULT = b'{"charge_id":"ch_1","amount":100}'
@@ -68,43 +65,16 @@ def _parsers() -> dict[str, Any]:
 @contextmanager
 def replica_of(port: int) -> Iterator[None]:
     """A redis-server on loopback replicating the one on ``port``, in sync when yielded."""
-    rport = free_port()
     with redis.Redis(port=port) as master:
         master.config_set("repl-diskless-sync-delay", 0)  # 5 s by default
-    binary = shutil.which("redis-server") or "redis-server"
-    with (
-        tempfile.TemporaryDirectory(prefix="agentkey-replica-") as workdir,
-        subprocess.Popen(  # noqa: S603 - our own argv
-            [
-                binary,
-                "--port",
-                str(rport),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                workdir,  # a replica writes what it loads from its primary there
-                "--replicaof",
-                "127.0.0.1",
-                str(port),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        ) as proc,
-    ):
-        try:
-            deadline = time.monotonic() + 20
-            with redis.Redis(port=port) as master:
-                while master.info("replication").get("slave0", {}).get("state") != "online":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the replica did not attach")
-                    time.sleep(0.05)
-            yield
-        finally:
-            proc.terminate()
+    with redis_server("--replicaof", "127.0.0.1", str(port)):
+        deadline = time.monotonic() + 20
+        with redis.Redis(port=port) as master:
+            while master.info("replication").get("slave0", {}).get("state") != "online":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica did not attach")
+                time.sleep(0.05)
+        yield
 
 
 async def _slot(pair: Pair, tag: str, n: int, width: int) -> tuple[float, float]:
