@@ -247,3 +247,34 @@ async def test_a_lost_claim_is_released_once_redis_answers_again(
     finally:
         proxy.close()
         await store.aclose()
+
+
+async def test_a_replica_attached_later_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replicas=None on a Redis without replicas starts at 0 and asks again (every 30 s; at
+    once here) beside later claims: a replica attached meanwhile turns the wait on for good."""
+    from agentkey.server import _redis
+
+    monkeypatch.setattr(_redis, "_RECHECK_SECONDS", 0.0)
+    master = Node(tmp_path, "--appendonly", "no")
+    master.start()
+    replica = Node(tmp_path, "--appendonly", "no")
+    store = RedisStore(master.url, prefix="later-replica", replica_timeout=_PATIENT)
+    try:
+        assert await store.claim("a", _held(), ttl_ms=60_000) is None
+        assert store.replicas == 0
+        replica.start("--replicaof", "127.0.0.1", str(master.port))
+        for _ in range(400):
+            await store.claim(secrets.token_hex(4), _held(), ttl_ms=60_000)
+            if store.replicas:
+                break
+            await asyncio.sleep(0.05)
+        assert store.replicas == 1
+        before = _waits(master)
+        assert await store.claim("b", _held(), ttl_ms=60_000) is None
+        assert _waits(master) - before == 1
+    finally:
+        await store.aclose()
+        replica.stop()
+        master.stop()
