@@ -223,36 +223,82 @@ class _Link:
             return
         # Each command pinned to its key's node, then one WAIT per node on the same
         # connection; a redirect comes back as an answer instead of being followed, since
-        # the command would then run where no WAIT follows it.
+        # the command would then run where no WAIT follows it. redis-py sends a cluster
+        # pipeline again after a connection error, and then without the pins: a WAIT may
+        # run on another connection and confirm writes it never saw. So each node's
+        # commands are framed by CLIENT INFO, and a WAIT counts only when both frames name
+        # the same connection on the node that serves the key.
         await client.initialize()
         nodes: dict[str, Any] = {}
-        names = []
+        pinned = []
         for op in ops:
             node = client.get_node_from_key(op.rkey)
             nodes.setdefault(node.name, node)
-            names.append(node.name)
+            pinned.append(node)
+        for node in nodes.values():
+            pipe.execute_command("CLIENT", "INFO", target_nodes=node)
+        for op, node in zip(ops, pinned, strict=True):
             pipe.execute_command(*op.args, target_nodes=node, **op.options)
         for node in nodes.values():
             pipe.execute_command("WAIT", self.wait, self.wait_ms, target_nodes=node)
+        for node in nodes.values():
+            pipe.execute_command("CLIENT", "INFO", target_nodes=node)
         results = await pipe.execute(raise_on_error=False, allow_redirections=False)
-        acked = {
-            name: _enough(result, self.wait)
-            for name, result in zip(nodes, results[len(ops) :], strict=True)
+        k = len(nodes)
+        before, answers = results[:k], results[k : k + len(ops)]
+        waits, after = results[k + len(ops) : 2 * k + len(ops)], results[2 * k + len(ops) :]
+        acked: dict[str, bool | None] = {
+            # None: the WAIT may have run elsewhere, so it says nothing either way.
+            name: _enough(acks, self.wait) if _one_connection(first, last, node.port) else None
+            for (name, node), first, acks, last in zip(
+                nodes.items(), before, waits, after, strict=True
+            )
         }
         moved = []
-        for op, name, result in zip(ops, names, results, strict=False):
+        for op, node, result in zip(ops, pinned, answers, strict=True):
             if isinstance(result, _ELSEWHERE):
                 moved.append(op)
                 continue
             op.result = result
-            if op.confirm:
-                op.confirmed = acked[name]
+            if op.confirm and _serves(client, op.rkey, node):
+                op.confirmed = acked[node.name]
+            # Otherwise confirmed stays None: the caller writes again under a new WAIT.
         for op in moved:  # the cluster changed: redis-py follows it, and learns the new map
             op.result = await _answer(client, op)
 
     async def aclose(self) -> None:
         if self.owned:
             await self.client.aclose()
+
+
+def _serves(client: Any, rkey: str, node: Any) -> bool:
+    """Whether ``rkey``'s slot is still served by the node it was pinned to."""
+    try:
+        return bool(client.get_node_from_key(rkey).name == node.name)
+    except redis_errors.RedisError:
+        return False
+
+
+def _client_info(reply: Any) -> dict[str, str]:
+    """``CLIENT INFO``'s ``key=value`` fields; empty for anything else (an error, say)."""
+    if isinstance(reply, bytes):
+        reply = reply.decode("utf-8", "replace")
+    if not isinstance(reply, str):
+        return {}
+    return dict(field.split("=", 1) for field in reply.split() if "=" in field)
+
+
+def _one_connection(first: Any, last: Any, port: int) -> bool:
+    """Whether two ``CLIENT INFO`` replies come from one connection to the node on ``port``
+    (the connection id, and the server's own address, which names the node)."""
+    a, b = _client_info(first), _client_info(last)
+    laddr = a.get("laddr", "")
+    return (
+        bool(a.get("id"))
+        and a.get("id") == b.get("id")
+        and laddr == b.get("laddr")
+        and laddr.rpartition(":")[2] == str(port)
+    )
 
 
 async def _answer(client: Any, op: _Op) -> Any:
@@ -655,9 +701,9 @@ class RedisStore:
             _logger.info("released the claim of %s: %s", shown(key), why)
 
     def _release_later(self, link: _Link, key: str, rkey: str, owner: bytes, ttl_ms: int) -> None:
-        """Retry a release that failed on the connection, in the background, until Redis
-        answers or the claim's lease would have ended anyway: a key refused with 503 is freed
-        as soon as its store is back (after a failover, say), not a lease later."""
+        """Retry a release that failed, in the background, until Redis answers or the claim's
+        lease would have ended anyway: a key refused with 503 is freed as soon as its store
+        is back (after a failover, say), not a lease later."""
         give_up = time.monotonic() + ttl_ms / 1000
 
         async def retry() -> None:
@@ -670,10 +716,8 @@ class RedisStore:
                         self._script(link, _RELEASE, rkey, (owner,), confirm=False),
                         self._timeout,
                     )
-                except _LOST:
-                    continue
-                except Exception:  # anything else will not pass with time
-                    return
+                except Exception:  # noqa: S112 - down, failing over, or the client re-mapping
+                    continue  # the cluster (redis-py raises several kinds then): retry
                 if op.result:
                     _logger.info("released the claim of %s once Redis answered", shown(key))
                 return

@@ -358,7 +358,7 @@ def test_a_sentinel_failover_without_a_duplicate(tmp_path: Path) -> None:
             f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
             f"sentinel monitor agentkey 127.0.0.1 {primary.port} 1\n"
             # 1 s flaps on a loaded machine: a new primary busy for a moment is failed over too.
-            "sentinel down-after-milliseconds agentkey 2000\n"
+            "sentinel down-after-milliseconds agentkey 3000\n"
             "sentinel failover-timeout agentkey 10000\n"
         )
         binary = shutil.which("redis-server") or "redis-server"
@@ -379,7 +379,9 @@ def test_a_sentinel_failover_without_a_duplicate(tmp_path: Path) -> None:
             def fault() -> None:
                 primary.kill()
                 until(lambda: replica.role() == "master", "Sentinel's promotion", 60)
-                primary.start()  # Sentinel makes it the new primary's replica
+                # Back as the new primary's replica, as its operator (or Sentinel, some 10 s
+                # later) would make it: never as a second primary with its old data.
+                primary.start("--replicaof", "127.0.0.1", str(replica.port))
 
             def heal() -> None:  # whichever is primary now has the other as its replica
                 until(lambda: replica_online(replica) or replica_online(primary),

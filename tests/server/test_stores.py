@@ -329,3 +329,30 @@ def test_redis_store_uses_only_redis_pys_public_names() -> None:
     ]
     assert private_imports == []
     assert reaches == []
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "port", "same"),
+    [
+        (
+            b"id=7 addr=127.0.0.1:5000 laddr=127.0.0.1:7001 fd=9",
+            b"id=7 laddr=127.0.0.1:7001",
+            7001,
+            True,
+        ),
+        (b"id=7 laddr=127.0.0.1:7001", b"id=8 laddr=127.0.0.1:7001", 7001, False),  # reconnected
+        (b"id=7 laddr=127.0.0.1:7002", b"id=7 laddr=127.0.0.1:7002", 7001, False),  # other node
+        (b"id=7 laddr=127.0.0.1:7001", b"id=7 laddr=127.0.0.1:7003", 7001, False),
+        (b"id=7 laddr=127.0.0.1:7001", redis.ConnectionError("lost"), 7001, False),
+        (None, None, 7001, False),
+        ("id=7 laddr=[::1]:7001", "id=7 laddr=[::1]:7001", 7001, True),
+    ],
+)
+def test_a_cluster_wait_counts_only_on_the_connection_of_its_writes(
+    first: Any, last: Any, port: int, same: bool
+) -> None:
+    """The CLIENT INFO frames around a node's writes and WAIT must name one connection to the
+    node that serves the key; a pipeline redis-py sent again without its pins fails that."""
+    from agentkey.server._redis import _one_connection
+
+    assert _one_connection(first, last, port) is same
