@@ -86,8 +86,9 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server() -> Iterator[RedisServer]:
-    """Start a throwaway redis-server on a free loopback port (no persistence)."""
+def redis_server(*options: str) -> Iterator[RedisServer]:
+    """Start a throwaway redis-server on a free loopback port (no persistence); ``options``
+    are added to its command line (``"--replicaof", host, port``, say)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(
@@ -111,6 +112,7 @@ def redis_server() -> Iterator[RedisServer]:
                 workdir,
                 "--protected-mode",
                 "yes",
+                *options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,7 +1,8 @@
 """RedisStore: the Store protocol on Redis >= 7, Valkey or Redis Cluster (``redis.asyncio``).
 
 Loaded on first use of ``agentkey.server.RedisStore``: it needs redis-py, which
-``MemoryStore`` users need not install.
+``MemoryStore`` users need not install. Everything goes through redis-py's public
+client: ``execute_command`` and non-transactional pipelines.
 
 Every operation touches exactly one key, so Redis Cluster and Valkey work
 unchanged. Round trips per call on :class:`RedisStore`:
@@ -15,290 +16,334 @@ finish     Lua compare-and-``SET … PX``             1
 release    Lua compare-and-``DEL``                  1
 =========  ======================================  ============
 
-(The first use of a Lua script on a fresh Redis adds one ``SCRIPT LOAD``.)
+With replicas, a claim, a renewal and a finish are followed by ``WAIT`` in the
+same pipeline, on the same connection: still one round trip, which now ends when
+a replica holds the write. (The first use of a Lua script on a fresh Redis adds
+one ``SCRIPT LOAD``.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
+import itertools
 import logging
-import warnings
-from collections import deque
+import time
 from typing import Any
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
 from .._schedule import Backoff
-from ._resp import PUSH, ProtocolError, Replies, ReplyError, pack
 from ._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
     from redis import asyncio as aioredis
     from redis import exceptions as redis_errors
+    from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
-    from redis.commands.core import AsyncScript
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("server", "redis") from None
 
 __all__ = ["RETRIES", "RedisStore"]
 
-#: The wait before a command is re-sent: full jitter up to 0.1 s.
-_RESEND = Backoff(initial=0.1, cap=0.1)
-
 _logger = logging.getLogger("agentkey.server")
 
 #: Re-sends of a command whose connection broke or timed out (a connection Redis closed
-#: by a restart or its idle ``timeout``), after a jittered wait of up to 0.1 s, on a new
-#: connection. One is enough for a stale connection; redis-py retries the connection
-#: handshake with the same policy, so a Redis that stops answering costs
-#: (1 + RETRIES) ** 2 timeouts before the store gives up, and more would multiply that.
+#: by a restart or its idle ``timeout``), after a jittered wait of up to 0.5 s, on a new
+#: connection: redis-py's own ``Retry`` on a store built from a URL. One is enough for a
+#: stale connection; a Redis that stops answering costs (1 + RETRIES) timeouts per
+#: command before the store gives up, and more would multiply that.
 RETRIES = 1
 
-
-class _Pipe(asyncio.Protocol):
-    """One Redis connection that carries the commands of every request on its event loop.
-
-    A command on an idle connection is written at once; while others are in flight, the
-    commands of one loop iteration go out in one write. Redis answers in order, so each
-    answer resolves the oldest waiting future: no pool checkout, no task and no timer
-    per command, and one system call for many requests under load. A reply nobody waits
-    for, a protocol error or a lost connection fails every command in flight with a
-    ``ConnectionError`` and closes the pipe; the next command opens a new one. A
-    watchdog closes the pipe when its oldest command has waited ``timeout`` seconds
-    (Redis is stuck, or the connection died without a word), so no command waits much
-    longer than that.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self.loop, self.timeout = loop, timeout
-        self.closed = False
-        self._replies = Replies()
-        self._waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
-        self._out: list[bytes] | None = None  # commands gathered for the next write
-        self._transport: asyncio.Transport | None = None
-        self._conn: Any = None
-        self._watch: asyncio.TimerHandle | None = None
-
-    def attach(self, conn: Any) -> None:
-        """Take over the socket of a redis-py connection that has done its handshake."""
-        transport = conn._writer.transport
-        self._conn, self._transport = conn, transport
-        transport.set_protocol(self)
-
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
-        if self.closed:
-            raise redis_errors.ConnectionError("the Redis connection closed")
-        loop = self.loop
-        future = loop.create_future()
-        busy = bool(self._waiting)
-        self._waiting.append((future, loop.time() + self.timeout))
-        if self._out is not None:  # others wait to go out: after them, in order
-            self._out.append(packed)
-        elif busy:  # commands in flight (under load): gather this iteration's into one write
-            self._out = [packed]
-            loop.call_soon(self._flush)
-        else:  # an idle connection: no reason to wait
-            assert self._transport is not None
-            self._transport.write(packed)
-        if self._watch is None:
-            self._watch = loop.call_later(self.timeout, self._check)
-        return future
-
-    def _flush(self) -> None:
-        out, self._out = self._out, None
-        if out and self._transport is not None:
-            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
-
-    def _check(self) -> None:
-        self._watch = None
-        if not self._waiting or self.closed:
-            return
-        due = self._waiting[0][1]
-        if self.loop.time() >= due:
-            self.close(redis_errors.TimeoutError("Redis did not answer in time"))
-        else:
-            self._watch = self.loop.call_at(due, self._check)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            replies = self._replies.feed(data)
-        except ProtocolError as exc:
-            self.close(redis_errors.ConnectionError(f"Redis broke the protocol: {exc}"))
-            return
-        waiting = self._waiting
-        for reply in replies:
-            if reply is PUSH:
-                continue
-            if not waiting:
-                self.close(redis_errors.ConnectionError("Redis sent a reply nobody asked for"))
-                return
-            future = waiting.popleft()[0]
-            if not future.done():  # not given up on (a cancelled request)
-                future.set_result(reply)
-
-    def eof_received(self) -> bool:
-        return False  # close the transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.close(redis_errors.ConnectionError("Redis closed the connection"))
-
-    def close(self, error: Exception) -> None:
-        """Fail every command in flight with ``error`` and drop the connection."""
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-        self.closed = True
-        waiting, self._waiting = self._waiting, deque()
-        for future, _ in waiting:
-            if not future.done():
-                future.set_exception(error)
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        conn, self._conn = self._conn, None
-        if conn is not None:  # redis-py's view of the socket: closed, never used again
-            conn._reader = conn._writer = None
+#: Errors after which a command may have run in Redis without its answer arriving.
+_LOST = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+#: Cluster answers that say the command did not run on the node it was sent to.
+_ELSEWHERE = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.ClusterDownError)
+#: Between retries of a release that failed on the connection: 0.1 s doubling to 1 s, jittered.
+_RELEASE_BACKOFF = Backoff(initial=0.1, cap=1.0)
+#: While the deployment has no replica, how often a store on ``replicas=None`` asks again.
+_RECHECK_SECONDS = 30.0
 
 
-class _Lean:
-    """Commands on one pipelined connection per event loop (:class:`_Pipe`), without
-    redis-py's per-command layers.
+class _Script:
+    """A Lua script: its source and the SHA1 that ``EVALSHA`` names it by."""
 
-    ``Redis.execute_command`` checks a connection out of the pool and back for every
-    command (a condition, a lock and a timer each way), arms a timer and a task per
-    send and another timer per read: about 160 us of CPU per command here. The pipe
-    costs a future and a share of one write and one read. redis-py still makes each
-    connection (TLS, ACL, ``SELECT``: everything a URL can say) and then hands over its
-    socket. A command that fails on a broken or stuck connection is re-sent
-    ``RETRIES`` time(s) on a new one, after a jittered wait of up to 0.1 s.
-    """
+    __slots__ = ("sha", "source")
 
-    def __init__(self, pool: Any, timeout: float) -> None:
-        self.pool, self.timeout = pool, timeout
-        self._pipe: _Pipe | None = None
-        self._opening: asyncio.Future[_Pipe] | None = None
-
-    async def execute(self, *args: bytes) -> Any:
-        packed = pack(args)
-        for attempt in range(RETRIES + 1):
-            pipe = self._pipe
-            try:
-                if pipe is None or pipe.closed or pipe.loop is not asyncio.get_running_loop():
-                    pipe = await self._open()
-                reply = await pipe.send(packed)
-                break
-            except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
-                if attempt == RETRIES:
-                    raise
-            await asyncio.sleep(_RESEND.delay(attempt + 1))
-        if isinstance(reply, ReplyError):
-            if reply.message.startswith("NOSCRIPT"):
-                raise redis_errors.NoScriptError(reply.message)
-            raise redis_errors.ResponseError(reply.message)
-        return reply
-
-    async def _open(self) -> _Pipe:
-        """The pipe of the running loop, connecting it once for all the commands waiting."""
-        loop = asyncio.get_running_loop()
-        opening = self._opening
-        if opening is not None and opening.get_loop() is loop:
-            return await asyncio.shield(opening)
-        opening = self._opening = loop.create_future()
-        try:
-            conn = self.pool.make_connection()
-            await conn.connect()
-            pipe = _Pipe(loop, self.timeout)
-            pipe.attach(conn)
-        except BaseException as exc:
-            self._opening = None
-            # The commands waiting for this connection fail as a connection error (and are
-            # re-sent), never with the opener's own cancellation.
-            error = (
-                exc
-                if isinstance(exc, Exception)
-                else redis_errors.ConnectionError("opening the Redis connection was interrupted")
-            )
-            opening.set_exception(error)
-            opening.exception()  # marked as retrieved: a lone opener logs nothing
-            raise
-        old, self._pipe, self._opening = self._pipe, pipe, None
-        if old is not None and not old.closed:
-            error = redis_errors.ConnectionError("replaced by a connection on another loop")
-            if old.loop is loop:
-                old.close(error)
-            elif not old.loop.is_closed():
-                old.loop.call_soon_threadsafe(old.close, error)
-        opening.set_result(pipe)
-        return pipe
-
-    async def aclose(self) -> None:
-        pipe, self._pipe = self._pipe, None
-        if pipe is not None and not pipe.closed:
-            error = redis_errors.ConnectionError("the store was closed")
-            if pipe.loop is asyncio.get_running_loop():
-                pipe.close(error)
-            elif not pipe.loop.is_closed():
-                pipe.loop.call_soon_threadsafe(pipe.close, error)
-
-    async def evalsha(self, script: AsyncScript, *args: bytes) -> Any:
-        try:
-            return await self.execute(b"EVALSHA", script.sha.encode(), b"1", *args)
-        except redis_errors.NoScriptError:  # a fresh or restarted Redis: load it once
-            source = script.script
-            await self.execute(
-                b"SCRIPT", b"LOAD", source.encode() if isinstance(source, str) else bytes(source)
-            )
-            return await self.execute(b"EVALSHA", script.sha.encode(), b"1", *args)
-
-
-def _text(value: object) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else None
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 
 # KEYS[1] record key; ARGV[1] owner prefix; then per script.
-_RENEW = """
+_RENEW = _Script("""
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
 return 0
-"""
-_FINISH = """
+""")
+# A finish sent again after it landed finds its own outcome and writes it again: that
+# answers 1 and gives the WAIT that follows a write of this connection to wait for.
+_FINISH = _Script("""
 local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+if v and (v == ARGV[2] or string.sub(v, 1, string.len(ARGV[1])) == ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
-"""
-_RELEASE = """
+""")
+_RELEASE = _Script("""
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
-"""
+""")
+
+_SET_OPTIONS = {"get": True}  # redis-py then returns SET … GET's reply as it is
+_NO_OPTIONS: dict[str, Any] = {}
+
+
+class _Op:
+    """One command on one record key, and what came of it.
+
+    ``confirmed`` is None when no ``WAIT`` ran after it on its connection (none was
+    asked for, or a cluster redirect sent the command elsewhere), else whether enough
+    replicas acknowledged it in time.
+    """
+
+    __slots__ = ("args", "confirm", "confirmed", "error", "future", "options", "result", "rkey")
+
+    def __init__(
+        self, rkey: str, args: tuple[Any, ...], options: dict[str, Any], confirm: bool
+    ) -> None:
+        self.rkey, self.args, self.options, self.confirm = rkey, args, options, confirm
+        self.result: Any = None
+        self.confirmed: bool | None = None
+        self.error: BaseException | None = None
+        self.future: asyncio.Future[None] | None = None
+
+
+class _Link:
+    """The commands of one event loop, through one redis-py client.
+
+    A command sent while none is in flight goes out at once with ``execute_command``.
+    Commands sent while others are in flight are gathered for the rest of the loop
+    iteration and go out in one non-transactional pipeline: one write, one connection
+    and one read for many requests, which is what keeps redis-py's per-command cost
+    (a pool checkout and release, a retry wrapper) off each request under load.
+    When ``wait`` replicas are asked for, each connection's commands end with ``WAIT
+    wait timeout``, which answers once that many replicas hold every write before it
+    on the connection.
+    """
+
+    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop, *, owned: bool) -> None:
+        self.client, self.loop, self.owned = client, loop, owned
+        self.cluster = isinstance(client, RedisCluster)
+        self.wait = 0  # replicas each confirmed write waits for
+        self.wait_ms = 0
+        self._queue: list[_Op] | None = None
+        self._busy = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def send(self, op: _Op) -> _Op:
+        if self._busy == 0 and self._queue is None:
+            self._busy = 1
+            try:
+                await self._run([op])
+            finally:
+                self._busy -= 1
+        else:
+            op.future = self.loop.create_future()
+            if self._queue is None:
+                self._queue = [op]
+                self.loop.call_soon(self._flush)
+            else:
+                self._queue.append(op)
+            await op.future
+        if op.error is not None:
+            raise op.error
+        return op
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, None
+        if batch:
+            self._busy += len(batch)
+            task = self.loop.create_task(self._run_batch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_batch(self, batch: list[_Op]) -> None:
+        try:
+            await self._run(batch)
+        finally:
+            self._busy -= len(batch)
+            for op in batch:
+                if op.future is not None and not op.future.done():  # not given up on
+                    op.future.set_result(None)
+
+    async def _run(self, ops: list[_Op]) -> None:
+        """Send ``ops``; fill in each one's result, or its error. Never raises."""
+        client = self.client
+        try:
+            if len(ops) == 1 and not (ops[0].confirm and self.wait):
+                ops[0].result = await _answer(client, ops[0])
+            elif self.cluster:
+                await self._run_cluster(ops)
+            else:
+                pipe = client.pipeline(transaction=False)
+                for op in ops:
+                    pipe.execute_command(*op.args, **op.options)
+                confirm = self.wait and any(op.confirm for op in ops)
+                if confirm:
+                    pipe.execute_command("WAIT", self.wait, self.wait_ms)
+                results = await pipe.execute(raise_on_error=False)
+                acked = bool(confirm) and _enough(results.pop(), self.wait)
+                for op, result in zip(ops, results, strict=True):
+                    op.result = result
+                    if confirm and op.confirm:
+                        op.confirmed = acked
+        except Exception as exc:
+            for op in ops:
+                op.error = exc
+
+    async def _run_cluster(self, ops: list[_Op]) -> None:
+        client = self.client
+        pipe = client.pipeline()
+        if not (self.wait and any(op.confirm for op in ops)):
+            for op in ops:
+                pipe.execute_command(*op.args, **op.options)
+            results = await pipe.execute(raise_on_error=False)
+            for op, result in zip(ops, results, strict=True):
+                op.result = result
+            return
+        # Each command pinned to its key's node, then one WAIT per node on the same
+        # connection; a redirect comes back as an answer instead of being followed, since
+        # the command would then run where no WAIT follows it. redis-py sends a cluster
+        # pipeline again after a connection error, and then without the pins: a WAIT may
+        # run on another connection and confirm writes it never saw. So each node's
+        # commands are framed by CLIENT INFO, and a WAIT counts only when both frames name
+        # the same connection on the node that serves the key.
+        await client.initialize()
+        nodes: dict[str, Any] = {}
+        pinned = []
+        for op in ops:
+            node = client.get_node_from_key(op.rkey)
+            nodes.setdefault(node.name, node)
+            pinned.append(node)
+        for node in nodes.values():
+            pipe.execute_command("CLIENT", "INFO", target_nodes=node)
+        for op, node in zip(ops, pinned, strict=True):
+            pipe.execute_command(*op.args, target_nodes=node, **op.options)
+        for node in nodes.values():
+            pipe.execute_command("WAIT", self.wait, self.wait_ms, target_nodes=node)
+        for node in nodes.values():
+            pipe.execute_command("CLIENT", "INFO", target_nodes=node)
+        results = await pipe.execute(raise_on_error=False, allow_redirections=False)
+        k = len(nodes)
+        before, answers = results[:k], results[k : k + len(ops)]
+        waits, after = results[k + len(ops) : 2 * k + len(ops)], results[2 * k + len(ops) :]
+        acked: dict[str, bool | None] = {
+            # None: the WAIT may have run elsewhere, so it says nothing either way.
+            name: _enough(acks, self.wait) if _one_connection(first, last, node.port) else None
+            for (name, node), first, acks, last in zip(
+                nodes.items(), before, waits, after, strict=True
+            )
+        }
+        moved = []
+        for op, node, result in zip(ops, pinned, answers, strict=True):
+            if isinstance(result, _ELSEWHERE):
+                moved.append(op)
+                continue
+            op.result = result
+            if op.confirm and _serves(client, op.rkey, node):
+                op.confirmed = acked[node.name]
+            # Otherwise confirmed stays None: the caller writes again under a new WAIT.
+        for op in moved:  # the cluster changed: redis-py follows it, and learns the new map
+            op.result = await _answer(client, op)
+
+    async def aclose(self) -> None:
+        if self.owned:
+            await self.client.aclose()
+
+
+def _serves(client: Any, rkey: str, node: Any) -> bool:
+    """Whether ``rkey``'s slot is still served by the node it was pinned to."""
+    try:
+        return bool(client.get_node_from_key(rkey).name == node.name)
+    except redis_errors.RedisError:
+        return False
+
+
+def _client_info(reply: Any) -> dict[str, str]:
+    """``CLIENT INFO``'s ``key=value`` fields; empty for anything else (an error, say)."""
+    if isinstance(reply, bytes):
+        reply = reply.decode("utf-8", "replace")
+    if not isinstance(reply, str):
+        return {}
+    return dict(field.split("=", 1) for field in reply.split() if "=" in field)
+
+
+def _one_connection(first: Any, last: Any, port: int) -> bool:
+    """Whether two ``CLIENT INFO`` replies come from one connection to the node on ``port``
+    (the connection id, and the server's own address, which names the node)."""
+    a, b = _client_info(first), _client_info(last)
+    laddr = a.get("laddr", "")
+    return (
+        bool(a.get("id"))
+        and a.get("id") == b.get("id")
+        and laddr == b.get("laddr")
+        and laddr.rpartition(":")[2] == str(port)
+    )
+
+
+async def _answer(client: Any, op: _Op) -> Any:
+    """``op``'s command alone; an error reply is an answer (returned), not a failure."""
+    try:
+        return await client.execute_command(*op.args, **op.options)
+    except redis_errors.ResponseError as exc:
+        return exc
+
+
+def _enough(acked: Any, wait: int) -> bool:
+    return isinstance(acked, int) and not isinstance(acked, bool) and acked >= wait
+
+
+def _text(value: object) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else None
 
 
 class RedisStore:
     """A store on Redis >= 7 (or Valkey, or Redis Cluster) through ``redis.asyncio``.
 
-    Pass a URL (``redis://…``, ``rediss://…``) or a ready client
-    (``redis.asyncio.Redis`` or ``redis.asyncio.RedisCluster``). Record keys become
-    ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store sends the
-    commands of each event loop over one pipelined connection (redis-py makes it:
-    TLS, ACL users, the database number all come from the URL), and a command
-    waits at most about ``timeout`` seconds for its answer: a connection whose
-    oldest command waited that long is dropped. A command whose connection broke
-    or timed out is re-sent ``RETRIES`` time(s) on a new connection (so one Redis
-    closed, by a restart or its idle ``timeout``, reconnects instead of failing).
-    A re-sent write is safe: a re-sent claim reads back its own owner token and a
-    re-sent finish finds its own record (the middleware checks both). Connection
-    problems that outlast the retries raise :class:`~agentkey.StoreUnavailable`;
-    the middleware then answers 503 and never runs the handler.
+    Pass a URL (``redis://…``, ``rediss://…``, ``unix://…``) or a ready client
+    (``redis.asyncio.Redis``, a Sentinel ``master_for`` client, or
+    ``redis.asyncio.RedisCluster``). Record keys become
+    ``<prefix>:{<principal>:<idempotency key>}``. From a URL the store builds a
+    redis-py client per event loop (TLS, ACL users, the database number all come
+    from the URL) whose commands wait at most ``timeout`` seconds for Redis and
+    are re-sent ``RETRIES`` time(s) on a new connection when it broke or timed
+    out. A re-sent write is safe: a re-sent claim reads back its own owner token
+    and a re-sent finish finds its own record. Connection problems that outlast
+    the retries raise :class:`~agentkey.StoreUnavailable`; the middleware then
+    answers 503 and never runs the handler. A claim whose answer was lost that
+    way may still have landed: the store then deletes the record when it is this
+    claim's own, so the key is not left locked for a lease.
+
+    ``replicas``: how many replicas must hold each claim, renewal and finish
+    before it counts (``WAIT`` on the same connection, at most
+    ``replica_timeout`` seconds). ``None`` (the default) is 1 when the deployment
+    reports a replica at the first claim (a Redis with replicas attached, or a
+    cluster with replicas) and 0 otherwise, asked again every 30 s while it is 0.
+    A claim no replica confirmed in time is deleted again and refused (503): a
+    failover can then never lose a claim that ran. A finish no replica confirmed
+    raises, and the middleware keeps writing it until one does. ``replicas=0``
+    opts out: an acknowledged write lost in a failover then lets a retry run the
+    step again.
 
     Beside its first claim (never delaying it) the store asks Redis for
     ``appendonly`` and logs one WARNING when it is ``no``: a restart then loses
@@ -312,37 +357,40 @@ class RedisStore:
         prefix: str = "agentkey",
         connect_timeout: float = 2.0,
         timeout: float = 5.0,
-        max_connections: int | None = None,
+        replicas: int | None = None,
+        replica_timeout: float = 1.0,
     ) -> None:
-        if max_connections is not None:
-            warnings.warn(
-                "RedisStore(max_connections=) no longer applies and will be removed: a store "
-                "built from a URL sends every command of an event loop over one pipelined "
-                "connection; drop the argument",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(
                 f"RedisStore prefix must be a non-empty str without braces, got {prefix!r}"
             )
+        if replicas is not None and (
+            isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0
+        ):
+            raise ConfigurationError(
+                f"RedisStore replicas must be None (ask the deployment) or an int >= 0, "
+                f"got {replicas!r}"
+            )
+        if (
+            isinstance(replica_timeout, bool)
+            or not isinstance(replica_timeout, (int, float))
+            or not 0.001 <= replica_timeout < timeout
+        ):
+            raise ConfigurationError(
+                f"RedisStore replica_timeout must be seconds from 0.001 up to below timeout "
+                f"({timeout!r}), got {replica_timeout!r}"
+            )
         self.prefix = prefix
+        self._connect_timeout, self._timeout = connect_timeout, timeout
+        self._url: str | None = None
+        self._client: Any = None
         if isinstance(redis, str):
             if not redis.startswith(("redis://", "rediss://", "unix://")):
                 raise ConfigurationError(
                     "RedisStore needs a redis://, rediss:// or unix:// URL or a "
                     "redis.asyncio client"
                 )
-            # The pool only makes the pipe's connections (the handshake, with its retry).
-            pool = aioredis.ConnectionPool.from_url(
-                redis,
-                socket_connect_timeout=connect_timeout,
-                socket_timeout=timeout,  # the handshake's; the pipe bounds each command
-                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
-                retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
-            )
-            self._client: Any = aioredis.Redis.from_pool(pool)
-            self._lean: _Lean | None = _Lean(pool, timeout)
+            self._url = redis
         else:
             # A sync client would block the event loop and fail outside the
             # StoreError mapping (a 500 instead of the fail-closed 503).
@@ -352,20 +400,63 @@ class RedisStore:
                     f"got {type(redis).__module__}.{type(redis).__name__}; a synchronous "
                     "redis.Redis would block the server's event loop"
                 )
+            encoder = getattr(redis, "get_encoder", None)
+            if callable(encoder) and getattr(encoder(), "decode_responses", False):
+                raise ConfigurationError(
+                    "RedisStore needs a client with decode_responses=False: records hold "
+                    "response bodies as raw bytes"
+                )
             self._client = redis
-            self._lean = None
-        self._renew: AsyncScript = self._client.register_script(_RENEW)
-        self._finish: AsyncScript = self._client.register_script(_FINISH)
-        self._release: AsyncScript = self._client.register_script(_RELEASE)
+        self._asked = replicas  # as configured: None asks the deployment
+        self._replicas = replicas  # in force; None until asked
+        self._replica_timeout = replica_timeout
+        self._recheck_at = 0.0
+        self._recheck: asyncio.Task[None] | None = None
+        self._asking: asyncio.Future[None] | None = None
+        self._releasing: set[asyncio.Task[None]] = set()
+        self._link_: _Link | None = None
         self._persistence_check: asyncio.Task[None] | None = None
+
+    # The scripts, as attributes for the tests that look for their SHA on the wire.
+    _renew, _finish, _release = _RENEW, _FINISH, _RELEASE
 
     def __repr__(self) -> str:  # never shows the URL: it may carry a password
         return f"RedisStore(prefix={self.prefix!r})"
 
+    @property
+    def replicas(self) -> int | None:
+        """Replicas each claim, renewal and finish waits for; None until the first claim
+        asked the deployment (``replicas=None``)."""
+        return self._replicas
+
+    def _link(self) -> _Link:
+        """The running loop's link; a store from a URL builds a client for each new loop."""
+        loop = asyncio.get_running_loop()
+        link = self._link_
+        if link is not None and link.loop is loop:
+            return link
+        if self._url is None:
+            new = _Link(self._client, loop, owned=False)
+        else:
+            client = aioredis.Redis.from_url(
+                self._url,
+                socket_connect_timeout=self._connect_timeout,
+                socket_timeout=self._timeout,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
+                retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
+            )
+            new = _Link(client, loop, owned=True)
+            if link is not None and link.owned and link.loop.is_running():
+                asyncio.run_coroutine_threadsafe(link.aclose(), link.loop)
+        if self._replicas is not None:
+            new.wait, new.wait_ms = self._replicas, round(self._replica_timeout * 1000)
+        self._link_ = new
+        return new
+
     @staticmethod
-    def _failure(what: str, key: str, exc: Exception) -> StoreError:
+    def _failure(what: str, key: str, exc: BaseException) -> StoreError:
         """The store error for redis-py's ``exc`` during ``what`` of record ``key``."""
-        if isinstance(exc, (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)):
+        if isinstance(exc, _LOST):
             return StoreUnavailable(
                 f"Redis could not be reached during {what} of record {shown(key)} "
                 f"({type(exc).__name__}): {after_failure(what)}. "
@@ -383,6 +474,14 @@ class RedisStore:
             f"({type(exc).__name__}): {after_failure(what)}"
         )
 
+    def _unconfirmed(self, what: str, key: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"no Redis replica confirmed the {what} of record {shown(key)} within "
+            f"{self._replica_timeout:g} s ({self._replicas} asked for): {after_failure(what)}. "
+            "Check the replicas and their replication lag; RedisStore(replicas=0) stops "
+            "waiting for them, and a failover may then lose acknowledged writes"
+        )
+
     def redis_key(self, key: str) -> str:
         """The Redis key of record ``key``: ``<prefix>:{<key>}``.
 
@@ -390,6 +489,96 @@ class RedisStore:
         beside it hash to one slot.
         """
         return f"{self.prefix}:{{{key}}}"
+
+    # --- replicas ---------------------------------------------------------------------
+
+    async def _ask_replicas(self, link: _Link) -> int:
+        """How many replicas the deployment reports: a cluster's replica nodes, failed ones
+        too (``CLUSTER NODES``; ``CLUSTER SLOTS`` leaves out a replica that has not
+        replicated anything yet), or the replicas attached to a single Redis (``ROLE``)."""
+        client = link.client
+        if link.cluster:
+            nodes = await client.cluster_nodes()
+            flags = [str(n.get("flags", "")) for n in nodes.values() if isinstance(n, dict)]
+            return 1 if any("slave" in f.split(",") for f in flags) else 0
+        role = await client.execute_command("ROLE")
+        if isinstance(role, (list, tuple)) and len(role) >= 3 and _text(role[0]) == "master":
+            return 1 if role[2] else 0
+        return 0
+
+    async def _settle_replicas(self, link: _Link) -> None:
+        """Decide ``replicas=None`` at the first claim, before any claim is acted on; the
+        claims that arrive meanwhile wait for the same answer."""
+        asking = self._asking
+        if asking is not None and asking.get_loop() is link.loop:
+            await asyncio.shield(asking)
+            return
+        asking = self._asking = link.loop.create_future()
+        try:
+            await self._decide_replicas(link)
+        except BaseException as exc:
+            asking.set_exception(
+                exc
+                if isinstance(exc, Exception)
+                else StoreUnavailable("asking Redis for its replicas was interrupted")
+            )
+            asking.exception()  # retrieved: a lone asker logs nothing
+            raise
+        finally:
+            self._asking = None
+        asking.set_result(None)
+
+    async def _decide_replicas(self, link: _Link) -> None:
+        try:
+            found = await self._ask_replicas(link)
+        except _LOST:
+            raise
+        except Exception as exc:  # ROLE refused (ACL) or renamed: say so, loudly
+            _logger.warning(
+                "RedisStore(prefix=%r) could not ask Redis for its replicas (%s), so claims "
+                "do not wait for a replica; pass replicas=1 to require one, or replicas=0 "
+                "to say that none is wanted",
+                self.prefix,
+                type(exc).__name__,
+            )
+            found = 0
+        self._use_replicas(found)
+
+    def _use_replicas(self, found: int) -> None:
+        if self._replicas:  # once on, on for good: a replica lost later must not turn it off
+            return
+        if found and self._replicas != found:
+            _logger.info(
+                "RedisStore(prefix=%r): the deployment has replicas; each claim, renewal and "
+                "finish now waits for one to confirm it (replicas=0 opts out)",
+                self.prefix,
+            )
+        self._replicas = found
+        self._recheck_at = time.monotonic() + _RECHECK_SECONDS
+        link = self._link_
+        if link is not None:
+            link.wait, link.wait_ms = found, round(self._replica_timeout * 1000)
+
+    def _maybe_recheck(self, link: _Link) -> None:
+        """With ``replicas=None`` and none found yet, ask again now and then, beside claims."""
+        if (
+            self._asked is None
+            and self._replicas == 0
+            and self._recheck is None
+            and time.monotonic() >= self._recheck_at
+        ):
+
+            async def recheck() -> None:
+                try:
+                    self._use_replicas(await self._ask_replicas(link))
+                except Exception:
+                    self._recheck_at = time.monotonic() + _RECHECK_SECONDS
+                finally:
+                    self._recheck = None
+
+            self._recheck = asyncio.get_running_loop().create_task(recheck())
+
+    # --- persistence ------------------------------------------------------------------
 
     def _start_persistence_check(self) -> None:
         """Ask once, beside the first claim: never on a claim's path, where a slow answer
@@ -402,16 +591,11 @@ class RedisStore:
     async def _check_persistence(self) -> None:
         """Warn once when Redis keeps records only in memory; never fail anything over it."""
         try:
-            if self._lean is None:
-                config = await self._client.config_get("appendonly")
-            else:
-                config = await self._lean.execute(b"CONFIG", b"GET", b"appendonly")
-                if isinstance(config, list):  # RESP2: [name, value]
-                    config = dict(zip(config[::2], config[1::2], strict=True))
+            config = await self._link().client.config_get("appendonly")
             # A cluster client may answer per node: {node: {"appendonly": ...}}.
             answers = [v for v in config.values() if isinstance(v, dict)] or [config]
             values = {_text(a.get("appendonly", a.get(b"appendonly"))) for a in answers}
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
+        except _LOST:
             self._persistence_check = None  # unreachable: ask again with the next claim
             return
         except Exception as exc:  # CONFIG refused or renamed, as on managed Redis
@@ -425,76 +609,196 @@ class RedisStore:
                 self.prefix,
             )
 
-    # Each operation awaits its command directly, with redis-py's errors translated in
-    # place: under load every request holds its chain of coroutines across the round
-    # trip, and each level adds to what the garbage collector walks (see _middleware).
+    # --- operations -------------------------------------------------------------------
 
-    async def _script(self, script: AsyncScript, key: str, *args: bytes) -> Any:
-        rkey = self.redis_key(key)
-        if self._lean is None:
-            return await script(keys=[rkey], args=list(args))
-        return await self._lean.evalsha(script, rkey.encode(), *args)
+    async def _script(
+        self, link: _Link, script: _Script, rkey: str, args: tuple[Any, ...], confirm: bool
+    ) -> _Op:
+        """``EVALSHA`` on ``rkey``, loading the script first where Redis lacks it (a fresh,
+        restarted or newly promoted Redis)."""
+        command = ("EVALSHA", script.sha, 1, rkey, *args)
+        op = await link.send(_Op(rkey, command, _NO_OPTIONS, confirm))
+        if isinstance(op.result, redis_errors.NoScriptError):
+            if link.cluster:
+                await link.client.execute_command(
+                    "SCRIPT LOAD", script.source, target_nodes=link.client.get_node_from_key(rkey)
+                )
+            else:
+                await link.client.script_load(script.source)
+            op = await link.send(_Op(rkey, command, _NO_OPTIONS, confirm))
+        if isinstance(op.result, Exception):
+            raise op.result
+        return op
 
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         ttl = _check_ttl(ttl_ms)
         self._start_persistence_check()
         rkey = self.redis_key(key)
+        link = self._link()
+        sent = False
         try:
+            if self._replicas is None:
+                await self._settle_replicas(link)
+            elif not self._replicas:
+                self._maybe_recheck(link)
             # Redis >= 7: NX and GET together; one round trip claims or reads.
-            if self._lean is None:
-                result = await self._client.execute_command(
-                    "SET", rkey, value, "NX", "PX", ttl, "GET", get=True
-                )
-            else:
-                result = await self._lean.execute(
-                    b"SET", rkey.encode(), value, b"NX", b"PX", b"%d" % ttl, b"GET"
-                )
+            sent = True
+            op = await link.send(
+                _Op(rkey, ("SET", rkey, value, "NX", "PX", ttl, "GET"), _SET_OPTIONS, True)
+            )
+            if isinstance(op.result, Exception):
+                raise op.result
+            result = op.result
+            if link.wait and (result is None or result == value):
+                if op.confirmed is None or result is not None:
+                    # Written on another connection (a re-sent SET reads its own record
+                    # back: the WAIT after it covers only this connection's writes) or on
+                    # a node found through a redirect: no WAIT covered it yet. Rewrite its
+                    # lease here, where the WAIT follows it.
+                    owner = _owner_of(value)
+                    if owner is not None:
+                        again = await self._script(link, _RENEW, rkey, (owner, ttl), True)
+                    else:  # an outcome (written again after a lapsed lease)
+                        again = await self._script(link, _FINISH, rkey, (value, value, ttl), True)
+                    op.confirmed = bool(again.result) and again.confirmed is True
+                if not op.confirmed:
+                    await self._release_own(
+                        link, key, rkey, value, "not confirmed by a replica", ttl
+                    )
+                    raise self._unconfirmed("claim", key)
+        except StoreError:
+            raise
         except Exception as exc:
+            if sent and not isinstance(exc, redis_errors.ResponseError):
+                # The answer was lost (or the client broke): the SET may have landed.
+                await self._release_own(link, key, rkey, value, "its answer was lost", ttl)
             raise self._failure("claim", key, exc) from None
         return None if result is None else bytes(result)
 
-    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
-        ttl = b"%d" % _check_ttl(ttl_ms)
-        prefix = owner_prefix(owner)
+    async def _release_own(
+        self, link: _Link, key: str, rkey: str, value: bytes, why: str, ttl_ms: int
+    ) -> None:
+        """Delete the claim ``value`` wrote, if it is there, so a refused request leaves its
+        key free instead of locked for a lease."""
+        owner = _owner_of(value)
+        if owner is None:
+            return
         try:
-            done = await self._script(self._renew, key, prefix, ttl)
+            op = await asyncio.wait_for(
+                self._script(link, _RELEASE, rkey, (owner,), confirm=False), self._timeout
+            )
+        except Exception as exc:
+            _logger.warning(
+                "a claim of %s was refused (%s) and could not be released yet (%s); the "
+                "release is retried until Redis answers or the claim's lease ends",
+                shown(key),
+                why,
+                type(exc).__name__,
+            )
+            self._release_later(link, key, rkey, owner, ttl_ms)
+            return
+        if op.result:
+            _logger.info("released the claim of %s: %s", shown(key), why)
+
+    def _release_later(self, link: _Link, key: str, rkey: str, owner: bytes, ttl_ms: int) -> None:
+        """Retry a release that failed, in the background, until Redis answers or the claim's
+        lease would have ended anyway: a key refused with 503 is freed as soon as its store
+        is back (after a failover, say), not a lease later."""
+        give_up = time.monotonic() + ttl_ms / 1000
+
+        async def retry() -> None:
+            for attempt in itertools.count(1):
+                await asyncio.sleep(_RELEASE_BACKOFF.delay(attempt))
+                if time.monotonic() >= give_up:
+                    return
+                try:
+                    op = await asyncio.wait_for(
+                        self._script(link, _RELEASE, rkey, (owner,), confirm=False),
+                        self._timeout,
+                    )
+                except Exception:  # noqa: S112 - down, failing over, or the client re-mapping
+                    continue  # the cluster (redis-py raises several kinds then): retry
+                if op.result:
+                    _logger.info("released the claim of %s once Redis answered", shown(key))
+                return
+
+        task = link.loop.create_task(retry())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
+        ttl = _check_ttl(ttl_ms)
+        rkey = self.redis_key(key)
+        try:
+            done = await self._confirmed(rkey, _RENEW, (owner_prefix(owner), ttl), "renew", key)
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._failure("renew", key, exc) from None
-        return bool(done)
+        return done
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        ttl = b"%d" % _check_ttl(ttl_ms)
-        prefix = owner_prefix(owner)
+        ttl = _check_ttl(ttl_ms)
+        rkey = self.redis_key(key)
+        args = (owner_prefix(owner), value, ttl)
         try:
-            done = await self._script(self._finish, key, prefix, value, ttl)
+            done = await self._confirmed(rkey, _FINISH, args, "finish", key)
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._failure("finish", key, exc) from None
-        return bool(done)
+        return done
+
+    async def _confirmed(
+        self, rkey: str, script: _Script, args: tuple[Any, ...], what: str, key: str
+    ) -> bool:
+        """Run a fenced write; with replicas, raise unless one confirmed it in time. The
+        writes are idempotent for their owner, so one that landed beyond a WAIT (a
+        cluster redirect) is sent again where the WAIT follows it."""
+        link = self._link()
+        op = await self._script(link, script, rkey, args, confirm=True)
+        if not (op.result and link.wait):
+            return bool(op.result)
+        if op.confirmed is None:
+            op = await self._script(link, script, rkey, args, confirm=True)
+        if op.result and not op.confirmed:
+            raise self._unconfirmed(what, key)
+        return bool(op.result)
 
     async def release(self, key: str, owner: str) -> bool:
-        prefix = owner_prefix(owner)
+        rkey = self.redis_key(key)
         try:
-            done = await self._script(self._release, key, prefix)
+            op = await self._script(self._link(), _RELEASE, rkey, (owner_prefix(owner),), False)
         except Exception as exc:
             raise self._failure("release", key, exc) from None
-        return bool(done)
+        return bool(op.result)
 
     async def get(self, key: str) -> bytes | None:
         rkey = self.redis_key(key)
         try:
-            if self._lean is None:
-                result = await self._client.get(rkey)
-            else:
-                result = await self._lean.execute(b"GET", rkey.encode())
+            op = await self._link().send(_Op(rkey, ("GET", rkey), _NO_OPTIONS, False))
+            if isinstance(op.result, Exception):
+                raise op.result
         except Exception as exc:
             raise self._failure("get", key, exc) from None
-        return None if result is None else bytes(result)
+        return None if op.result is None else bytes(op.result)
 
     async def aclose(self) -> None:
-        check, loop = self._persistence_check, asyncio.get_running_loop()
-        if check is not None and not check.done() and check.get_loop() is loop:
-            check.cancel()
-            await asyncio.gather(check, return_exceptions=True)
-        if self._lean is not None:
-            await self._lean.aclose()
-            await self._client.aclose()
+        loop = asyncio.get_running_loop()
+        for task in (self._persistence_check, self._recheck, *self._releasing):
+            if task is not None and not task.done() and task.get_loop() is loop:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        link, self._link_ = self._link_, None
+        if link is not None and link.owned:
+            if link.loop is loop:
+                await link.aclose()
+            elif link.loop.is_running():
+                asyncio.run_coroutine_threadsafe(link.aclose(), link.loop)
+
+
+def _owner_of(value: bytes) -> bytes | None:
+    """The ``P:<owner>:`` prefix of an in-progress record, or None for an outcome."""
+    if value.startswith(b"P:") and len(value) > 35 and value[34:35] == b":":
+        return value[:35]
+    return None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from .._exceptions import ConfigurationError
+from .._keys import shown_key
 
 __all__ = ["SETTLE_SECONDS", "MemoryStore", "Store", "after_failure", "owner_prefix", "shown"]
 
@@ -45,13 +46,14 @@ _AFTER_FAILURE = {
 
 
 def shown(record_key: str) -> str:
-    """A record key fit for a message or log: the Idempotency-Key, never the principal.
+    """A record key fit for a message or log: the Idempotency-Key as ``shown_key`` shows it
+    (never whole: it is a bearer secret), never the principal.
 
     Record keys are ``<principal>:<key>``; a principal may be an e-mail address or a
     client id that logs must not collect.
     """
     _, sep, key = record_key.partition(":")
-    return repr(f"<principal>:{key}" if sep else "<record>")
+    return repr(f"<principal>:{shown_key(key)}" if sep else "<record>")
 
 
 def after_failure(operation: str) -> str:

@@ -26,7 +26,9 @@ class ClusterStore(RedisStore):
     """A RedisStore on a cluster client it owns (closes with the store)."""
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        client = self._client
+        await super().aclose()  # its own tasks first
+        await client.aclose()
 
 
 def _start_node(stack: ExitStack, port: int) -> None:

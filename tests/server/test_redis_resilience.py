@@ -90,13 +90,15 @@ def own_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
 class ReplyDropper:
     """A TCP proxy in front of Redis. Armed with a trigger, it passes the next command that
     contains it to Redis and then cuts the connection instead of relaying Redis's answer:
-    the write lands, and the client sees only a broken connection."""
+    the write lands, and the client sees only a broken connection. A swallowed trigger is
+    cut before it reaches Redis (once the armed ones are spent)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
         self.triggers: list[bytes] = []
+        self.swallowed: list[bytes] = []
         self.dropped: list[bytes] = []
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -108,6 +110,10 @@ class ReplyDropper:
     def arm(self, *triggers: bytes) -> None:
         with self.lock:
             self.triggers.extend(triggers)
+
+    def swallow(self, *triggers: bytes) -> None:
+        with self.lock:
+            self.swallowed.extend(triggers)
 
     def close(self) -> None:
         self.listener.close()
@@ -132,6 +138,13 @@ class ReplyDropper:
                         self.triggers.remove(hit)
                         self.dropped.append(hit)
                         cut.set()  # before Redis can answer
+                    else:
+                        lost = next((t for t in self.swallowed if t in chunk), None)
+                        if lost is not None:
+                            self.swallowed.remove(lost)
+                            self.dropped.append(lost)
+                            cut.set()
+                            return  # never sent
                 server.sendall(chunk)
                 if hit is not None:
                     return
@@ -203,7 +216,7 @@ async def test_claims_succeed_after_redis_closes_idle_connections(
     store = RedisStore(own_redis.url, prefix="idle")
     try:
         assert await _claims(store, "before", 40, 8) == []
-        assert own_redis.clients() == 1  # one pipelined connection carried all 40
+        assert own_redis.clients() >= 1  # the store's connections, idle in its pool
         deadline = time.monotonic() + 20
         while own_redis.clients() > 0:  # Redis closes them after 1 s idle (checked each cron)
             assert time.monotonic() < deadline, "Redis did not close the idle connections"

@@ -133,7 +133,8 @@ def _clients(url: str) -> int:
 
 
 async def test_a_store_from_a_url_sends_one_command_per_operation(redis_proc: RedisServer) -> None:
-    """A URL store: one command per operation, and a burst shares one pipelined connection."""
+    """A URL store: one command per operation; a burst goes out as the first command and one
+    pipeline of the rest, on two connections."""
     from agentkey.server._records import encode_in_progress
 
     store = RedisStore(redis_proc.url, prefix="rt-lean")
@@ -164,6 +165,6 @@ async def test_a_store_from_a_url_sends_one_command_per_operation(redis_proc: Re
             *(store.claim(f"b{i}", encode_in_progress(owner, 1), ttl_ms=5000) for i in range(30))
         )
         assert results == [None] * 30
-        assert _clients(redis_proc.url) - idle == 1
+        assert _clients(redis_proc.url) - idle <= 2
     finally:
         await store.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis
@@ -182,10 +183,29 @@ def test_redis_store_refuses_a_client_that_is_not_async(client: object) -> None:
         RedisStore(client)
 
 
-def test_max_connections_is_deprecated_now_that_commands_share_one_connection() -> None:
-    """RedisStore(max_connections=) still constructs, and says it no longer applies."""
-    with pytest.warns(DeprecationWarning, match="one pipelined connection"):
-        RedisStore("redis://127.0.0.1:1/0", max_connections=10)
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"replicas": -1}, "replicas must be None"),
+        ({"replicas": True}, "replicas must be None"),
+        ({"replica_timeout": 0}, "replica_timeout must be seconds"),
+        ({"replica_timeout": 5.0}, "below timeout"),
+        ({"replica_timeout": float("nan")}, "replica_timeout must be seconds"),
+    ],
+)
+def test_redis_store_refuses_replica_options_out_of_range(
+    options: dict[str, Any], match: str
+) -> None:
+    """replicas is None or a count; replica_timeout is positive and below the command timeout."""
+    with pytest.raises(ConfigurationError, match=match):
+        RedisStore("redis://127.0.0.1:1/0", **options)
+
+
+def test_redis_store_refuses_a_client_that_decodes_responses() -> None:
+    """A client with decode_responses=True would turn raw response bodies into str: refused."""
+    client = aioredis.Redis(port=1, decode_responses=True)
+    with pytest.raises(ConfigurationError, match="decode_responses=False"):
+        RedisStore(client)
 
 
 def test_memory_store_satisfies_the_protocol() -> None:
@@ -279,3 +299,61 @@ async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_clo
         await store.finish("k", _owner(), _done(), ttl_ms=1000)
     with pytest.raises(StoreError):
         await store.release("k", _owner())
+
+
+def test_redis_store_uses_only_redis_pys_public_names() -> None:
+    """agentkey/server/_redis.py imports no private redis-py module or name and reads no
+    private attribute of anything but its own objects (issue 27 §3: no socket takeover)."""
+    import ast
+    import inspect as inspect_
+
+    from agentkey.server import _redis
+
+    tree = ast.parse(inspect_.getsource(_redis))
+    private_imports = [
+        f"{node.module}: {[a.name for a in node.names]}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("redis")
+        and (
+            any(part.startswith("_") for part in (node.module or "").split("."))
+            or any(a.name.startswith("_") for a in node.names)
+        )
+    ]
+    reaches = [
+        f"line {node.lineno}: .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert private_imports == []
+    assert reaches == []
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "port", "same"),
+    [
+        (
+            b"id=7 addr=127.0.0.1:5000 laddr=127.0.0.1:7001 fd=9",
+            b"id=7 laddr=127.0.0.1:7001",
+            7001,
+            True,
+        ),
+        (b"id=7 laddr=127.0.0.1:7001", b"id=8 laddr=127.0.0.1:7001", 7001, False),  # reconnected
+        (b"id=7 laddr=127.0.0.1:7002", b"id=7 laddr=127.0.0.1:7002", 7001, False),  # other node
+        (b"id=7 laddr=127.0.0.1:7001", b"id=7 laddr=127.0.0.1:7003", 7001, False),
+        (b"id=7 laddr=127.0.0.1:7001", redis.ConnectionError("lost"), 7001, False),
+        (None, None, 7001, False),
+        ("id=7 laddr=[::1]:7001", "id=7 laddr=[::1]:7001", 7001, True),
+    ],
+)
+def test_a_cluster_wait_counts_only_on_the_connection_of_its_writes(
+    first: Any, last: Any, port: int, same: bool
+) -> None:
+    """The CLIENT INFO frames around a node's writes and WAIT must name one connection to the
+    node that serves the key; a pipeline redis-py sent again without its pins fails that."""
+    from agentkey.server._redis import _one_connection
+
+    assert _one_connection(first, last, port) is same
