@@ -18,11 +18,13 @@ request ─▶ protected method and route? (the path relative to root_path / the
                     storable answer (2xx, 3xx, request 4xx) ... COMPLETED
                     other answer or exception, mutation begun .. FAILED
                     other answer or exception, no mutation ..... released (retry is safe)
+                    StoreUnavailable raised, no mutation, no answer ... 503, released
 ```
 The final chunk of a response is held back until its record is written, so a
 client never holds a result the store does not know about. When that write fails
 (a store outage), the answer is sent and the write retried, shielded, for up to
-10 s: the step has run, and an unrecorded outcome would let a retry run it again.
+10 s: the step has run, and an unrecorded outcome would let a retry run it again. A
+failed release is retried the same way: until it lands, the key stays blocked.
 The middleware's own errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
 ``urn:agentkey:problem:<code>``) that keep an ``"error": <code>`` member.
 """
@@ -48,8 +50,8 @@ from typing import Any
 import anyio
 
 from .._canonical import Profile, check_profile
-from .._exceptions import ConfigurationError, StoreError
-from .._keys import StepKey
+from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
+from .._keys import StepKey, shown_key
 from ._blobs import BlobStore, FileBlobStore
 from ._claim import (
     SCOPE_STATE_KEY,
@@ -57,6 +59,7 @@ from ._claim import (
     _wall_ms,
     record_outcome,
     record_until_stored,
+    release_until_done,
     reset_current,
     set_current,
 )
@@ -308,6 +311,13 @@ class _Exchange:
                 return
             self.finished = True
             middleware, claim = self.middleware, self.claim
+            if (
+                self.status >= 500
+                and claim._unavailable is not None
+                and self.held is not None
+                and not claim.mutation_started
+            ):
+                message = middleware._unavailable_answer(self, claim._unavailable)
             settle = middleware._finish(claim, self, error=False, final=message)
             try:
                 # Alone (no other request in flight), nothing allocates while the store
@@ -689,16 +699,53 @@ class IdempotencyMiddleware:
         self._in_flight += 1
         try:
             await self.app(scope, exchange.receive, exchange.send)
+        except StoreUnavailable as exc:
+            if exchange.started or claim.mutation_started:
+                await self._conclude(exchange)
+                if exchange.status == 503 and claim._unavailable is exc:
+                    return  # answered 503 already (the app's own 500 was replaced)
+                raise
+            unavailable_inside: StoreUnavailable | None = exc
         except BaseException:
             # An app failing after its answer (a background task, say) still has the
             # answer recorded and sent before the error goes on.
             await self._conclude(exchange)
             raise
+        else:
+            unavailable_inside = None
         finally:
             self._in_flight -= 1
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
+        if unavailable_inside is not None:
+            await self._unavailable_inside(exchange, unavailable_inside)
+            return
         await self._conclude(exchange)
+
+    async def _unavailable_inside(self, exchange: _Exchange, exc: StoreUnavailable) -> None:
+        """The store failed inside the handler (its transaction) and the app raised it
+        before any answer: free the key and answer 503."""
+        final = self._unavailable_answer(exchange, exc)
+        await self._finish(exchange.claim, exchange, error=True, final=final)
+        if self._hooks:
+            key = exchange.claim.idempotency_key
+            self._emit("unavailable", exchange.method, exchange.path, key, 503)
+
+    def _unavailable_answer(self, exchange: _Exchange, exc: StoreUnavailable) -> Message:
+        """Make the answer a 503 with ``Retry-After`` (held, as the app's start would be);
+        return its final message. The store failed inside the handler before any side
+        effect began (else the mutation has begun and FAILED is recorded): nothing ran,
+        and the key is freed."""
+        _logger.error(
+            "idempotency store failed inside the handler of %s: %s; answered 503 and freed the key",
+            shown_key(exchange.claim.idempotency_key),
+            exc,
+        )
+        problem = unavailable(self.retry_after, str(exc))
+        exchange.held, final = _messages(problem.status, problem.headers, problem.body)
+        exchange.status, exchange.started = problem.status, True
+        exchange.headers = list(exchange.held["headers"])
+        return final
 
     async def _conclude(self, exchange: _Exchange) -> None:
         """After the app: wait for the settle its final answer started, or, when it
@@ -798,7 +845,7 @@ class IdempotencyMiddleware:
                 await self._stop_lease(claim)
                 left = await self._settle(claim, decision)
                 if left is not None:
-                    await self._record_until_stored(claim, left)
+                    await self._settle_until_done(claim, left)
 
             await self._shielded(claim, started, settle)
             raise
@@ -808,7 +855,7 @@ class IdempotencyMiddleware:
         finally:
             if pending is not None:
                 await self._shielded(
-                    claim, started, lambda: self._record_until_stored(claim, pending)
+                    claim, started, lambda: self._settle_until_done(claim, pending)
                 )
         if isinstance(decision, Release):
             return "released"
@@ -837,24 +884,28 @@ class IdempotencyMiddleware:
             _SETTLE_SECONDS,
         )
 
-    async def _settle(self, claim: Claim, decision: Complete | Fail | Release) -> Outcome | None:
+    async def _settle(
+        self, claim: Claim, decision: Complete | Fail | Release
+    ) -> Outcome | Release | None:
         """Record the outcome (compare-and-set on the owner), or release the claim.
 
-        Returns the outcome when the store failed to record it: the handler has
-        run, so the caller retries (:meth:`_record_until_stored`).
+        Returns what the store failed to write, for the caller to retry
+        (:meth:`_settle_until_done`): the outcome (the handler has run), or the
+        release (until it lands, every retry of the step gets 409 for the lease).
         """
         key = claim.idempotency_key
         if isinstance(decision, Release):
             try:
                 await self.store.release(claim.record_key, claim.owner)
             except StoreError as exc:
-                # No side effect began: a retry after the lease runs the step cleanly.
-                _logger.error(
-                    "could not release %s (%s); the key stays locked until its lease "
-                    "(lock_ttl) ends",
-                    key,
+                _logger.warning(
+                    "could not release %s (%s); no side effect began, and the release is "
+                    "retried for up to %s s",
+                    shown_key(key),
                     exc,
+                    _SETTLE_SECONDS,
                 )
+                return decision
             return None
         outcome = decision.outcome
         if decision.offload:
@@ -887,8 +938,12 @@ class IdempotencyMiddleware:
             await self._lost(claim, outcome)
         return None
 
-    async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
-        """Retry the write until the store answers; the caller's deadline cuts it."""
+    async def _settle_until_done(self, claim: Claim, outcome: Outcome | Release) -> None:
+        """Retry the write (or the release) until the store answers; the caller's
+        deadline cuts it."""
+        if isinstance(outcome, Release):
+            await release_until_done(self.store, claim)
+            return
         ttl = self.result_ttl_ms
         if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
             await self._lost(claim, outcome)
@@ -931,8 +986,19 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int 
             return bytes(chunks)
 
 
-async def _send(send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+def _messages(
+    status: int, headers: Iterable[tuple[str, str]], body: bytes
+) -> tuple[Message, Message]:
+    """The start and the one body message of a whole answer."""
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
     raw.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    return (
+        {"type": "http.response.start", "status": status, "headers": raw},
+        {"type": "http.response.body", "body": body, "more_body": False},
+    )
+
+
+async def _send(send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+    start, final = _messages(status, headers, body)
+    await send(start)
+    await send(final)
