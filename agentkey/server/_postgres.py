@@ -414,8 +414,9 @@ class PostgresStore:
         self._claims = 0
         ident = sql.Identifier(*table.split("."))
         index = sql.Identifier(table.split(".")[-1] + "_expires_at")
+        # Rendered once: a Composed query would be rendered again on every execute.
         self._sql = {
-            name: sql.SQL(text).format(t=ident, ix=index)
+            name: sql.SQL(text).format(t=ident, ix=index).as_bytes(None)
             for name, text in (
                 ("schema", _SCHEMA),
                 ("claim", _CLAIM),
@@ -449,7 +450,7 @@ class PostgresStore:
 
     def schema_sql(self) -> str:
         """The migration that creates the table and its index (idempotent)."""
-        return self._sql["schema"].as_string(None)
+        return self._sql["schema"].decode()
 
     # --- plumbing ---------------------------------------------------------------
 
