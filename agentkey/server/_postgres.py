@@ -174,6 +174,8 @@ class RecoveryPoint:
 # connects at once. Left at psycopg_pool's 5 minutes, a database back after an outage
 # of a few seconds waited seconds more for the pool's next scheduled attempt.
 _RECONNECT_SECONDS = 0.5
+# Records sealed by this process remembered at most (a finish normally takes each out).
+_SEALED_MAX = 10_000
 # How long a request waits for a pooled connection before it asks the pool to grow.
 _KICK_SECONDS = 0.25
 
@@ -238,7 +240,7 @@ class PostgresTransaction:
     recovery point moves to the next phase in the same commit).
     """
 
-    __slots__ = ("_claim", "_done", "_store", "connection")
+    __slots__ = ("_claim", "_done", "_sealed_until", "_store", "connection")
 
     def __init__(
         self, store: PostgresStore, claim: Claim, connection: psycopg.AsyncConnection[Any]
@@ -246,6 +248,7 @@ class PostgresTransaction:
         self._store = store
         self._claim = claim
         self._done = ""
+        self._sealed_until = 0.0  # monotonic time the sealed record outlives at least
         #: The psycopg connection, inside the transaction: run the handler's writes on it.
         self.connection = connection
 
@@ -320,11 +323,14 @@ class PostgresTransaction:
             "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
         )
         value = encode_outcome(outcome)
-        params = self._params(v=value, o=self._claim.owner, ttl=self._store.result_ttl_ms)
+        ttl = self._store.result_ttl_ms
+        params = self._params(v=value, o=self._claim.owner, ttl=ttl)
+        sent = time.monotonic()
         cur = await self._store._execute(self.connection, "seal", params, self._key)
         if cur.rowcount != 1:
             raise self._lost("completing")
         self._done = "complete"
+        self._sealed_until = sent + ttl / 1000
         return response
 
 
@@ -412,6 +418,10 @@ class PostgresStore:
         self._create = create
         self._ready = False
         self._claims = 0
+        # (record key, owner) of records this process's transactions sealed and committed,
+        # with the monotonic time each outlives at least: the middleware's finish that
+        # follows needs no round trip. Taken out by that finish (or a release).
+        self._sealed: dict[tuple[str, str], float] = {}
         ident = sql.Identifier(*table.split("."))
         index = sql.Identifier(table.split(".")[-1] + "_expires_at")
         # Rendered once: a Composed query would be rendered again on every execute.
@@ -586,6 +596,12 @@ class PostgresStore:
         return await self._owned("renew", key, params)
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        sealed = self._sealed.pop((key, owner), None)
+        if sealed is not None and time.monotonic() + _check_ttl(ttl_ms) / 1000 <= sealed + 1:
+            # This owner's own transaction committed the record, which lives long enough
+            # (to within a second, the time since the seal): the statement would change
+            # nothing else (a sealed record is never rewritten).
+            return True
         prefix = owner_prefix(owner)
         params = {
             "k": key,
@@ -606,6 +622,7 @@ class PostgresStore:
         return bool((await self._one(name, key, params))[0][0])
 
     async def release(self, key: str, owner: str) -> bool:
+        self._sealed.pop((key, owner), None)
         prefix = owner_prefix(owner)
         return bool(
             (await self._one("release", key, {"k": key, "p": prefix, "n": len(prefix)}))[0][0]
@@ -698,6 +715,10 @@ class PostgresStore:
                         )
             finally:
                 await self._pool.putconn(conn)
+            if tx._sealed_until:  # committed
+                if len(self._sealed) >= _SEALED_MAX:  # finishes that never came: forget them
+                    self._sealed.clear()
+                self._sealed[(claim.record_key, claim.owner)] = tx._sealed_until
         except StoreUnavailable as exc:  # complete() or advance() failed
             raise claim._note_unavailable(exc) from None
         except (psycopg.Error, PoolTimeout, OSError) as exc:
