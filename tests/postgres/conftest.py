@@ -100,6 +100,8 @@ class CutProxy(_Proxy):
     the server, which runs it and answers, but the answer is dropped and the
     connection cut (the client cannot know whether it ran). ``cuts`` connections are
     cut, then the proxy only counts: ``seen`` is how often the trigger was sent.
+    :meth:`go_down` cuts every connection and turns new ones away (the database is
+    down, as in a restart) until :meth:`come_back`.
     """
 
     def __init__(self, upstream: PostgresServer) -> None:
@@ -108,12 +110,26 @@ class CutProxy(_Proxy):
         self.mode = "before"
         self.cuts = 0
         self.seen = 0
+        self.down = False
+        self._transports: set[asyncio.BaseTransport] = set()
 
     def arm(self, trigger: bytes, mode: str, cuts: int = 1) -> None:
         self.trigger, self.mode, self.cuts, self.seen = trigger, mode, cuts, 0
 
+    def go_down(self) -> None:
+        self.down = True
+        for transport in list(self._transports):
+            transport.abort()
+
+    def come_back(self) -> None:
+        self.down = False
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.transport.abort()
+            return
         up_reader, up_writer = await asyncio.open_connection(self.upstream.host, self.upstream.port)
+        self._transports.update((writer.transport, up_writer.transport))
         cut = asyncio.Event()
 
         async def upstream() -> None:
@@ -151,6 +167,7 @@ class CutProxy(_Proxy):
                 task.cancel()
             writer.transport.abort()
             up_writer.transport.abort()
+            self._transports.difference_update((writer.transport, up_writer.transport))
 
 
 @pytest.fixture

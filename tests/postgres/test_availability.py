@@ -140,6 +140,31 @@ async def test_a_claim_that_landed_before_its_connection_died_reads_back_as_its_
         await store.aclose()
 
 
+@pytest.mark.realtime
+async def test_a_request_waiting_through_an_outage_is_served_when_the_database_is_back(
+    cut_proxy: CutProxy,
+) -> None:
+    """The database goes away for 1.5 s (its connections cut, new ones refused): a claim
+    that waited through it is served soon after the database is back, though the pool
+    had given up reconnecting, instead of failing at the pool's 5 s timeout."""
+    store = PostgresStore(cut_proxy.dsn, table="av_outage", min_size=1, max_size=2, timeout=5)
+    try:
+        await store.create_table()
+        await store.get("p:warm")
+        cut_proxy.go_down()
+        claim = asyncio.ensure_future(
+            store.claim("p:k", encode_in_progress(_owner(), 1), ttl_ms=5000)
+        )
+        await asyncio.sleep(1.5)  # the pool's reconnection (retried for 0.5 s) gave up
+        assert not claim.done()
+        cut_proxy.come_back()
+        back = time.monotonic()
+        assert await claim is None
+        assert time.monotonic() - back < 1.5
+    finally:
+        await store.aclose()
+
+
 async def test_a_locked_records_table_answers_503_within_the_lock_timeout(
     postgres_store_factory: Factory, postgres_proc: PostgresServer
 ) -> None:
