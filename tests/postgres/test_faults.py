@@ -34,5 +34,5 @@ def test_database_faults_cost_a_second_not_a_lease() -> None:
     assert report.late_503s == 0, (f"503s later than {RECOVERY} s after recovery", report.faults)
     assert report.stalled == 0, f"steps unanswered {STALL} s after recovery"
     for fault in report.faults:
-        if fault["kind"] == "lock":  # held 4 s; lock_timeout is 1 s
-            assert fault["longest_request_s"] < 3.0, fault
+        if fault["kind"] == "lock":  # held 6 s; a request waits lock_timeout (1 s) per try
+            assert fault["longest_request_s"] < 4.0, fault
