@@ -111,7 +111,7 @@ class CutProxy(_Proxy):
         self.cuts = 0
         self.seen = 0
         self.down = False
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._transports: set[asyncio.WriteTransport] = set()
 
     def arm(self, trigger: bytes, mode: str, cuts: int = 1) -> None:
         self.trigger, self.mode, self.cuts, self.seen = trigger, mode, cuts, 0
