@@ -537,7 +537,10 @@ class PostgresStore:
             while not (await asyncio.wait({waiting}, timeout=_KICK_SECONDS))[0]:
                 await self._pool.check()
         except BaseException:
-            waiting.cancel()  # psycopg_pool returns a connection it had handed over
+            if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
+                await self._pool.putconn(waiting.result())  # got one just as this stopped
+            else:
+                waiting.cancel()  # psycopg_pool returns a connection it had handed over
             raise
         return waiting.result()
 
