@@ -8,13 +8,13 @@ Configurations, each a uvicorn process of its own (one worker, loopback; see ``b
   and behind the middleware on PostgresStore with the INSERT and the record in one
   transaction.
 
-PostgreSQL runs with fsync on (commits are paid for). Blocks (fresh keys at 1 and 64
-connections, one key replayed at 64) load every configuration in palindromic (ABBA)
+PostgreSQL runs with fsync on (commits are paid for). Blocks (fresh keys, and one key
+replayed, each at 1 and 64 connections) load every configuration in palindromic (ABBA)
 rounds from a separate load process; see ``bench/_harness.py`` for the method.
 Server CPU per request is the uvicorn process's own (PostgreSQL's backends are not
 counted).
 
-    python bench/bench_postgres.py          # about 2.5 minutes, writes bench/results/postgres.json
+    python bench/bench_postgres.py          # about 3.5 minutes, writes bench/results/postgres.json
     python bench/bench_postgres.py --smoke  # a few seconds, for CI (writes nothing)
 """
 
@@ -50,7 +50,7 @@ ROWS = [
     ("middleware + PostgresStore / RedisStore", "postgres", "redis"),
     ("PostgresStore, INSERT + record in one tx / bare INSERT", "postgres_insert", "bare_insert"),
 ]
-BLOCKS = [("fresh", 1), ("fresh", 64), ("replay", 64)]
+BLOCKS = [("fresh", 1), ("fresh", 64), ("replay", 1), ("replay", 64)]
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ SERVER_TARGETS = {
     ("redis", "bare", "fresh", 64): "≥ 0.7×",
     ("redis", "naive", "fresh", None): "≥ 1.0×",
     ("memory", "bare", "fresh", None): "≥ 0.85×",
+    ("postgres", "bare", "fresh", None): "CPU ≤ 2.5×",
+    ("postgres", "bare", "replay", None): "CPU ≤ 1.8×",
 }
 
 

@@ -33,8 +33,10 @@ import pytest
 from tests._loopback import free_port
 
 __all__ = [
+    "PostgresCluster",
     "PostgresServer",
     "find_pg_bin",
+    "postgres_cluster",
     "postgres_proc",
     "postgres_server",
     "postgres_store_factory",
@@ -66,12 +68,45 @@ def find_pg_bin() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class PostgresCluster:
+    """A running throwaway cluster the fault tests can restart and stop (``pg_ctl``)."""
+
+    server: PostgresServer
+    datadir: str
+    logfile: str
+    pg_ctl: str
+    run_as: str | None
+    env: dict[str, str]
+
+    def restart(self, mode: str) -> None:
+        """``pg_ctl restart -m <mode>`` (``fast`` or ``immediate``), waiting until it is up."""
+        subprocess.run(
+            [self.pg_ctl, "-D", self.datadir, "-l", self.logfile, "-m", mode, "-w", "-t", "60",
+             "restart"],
+            check=True, capture_output=True, timeout=90, user=self.run_as, env=self.env,
+            cwd=os.path.dirname(self.datadir),
+        )  # fmt: skip
+
+    def postmaster_pid(self) -> int:
+        """The postmaster's process id (the first line of ``postmaster.pid``)."""
+        with open(os.path.join(self.datadir, "postmaster.pid")) as f:
+            return int(f.readline())
+
+
 @contextmanager
 def postgres_server(*, durable: bool = False) -> Iterator[PostgresServer]:
     """Start a throwaway cluster on a free loopback port; stop and delete it afterwards.
 
     ``durable=True`` keeps ``fsync`` on (for benchmarks that should pay for commits).
     """
+    with postgres_cluster(durable=durable) as cluster:
+        yield cluster.server
+
+
+@contextmanager
+def postgres_cluster(*, durable: bool = False) -> Iterator[PostgresCluster]:
+    """:func:`postgres_server`, with the handles to restart the cluster and find its pid."""
     bindir = find_pg_bin()
     if bindir is None:
         raise RuntimeError(
@@ -119,7 +154,8 @@ def postgres_server(*, durable: bool = False) -> Iterator[PostgresServer]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"PostgreSQL on port {port} is not accepting connections")
                 time.sleep(0.05)
-            yield PostgresServer("127.0.0.1", port)
+            server = PostgresServer("127.0.0.1", port)
+            yield PostgresCluster(server, datadir, logfile, pg_ctl, run_as, env)
         finally:
             subprocess.run(
                 [pg_ctl, "-D", datadir, "-m", "immediate", "-w", "stop"],

@@ -17,10 +17,10 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 
-from .._exceptions import ConfigurationError, LeaseLost, StoreError
+from .._exceptions import ConfigurationError, LeaseLost, StoreError, StoreUnavailable
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._records import (
@@ -77,6 +77,7 @@ class Claim:
         "_stop",
         "_store",
         "_task",
+        "_unavailable",
         "_waiting",
         "auto_renew",
         "idempotency_key",
@@ -121,6 +122,8 @@ class Claim:
         self._task: asyncio.Task[None] | None = None
         self._waiting: _FirstRenewals | None = None  # waiting there for its first interval
         self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
+        #: The store failure the handler met inside the store's transaction, if any.
+        self._unavailable: StoreUnavailable | None = None
 
     def __repr__(self) -> str:
         # The key is a bearer secret: a claim that reaches a log shows its redacted form.
@@ -324,6 +327,12 @@ class Claim:
                     shown_key(self.idempotency_key),
                 )
 
+    def _note_unavailable(self, exc: StoreUnavailable) -> StoreUnavailable:
+        """The store failed inside the handler (its transaction): the middleware answers
+        503 instead of the 500 the app makes of it, when no side effect had begun."""
+        self._unavailable = exc
+        return exc
+
     def mark_settled(self) -> None:
         """The outcome is being recorded: no renewal may write the record again."""
         self._settled = True
@@ -460,21 +469,38 @@ async def record_until_stored(store: Store, claim: Claim, outcome: Outcome, *, t
     lease and let a retry run the side effect again. The caller's cancel scope (its
     settle deadline) bounds the retries.
     """
+    return await _until_answered(
+        claim,
+        "recorded the outcome of",
+        lambda: record_outcome(store, claim, outcome, ttl_ms=ttl_ms),
+    )
+
+
+async def release_until_done(store: Store, claim: Claim) -> bool:
+    """Retry the release of ``claim`` with backoff until the store answers.
+
+    For a request that ended without running its side effect: until the release
+    lands, every retry of the step gets 409 for the rest of the lease. The caller's
+    cancel scope (its settle deadline) bounds the retries.
+    """
+    return await _until_answered(
+        claim, "released", lambda: store.release(claim.record_key, claim.owner)
+    )
+
+
+async def _until_answered(claim: Claim, done: str, write: Callable[[], Awaitable[bool]]) -> bool:
     for attempt in itertools.count(1):
         await asyncio.sleep(SETTLE_BACKOFF.delay(attempt))
         try:
-            stored = await record_outcome(store, claim, outcome, ttl_ms=ttl_ms)
+            answer = await write()
         except StoreError as exc:
-            _logger.debug(
-                "recording the outcome of %s failed again: %s",
-                shown_key(claim.idempotency_key),
-                exc,
-            )
+            _logger.debug("%s %s failed again: %s", done, shown_key(claim.idempotency_key), exc)
             continue
         _logger.warning(
-            "recorded the outcome of %s after %d retries (the store was unavailable)",
+            "%s %s after %d retries (the store was unavailable)",
+            done,
             shown_key(claim.idempotency_key),
             attempt,
         )
-        return stored
+        return answer
     raise AssertionError("unreachable")  # pragma: no cover

@@ -38,7 +38,7 @@ from .._exceptions import ConfigurationError, StoreError
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._blobs import BlobStore
-from ._claim import Claim, record_outcome, record_until_stored
+from ._claim import Claim, record_outcome, record_until_stored, release_until_done
 from ._decide import (
     Checked,
     Complete,
@@ -344,7 +344,7 @@ class Lifecycle:
                 await _stop_lease(claim)
                 left = await self._write(claim, decision, blob)
                 if left is not None:
-                    await self._record_until_stored(claim, left)
+                    await self._until_written(claim, left)
 
             await self._shielded(claim, started, again, blob)
             raise
@@ -354,7 +354,7 @@ class Lifecycle:
         finally:
             if pending is not None:
                 await self._shielded(
-                    claim, started, lambda: self._record_until_stored(claim, pending), blob
+                    claim, started, lambda: self._until_written(claim, pending), blob
                 )
         if isinstance(decision, Release):
             return "released"
@@ -386,23 +386,24 @@ class Lifecycle:
 
     async def _write(
         self, claim: Claim, decision: Complete | Fail | Release, blob: _Blob | None
-    ) -> Outcome | None:
+    ) -> Outcome | Release | None:
         """Record the outcome (compare-and-set on the owner), or release the claim.
 
-        Returns the outcome when the store failed to record it: the handler has
-        run, so the caller retries (:meth:`_record_until_stored`).
+        Returns what the store failed to write: the outcome (the handler has run),
+        or the release (until it lands, every retry of the step gets 409 for the
+        rest of the lease); the caller retries it (:meth:`_until_written`).
         """
         if isinstance(decision, Release):
             try:
                 await self.store.release(claim.record_key, claim.owner)
             except StoreError as exc:
-                # No side effect began: a retry after the lease runs the step cleanly.
-                _logger.error(
-                    "could not release %s (%s); the key stays locked until its lease "
-                    "(lock_ttl) ends",
+                _logger.warning(
+                    "could not release %s (%s); the release is retried for up to %s s",
                     shown_key(claim.idempotency_key),
                     exc,
+                    SETTLE_SECONDS,
                 )
+                return decision
             if self._held:
                 self._wake(claim.record_key)
             return None
@@ -478,12 +479,16 @@ class Lifecycle:
         except StoreError as exc:
             _logger.warning("could not delete the unused blob of an %s: %s", why, exc)
 
-    async def _record_until_stored(self, claim: Claim, outcome: Outcome) -> None:
-        """Retry the write until the store answers; the caller's deadline cuts it."""
-        ttl = self.result_ttl_ms
-        if not await record_until_stored(self.store, claim, outcome, ttl_ms=ttl):
-            await self._lost(claim, outcome)
-        elif self._held:
+    async def _until_written(self, claim: Claim, pending: Outcome | Release) -> None:
+        """Retry a write the store failed until it answers; the caller's deadline cuts it."""
+        if isinstance(pending, Release):
+            await release_until_done(self.store, claim)
+        elif not await record_until_stored(
+            self.store, claim, pending, ttl_ms=self.result_ttl_ms
+        ):
+            await self._lost(claim, pending)
+            return
+        if self._held:
             self._wake(claim.record_key)
 
     async def _lost(self, claim: Claim, outcome: Outcome) -> None:

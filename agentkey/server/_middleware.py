@@ -20,11 +20,13 @@ request ─▶ protected method and route? (the path relative to root_path / the
                     other answer or exception, mutation begun ......... FAILED
                     answer over max_recorded_bytes (never buffered) ... FAILED, a 500 saying so
                     other answer or exception, no mutation ............ released (retry is safe)
+                    StoreUnavailable raised, no mutation, no answer .... 503, released
 ```
 The final chunk of a response is held back until its record is written, so a
 client never holds a result the store does not know about. When that write fails
 (a store outage), the answer is sent and the write retried, shielded, for up to
-10 s: the step has run, and an unrecorded outcome would let a retry run it again.
+10 s: the step has run, and an unrecorded outcome would let a retry run it again. A
+failed release is retried the same way: until it lands, the key stays blocked.
 The claim, the hold and the settle are the ones every front end shares
 (:mod:`agentkey.server._lifecycle`); this module keeps the ASGI plumbing.
 The middleware's own errors are RFC 9457 problem details (``application/problem+json``, ``type`` =
@@ -50,7 +52,7 @@ import anyio
 from starlette.requests import HTTPConnection
 
 from .._canonical import Profile, check_profile
-from .._exceptions import ConfigurationError, StoreError
+from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, _wall_ms, reset_current, set_current
@@ -368,6 +370,13 @@ class _Exchange:
             self.finished = True
             self.final = message
             middleware, claim = self.middleware, self.claim
+            if (
+                self.status >= 500
+                and claim._unavailable is not None
+                and self.held is not None
+                and not claim.mutation_started
+            ):
+                self.final = middleware._unavailable_answer(self, claim._unavailable)
             settle = middleware._finish(self, error=False)
             try:
                 # Alone (no other request in flight), nothing allocates while the store
@@ -735,16 +744,55 @@ class IdempotencyMiddleware:
         self._in_flight += 1
         try:
             await self.app(scope, exchange.receive, exchange.send)
+        except StoreUnavailable as exc:
+            if exchange.started or claim.mutation_started:
+                await self._conclude(exchange)
+                if exchange.status == 503 and claim._unavailable is exc:
+                    return  # answered 503 already (the app's own 500 was replaced)
+                raise
+            unavailable_inside: StoreUnavailable | None = exc
         except BaseException:
             # An app failing after its answer (a background task, say) still has the
             # answer recorded and sent before the error goes on.
             await self._conclude(exchange)
             raise
+        else:
+            unavailable_inside = None
         finally:
             self._in_flight -= 1
             reset_current(token)
             state.pop(SCOPE_STATE_KEY, None)
+        if unavailable_inside is not None:
+            await self._unavailable_inside(exchange, unavailable_inside)
+            return
         await self._conclude(exchange)
+
+    async def _unavailable_inside(self, exchange: _Exchange, exc: StoreUnavailable) -> None:
+        """The store failed inside the handler (its transaction) and the app raised it
+        before any answer: free the key and answer 503."""
+        exchange.final = self._unavailable_answer(exchange, exc)
+        exchange.finished = True
+        await self._finish(exchange, error=True)
+        if self._hooks:
+            key = exchange.claim.idempotency_key
+            self._emit("unavailable", exchange.method, exchange.path, key, 503)
+
+    def _unavailable_answer(self, exchange: _Exchange, exc: StoreUnavailable) -> Message:
+        """Make the answer a 503 with ``Retry-After`` (held, as the app's start would be);
+        return its final message. The store failed inside the handler before any side
+        effect began (else the mutation has begun and FAILED is recorded): nothing ran,
+        and the key is freed."""
+        _logger.error(
+            "idempotency store failed inside the handler of %s: %s; answered 503 and freed "
+            "the key",
+            shown_key(exchange.claim.idempotency_key),
+            exc,
+        )
+        problem = unavailable(self.retry_after, str(exc))
+        exchange.held, final = _messages(problem.status, problem.headers, problem.body)
+        exchange.status, exchange.started = problem.status, True
+        exchange.headers = list(exchange.held["headers"])
+        return final
 
     async def _conclude(self, exchange: _Exchange) -> None:
         """After the app: wait for the settle its final answer started, or, when it
@@ -849,8 +897,19 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int 
             return bytes(chunks)
 
 
-async def _send(send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+def _messages(
+    status: int, headers: Iterable[tuple[str, str]], body: bytes
+) -> tuple[Message, Message]:
+    """The start and the one body message of a whole answer."""
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
     raw.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    return (
+        {"type": "http.response.start", "status": status, "headers": raw},
+        {"type": "http.response.body", "body": body, "more_body": False},
+    )
+
+
+async def _send(send: Send, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+    start, final = _messages(status, headers, body)
+    await send(start)
+    await send(final)

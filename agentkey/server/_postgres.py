@@ -22,13 +22,24 @@ release    compare-and-set ``DELETE``                          1
 
 Compare-and-set is a prefix test on the owner, as in every store: an in-progress
 value always starts with ``P:<owner>:``, so the store never parses a record.
+
+Availability: a pooled connection is looked at before use, without a round trip (an
+idle connection has nothing to read, so a readable socket means the server closed it:
+a restart, ``pg_terminate_backend``, an idle timeout), and a dead one is replaced. A
+statement whose connection dies under it is sent once more on another connection:
+every statement here is a compare-and-set or a read, so a second send is safe (a claim
+that had landed reads back as this owner's own). Each connection runs with
+``lock_timeout`` and ``statement_timeout``, so a locked table answers 503 in about a
+second instead of holding requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import select
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -36,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from .._keys import shown_key
 from ._decide import is_storable, stored_headers
 from ._records import Outcome, encode_outcome
 from ._stores import _check_ttl, after_failure, owner_prefix, shown
@@ -128,6 +140,11 @@ WITH d AS (DELETE FROM {{t}} WHERE {_OWNED} AND recovery IS NULL RETURNING 1),
            WHERE {_OWNED} AND recovery IS NOT NULL RETURNING 1)
 SELECT EXISTS (SELECT 1 FROM d) OR EXISTS (SELECT 1 FROM u)
 """  # noqa: S608 - module constants only; the table name is a sql.Identifier
+# A None keeps the server's own setting.
+_LIMITS = """
+SELECT set_config('lock_timeout', coalesce(%s, current_setting('lock_timeout')), false),
+       set_config('statement_timeout', coalesce(%s, current_setting('statement_timeout')), false)
+"""
 _GET = f"SELECT value FROM {{t}} WHERE key = %(k)s AND {_LIVE}"  # noqa: S608
 _SEAL = f"""
 UPDATE {{t}} SET value = %(v)s, expires_at = {_UNTIL}, sealed_by = %(o)s WHERE {_OWNED}
@@ -140,7 +157,7 @@ DELETE FROM {t} WHERE ctid = ANY (ARRAY (
     WHERE expires_at < clock_timestamp()
       AND (recovery IS NULL OR expires_at < clock_timestamp() - %(keep)s * interval '1 second')
     LIMIT %(limit)s
-))
+)) RETURNING 1
 """
 
 
@@ -150,6 +167,62 @@ class RecoveryPoint:
 
     phase: str
     data: Mapping[str, Any]
+
+
+# How long the pool retries a lost connection in the background (its first retry
+# comes after a second, doubling) before leaving the slot to the next request, which
+# connects at once. Left at psycopg_pool's 5 minutes, a database back after an outage
+# of a few seconds waited seconds more for the pool's next scheduled attempt.
+_RECONNECT_SECONDS = 0.5
+# Records sealed by this process remembered at most (a finish normally takes each out).
+_SEALED_MAX = 10_000
+# How long a request waits for a pooled connection before it asks the pool to grow.
+_KICK_SECONDS = 0.25
+
+# SQLSTATEs of a connection the server ended: connection exceptions (class 08),
+# admin_shutdown, crash_shutdown, cannot_connect_now. A lock or statement timeout
+# (55P03, 57014) is an answer, not a lost connection: it is never resent.
+_GONE = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _lost_connection(conn: psycopg.AsyncConnection[Any], exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection died (so the statement may be sent elsewhere)."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return conn.closed or state is None or state.startswith("08") or state in _GONE
+
+
+def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether an idle pooled connection can still be used, told without a round trip.
+
+    Between statements the server sends nothing, so a socket with something to read
+    was closed by the server, which usually says why first (a FATAL notice, then end
+    of file). Whatever arrived is read: a connection that only had stray bytes (a TLS
+    record, a notice) stays usable; one at end of file is broken.
+    """
+    if conn.closed:
+        return False
+    fd = conn.fileno()
+    for _ in range(3):
+        if not _readable(fd):
+            return True
+        try:
+            conn.pgconn.consume_input()
+        except psycopg.OperationalError:
+            return False
+    return False
+
+
+def _readable(fd: int) -> bool:
+    if _POLL is None:  # pragma: no cover - Windows has no poll()
+        return bool(select.select([fd], [], [], 0)[0])
+    poller = _POLL()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+_POLL = getattr(select, "poll", None)
 
 
 def _recovery(doc: Any) -> RecoveryPoint | None:
@@ -167,7 +240,7 @@ class PostgresTransaction:
     recovery point moves to the next phase in the same commit).
     """
 
-    __slots__ = ("_claim", "_done", "_store", "connection")
+    __slots__ = ("_claim", "_done", "_sealed_until", "_store", "connection")
 
     def __init__(
         self, store: PostgresStore, claim: Claim, connection: psycopg.AsyncConnection[Any]
@@ -175,6 +248,7 @@ class PostgresTransaction:
         self._store = store
         self._claim = claim
         self._done = ""
+        self._sealed_until = 0.0  # monotonic time the sealed record outlives at least
         #: The psycopg connection, inside the transaction: run the handler's writes on it.
         self.connection = connection
 
@@ -249,11 +323,14 @@ class PostgresTransaction:
             "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
         )
         value = encode_outcome(outcome)
-        params = self._params(v=value, o=self._claim.owner, ttl=self._store.result_ttl_ms)
+        ttl = self._store.result_ttl_ms
+        params = self._params(v=value, o=self._claim.owner, ttl=ttl)
+        sent = time.monotonic()
         cur = await self._store._execute(self.connection, "seal", params, self._key)
         if cur.rowcount != 1:
             raise self._lost("completing")
         self._done = "complete"
+        self._sealed_until = sent + ttl / 1000
         return response
 
 
@@ -271,6 +348,12 @@ class PostgresStore:
         Pool size; a burst waits up to ``timeout`` seconds for a free connection.
     ``connect_timeout``, ``timeout``
         Seconds to connect, and to wait for a pooled connection.
+    ``lock_timeout``, ``statement_timeout``
+        Seconds a statement waits for a lock (1 s), and runs in all (5 s), set on
+        every connection when it opens; past them the request gets 503 with
+        ``Retry-After`` (a locked records table never holds requests). A handler's
+        transaction runs under the same limits: ``SET LOCAL statement_timeout``
+        inside it gives one transaction more. None: the server's own setting.
     ``result_ttl``
         Seconds a record completed by :meth:`PostgresTransaction.complete` lives if
         the process dies before the middleware's own finish sets its ``result_ttl``.
@@ -296,6 +379,8 @@ class PostgresStore:
         max_size: int = 20,
         connect_timeout: float = 2.0,
         timeout: float = 5.0,
+        lock_timeout: float | None = 1.0,
+        statement_timeout: float | None = 5.0,
         result_ttl: float = 86_400.0,
         recovery_ttl: float = 86_400.0,
         sweep_every: int = 1024,
@@ -316,6 +401,16 @@ class PostgresStore:
                 raise ConfigurationError(f"{name} must be a positive number of seconds")
         if isinstance(sweep_every, bool) or not isinstance(sweep_every, int) or sweep_every < 0:
             raise ConfigurationError("sweep_every must be a whole number >= 0")
+        limits: list[str | None] = []
+        for name, limit in (
+            ("lock_timeout", lock_timeout),
+            ("statement_timeout", statement_timeout),
+        ):
+            if limit is not None and (
+                isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0
+            ):
+                raise ConfigurationError(f"{name} must be a positive number of seconds or None")
+            limits.append(None if limit is None else f"{max(1, round(limit * 1000))}ms")
         self.table = table
         self.result_ttl_ms = max(1, round(result_ttl * 1000))
         self.recovery_ttl = float(recovery_ttl)
@@ -323,10 +418,15 @@ class PostgresStore:
         self._create = create
         self._ready = False
         self._claims = 0
+        # (record key, owner) of records this process's transactions sealed and committed,
+        # with the monotonic time each outlives at least: the middleware's finish that
+        # follows needs no round trip. Taken out by that finish (or a release).
+        self._sealed: dict[tuple[str, str], float] = {}
         ident = sql.Identifier(*table.split("."))
         index = sql.Identifier(table.split(".")[-1] + "_expires_at")
+        # Rendered once: a Composed query would be rendered again on every execute.
         self._sql = {
-            name: sql.SQL(text).format(t=ident, ix=index)
+            name: sql.SQL(text).format(t=ident, ix=index).as_bytes(None)
             for name, text in (
                 ("schema", _SCHEMA),
                 ("claim", _CLAIM),
@@ -347,8 +447,12 @@ class PostgresStore:
             timeout=timeout,
             open=False,
             kwargs={"autocommit": True, "connect_timeout": max(1, round(connect_timeout))},
+            configure=self._limit if any(limits) else None,
+            reconnect_timeout=_RECONNECT_SECONDS,
             name="agentkey",
         )
+        self._limits = limits
+        self._max_size = max_size
         self._opened = False
 
     def __repr__(self) -> str:  # never shows the DSN: it may carry a password
@@ -356,24 +460,34 @@ class PostgresStore:
 
     def schema_sql(self) -> str:
         """The migration that creates the table and its index (idempotent)."""
-        return self._sql["schema"].as_string(None)
+        return self._sql["schema"].decode()
 
     # --- plumbing ---------------------------------------------------------------
 
     def _map(self, what: str, key: str, exc: BaseException) -> StoreError:
         if isinstance(exc, StoreError):
             return exc
+        state = getattr(exc, "sqlstate", None)
+        if state in ("55P03", "57014"):  # lock_not_available, query_canceled
+            return StoreUnavailable(
+                f"PostgreSQL did not finish {what} of record {shown(key)} within the store's "
+                f"lock or statement timeout ({type(exc).__name__}): {after_failure(what)}. "
+                "A transaction is holding the records table, or the database is overloaded"
+            )
         if isinstance(exc, (psycopg.OperationalError, PoolTimeout, OSError)):
             return StoreUnavailable(
                 f"PostgreSQL could not be reached during {what} of record {shown(key)} "
                 f"({type(exc).__name__}): {after_failure(what)}. Check that the "
                 "database is up and reachable"
             )
-        state = getattr(exc, "sqlstate", None)
         return StoreError(
             f"PostgreSQL failed during {what} of record {shown(key)}: {type(exc).__name__}"
             + (f" (SQLSTATE {state})" if state else "")
         )
+
+    async def _limit(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Set the lock and statement timeouts on a new connection (one round trip, once)."""
+        await conn.execute(_LIMITS, self._limits)
 
     async def _open(self) -> None:
         if not self._opened:
@@ -390,13 +504,65 @@ class PostgresStore:
         except Exception as exc:
             raise self._map(name, key, exc) from None
 
+    async def _live(self) -> psycopg.AsyncConnection[Any]:
+        """A pooled connection not known to be dead; dead ones go back to be replaced.
+
+        After a restart every idle connection is dead: the pool replaces each one
+        returned closed, so at most the pool's size are looked at.
+        """
+        for _ in range(self._max_size):
+            conn = await self._getconn()
+            if _alive(conn):
+                return conn
+            await conn.close()
+            await self._pool.putconn(conn)
+        return await self._getconn()  # the statement tells
+
+    async def _getconn(self) -> psycopg.AsyncConnection[Any]:
+        """A pooled connection, within the pool's ``timeout``.
+
+        After an outage the pool may have given up reconnecting (it retries for
+        ``_RECONNECT_SECONDS``), and only a new request makes it try again: requests
+        already waiting would wait out their whole timeout although the database is
+        back. So a request that waits asks the pool, every ``_KICK_SECONDS``, to grow
+        (``check()``: with no idle connection, that is a connection attempt).
+        """
+        try:
+            return await self._pool.getconn(timeout=_KICK_SECONDS)
+        except PoolTimeout:
+            pass
+        left = self._pool.timeout - _KICK_SECONDS
+        waiting = asyncio.ensure_future(self._pool.getconn(timeout=left))
+        try:
+            while not (await asyncio.wait({waiting}, timeout=_KICK_SECONDS))[0]:
+                await self._pool.check()
+        except BaseException:
+            if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
+                await self._pool.putconn(waiting.result())  # got one just as this stopped
+            else:
+                waiting.cancel()  # psycopg_pool returns a connection it had handed over
+            raise
+        return waiting.result()
+
     async def _one(self, name: str, key: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Run one statement on a pooled autocommit connection: one round trip."""
+        """Run one statement on a pooled autocommit connection: one round trip.
+
+        Sent once more on another connection if its connection died under it (every
+        statement this runs is safe to repeat).
+        """
         try:
             await self._open()
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(self._sql[name], params)
-                return await cur.fetchall() if cur.description else []
+            for attempt in (1, 2):
+                conn = await self._live()
+                try:
+                    cur = await conn.execute(self._sql[name], params)
+                    return await cur.fetchall() if cur.description else []
+                except Exception as exc:
+                    if attempt == 2 or not _lost_connection(conn, exc):
+                        raise
+                finally:
+                    await self._pool.putconn(conn)
+            raise AssertionError("unreachable")  # pragma: no cover
         except Exception as exc:
             raise self._map(name, key, exc) from None
 
@@ -433,6 +599,12 @@ class PostgresStore:
         return await self._owned("renew", key, params)
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        sealed = self._sealed.pop((key, owner), None)
+        if sealed is not None and time.monotonic() + _check_ttl(ttl_ms) / 1000 <= sealed + 1:
+            # This owner's own transaction committed the record, which lives long enough
+            # (to within a second, the time since the seal): the statement would change
+            # nothing else (a sealed record is never rewritten).
+            return True
         prefix = owner_prefix(owner)
         params = {
             "k": key,
@@ -453,6 +625,7 @@ class PostgresStore:
         return bool((await self._one(name, key, params))[0][0])
 
     async def release(self, key: str, owner: str) -> bool:
+        self._sealed.pop((key, owner), None)
         prefix = owner_prefix(owner)
         return bool(
             (await self._one("release", key, {"k": key, "p": prefix, "n": len(prefix)}))[0][0]
@@ -475,13 +648,8 @@ class PostgresStore:
         seconds past its lease, so a late retry can still resume.
         """
         params = {"keep": self.recovery_ttl, "limit": limit}
-        try:
-            await self._open()
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(self._sql["purge"], params)
-                return cur.rowcount
-        except Exception as exc:
-            raise self._map("purge", self.table, exc) from None
+        rows = await self._one("purge", self.table, params)
+        return len(rows)
 
     async def _maybe_sweep(self) -> None:
         self._claims += 1
@@ -501,7 +669,10 @@ class PostgresStore:
         """
         prefix = owner_prefix(claim.owner)
         params = {"k": claim.record_key, "p": prefix, "n": len(prefix)}
-        rows = await self._one("recovery", claim.idempotency_key, params)
+        try:
+            rows = await self._one("recovery", claim.idempotency_key, params)
+        except StoreUnavailable as exc:
+            raise claim._note_unavailable(exc) from None
         if not rows:
             raise StoreError(
                 f"the lease on {claim.idempotency_key} was lost (it expired and another "
@@ -530,23 +701,49 @@ class PostgresStore:
         body_failed = False
         try:
             await self._open()
-            async with self._pool.connection() as conn, conn.transaction():
-                tx = PostgresTransaction(self, claim, conn)
-                try:
-                    yield tx
-                except BaseException:
-                    body_failed = True  # the handler's own error, passed on unchanged
-                    raise
-                if not tx._done:
-                    raise ConfigurationError(
-                        f"the transaction of {key} ended without complete() or advance(); "
-                        "it was rolled back, because writes committed without their record "
-                        "would run again on a retry"
-                    )
+            conn = await self._live()
+            try:
+                async with conn.transaction():
+                    tx = PostgresTransaction(self, claim, conn)
+                    try:
+                        yield tx
+                    except BaseException:
+                        body_failed = True  # the handler's own error, passed on (below)
+                        raise
+                    if not tx._done:
+                        raise ConfigurationError(
+                            f"the transaction of {key} ended without complete() or advance(); "
+                            "it was rolled back, because writes committed without their "
+                            "record would run again on a retry"
+                        )
+            finally:
+                await self._pool.putconn(conn)
+            if tx._sealed_until:  # committed
+                if len(self._sealed) >= _SEALED_MAX:  # finishes that never came: forget them
+                    self._sealed.clear()
+                self._sealed[(claim.record_key, claim.owner)] = tx._sealed_until
+        except StoreUnavailable as exc:  # complete() or advance() failed
+            raise claim._note_unavailable(exc) from None
         except (psycopg.Error, PoolTimeout, OSError) as exc:
-            if body_failed:
+            if not body_failed:
+                # A failed COMMIT is ambiguous, and the record settles it: committed, it is
+                # COMPLETED and the retry replays; not committed, it is still the claim,
+                # which the middleware releases for a clean retry.
+                mapped = self._map("transaction", key, exc)
+                if isinstance(mapped, StoreUnavailable):
+                    claim._note_unavailable(mapped)
+                raise mapped from None
+            if not isinstance(exc, psycopg.OperationalError):
                 raise
-            # A failed COMMIT is ambiguous, and the record settles it: committed, it is
-            # COMPLETED and the retry replays; not committed, it is still the claim,
-            # which the middleware releases for a clean retry.
-            raise self._map("transaction", key, exc) from None
+            # The database failed the handler's own statement (the connection died, a
+            # lock or statement timeout): everything rolled back, so this is the store
+            # being unavailable, and the middleware answers 503, not 500.
+            raise claim._note_unavailable(
+                StoreUnavailable(
+                    f"PostgreSQL failed a statement inside the transaction of {shown_key(key)} "
+                    f"({type(exc).__name__}"
+                    + (f", SQLSTATE {exc.sqlstate}" if exc.sqlstate else "")
+                    + "); the transaction was rolled back and none of its writes happened, so "
+                    "a retry with the same key runs the step"
+                )
+            ) from None

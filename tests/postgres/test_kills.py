@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import time
+import traceback
 from typing import Any
 
 import httpx
@@ -73,7 +74,10 @@ async def _attempt(dsn: str, key: str, body: bytes, kill_at: str) -> str:
             response = await client.post("/charge", headers={"idempotency-key": key}, content=body)
     finally:
         await store.aclose()
-    if response.status_code == 409:
+    if response.status_code in (409, 503):
+        # 409: the dead handler's lease has not ended. 503: its transaction still holds
+        # the record's row lock (PostgreSQL has not yet seen the client die) past the
+        # store's lock_timeout. Either way the client retries with the same key.
         return "conflict"
     assert response.status_code == 201, response.text
     kind = "replayed" if response.headers.get("idempotent-replayed") == "true" else "executed"
@@ -91,6 +95,7 @@ def _in_child(dsn: str, key: str, body: bytes, kill_at: str) -> tuple[int, str]:
             answer = asyncio.run(_attempt(dsn, key, body, kill_at))
             os.write(write_end, answer.encode())
         except BaseException:
+            traceback.print_exc()  # the parent only sees the exit status
             code = 1
         os._exit(code)
     os.close(write_end)

@@ -352,7 +352,8 @@ def test_transaction_type_is_exported_for_annotations() -> None:
 async def test_round_trips_per_fresh_and_replayed_request(
     turn_counter: TurnCounter, charges_table: str
 ) -> None:
-    """Through the middleware: fresh 2 round trips, replay 1; transactional fresh 6, replay 1."""
+    """Through the middleware: fresh 2 round trips, replay 1; transactional fresh 5 (the
+    finish after this process's own commit needs none), replay 1."""
 
     async def plain(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True}, status_code=201)
@@ -383,9 +384,31 @@ async def test_round_trips_per_fresh_and_replayed_request(
     assert counts == {
         "/plain fresh": 2,
         "/plain replayed": 1,
-        "/charge fresh": 6,
+        "/charge fresh": 5,
         "/charge replayed": 1,
     }, counts
+
+
+async def test_the_finish_after_a_commit_still_lengthens_a_shorter_sealed_lifetime(
+    postgres_store_factory: Factory, charges_table: str
+) -> None:
+    """A store result_ttl shorter than the middleware's: the finish is sent and the record
+    lives the middleware's result_ttl."""
+    store = postgres_store_factory(result_ttl=60)
+    step = PlanSession.new().step(0, "charge", {"amount": 5})
+    transport = httpx.ASGITransport(app=_charge_app(store, result_ttl=3600))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            headers = {"idempotency-key": step.idempotency_key}
+            assert (await client.post("/charge", headers=headers, content=step.body)).is_success
+        async with await psycopg.AsyncConnection.connect(charges_table, autocommit=True) as conn:
+            cur = await conn.execute(
+                f"SELECT expires_at - clock_timestamp() > interval '3000 seconds' "  # noqa: S608
+                f"FROM {store.table}"
+            )
+            assert await cur.fetchall() == [(True,)]
+    finally:
+        await store.aclose()
 
 
 async def test_a_renewal_racing_the_commit_still_finds_the_record_its_own(

@@ -1,0 +1,355 @@
+"""PostgresStore when the database fails: dead connections, locks, a fault during COMMIT.
+
+Issue 30: a database fault costs a second, not a lease. Each test runs on the session's
+real PostgreSQL; faults come from ``pg_terminate_backend``, ``LOCK TABLE`` and a proxy
+that cuts a connection at a chosen statement (``tests/postgres/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from agentkey import PlanSession, StoreUnavailable
+from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from agentkey.server._postgres import PostgresStore
+from agentkey.server._records import encode_in_progress
+from tests._postgres import PostgresServer
+from tests.postgres.conftest import CutProxy
+
+Factory = Callable[..., PostgresStore]
+
+
+def _owner() -> str:
+    return secrets.token_hex(16)
+
+
+async def _admin(dsn: str, sql: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(sql)
+
+
+_TERMINATE_OTHERS = (
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+    "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+)
+
+
+@pytest.fixture
+async def charges(postgres_proc: PostgresServer) -> str:
+    """An empty ``av_charges`` table: the transactional tool's own data."""
+    await _admin(postgres_proc.dsn, "DROP TABLE IF EXISTS av_charges")
+    await _admin(
+        postgres_proc.dsn, "CREATE TABLE av_charges (id serial PRIMARY KEY, step text, n int)"
+    )
+    return postgres_proc.dsn
+
+
+async def _count(dsn: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        row = await (await conn.execute("SELECT count(*) FROM av_charges")).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def _charge_app(store: PostgresStore, before_commit: Callable[[Any], Any] | None = None) -> Any:
+    """A transactional tool: one av_charges row commits with the record."""
+    attempts: list[int] = []
+
+    async def charge(request: Request) -> JSONResponse:
+        args = await request.json()
+        claim = get_claim(request)
+        attempts.append(1)
+        async with store.transaction(claim) as tx:
+            cur = await tx.connection.execute(
+                "INSERT INTO av_charges (step, n) VALUES (%s, %s) RETURNING id",
+                (claim.idempotency_key, args["n"]),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            if before_commit is not None and len(attempts) == 1:
+                await before_commit(tx)
+            return await tx.complete(JSONResponse({"charge_id": row[0]}, status_code=201))
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=store,
+        lock_ttl=30,  # a key left blocked would answer 409 for the rest of the test
+        principal=lambda scope: "agent",
+    )
+    app.attempts = attempts  # type: ignore[attr-defined]
+    return app
+
+
+async def test_dead_pooled_connections_are_replaced_before_use(
+    postgres_store_factory: Factory, postgres_proc: PostgresServer
+) -> None:
+    """Every pooled connection killed (as by a restart): the next operations succeed at once."""
+    store = postgres_store_factory(min_size=4, max_size=4)
+    try:
+        await store.create_table()
+        await asyncio.gather(*(store.get(f"warm{i}") for i in range(8)))  # the pool fills
+        await _admin(postgres_proc.dsn, _TERMINATE_OTHERS)
+        await asyncio.sleep(0.1)  # the FATAL notices and FINs reach the idle sockets
+        started = time.monotonic()
+        owner = _owner()
+        assert await store.claim("p:k", encode_in_progress(owner, 1), ttl_ms=5000) is None
+        assert await store.renew("p:k", owner, ttl_ms=5000)
+        assert await store.release("p:k", owner)
+        assert time.monotonic() - started < 2.0
+    finally:
+        await store.aclose()
+
+
+async def test_a_statement_whose_connection_dies_is_sent_once_more(cut_proxy: CutProxy) -> None:
+    """The connection drops under a claim: it is resent on a fresh connection and succeeds."""
+    store = PostgresStore(cut_proxy.dsn, table="av_resend", min_size=1, max_size=2)
+    try:
+        await store.create_table()
+        cut_proxy.arm(b"WITH cur AS", "before")
+        assert await store.claim("p:k", encode_in_progress(_owner(), 1), ttl_ms=5000) is None
+        assert cut_proxy.seen == 2
+    finally:
+        await store.aclose()
+
+
+async def test_a_claim_that_landed_before_its_connection_died_reads_back_as_its_own(
+    cut_proxy: CutProxy,
+) -> None:
+    """The claim ran but its answer was lost: the resend finds this owner's own record."""
+    store = PostgresStore(cut_proxy.dsn, table="av_landed", min_size=1, max_size=2)
+    try:
+        await store.create_table()
+        value = encode_in_progress(_owner(), 1)
+        cut_proxy.arm(b"WITH cur AS", "after")
+        assert await store.claim("p:k", value, ttl_ms=5000) == value
+        assert cut_proxy.seen == 2
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.realtime
+async def test_a_request_waiting_through_an_outage_is_served_when_the_database_is_back(
+    cut_proxy: CutProxy,
+) -> None:
+    """The database goes away for 1.5 s (its connections cut, new ones refused): a claim
+    that waited through it is served soon after the database is back, though the pool
+    had given up reconnecting, instead of failing at the pool's 5 s timeout."""
+    store = PostgresStore(cut_proxy.dsn, table="av_outage", min_size=1, max_size=2, timeout=5)
+    try:
+        await store.create_table()
+        await store.get("p:warm")
+        cut_proxy.go_down()
+        claim = asyncio.ensure_future(
+            store.claim("p:k", encode_in_progress(_owner(), 1), ttl_ms=5000)
+        )
+        await asyncio.sleep(1.5)  # the pool's reconnection (retried for 0.5 s) gave up
+        assert not claim.done()
+        cut_proxy.come_back()
+        back = time.monotonic()
+        assert await claim is None
+        assert time.monotonic() - back < 1.5
+    finally:
+        await store.aclose()
+
+
+async def test_a_locked_records_table_answers_503_within_the_lock_timeout(
+    postgres_store_factory: Factory, postgres_proc: PostgresServer
+) -> None:
+    """LOCK TABLE held by another session: fresh and replayed requests get 503 + Retry-After
+    after about lock_timeout, not when the lock is released; the statement is not resent."""
+    store = postgres_store_factory(lock_timeout=0.3)
+    await store.create_table()
+    seen: list[int] = []
+
+    async def tool(request: Request) -> JSONResponse:
+        seen.append(1)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/t", tool, methods=["POST"])]),
+        store=store,
+        principal=lambda scope: "agent",
+    )
+    done = PlanSession.new().step(0, "t", {})
+    fresh = PlanSession.new().step(0, "t", {})
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://t") as client,
+            await psycopg.AsyncConnection.connect(postgres_proc.dsn) as locker,
+        ):
+            first = await client.post(
+                "/t", headers={"idempotency-key": done.idempotency_key}, content=done.body
+            )
+            assert first.status_code == 201
+            await locker.execute(f"LOCK TABLE {store.table} IN ACCESS EXCLUSIVE MODE")
+            for step in (done, fresh):
+                started = time.monotonic()
+                answer = await client.post(
+                    "/t", headers={"idempotency-key": step.idempotency_key}, content=step.body
+                )
+                assert answer.status_code == 503
+                assert answer.headers["retry-after"] == "1"
+                assert time.monotonic() - started < 3.0  # the lock is held until rollback
+            await locker.rollback()
+            again = await client.post(
+                "/t", headers={"idempotency-key": fresh.idempotency_key}, content=fresh.body
+            )
+            assert again.status_code == 201
+    finally:
+        await store.aclose()
+    assert len(seen) == 2
+
+
+async def test_a_lock_timeout_is_not_resent(
+    cut_proxy: CutProxy, postgres_proc: PostgresServer
+) -> None:
+    """A lock timeout is an answer, not a lost connection: StoreUnavailable after one send."""
+    store = PostgresStore(cut_proxy.dsn, table="av_locked", lock_timeout=0.2)
+    try:
+        await store.create_table()
+        async with await psycopg.AsyncConnection.connect(postgres_proc.dsn) as locker:
+            await locker.execute("LOCK TABLE av_locked IN ACCESS EXCLUSIVE MODE")
+            cut_proxy.arm(b"WITH cur AS", "before", cuts=0)
+            with pytest.raises(StoreUnavailable, match="lock or statement timeout"):
+                await store.claim("p:k", encode_in_progress(_owner(), 1), ttl_ms=5000)
+        assert cut_proxy.seen == 1
+    finally:
+        await store.aclose()
+
+
+async def _post(client: httpx.AsyncClient, step: Any) -> httpx.Response:
+    return await client.post(
+        "/charge", headers={"idempotency-key": step.idempotency_key}, content=step.body
+    )
+
+
+async def test_a_connection_lost_inside_the_handlers_transaction_is_a_503_not_a_500(
+    postgres_store_factory: Factory, charges: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The transaction's connection dies under the handler's own statement: 503 with
+    Retry-After, nothing committed, the key freed at once (the retry runs, not 409)."""
+    store = postgres_store_factory()
+
+    async def die(tx: Any) -> None:
+        await tx.connection.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    app = _charge_app(store, die)
+    step = PlanSession.new().step(0, "charge", {"n": 1})
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            with caplog.at_level(logging.ERROR, logger="agentkey.server"):
+                first = await _post(client, step)
+            again = await _post(client, step)
+    finally:
+        await store.aclose()
+    assert first.status_code == 503, first.text
+    assert first.headers["retry-after"] == "1"
+    assert first.json()["error"] == "store_unavailable"
+    assert step.idempotency_key not in caplog.text  # the key is shown redacted
+    assert again.status_code == 201
+    assert "idempotent-replayed" not in again.headers
+    assert app.attempts == [1, 1]
+    assert await _count(charges) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "retry"),
+    [("before", "executed"), ("after", "replayed")],
+    ids=["COMMIT never arrives", "COMMIT lands, its answer is lost"],
+)
+async def test_a_fault_during_commit_is_a_503_and_the_retry_settles_it(
+    cut_proxy: CutProxy, charges: str, mode: str, retry: str
+) -> None:
+    """The connection drops at COMMIT: the request gets 503 (not 500), and the retry with
+    the same key runs the step (it never committed) or replays the committed answer, with
+    exactly one charge either way."""
+    store = PostgresStore(cut_proxy.dsn, table=f"av_commit_{mode}")
+    await store.create_table()
+
+    async def arm(tx: Any) -> None:
+        cut_proxy.arm(b"COMMIT", mode)
+
+    app = _charge_app(store, arm)
+    step = PlanSession.new().step(0, "charge", {"n": 1})
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            first = await _post(client, step)
+            again = await _post(client, step)
+    finally:
+        await store.aclose()
+    assert first.status_code == 503, first.text
+    assert again.status_code == 201
+    replayed = again.headers.get("idempotent-replayed") == "true"
+    assert ("replayed" if replayed else "executed") == retry
+    assert app.attempts == ([1] if replayed else [1, 1])
+    assert await _count(charges) == 1
+
+
+class FailingRelease(MemoryStore):
+    """A MemoryStore whose first ``failures`` releases raise StoreUnavailable."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.releases = 0
+
+    async def release(self, key: str, owner: str) -> bool:
+        self.releases += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreUnavailable("the store is down (test)")
+        return await super().release(key, owner)
+
+
+@pytest.mark.realtime
+async def test_a_failed_release_is_retried_so_the_key_is_not_blocked_for_the_lease() -> None:
+    """The handler fails before its side effect and the first two releases fail: the
+    release is retried, and the step runs again well before its 30 s lease ends."""
+    store = FailingRelease(failures=2)
+    runs: list[int] = []
+
+    async def tool(request: Request) -> JSONResponse:
+        runs.append(1)
+        if len(runs) == 1:
+            raise RuntimeError("the tool failed before its side effect (test)")
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/t", tool, methods=["POST"])]),
+        store=store,
+        lock_ttl=30,
+        principal=lambda scope: "agent",
+    )
+    step = PlanSession.new().step(0, "t", {})
+    headers = {"idempotency-key": step.idempotency_key}
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        first = await client.post("/t", headers=headers, content=step.body)
+        statuses = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            again = await client.post("/t", headers=headers, content=step.body)
+            statuses.append(again.status_code)
+            if again.status_code != 409:
+                break
+            await asyncio.sleep(0.05)
+    assert first.status_code == 500
+    assert statuses[-1] == 201, statuses
+    assert store.releases == 3
+    assert runs == [1, 1]
