@@ -165,7 +165,7 @@ def remote_tool(
             records.pop(next(iter(records)))
         records[ctx.tool_call_id] = call_record(result, step)
         text = json.dumps(result.body, ensure_ascii=False)
-        return text if step.repeat_of is None else repeat_note(step.repeat_of) + text
+        return text if step.repeat_of is None else repeat_note(step.repeat_of, replayed=result.replayed) + text
 
     def custom_data(data: FunctionToolCustomDataContext) -> Mapping[str, Any] | None:
         return records.pop(data.tool_context.tool_call_id, None)
