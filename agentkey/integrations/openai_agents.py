@@ -272,10 +272,16 @@ _RUNS: dict[int, _Run] = {}
 
 
 def _run_of(usage: object) -> _Run:
+    """The memory of the run ``usage`` belongs to (a fresh one, kept nowhere, when ``usage``
+    cannot be watched: then each call sees only the journal and the run's input)."""
     run = _RUNS.get(id(usage))
     if run is None:
-        run = _RUNS[id(usage)] = _Run()
-        weakref.finalize(usage, _RUNS.pop, id(usage), None)
+        run = _Run()
+        try:
+            weakref.finalize(usage, _RUNS.pop, id(usage), None)
+        except TypeError:  # not weakly referenceable: an id could be reused once it is gone
+            return run
+        _RUNS[id(usage)] = run
     return run
 
 

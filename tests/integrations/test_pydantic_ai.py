@@ -264,26 +264,32 @@ async def test_a_repeat_the_model_read_follows_on_repeat(
         assert sum(tools.executions.values()) == 2
 
 
+@pytest.mark.parametrize("policy", ["replay", "raise"])
 async def test_a_repeat_of_an_earlier_runs_call_in_the_history(
-    server: tuple[str, ToolApp],
+    policy: str, server: tuple[str, ToolApp]
 ) -> None:
     """The next run of a conversation (its own run_id, the earlier messages given): a call the
-    model read the answer of in those messages is answered with it, marked, and not sent."""
+    model read the answer of in those messages is answered with it, marked, and not sent (or
+    raises StepRepeated naming the earlier step, under "raise")."""
     url, tools = server
     with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
-        tool = _tool(invoker)
+        tool = _tool(invoker, on_repeat=policy)
         first = await Agent(
             _model([ToolCallPart("charge", {"amount": 5}, "c1")]), tools=[tool]
         ).run("charge it", run_id="turn-1")
-        later = await Agent(
-            _model([ToolCallPart("charge", {"amount": 5}, "c2")]), tools=[tool]
-        ).run("did you?", run_id="turn-2", message_history=first.all_messages())
-    _, repeat = _returns(later.all_messages())
-    assert repeat.content.startswith("[repeat of ")
-    assert (
-        repeat.metadata["idempotency_key"]
-        == _returns(first.all_messages())[0].metadata["idempotency_key"]
-    )
+        (earlier,) = _returns(first.all_messages())
+        later = Agent(_model([ToolCallPart("charge", {"amount": 5}, "c2")]), tools=[tool])
+        history = first.all_messages()
+        if policy == "raise":
+            with pytest.raises(StepRepeated) as raised:
+                await later.run("did you?", run_id="turn-2", message_history=history)
+            assert raised.value.previous_step == earlier.metadata["step"]
+            assert raised.value.idempotency_key == earlier.metadata["idempotency_key"]
+        else:
+            result = await later.run("did you?", run_id="turn-2", message_history=history)
+            _, repeat = _returns(result.all_messages())
+            assert repeat.content.startswith("[repeat of ")
+            assert repeat.metadata["idempotency_key"] == earlier.metadata["idempotency_key"]
     assert sum(tools.executions.values()) == 1
     assert len(tools.seen) == 1
 
