@@ -12,9 +12,11 @@
   key in the request's ``_meta``, on the client (``IdempotentSession``) and on
   the server (``IdempotentToolsMiddleware``).
 - :mod:`agentkey.integrations.pydantic_ai` (extra ``pydantic-ai``): PydanticAI
-  tools keyed on the run's ``run_id``, ``run_step`` and the call's position.
+  tools keyed on the run's ``run_id`` and the call's id, settled against the
+  journal and the run's messages.
 - :mod:`agentkey.integrations.openai_agents` (extra ``openai-agents``): OpenAI
-  Agents SDK function tools keyed on ``RunConfig.trace_id`` and the call id.
+  Agents SDK function tools keyed on ``RunConfig.trace_id`` and the call's id,
+  settled against the journal, the run's input and the run's own calls.
 - :mod:`agentkey.integrations.otel` (extra ``otel``): ``OTelHook``, spans and
   ``traceparent`` for the invoker, token providers and the middleware.
 

@@ -15,13 +15,10 @@ from pydantic import BaseModel, ValidationError
 from .._exceptions import ConfigurationError, KeyRejected, MissingExtra, PayloadMismatch, ToolError
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import normalize_step
-from .._plan import OnRepeat, PlanSession, Step, check_on_repeat, repeated_error
+from .._plan import OnRepeat, PlanSession, Step, check_on_repeat
 from .._protocol import short_reason
 
 _Ctx = TypeVar("_Ctx")
-
-#: An earlier finished call that a step repeats: its ``(content, record)``, else None.
-Earlier = Callable[[], "tuple[str, Mapping[str, Any]] | None"]
 
 
 def missing_extra(exc: ImportError, extra: str, module: str, *roots: str) -> MissingExtra:
@@ -98,34 +95,36 @@ def make_step(
     return session.step(index, name, values, args_model=args_schema, on_repeat=on_repeat)
 
 
-def repeat_answer(
-    step: Step, on_repeat: OnRepeat, earlier: Earlier
-) -> tuple[str, str, dict[str, Any]] | None:
-    """``(label, content, record)`` answering a repeat of an earlier finished call, or None.
+def repeat_note(label: str, *, replayed: bool) -> str:
+    """What the model reads before the result of a call it asked for again.
 
-    None when the step is to be sent: the plan already marked it a repeat, the
-    policy is ``"allow"``, or ``earlier`` finds nothing. With ``"raise"`` a
-    repeat raises :class:`~agentkey.StepRepeated`.
+    ``replayed``: the earlier call's answer (it ran at ``label``); else the earlier
+    call had not finished and has now run once.
     """
-    if step.repeat_of is not None or on_repeat == "allow":
-        return None
-    found = earlier()
-    if found is None:
-        return None
-    content, record = found
-    label = str(record.get("step"))
-    if on_repeat == "raise":
-        raise repeated_error(step, label)
-    replayed = {**record, "repeat_of": label, "outcome": "replayed", "replayed": True}
-    return label, content, {**replayed, "attempts": 0, "polls": 0, "elapsed": 0.0}
-
-
-def repeat_note(label: str) -> str:
-    """What the model reads before the result of a call it asked for again."""
+    if replayed:
+        return (
+            f"[repeat of {label}: this call, with the same arguments, already succeeded at "
+            f"{label} of this plan, so it was not run a second time. Its result follows.] "
+        )
     return (
-        f"[repeat of {label}: this call, with the same arguments, was already made at {label} "
-        "of this plan, so it was not run a second time. Its result follows.] "
+        f"[repeat of {label}: this call was asked for before, at {label}, and had not "
+        "finished; it has now run once. Its result follows.] "
     )
+
+
+def repeat_record(tool: str, key: str, label: str) -> dict[str, Any]:
+    """The call's record (the runtime keeps it beside the answer) for a repeat answered unsent."""
+    return {
+        "tool": tool,
+        "idempotency_key": key,
+        "step": label,
+        "outcome": "replayed",
+        "replayed": True,
+        "repeat_of": label,
+        "attempts": 0,
+        "polls": 0,
+        "elapsed": 0.0,
+    }
 
 
 def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[str, Any]:

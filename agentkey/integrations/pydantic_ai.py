@@ -1,29 +1,35 @@
-"""PydanticAI: tools whose calls are keyed by the agent run, so a re-run replays.
+"""PydanticAI: tools keyed by the agent run and the journal; a re-run charges nothing twice.
 
 :func:`remote_tool` turns a tool served over HTTP into a PydanticAI ``Tool``.
 Each call gets its key from what PydanticAI gives the tool in its
-``RunContext``, never from the model:
+``RunContext`` and from the invoker's journal, never from the model:
 
-- plan session id (:func:`run_plan`): a UUIDv5 of the run's ``run_id``. Pass
-  ``run_id=`` to ``agent.run(...)`` (and persist it with the job) so a run
-  started again after a crash gets the same plan; without it PydanticAI draws
-  a fresh UUID7 per run, and nothing survives a restart. Inside a durable
-  workflow (Temporal, DBOS, Prefect) PydanticAI derives ``run_id`` from the
-  workflow run, so it survives the engine's re-executions as is;
-- step index (:func:`run_step`): ``(run_step, slot, ordinal)``, e.g.
-  ``step_002.1180370474.000``. ``run_step`` is PydanticAI's count of model
-  requests in the run; the slot is a 32-bit number of the tool name, so two
-  tools never share a step; the ordinal numbers the call among the identical
-  calls (same tool, same normalised arguments) of the ``ModelResponse`` that
-  asked for it, so a re-asked model that returns the same calls in another
-  order keeps their keys.
+- plan session id (:func:`run_plan`): a UUIDv5 of the run's ``run_id``. Give
+  each job execution a run id of its own (``str(uuid.uuid4())``), persist it
+  with the job, and pass it as ``run_id=`` to ``agent.run(...)`` when the job
+  runs again after a crash; without it PydanticAI draws a fresh UUID7 per run,
+  and nothing survives a restart. Inside a durable workflow (Temporal, DBOS,
+  Prefect) PydanticAI derives ``run_id`` from the workflow run, so it survives
+  the engine's re-executions as is;
+- step index (:func:`call_step`): ``(slot, call)``, two 32-bit numbers of the
+  tool name and of the model's tool call id, so a call's step never depends on
+  the calls before it;
+- the journal and ``ctx.messages`` then decide (``_identity``): the same call
+  run again keeps its key; a call the model asks for again without ever having
+  read its answer (a run started again after a crash, whose model may first
+  call other tools and name its calls anew) gets the earlier call's key back,
+  and its answer is marked as a repeat; a call the model asks for again after
+  reading its answer (this run's, or an earlier run's whose messages the run was
+  given) follows the tool's ``on_repeat`` policy.
 
-A call the model repeats (same tool and arguments as an earlier successful
-call of this agentkey tool still in ``ctx.messages``, this run's or an earlier
-run's of the conversation) follows the tool's ``on_repeat`` policy: by default
-it is answered with the earlier result, marked as a repeat, and nothing is
-sent. A tool's own refusal reaches the model as ``ToolFailed`` with the
-server's short reason.
+A run id reused for another job (a literal ``"job-7"`` on a schedule) is the
+same run to agentkey: its calls are answered with the earlier execution's
+results, marked as repeats, and a warning says to give each execution its own
+id. Keys of version 0.x (``(run_step, slot, ordinal)``, :func:`run_step_v1`)
+can still be used for runs in flight: ``remote_tool(..., step_index=run_step_v1)``.
+
+A tool's own refusal reaches the model as ``ToolFailed`` with the server's
+short reason.
 
 Needs the ``pydantic-ai`` extra (``pip install 'agentkey-idempotency[pydantic-ai]'``).
 """
@@ -36,7 +42,7 @@ from typing import Any, TypeAlias
 
 from pydantic import BaseModel, ValidationError
 
-from .._canonical import encode_jsonable, to_jsonable
+from .._canonical import args_hash, encode_jsonable, to_jsonable
 from .._exceptions import AgentKeyError, ConfigurationError, ToolError
 from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import StepKey
@@ -47,20 +53,26 @@ from ._common import (
     check_tool,
     code,
     first_error,
-    make_step,
     missing_extra,
     refusal,
-    repeat_answer,
     repeat_note,
 )
+from ._identity import CallSite, Seen
+from ._settle import Repeat, Send, aearlier, earlier, settle
 
 try:
     from pydantic_ai import ModelRetry, RunContext, Tool, ToolFailed, ToolReturn
-    from pydantic_ai.messages import ModelResponse, ToolCallPart, ToolReturnPart
+    from pydantic_ai.messages import (
+        ModelRequest,
+        ModelResponse,
+        RetryPromptPart,
+        ToolCallPart,
+        ToolReturnPart,
+    )
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra(exc, "pydantic-ai", "pydantic_ai") from None
 
-__all__ = ["remote_tool", "run_plan", "run_step"]
+__all__ = ["call_step", "remote_tool", "run_plan", "run_step_v1"]
 
 #: A plan session, or a callable choosing one from the call's ``RunContext``.
 PlanSource: TypeAlias = "PlanSession | Callable[[RunContext[Any]], PlanSession]"
@@ -74,7 +86,8 @@ def run_plan(ctx: RunContext[Any]) -> PlanSession:
     """The plan session of one agent run: a UUIDv5 of ``ctx.run_id``.
 
     Run the agent with the same ``run_id=`` after a crash and its calls get
-    their keys again; the server replays what already ran.
+    their keys again; the server replays what already ran. Give each job
+    execution its own run id: a run id reused for another job is the same run.
     """
     if not ctx.run_id:
         raise ConfigurationError(
@@ -85,19 +98,34 @@ def run_plan(ctx: RunContext[Any]) -> PlanSession:
     return PlanSession.from_external_id(json.dumps(["pydantic-ai", ctx.run_id]))
 
 
-def run_step(
+def call_step(ctx: RunContext[Any], tool: str, args: Mapping[str, Any]) -> tuple[int, int]:
+    """``(slot, call)``: 32-bit numbers of the tool name and of the model's tool call id.
+
+    The same call keeps its step wherever it runs again; two calls never share
+    one, and a call's step never depends on the calls before it.
+    """
+    if ctx.tool_call_id is None:
+        raise ConfigurationError(
+            f"tool {tool!r} ran without a tool call id, so call_step cannot name its step; run "
+            "it through an Agent, or pass step_index= to remote_tool"
+        )
+    return code(tool), code(ctx.tool_call_id)
+
+
+def run_step_v1(
     ctx: RunContext[Any],
     tool: str,
     args: Mapping[str, Any],
     *,
     args_schema: type[BaseModel] | None = None,
 ) -> tuple[int, int, int]:
-    """``(run_step, slot, ordinal)`` of a call: see the module's docstring.
+    """The step index of agentkey 0.x: ``(run_step, slot, ordinal)``, for runs in flight.
 
-    ``args`` are the call's normalised arguments; ``args_schema`` normalises
-    the other calls of the response alike before they are compared. When no
-    ``ModelResponse`` in ``ctx.messages`` holds the call (a tool run by hand),
-    the ordinal is derived from the tool call's id instead.
+    ``run_step`` is PydanticAI's count of model requests in the run, the slot a
+    number of the tool name, the ordinal the call's number among the identical
+    calls of its ``ModelResponse``. Runs that started before the upgrade keep their
+    keys with ``remote_tool(..., step_index=run_step_v1)``; new runs should not use
+    it (a re-run whose model first calls another tool shifts ``run_step``).
     """
     if ctx.tool_call_id is None:
         raise ConfigurationError(
@@ -106,24 +134,10 @@ def run_step(
             "remote_tool"
         )
     slot = code(tool)
-    response = _holder(ctx.messages, ctx.tool_call_id)
-    if response is None:
+    found = _holder(ctx.messages, ctx.tool_call_id)
+    if found is None:
         return ctx.run_step, slot, code(ctx.tool_call_id)
-    mine = encode_jsonable(to_jsonable(args), "python")
-    same = []
-    for part in response.parts:
-        if not isinstance(part, ToolCallPart):
-            continue
-        if part.tool_call_id == ctx.tool_call_id or (
-            part.tool_name == tool and _normalised(part, args_schema) == mine
-        ):
-            same.append(part.tool_call_id)
-    if same.count(ctx.tool_call_id) > 1:
-        raise ConfigurationError(
-            f"tool {tool!r} at run step {ctx.run_step}: the model's response holds "
-            f"{same.count(ctx.tool_call_id)} tool calls with the id {ctx.tool_call_id!r}, so "
-            "they cannot be told apart; give each call a unique id, or pass step_index="
-        )
+    same = _identical(found[1], ctx, tool, args, args_schema)
     return ctx.run_step, slot, same.index(ctx.tool_call_id)
 
 
@@ -146,9 +160,12 @@ def remote_tool(
     ``args_schema`` is the schema the model sees, and it normalises the
     arguments before they are hashed; arguments that do not fit it go back to
     the model as a ``ModelRetry``. ``plan`` defaults to :func:`run_plan` and
-    ``step_index`` to :func:`run_step`; pass a value or a callable to choose
-    them yourself. ``on_repeat`` is as in
-    :func:`agentkey.integrations.langchain.remote_tool`.
+    ``step_index`` to :func:`call_step`; pass a value or a callable to choose
+    them yourself. Either way each call's key is settled against the invoker's
+    journal and ``ctx.messages`` (module docstring). ``on_repeat`` says what a
+    call the model already read the answer of gets when it is asked for again:
+    ``"replay"`` (the default: the earlier answer, marked, nothing sent),
+    ``"raise"`` (:class:`~agentkey.StepRepeated`) or ``"allow"`` (a new call).
 
     The tool returns the tool server's JSON body to the model, and the call's
     record (``idempotency_key``, ``step``, ``outcome``, ``replayed``,
@@ -163,17 +180,12 @@ def remote_tool(
     it in a worker thread), an :class:`~agentkey.AsyncToolInvoker` an async one.
     """
     plan_source: PlanSource = run_plan if plan is None else plan
+    step_source: StepIndexSource = call_step if step_index is None else step_index
     check_tool(name, description, args_schema, invoker)
-    policy = check_sources(
-        name,
-        plan_source,
-        run_step if step_index is None else step_index,
-        on_repeat,
-        "the RunContext",
-    )
+    policy = check_sources(name, plan_source, step_source, on_repeat, "the RunContext")
     options: dict[str, Any] = {"path": path, "method": method, "headers": headers}
 
-    def prepare(ctx: RunContext[Any], raw: dict[str, Any]) -> Step | ToolReturn:
+    def prepare(ctx: RunContext[Any], raw: dict[str, Any]) -> tuple[CallSite, str]:
         try:
             values = to_jsonable(args_schema.model_validate(raw))
         except ValidationError as exc:
@@ -182,17 +194,32 @@ def remote_tool(
                 f"the arguments do not match {args_schema.__name__} "
                 f"({exc.error_count()} error(s)): {first_error(exc)}"
             ) from None
-        index: int | Sequence[int]
-        if step_index is None:
-            index = run_step(ctx, name, values, args_schema=args_schema)
-        else:
-            index = step_index(ctx, name, values) if callable(step_index) else step_index
-        step = make_step(plan_source, ctx, index, name, values, args_schema, policy)
-        repeat = repeat_answer(step, policy, lambda: _earlier(ctx.messages, step))
-        if repeat is None:
-            return step
-        label, content, record = repeat
-        return ToolReturn(return_value=repeat_note(label) + content, metadata=record)
+        session = plan_source(ctx) if callable(plan_source) else plan_source
+        if not isinstance(session, PlanSession):
+            raise ConfigurationError(
+                f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
+            )
+        site = _site(ctx, session, name, values, args_schema)
+        return site, args_hash(values, profile=session.profile)
+
+    def decided(
+        ctx: RunContext[Any], site: CallSite, digest: str, records: Sequence[Any]
+    ) -> Send | Repeat:
+        def derive() -> int | Sequence[int]:
+            if callable(step_source):
+                return step_source(ctx, name, site.values)
+            return step_source
+
+        return settle(
+            site,
+            records,
+            args_hash=digest,
+            on_repeat=policy,
+            derive=derive,
+            args_model=args_schema,
+            run_id_name="run_id",
+            elsewhere=lambda: _elsewhere(ctx.messages, name, digest, site.plan.id),
+        )
 
     def for_model(exc: ToolError) -> ToolFailed:
         """A tool's own refusal as ToolFailed for the model; anything else re-raised."""
@@ -203,13 +230,17 @@ def remote_tool(
         sync_invoker = invoker
 
         def run(ctx: RunContext[Any], **raw: Any) -> ToolReturn:
-            step = prepare(ctx, raw)
-            if isinstance(step, ToolReturn):
-                return step
+            site, digest = prepare(ctx, raw)
+            send = decided(ctx, site, digest, earlier(sync_invoker, site.plan.id, name, digest))
+            if isinstance(send, Repeat):
+                return ToolReturn(return_value=send.content, metadata=send.record)
             try:
-                return _answer(sync_invoker.invoke(step, **options), step)
+                result = sync_invoker.invoke(
+                    send.step, **options, call_id=send.call_id, context=send.context
+                )
             except ToolError as exc:
                 raise for_model(exc) from exc
+            return _answer(result, send.step)
 
         tool: Tool[Any] = Tool.from_schema(run, name, description, schema, takes_ctx=True)
         return tool
@@ -217,13 +248,17 @@ def remote_tool(
     async_invoker = invoker
 
     async def arun(ctx: RunContext[Any], **raw: Any) -> ToolReturn:
-        step = prepare(ctx, raw)
-        if isinstance(step, ToolReturn):
-            return step
+        site, digest = prepare(ctx, raw)
+        send = decided(ctx, site, digest, await aearlier(async_invoker, site.plan.id, name, digest))
+        if isinstance(send, Repeat):
+            return ToolReturn(return_value=send.content, metadata=send.record)
         try:
-            return _answer(await async_invoker.invoke(step, **options), step)
+            result = await async_invoker.invoke(
+                send.step, **options, call_id=send.call_id, context=send.context
+            )
         except ToolError as exc:
             raise for_model(exc) from exc
+        return _answer(result, send.step)
 
     atool: Tool[Any] = Tool.from_schema(arun, name, description, schema, takes_ctx=True)
     return atool
@@ -233,41 +268,138 @@ def _answer(result: ToolResult, step: Step) -> ToolReturn:
     """The model reads the tool's JSON body; the metadata records how agentkey got it."""
     body: Any = result.body
     if step.repeat_of is not None:
-        body = repeat_note(step.repeat_of) + json.dumps(body, ensure_ascii=False)
+        note = repeat_note(step.repeat_of, replayed=result.replayed)
+        body = note + json.dumps(body, ensure_ascii=False)
     return ToolReturn(return_value=body, metadata=call_record(result, step))
 
 
-def _earlier(messages: Sequence[Any], step: Step) -> tuple[str, Mapping[str, Any]] | None:
-    """The earliest successful return of this tool, with the same arguments, at another step."""
+def _context(run_id: str) -> str:
+    """The journal's ``context`` of a call: the run it was asked for in."""
+    return f"pydantic-ai run {run_id}"
+
+
+def _site(
+    ctx: RunContext[Any],
+    plan: PlanSession,
+    tool: str,
+    values: Mapping[str, Any],
+    schema: type[BaseModel],
+) -> CallSite:
+    """The call as ``ctx.messages`` shows it (see ``_identity``)."""
+    messages = ctx.messages
+    call_id = ctx.tool_call_id
+    siblings: tuple[str, ...] = ()
+    position: tuple[int, int] | None = None
+    found = _holder(messages, call_id) if call_id is not None else None
+    if found is not None:
+        position = (0, found[0])
+        siblings = tuple(_identical(found[1], ctx, tool, values, schema))
+    answered: dict[str, str | None] = {}
+    known: dict[str, str] = {}
+    contexts: set[str] = set()
+    asked: dict[str, tuple[int, int]] = {}
+    for place, message in enumerate(messages):
+        if message.run_id:
+            contexts.add(_context(message.run_id))
+        if isinstance(message, ModelResponse):
+            for part in message.parts:
+                if isinstance(part, ToolCallPart):
+                    asked.setdefault(part.tool_call_id, (0, place))
+            continue
+        for part in getattr(message, "parts", ()):  # a ModelRequest
+            if isinstance(part, ToolReturnPart):
+                ok = part.outcome == "success"
+                answered[part.tool_call_id] = _text(part) if ok else None
+                key = _key_of(part, tool) if ok else None
+                if key is not None and key.plan_session_id == plan.id:
+                    known[part.tool_call_id] = key.format()
+            elif isinstance(part, RetryPromptPart) and part.tool_call_id:
+                answered[part.tool_call_id] = None  # the model read an error: a new call
+    context = _context(ctx.run_id) if ctx.run_id else None
+    if context is not None:
+        contexts.add(context)
+    return CallSite(
+        plan=plan,
+        tool=tool,
+        values=values,
+        call_id=call_id,
+        siblings=siblings,
+        context=context,
+        seen=Seen(answered, frozenset(contexts), asked),
+        position=position,
+        known=known,
+    )
+
+
+def _text(part: ToolReturnPart) -> str:
+    """What the model read of a tool's return."""
+    content = part.content
+    return content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+
+
+def _key_of(part: ToolReturnPart, tool: str) -> StepKey | None:
+    """The key an agentkey tool's return records in its metadata, if it is this tool's."""
+    if part.tool_name != tool or not isinstance(part.metadata, Mapping):
+        return None
+    try:
+        return StepKey.parse(str(part.metadata.get("idempotency_key")))
+    except AgentKeyError:
+        return None
+
+
+def _elsewhere(
+    messages: Sequence[Any], tool: str, digest: str, plan_id: str
+) -> tuple[str, str] | None:
+    """``(content, key)`` of the earliest successful return, read by the model, of this tool
+    with the same arguments in another plan (an earlier run whose messages this run was given)."""
     for message in messages:
-        for part in getattr(message, "parts", ()):
-            if not (
-                isinstance(part, ToolReturnPart)
-                and part.tool_name == step.tool
-                and part.outcome == "success"
-                and isinstance(part.metadata, Mapping)
-            ):
+        if not isinstance(message, ModelRequest):
+            continue
+        for part in message.parts:
+            if not isinstance(part, ToolReturnPart) or part.outcome != "success":
                 continue
-            try:
-                key = StepKey.parse(str(part.metadata.get("idempotency_key")))
-            except AgentKeyError:
-                continue
-            if key.args_hash == step.key.args_hash and key.format() != step.idempotency_key:
-                content = part.content
-                text = content if isinstance(content, str) else json.dumps(content)
-                # The step label comes from the parsed key, not from what the metadata says.
-                return text, {**part.metadata, "step": key.label}
+            key = _key_of(part, tool)
+            if key is not None and key.args_hash == digest and key.plan_session_id != plan_id:
+                return _text(part), key.format()
     return None
 
 
-def _holder(messages: Sequence[Any], tool_call_id: str) -> ModelResponse | None:
-    """The latest ModelResponse that holds this call's id."""
-    for message in reversed(messages):
+def _holder(messages: Sequence[Any], tool_call_id: str) -> tuple[int, ModelResponse] | None:
+    """The latest ModelResponse that holds this call's id, with its position."""
+    for place in range(len(messages) - 1, -1, -1):
+        message = messages[place]
         if isinstance(message, ModelResponse) and any(
             isinstance(p, ToolCallPart) and p.tool_call_id == tool_call_id for p in message.parts
         ):
-            return message
+            return place, message
     return None
+
+
+def _identical(
+    response: ModelResponse,
+    ctx: RunContext[Any],
+    tool: str,
+    args: Mapping[str, Any],
+    schema: type[BaseModel] | None,
+) -> list[str]:
+    """The ids of the calls of ``response`` identical to this one (tool, normalised args)."""
+    mine = encode_jsonable(to_jsonable(args), "python")
+    same = [
+        part.tool_call_id
+        for part in response.parts
+        if isinstance(part, ToolCallPart)
+        and (
+            part.tool_call_id == ctx.tool_call_id
+            or (part.tool_name == tool and _normalised(part, schema) == mine)
+        )
+    ]
+    if same.count(ctx.tool_call_id or "") > 1:
+        raise ConfigurationError(
+            f"tool {tool!r} at run step {ctx.run_step}: the model's response holds "
+            f"{same.count(ctx.tool_call_id or '')} tool calls with the id {ctx.tool_call_id!r}, "
+            "so they cannot be told apart; give each call a unique id, or pass step_index="
+        )
+    return same
 
 
 def _normalised(part: ToolCallPart, schema: type[BaseModel] | None) -> bytes | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,8 +24,16 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from agentkey import AsyncToolInvoker, KeyRejected, PlanSession, StepKey, ToolInvoker
-from agentkey.integrations.pydantic_ai import remote_tool
+from agentkey import (
+    AsyncToolInvoker,
+    KeyRejected,
+    PlanSession,
+    StepKey,
+    StepRepeated,
+    ToolInvoker,
+)
+from agentkey.integrations._common import code
+from agentkey.integrations.pydantic_ai import remote_tool, run_step_v1
 from tests._loopback import serve
 from tests.invoker._toolapp import Faults, ToolApp
 
@@ -73,6 +82,14 @@ def _returns(messages: list[ModelMessage]) -> list[Any]:
     ]
 
 
+def _body(part: Any) -> Any:
+    """The tool's JSON body in a return, after the repeat note of a marked repeat."""
+    content = part.content
+    if isinstance(content, str) and content.startswith("[repeat of "):
+        return json.loads(content.split("] ", 1)[1])
+    return content
+
+
 def _tool(invoker: ToolInvoker | AsyncToolInvoker, **kw: Any) -> Any:
     return remote_tool(
         name="charge", description="Charge a card.", args_schema=Charge, invoker=invoker, **kw
@@ -81,7 +98,8 @@ def _tool(invoker: ToolInvoker | AsyncToolInvoker, **kw: Any) -> Any:
 
 @pytest.mark.parametrize("driver", ["sync", "async"])
 async def test_rerun_with_the_same_run_id_replays(driver: str, server: tuple[str, ToolApp]) -> None:
-    """A run started again with its run_id resends its calls' keys: the server replays."""
+    """A run started again with its run_id, its model naming the call anew: the call gets its
+    first key back from the journal, the server replays, and the answer is marked a repeat."""
     url, tools = server
     invoker = (ToolInvoker if driver == "sync" else AsyncToolInvoker)(
         url, route_template="/tools/{tool}"
@@ -103,7 +121,10 @@ async def test_rerun_with_the_same_run_id_replays(driver: str, server: tuple[str
             await invoker.aclose()
     (returned,) = _returns(result.all_messages())
     assert returned.metadata["replayed"] is True
-    assert returned.content["execution"] == 1
+    assert (
+        returned.metadata["repeat_of"] == StepKey.parse(returned.metadata["idempotency_key"]).label
+    )
+    assert _body(returned)["execution"] == 1
     assert sum(tools.executions.values()) == 1
     key = StepKey.parse(returned.metadata["idempotency_key"])
     assert key.plan_session_id == PlanSession.from_external_id('["pydantic-ai", "job-42"]').id
@@ -121,7 +142,8 @@ async def test_another_run_id_is_another_plan(server: tuple[str, ToolApp]) -> No
 
 
 async def test_identical_calls_keep_their_keys_in_any_order(server: tuple[str, ToolApp]) -> None:
-    """Two identical calls run twice; re-asked in another order, each keeps its key and replays."""
+    """Two identical calls run twice; re-asked in another order under new ids, each gets one of
+    the first keys back (in order) and replays."""
     url, tools = server
     calls = [
         ToolCallPart("charge", {"amount": 5}, "x1"),
@@ -135,8 +157,8 @@ async def test_identical_calls_keep_their_keys_in_any_order(server: tuple[str, T
         renamed = [ToolCallPart(c.tool_name, c.args, "y" + c.tool_call_id) for c in calls[::-1]]
         result = await Agent(_model(renamed), tools=[tool]).run("go", run_id="r")
     returns = _returns(result.all_messages())
-    assert sorted(p.content["execution"] for p in returns) == [1, 1, 1]
-    assert all(p.metadata["replayed"] for p in returns)
+    assert sorted(_body(p)["execution"] for p in returns) == [1, 1, 1]
+    assert all(p.metadata["replayed"] and p.metadata["repeat_of"] for p in returns)
     assert sum(tools.executions.values()) == 3
     assert len({p.metadata["idempotency_key"] for p in returns}) == 3
 
@@ -201,3 +223,87 @@ async def test_a_key_problem_ends_the_run(server: tuple[str, ToolApp]) -> None:
         with pytest.raises(KeyRejected) as raised:
             await agent.run("charge it", run_id="bad")
     assert raised.value.__cause__ is None
+
+
+@pytest.mark.parametrize("policy", ["replay", "raise", "allow"])
+@pytest.mark.parametrize("driver", ["sync", "async"])
+async def test_a_repeat_the_model_read_follows_on_repeat(
+    driver: str, policy: str, server: tuple[str, ToolApp]
+) -> None:
+    """A call the model asks for again after reading its answer: "replay" answers with it,
+    marked, and sends nothing; "raise" ends the run with StepRepeated; "allow" runs it."""
+    url, tools = server
+    invoker = (ToolInvoker if driver == "sync" else AsyncToolInvoker)(
+        url, route_template="/tools/{tool}"
+    )
+    model = _model(
+        [ToolCallPart("charge", {"amount": 5}, "c1")],
+        [ToolCallPart("charge", {"amount": 5}, "c2")],
+    )
+    agent = Agent(model, tools=[_tool(invoker, on_repeat=policy)])
+    try:
+        if policy == "raise":
+            with pytest.raises(StepRepeated) as raised:
+                await agent.run("charge it", run_id=f"policy-{driver}")
+            assert raised.value.previous_step.startswith("step_")
+            assert sum(tools.executions.values()) == 1
+            return
+        result = await agent.run("charge it", run_id=f"policy-{driver}")
+    finally:
+        if isinstance(invoker, ToolInvoker):
+            invoker.close()
+        else:
+            await invoker.aclose()
+    first, second = _returns(result.all_messages())
+    if policy == "replay":
+        assert second.metadata["repeat_of"] == first.metadata["step"]
+        assert second.content.startswith("[repeat of ")
+        assert len(tools.seen) == 1  # answered without a request
+    else:
+        assert second.metadata["repeat_of"] is None
+        assert sum(tools.executions.values()) == 2
+
+
+@pytest.mark.parametrize("policy", ["replay", "raise"])
+async def test_a_repeat_of_an_earlier_runs_call_in_the_history(
+    policy: str, server: tuple[str, ToolApp]
+) -> None:
+    """The next run of a conversation (its own run_id, the earlier messages given): a call the
+    model read the answer of in those messages is answered with it, marked, and not sent (or
+    raises StepRepeated naming the earlier step, under "raise")."""
+    url, tools = server
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        tool = _tool(invoker, on_repeat=policy)
+        first = await Agent(
+            _model([ToolCallPart("charge", {"amount": 5}, "c1")]), tools=[tool]
+        ).run("charge it", run_id="turn-1")
+        (earlier,) = _returns(first.all_messages())
+        later = Agent(_model([ToolCallPart("charge", {"amount": 5}, "c2")]), tools=[tool])
+        history = first.all_messages()
+        if policy == "raise":
+            with pytest.raises(StepRepeated) as raised:
+                await later.run("did you?", run_id="turn-2", message_history=history)
+            assert raised.value.previous_step == earlier.metadata["step"]
+            assert raised.value.idempotency_key == earlier.metadata["idempotency_key"]
+        else:
+            result = await later.run("did you?", run_id="turn-2", message_history=history)
+            _, repeat = _returns(result.all_messages())
+            assert repeat.content.startswith("[repeat of ")
+            assert repeat.metadata["idempotency_key"] == earlier.metadata["idempotency_key"]
+    assert sum(tools.executions.values()) == 1
+    assert len(tools.seen) == 1
+
+
+async def test_run_step_v1_gives_the_keys_of_0x(server: tuple[str, ToolApp]) -> None:
+    """step_index=run_step_v1 keys calls as agentkey 0.x did, (run_step, slot, ordinal), so a
+    run in flight before the upgrade keeps its keys."""
+    url, _ = server
+    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
+        agent = Agent(
+            _model([ToolCallPart("charge", {"amount": 5}, "c1")]),
+            tools=[_tool(invoker, step_index=run_step_v1)],
+        )
+        result = await agent.run("charge it", run_id="v1")
+    (returned,) = _returns(result.all_messages())
+    key = StepKey.parse(returned.metadata["idempotency_key"])
+    assert key.index == (1, code("charge"), 0)

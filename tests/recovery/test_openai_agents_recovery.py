@@ -1,0 +1,58 @@
+"""Issue 23, case 7, OpenAI Agents SDK: identical calls in one turn, and a run restarted in a
+new process with its trace_id, with real processes killed.
+
+The SDK's ``Runner`` with its ``ScriptedModel`` in a process of its own; the charge tool
+behind agentkey's middleware on loopback, counting its executions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.recovery._process import Recovery, recovery
+
+pytestmark = [pytest.mark.realtime, pytest.mark.timeout(120)]
+
+TRACE = "trace_4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Recovery]:
+    with recovery("tests.recovery._openai_agent", tmp_path) as setup:
+        yield setup
+
+
+def test_two_identical_calls_in_one_turn_run_twice(run: Recovery) -> None:
+    """Two tickets at the same price in one model response are two charges: both run, under
+    two keys, and neither answer carries a repeat note."""
+    outputs, _ = run.again("--trace-id", TRACE, "--tickets", "2")
+    assert run.tool.executions["charge"] == 2
+    assert len({o["record"]["idempotency_key"] for o in outputs}) == 2
+    assert all(o["record"]["repeat_of"] is None for o in outputs)
+    assert not any(o["output"].startswith("[repeat of") for o in outputs)
+
+
+def test_a_run_restarted_in_a_new_process_charges_once(run: Recovery) -> None:
+    """Killed after the charge ran; the run started over in a new process with its trace_id,
+    its model naming the call anew: the journal gives it the first key, the tool replays, and
+    the answer is marked as a repeat. One charge."""
+    run.killed("--trace-id", TRACE)
+    outputs, _ = run.again("--trace-id", TRACE)
+    assert run.tool.executions["charge"] == 1
+    (output,) = outputs
+    assert output["record"]["replayed"] is True
+    assert output["record"]["repeat_of"] == output["record"]["step"]
+    assert output["output"].startswith("[repeat of ")
+
+
+def test_two_tickets_restarted_in_a_new_process_charge_twice(run: Recovery) -> None:
+    """Killed after both charges of one response ran; started over, the two identical calls
+    take back one earlier key each: two charges in all, not one, not four."""
+    run.killed("--trace-id", TRACE, "--tickets", "2", count=2)
+    outputs, _ = run.again("--trace-id", TRACE, "--tickets", "2")
+    assert run.tool.executions["charge"] == 2
+    assert len({o["record"]["idempotency_key"] for o in outputs}) == 2
+    assert all(o["record"]["replayed"] for o in outputs)
