@@ -483,9 +483,7 @@ class Lifecycle:
         """Retry a write the store failed until it answers; the caller's deadline cuts it."""
         if isinstance(pending, Release):
             await release_until_done(self.store, claim)
-        elif not await record_until_stored(
-            self.store, claim, pending, ttl_ms=self.result_ttl_ms
-        ):
+        elif not await record_until_stored(self.store, claim, pending, ttl_ms=self.result_ttl_ms):
             await self._lost(claim, pending)
             return
         if self._held:

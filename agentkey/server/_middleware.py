@@ -783,8 +783,7 @@ class IdempotencyMiddleware:
         effect began (else the mutation has begun and FAILED is recorded): nothing ran,
         and the key is freed."""
         _logger.error(
-            "idempotency store failed inside the handler of %s: %s; answered 503 and freed "
-            "the key",
+            "idempotency store failed inside the handler of %s: %s; answered 503 and freed the key",
             shown_key(exchange.claim.idempotency_key),
             exc,
         )

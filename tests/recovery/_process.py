@@ -72,6 +72,8 @@ class Recovery:
 def recovery(module: str, tmp_path: Path) -> Iterator[Recovery]:
     """A counting tool server behind the middleware, and agent processes of ``module``."""
     tool = PlainTool()
-    app = IdempotencyMiddleware(tool, store=MemoryStore(), routes=["/tools/*"])
+    app = IdempotencyMiddleware(
+        tool, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True
+    )
     with serve(app) as url:
         yield Recovery(module, tool, url, tmp_path / "journal.sqlite3")
