@@ -22,13 +22,17 @@ class GatedBlobs(FileBlobStore):
         super().__init__(directory)
         self.gate = threading.Event()
         self.writing = threading.Event()
+        self.written = threading.Event()
         self.writes = 0
 
     def _put(self, data: bytes, *args: Any) -> str:
         self.writes += 1
         self.writing.set()
         assert self.gate.wait(30)
-        return super()._put(data, *args)
+        try:
+            return super()._put(data, *args)
+        finally:
+            self.written.set()
 
 
 def blobs_in(directory: Path) -> list[str]:
@@ -44,8 +48,9 @@ async def test_a_cancelled_put_deletes_the_file_its_thread_wrote(tmp_path: Path)
     with pytest.raises(asyncio.CancelledError):
         await task
     blobs.gate.set()
+    assert await asyncio.to_thread(blobs.written.wait, 10)  # the thread wrote its file
     for _ in range(500):  # the deletion follows the thread's end
-        if not await asyncio.to_thread(lambda: [*tmp_path.iterdir()]):
+        if not await asyncio.to_thread(blobs_in, tmp_path):
             break
         await asyncio.sleep(0.01)
     assert blobs_in(tmp_path) == []
