@@ -124,7 +124,7 @@ def test_resend_after_a_crash_with_the_call_checkpointed(setup: Setup) -> None:
 def test_resend_after_a_crash_that_lost_the_models_request(setup: Setup) -> None:
     """Case 1, the model's request never reached the checkpoint: the re-asked model calls the
     charge anew, and agentkey sends the first call's key (a marked repeat): one charge."""
-    setup.killed("t2", "--durability", "async")
+    setup.killed("t2")  # durability "sync": the input is surely saved; the loss comes next
     _lose_checkpoints_after_the_input(setup.db, "t2")
     assert not any(isinstance(m, AIMessage) for m in setup.messages("t2"))
     final = _final(setup.again("t2", "--hook"))
