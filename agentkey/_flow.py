@@ -43,6 +43,7 @@ from ._effects import Answer, Effect, Emit, Failure, FailureKind, Journaled, Out
 from ._exceptions import (
     ConfigurationError,
     InvokeError,
+    KeyReused,
     OutcomeUnknown,
     PollTimeout,
     StepInProgress,
@@ -494,6 +495,10 @@ class _Run:
             if earlier is None:
                 self.record = record
                 return None
+            if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
+                raise _other_route(self.call, earlier)  # (one never sent may go elsewhere)
+            if begun.live and not self.honoured() and self.s.honours_keys is None:
+                yield from self.probe()  # a send in flight elsewhere: ask the route first
             if not (begun.live and not self.honoured()):
                 return (yield from self.settle_earlier(earlier, begun.live))
             waited += 1
@@ -916,6 +921,22 @@ def _already_ran(call: Call, record: CallRecord) -> StepRepeated:
         previous_step=record.step or (call.label or ""),
         idempotency_key=call.key,
     )
+
+
+def _other_route(call: Call, record: CallRecord) -> KeyReused:
+    return KeyReused(
+        f"{_where(call)} is in the journal as a call to another route "
+        f"({_route_shown(record.route)}), and a key names one operation: its answer there "
+        "is not this call's. Give this call its own step (or plan), or send it where the "
+        "journal says it went",
+        idempotency_key=call.key,
+        step=call.label,
+    )
+
+
+def _route_shown(route: str) -> str:
+    method, _, url = route.partition(" ")
+    return f"{method} {redact_url(url)}"
 
 
 def _already_failed(call: Call, record: CallRecord) -> ToolError:

@@ -276,6 +276,17 @@ def _fork() -> Any:
     return sys.modules.get("httpx2")  # loaded by whoever built an httpx2 client; never here
 
 
+def fork_async_client(headers: dict[str, str], connect: float, read: float) -> Any:
+    """An ``httpx2.AsyncClient``, for an SDK whose transports speak httpx2 (MCP's).
+
+    That SDK has loaded httpx2 already; without it this is a configuration error.
+    """
+    lib = _fork()
+    if lib is None:
+        raise ConfigurationError("httpx2 is not loaded: the SDK that needs it imports it first")
+    return lib.AsyncClient(headers=headers, timeout=lib.Timeout(connect, read=read))
+
+
 if TYPE_CHECKING:
     Client = httpx.Client
     AsyncClient = httpx.AsyncClient

@@ -41,6 +41,7 @@ from agentkey._hooks import CallEndEvent, InvokeEvent
 from agentkey.auth import TokenProvider
 from agentkey.integrations.mcp import (
     KEY_FIELD,
+    PROTECTED_FIELD,
     REPLAYED_FIELD,
     IdempotentSession,
     MCPToolResult,
@@ -110,7 +111,7 @@ async def test_answer_lost_after_commit_is_replayed(store: Store) -> None:
     assert isinstance(events[-1], CallEndEvent)
     assert events[-1].outcome == "replayed"
     assert got.result.structured_content == {"id": "vm-1", "region": "eu-west-1", "size": 2}
-    assert got.result.meta == {REPLAYED_FIELD: True}
+    assert got.result.meta == {REPLAYED_FIELD: True, PROTECTED_FIELD: True}
 
 
 async def test_session_torn_down_by_a_reset_is_reopened_and_replayed() -> None:
@@ -128,16 +129,72 @@ async def test_session_torn_down_by_a_reset_is_reopened_and_replayed() -> None:
     assert not after.replayed
 
 
-async def test_without_the_middleware_a_lost_answer_runs_twice() -> None:
-    """Control: the same lost answer against a server without the middleware runs the tool twice."""
+async def test_without_the_middleware_a_lost_answer_is_not_sent_again() -> None:
+    """Issue 25: a server without the middleware does not honour the key, so a lost answer is
+    not resent (that resend ran the tool twice): OutcomeUnknown, the tool ran once."""
     with running(None) as lab:
         lab.drop["create_vm"] = 1
         async with session(lab) as s:
-            got = await IdempotentSession(s, PlanSession.new(), policy=FAST).call_tool(
-                "create_vm", {"region": "eu-west-1"}
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
+            with pytest.raises(OutcomeUnknown, match="did not send it again"):
+                await tools.call_tool("create_vm", {"region": "eu-west-1"})
+    assert lab.runs["create_vm"] == 1
+
+
+async def test_a_tool_the_server_does_not_protect_is_not_resent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 23, case 9: the middleware protects only other tools; the called tool's result
+    says nothing of the key, so its lost answer is not resent, and no log line promises that
+    it runs at most once."""
+    with running(MemoryStore(), tools=["delete_vm"]) as lab:
+        lab.drop["create_vm"] = 1
+        async with session(lab) as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
+            with pytest.raises(OutcomeUnknown):
+                await tools.call_tool("create_vm", {"region": "eu-west-1"})
+            unprotected = await tools.call_tool("create_vm", {"region": "eu-west-2"})
+            protected = await tools.call_tool("delete_vm", {"region": "eu-west-2"})
+    assert lab.runs["create_vm"] == 2  # the lost one once, the second call once
+    assert PROTECTED_FIELD not in (unprotected.result.meta or {})
+    assert (protected.result.meta or {}).get(PROTECTED_FIELD) is True
+    assert "at most once" not in caplog.text
+
+
+async def test_a_tool_slower_than_the_attempt_timeout_runs_once() -> None:
+    """Issue 23, case 8: the client gives up on an attempt while the tool runs; the server
+    lets the tool finish (it is not cancelled half-way) and records it, so the resend waits
+    for it and gets the replay: one execution, and a result."""
+    with running(MemoryStore(), retry_after=0) as lab:
+        async with session(lab) as s:
+            tools = IdempotentSession(
+                s, PlanSession.new(), policy=FAST.replace(max_attempts=50), attempt_timeout=0.1
             )
-    assert lab.runs["create_vm"] == 2
-    assert not got.replayed
+            got = await tools.call_tool("slow_charge", {"amount": 5})
+    assert lab.runs["slow_charge"] == 1
+    assert got.replayed
+    assert text_of(got) == "charged 5"
+
+
+async def test_a_restarted_session_reading_first_keeps_the_charges_key(store: Store) -> None:
+    """Issue 23, case 10: without step=, a call's key is its tool and its number among the
+    identical calls before it, so a restarted process that makes a read call first still
+    gives the charge its first key: one execution."""
+    plan_id = str(uuid.uuid4())
+    with running(store) as lab:
+        async with session(lab) as s:
+            first = IdempotentSession(s, PlanSession(id=plan_id))
+            charged = await first.call_tool("create_vm", {"region": "ap-east-1"})
+        async with session(lab) as s:  # the restarted process
+            again = IdempotentSession(s, PlanSession(id=plan_id))
+            await again.call_tool("delete_vm", {"region": "elsewhere"})  # a call first
+            replayed = await again.call_tool("create_vm", {"region": "ap-east-1"})
+            twice = await again.call_tool("create_vm", {"region": "ap-east-1"})  # meant twice
+        assert lab.runs["create_vm"] == 2
+    assert replayed.idempotency_key == charged.idempotency_key
+    assert replayed.replayed
+    assert twice.idempotency_key != charged.idempotency_key
+    assert not twice.replayed
 
 
 async def test_same_step_after_restart_replays_without_running(store: Store) -> None:
@@ -191,15 +248,17 @@ async def test_key_in_flight_past_the_budget_raises_step_in_progress() -> None:
             tg.start_soon(functools.partial(holder.call_tool, "hold_charge", {"amount": 9}, step=2))
             try:
                 await anyio.to_thread.run_sync(lab.holding.wait, 30.0)
-                waiter = IdempotentSession(second, PlanSession(id=plan_id), policy=FAST)
+                short = FAST.replace(deadline=1.0, initial_backoff=0.1, max_backoff=0.2)
+                waiter = IdempotentSession(second, PlanSession(id=plan_id), policy=short)
                 with pytest.raises(StepInProgress) as caught:
                     await waiter.call_tool("hold_charge", {"amount": 9}, step=2)
             finally:
                 lab.gate.set()
         assert lab.runs["hold_charge"] == 1
-    assert caught.value.attempts == FAST.max_attempts
+    # Waited on the in-flight key until the deadline (not max_attempts), then told so.
+    assert caught.value.attempts == decisions.count("conflict") >= 3
     assert caught.value.step == "step_002"
-    assert decisions == ["conflict"] * FAST.max_attempts + ["claimed"]
+    assert decisions[-1] == "claimed"
 
 
 async def test_records_are_scoped_per_principal() -> None:
@@ -257,8 +316,8 @@ async def test_raw_client_interoperates_by_setting_meta_by_hand() -> None:
             with pytest.raises(MCPError) as missing:
                 await raw_call(s, "create_vm", args)
         assert lab.runs["create_vm"] == 2
-    assert first.meta is None
-    assert second.meta == {REPLAYED_FIELD: True}
+    assert first.meta == {PROTECTED_FIELD: True}  # the tool is protected: the key counts
+    assert second.meta == {REPLAYED_FIELD: True, PROTECTED_FIELD: True}
     assert second.structured_content == first.structured_content
     assert mismatch.value.data == {"type": "io.agentkey/payload-mismatch"}
     assert missing.value.data == {"type": "io.agentkey/key-required"}

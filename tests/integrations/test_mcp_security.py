@@ -157,11 +157,12 @@ async def test_a_cancelled_tool_call_still_records_its_outcome_through_the_share
     middleware = IdempotentToolsMiddleware(store, shared_key_space=True)
     async with Client(_tools(runs, middleware)) as client:
         tools = IdempotentSession(client.session, PlanSession.new())
+        planned = tools.step_for("charge", {"amount": 7})
         async with anyio.create_task_group() as group:
-            group.start_soon(tools.call_tool, "charge", {"amount": 7})
+            group.start_soon(tools.call_step, planned)
             await store.waiting.wait()
             group.cancel_scope.cancel()
-        again = await tools.call_tool("charge", {"amount": 7}, step=0)
+        again = await tools.call_step(planned)  # the same call, sent again
     assert store.finishes == 2  # the interrupted write, then the shielded one
     assert again.replayed
     assert runs["charge"] == 1

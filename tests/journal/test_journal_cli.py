@@ -16,8 +16,10 @@ from tests._loopback import serve
 from tests.journal._tools import PlainTool
 
 
-def _seed(path: Path) -> tuple[CallRecord, CallRecord]:
-    """A journal with one call in doubt (its sender gone) and one answered."""
+def _seed(
+    path: Path, route: str = "POST http://127.0.0.1:9/tools/{tool}?sig=s3cret"
+) -> tuple[CallRecord, CallRecord]:
+    """A journal with one call in doubt (its sender gone) and one answered, sent to ``route``."""
     journal = SQLiteJournal(path)
     plan = PlanSession.new()
     now = time.time()
@@ -31,7 +33,7 @@ def _seed(path: Path) -> tuple[CallRecord, CallRecord]:
             step=step.label,
             tool=step.tool,
             args_hash=step.key.args_hash,
-            route="POST http://127.0.0.1:9/tools/" + step.tool + "?sig=s3cret",
+            route=route.format(tool=step.tool),
             state=state,
             created_at=now,
             updated_at=now,
@@ -75,27 +77,26 @@ def test_settle_takes_effect_on_the_next_call(
 ) -> None:
     """--not-run lets the next call of the step go; --ran keeps it from ever running."""
     path = tmp_path / "j.sqlite3"
-    doubt, _ = _seed(path)
-    shown = shown_key(doubt.key)
-    code, out = run(capsys, "journal", "--journal", str(path), "settle", shown, verdict)
-    assert code == 0
-    assert ("answered" if verdict == "--ran" else "not_sent") in out
-    code, out = run(capsys, "journal", "--journal", str(path), "--json", "show", shown)
-    said = "ran" if verdict == "--ran" else "did not run"
-    assert json.loads(out)["reason"] == f"settled by an operator: {said}"
     plain = PlainTool()
-    step = PlanSession(id=doubt.plan).step(0, "charge", {"amount": 5})
-    with (
-        serve(plain) as url,
-        ToolInvoker(url, route_template="/tools/{tool}", journal=SQLiteJournal(path)) as inv,
-    ):
-        if verdict == "--ran":
-            with pytest.raises(StepRepeated, match="already ran"):
-                inv.invoke(step)  # no answer was kept, and it must not run again
-        else:
-            assert inv.invoke(step).status_code == 201  # not run, so sent now
-            again = inv.invoke(step)  # the tool does not honour keys: the journal answers
-            assert (again.source, again.replayed) == ("journal", True)
+    with serve(plain) as url:
+        doubt, _ = _seed(path, f"POST {url}/tools/{{tool}}")
+        shown = shown_key(doubt.key)
+        code, out = run(capsys, "journal", "--journal", str(path), "settle", shown, verdict)
+        assert code == 0
+        assert ("answered" if verdict == "--ran" else "not_sent") in out
+        code, out = run(capsys, "journal", "--journal", str(path), "--json", "show", shown)
+        said = "ran" if verdict == "--ran" else "did not run"
+        assert json.loads(out)["reason"] == f"settled by an operator: {said}"
+        step = PlanSession(id=doubt.plan).step(0, "charge", {"amount": 5})
+        inv = ToolInvoker(url, route_template="/tools/{tool}", journal=SQLiteJournal(path))
+        with inv:
+            if verdict == "--ran":
+                with pytest.raises(StepRepeated, match="already ran"):
+                    inv.invoke(step)  # no answer was kept, and it must not run again
+            else:
+                assert inv.invoke(step).status_code == 201  # not run, so sent now
+                again = inv.invoke(step)  # the tool does not honour keys: the journal answers
+                assert (again.source, again.replayed) == ("journal", True)
     assert plain.executions["charge"] == (0 if verdict == "--ran" else 1)
 
 

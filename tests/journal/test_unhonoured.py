@@ -22,12 +22,14 @@ import pytest
 
 from agentkey import (
     AsyncToolInvoker,
+    KeyReused,
     OutcomeUnknown,
     PlanSession,
     RetryPolicy,
     Step,
     ToolInvoker,
     ToolResult,
+    ToolUnreachable,
 )
 from agentkey.journal import CallState, HttpLookup, InDoubt, SQLiteJournal, Verdict
 from agentkey.server import IdempotencyMiddleware, MemoryStore
@@ -144,6 +146,26 @@ def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
     assert not result.replayed
     assert [c.tool for c in asked] == ["charge"]
     assert asked[0].args == {"amount": 1999, "currency": "EUR"}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_key_the_journal_saw_on_another_route_is_refused_there(driver: str) -> None:
+    """Sent to tool A, the same step sent to tool B is refused, never answered from A.
+
+    A step never sent (A refused the connection) may go to B instead: it ran nowhere.
+    """
+    first, second = PlainTool(), PlainTool()
+    step = step_for("charge")
+    with serve(first) as url_a, serve(second) as url_b:
+        assert invoke(driver, url_a, step).status_code == 201
+        with pytest.raises(KeyReused, match="another route") as caught:
+            invoke(driver, url_b, step)
+        assert step.idempotency_key not in str(caught.value)
+        unsent = step_for("charge")
+        with pytest.raises(ToolUnreachable):
+            invoke(driver, "http://127.0.0.1:9", unsent)  # discard: nothing listens there
+        assert invoke(driver, url_b, unsent).status_code == 201
+    assert (first.executions["charge"], second.executions["charge"]) == (1, 1)
 
 
 _AGENT = textwrap.dedent(

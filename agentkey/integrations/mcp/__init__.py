@@ -35,13 +35,14 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("mcp", "mcp") from None
 
 from ._client import IdempotentSession, MCPToolResult, SessionFactory, connect
-from ._wire import KEY_FIELD, REPLAYED_FIELD
+from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
 
 if TYPE_CHECKING:
     from ._server import IdempotentToolsMiddleware, MCPPrincipalFunc
 
 __all__ = [
     "KEY_FIELD",
+    "PROTECTED_FIELD",
     "REPLAYED_FIELD",
     "IdempotentSession",
     "IdempotentToolsMiddleware",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import json
+import random
 import time
 from collections.abc import (
     AsyncIterator,
@@ -15,12 +18,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast
+from urllib.parse import quote
 
 import anyio
 import anyio.abc
 from mcp import Client, ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's own client factory
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
     CONNECTION_CLOSED,
@@ -28,36 +31,38 @@ from mcp_types import (
     REQUEST_TIMEOUT,
     CallToolResult,
     RequestParamsMeta,
+    TextContent,
 )
 from pydantic import BaseModel
 
 from ... import _http
-from ..._exceptions import (
-    AuthenticationError,
-    ConfigurationError,
-    InvokeError,
-    KeyRejected,
-    KeyReused,
-    OutcomeUnknown,
-    PayloadMismatch,
-    StepInProgress,
-    ToolRejected,
+from ..._canonical import args_hash
+from ..._drive import run_async
+from ..._effects import (
+    Answer,
+    Emit,
+    Failure,
+    FailureKind,
+    Journaled,
+    Outgoing,
+    Reply,
+    Sleep,
+    Verify,
 )
-from ..._hooks import (
-    AttemptEvent,
-    CallEndEvent,
-    CallStartEvent,
-    GiveUpEvent,
-    InvokeEvent,
-    InvokeHook,
-    LoggingHook,
-    ReplayEvent,
-    RetryEvent,
-)
+from ..._exceptions import ConfigurationError
+from ..._flow import Call, Finished, Settings, Verifier
+from ..._flow import invoke as flow_invoke
+from ..._hooks import InvokeHook, LoggingHook
+from ..._invoker import JournalOption
+from ..._net import Origin
 from ..._plan import OnRepeat, PlanSession, Step, check_on_repeat
-from ..._policy import RetryPolicy
+from ..._policy import PollPolicy, RetryPolicy
+from ..._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...auth import TokenProvider
-from ._wire import KEY_FIELD, REPLAYED_FIELD, refusal_of
+from ...journal._base import current_owner, in_flight
+from ...journal._default import resolve_journal
+from .._common import code
+from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, refusal_of
 
 __all__ = ["IdempotentSession", "MCPToolResult", "SessionFactory", "connect"]
 
@@ -76,7 +81,19 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     anyio.EndOfStream,
     OSError,
 )
-_METHOD = "tools/call"  # the "method" of the call events; their "url" is the tool name
+_METHOD = "CALL"  # the method of a tools/call in the flow (its "url" names server and tool)
+#: What an agentkey refusal becomes for the flow: (status, problem code).
+_REFUSALS: dict[str, tuple[int, str]] = {
+    "in-progress": (409, "in_progress"),
+    "unavailable": (503, "unavailable"),
+    "payload-mismatch": (422, "payload_mismatch"),
+    "key-reused": (422, "key_reused"),
+    "invalid-key": (400, "idempotency_key_invalid"),
+    "key-required": (400, "idempotency_key_missing"),
+    "unauthenticated": (401, "unauthenticated"),
+}
+#: Request headers the flow sets itself; any other (a hook's ``traceparent``) goes in _meta.
+_OWN_HEADERS = frozenset({"content-type", "accept", "idempotency-key"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +143,14 @@ async def connect(
     token too, :class:`IdempotentSession` raises
     :class:`~agentkey.AuthenticationError`. ``session_options`` go to
     ``ClientSession`` (``read_timeout_seconds``, callbacks). The HTTP client has
-    the SDK's own timeouts.
+    the SDK transports' timeouts (30 s to connect, 300 s to read a held stream).
     """
     if auth is not None and not isinstance(auth, TokenProvider):
         raise ConfigurationError(
             f"auth must be an agentkey token provider (ClientCredentials, ...), got {auth!r}"
         )
-    client = create_mcp_http_client(headers=dict(headers or {}))
-    client.auth = _http.adapt_auth(auth, client)  # type: ignore[arg-type]  # httpx2: the fork
+    client = _http.fork_async_client(dict(headers or {}), connect=30.0, read=300.0)
+    client.auth = _http.adapt_auth(auth, client)
     client.event_hooks["response"].append(_record_status)
     async with (
         client,
@@ -142,14 +159,6 @@ async def connect(
     ):
         await session.initialize()
         yield session
-
-
-@dataclass(frozen=True, slots=True)
-class _Retry:
-    reason: str
-    retry_after: float | None
-    in_flight: bool = False
-    ambiguous: bool = False
 
 
 class _Connection:
@@ -209,29 +218,44 @@ class _NotConnected(Exception):
         super().__init__(type(cause).__name__ if cause is not None else "no session")
 
 
+#: What the probe's ``tools/list`` may fail with; each reads as "not sent".
+_PROBE_ERRORS: tuple[type[BaseException], ...] = (_NotConnected, MCPError, *_TRANSPORT_ERRORS)
+
+
 class IdempotentSession:
     """Calls the tools of one MCP session, each call under a deterministic key.
 
-    The key is ``plan.step(step, name, arguments)``'s: the same plan, step,
-    tool and arguments give the same key in every process, so the server runs
-    the call at most once and replays its stored result afterwards. It goes in
-    ``params._meta["io.agentkey/idempotency-key"]``.
+    The key is ``plan.step(step, name, arguments)``'s: the same plan, step, tool
+    and arguments give the same key in every process, so a server that honours
+    it runs the call at most once and replays its stored result afterwards. It
+    goes in ``params._meta["io.agentkey/idempotency-key"]``.
 
-    A call that fails ambiguously (connection closed or reset, read timeout,
-    server error) is sent again with the same key, and so is one the server
-    refuses as in progress or unavailable, within ``policy`` (attempts,
-    backoff, ``Retry-After``-style hints, the overall deadline). Each attempt
-    waits at most ``attempt_timeout`` seconds for its answer.
+    The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
+    (``agentkey._flow``): it is recorded in the ``journal`` before it is sent;
+    a call that may have run (connection closed or reset, read timeout, server
+    error) is sent again with the same key only to a tool known to honour keys:
+    ``honours_keys=True``, or the server marked the tool protected (its results
+    and its ``tools/list`` entry carry ``_meta["io.agentkey/protected"]``, which
+    agentkey's server middleware sets). Otherwise the call ends in
+    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). A
+    refusal as in progress or unavailable is waited out within ``policy``. Each
+    attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
     (:data:`SessionFactory`, e.g. ``lambda: connect(url, auth=provider)``); then use
     the object as ``async with IdempotentSession(factory, plan) as tools:``, and a
     session that its transport ended is replaced by a new one before the resend.
+    ``server`` names the server (its URL, say): the journal keeps each call, and
+    what agentkey learns about which tools honour keys, under it; by default it is
+    the name the server reports when the session opens. A key the journal holds
+    for another server is refused (:class:`~agentkey.KeyReused`), never answered
+    with the other server's result.
 
-    ``step`` defaults to a counter (0, 1, 2...) of this object's calls, which
-    is deterministic only when the calls are made in the same order every run;
-    give ``step=`` explicitly for concurrent calls or for a plan resumed in
-    another process.
+    ``step`` defaults to ``(tool, n)``: the n-th call of this session with the same
+    tool and arguments. A restarted process whose session makes other calls first
+    still gives the same call the same key, and two identical calls in one session
+    are two operations. Give ``step=`` to number calls yourself (``on_repeat`` then
+    decides what a repeat of an earlier step's call at another step gets).
     """
 
     def __init__(
@@ -245,6 +269,10 @@ class IdempotentSession:
         hooks: Sequence[InvokeHook] | None = None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        journal: JournalOption = None,
+        honours_keys: bool | None = None,
+        verify: Verifier | None = None,
+        server: str | None = None,
     ) -> None:
         if not isinstance(plan, PlanSession):
             raise ConfigurationError(f"plan must be an agentkey.PlanSession, got {plan!r}")
@@ -259,6 +287,14 @@ class IdempotentSession:
                 "session must be an initialised mcp.ClientSession, or a function opening "
                 f"one (e.g. lambda: connect(url)), got {session!r}"
             )
+        if honours_keys not in (True, False, None):
+            raise ConfigurationError(f"honours_keys must be True, False or None: {honours_keys!r}")
+        if verify is not None and not callable(verify):
+            raise ConfigurationError(f"verify must be a function of the call in doubt: {verify!r}")
+        if server is not None and (not isinstance(server, str) or not server):
+            raise ConfigurationError(
+                f"server must be a non-empty str naming the server: {server!r}"
+            )
         self._fixed = session if isinstance(session, ClientSession) else None
         self._factory = None if isinstance(session, ClientSession) else session
         self._connection: _Connection | None = None
@@ -270,7 +306,33 @@ class IdempotentSession:
         self._hooks: tuple[InvokeHook, ...] = (LoggingHook(),) if hooks is None else tuple(hooks)
         self._sleep = sleep
         self._clock = clock
-        self._next = 0
+        self._verify = verify
+        self._journal = resolve_journal(journal)
+        if self._journal is not None and not self._journal.supports_async:
+            raise ConfigurationError(
+                f"{self._journal!r} serves ToolInvoker only; an MCP session needs a journal "
+                "with an asyncio client"
+            )
+        self._server = server  # else the name the server reports, read on the first call
+        self._seen: dict[tuple[str, str], int] = {}  # (tool, args hash) -> calls so far
+        config = ProtocolConfig(
+            base_origin=Origin("mcp", "the MCP server", 0),
+            retry_statuses=self._policy.retry_statuses,
+            replay_headers=DEFAULT_REPLAY_HEADERS,
+            has_auth=True,
+        )
+        self._settings = Settings(
+            config,
+            self._policy,
+            PollPolicy(),
+            bool(self._hooks),
+            clock,
+            random.random,
+            time.time,
+            journal=self._journal is not None,
+            journal_max_body=getattr(self._journal, "max_body_bytes", 0),
+            honours_keys=honours_keys,
+        )
 
     async def __aenter__(self) -> IdempotentSession:
         if self._factory is not None:
@@ -307,6 +369,19 @@ class IdempotentSession:
         """The plan session the keys are derived from."""
         return self._plan
 
+    async def _where(self) -> str:
+        """``mcp://<server>``: the scope of this session's calls in the journal."""
+        if self._server is None:
+            try:
+                info = (await self.session()).server_info
+            except _NotConnected:
+                info = None
+            name = getattr(info, "name", None)
+            if not isinstance(name, str) or not name:
+                return "mcp://unnamed"
+            self._server = name
+        return f"mcp://{quote(self._server, safe='')}"
+
     def step_for(
         self,
         name: str,
@@ -315,12 +390,24 @@ class IdempotentSession:
         step: int | Sequence[int] | None = None,
         args_model: type[BaseModel] | None = None,
     ) -> Step:
-        """The plan step (and so the key) of a call; advances the counter when ``step`` is None."""
-        if step is None:
-            step, self._next = self._next, self._next + 1
-        return self._plan.step(
-            step, name, arguments or {}, args_model=args_model, on_repeat=self._on_repeat
-        )
+        """The plan step (and so the key) of a call.
+
+        Without ``step``: ``(tool, n)``, the n-th call of this session with this tool
+        and these arguments (so a call's key never depends on unrelated calls).
+        """
+        if step is not None:
+            return self._plan.step(
+                step, name, arguments or {}, args_model=args_model, on_repeat=self._on_repeat
+            )
+        values: Any = arguments or {}
+        if args_model is not None:
+            values = args_model.model_validate(
+                values.model_dump(mode="json") if isinstance(values, BaseModel) else values
+            )
+        digest = args_hash(values, profile=self._plan.profile)
+        ordinal = self._seen.get((name, digest), 0)
+        self._seen[(name, digest)] = ordinal + 1
+        return self._plan.step((code(name), ordinal), name, values, on_repeat="allow")
 
     async def call_tool(
         self,
@@ -331,15 +418,16 @@ class IdempotentSession:
         args_model: type[BaseModel] | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> MCPToolResult:
-        """Call tool ``name`` under the key of ``step``; resend the same key until answered.
+        """Call tool ``name`` under the key of ``step``; resend the same key where safe.
 
         Raises :class:`~agentkey.KeyReused` (the key belongs to another tool),
         :class:`~agentkey.PayloadMismatch`, :class:`~agentkey.KeyRejected`,
-        :class:`~agentkey.AuthenticationError` (a 401 again after a token refresh),
-        :class:`~agentkey.ToolRejected` (any other JSON-RPC error: final),
-        :class:`~agentkey.StepInProgress` (still running when the budget ran
-        out) or :class:`~agentkey.OutcomeUnknown` (the budget ran out after an
-        ambiguous failure: resending later with the same ``step`` is safe).
+        :class:`~agentkey.AuthenticationError` (a 401 again after a token refresh, or
+        a server that wants an authenticated session), :class:`~agentkey.ToolRejected`
+        (any other JSON-RPC error: final), :class:`~agentkey.StepInProgress` (still
+        running at the deadline), :class:`~agentkey.ToolUnreachable` (no request
+        reached the server) or :class:`~agentkey.OutcomeUnknown` (it may have run:
+        resending the same step is safe only where the tool honours keys).
         """
         planned = self.step_for(name, arguments, step=step, args_model=args_model)
         return await self.call_step(planned, meta=meta)
@@ -348,172 +436,145 @@ class IdempotentSession:
         self, planned: Step, *, meta: Mapping[str, Any] | None = None
     ) -> MCPToolResult:
         """Send a step built beforehand (``plan.step(...)``); see :meth:`call_tool`."""
-        key, label = planned.idempotency_key, planned.label
-        self._emit(CallStartEvent(key, label, _METHOD, planned.tool, planned.tool))
-        sent = [0]
+        if not isinstance(planned, Step):
+            raise ConfigurationError(f"call_step takes a Step, got {type(planned).__name__}")
+        key = planned.key
+        where = await self._where()
+        call = Call(
+            f"{where}/tools/{planned.tool}",
+            _METHOD,
+            (),
+            key.format(),
+            key.label,
+            key.format(),
+            planned.body,
+            planned.tool,
+            key.plan_session_id,
+            key.args_hash,
+            None,
+            None,
+            current_owner(),
+            planned.repeat_of,
+            self._verify,
+            planned.on_repeat,
+        )
+        carrier = _Carrier(self, planned, dict(meta or {}))
+        with in_flight(call.owner):
+            done: Finished = await run_async(flow_invoke(call, self._settings), carrier.carry)
+        result = _result_of(done.answer)
+        return MCPToolResult(result, done.replayed, done.key, done.label or "", done.attempts)
+
+
+class _Carrier:
+    """Carries out the effects of one call's flow on an MCP session."""
+
+    def __init__(self, tools: IdempotentSession, planned: Step, meta: dict[str, Any]) -> None:
+        self.tools, self.planned, self.meta = tools, planned, meta
+
+    async def carry(self, effect: object) -> object:
+        tools = self.tools
+        if isinstance(effect, Outgoing):
+            if effect.method == "OPTIONS":
+                return await self.probe(effect)
+            if effect.method != _METHOD:
+                return Failure(FailureKind.UNSENDABLE, "not a tool call")
+            return await self.send(effect)
+        if isinstance(effect, Emit):
+            for hook in tools._hooks:
+                hook(effect.event)
+            return None
+        if isinstance(effect, Sleep):
+            await tools._sleep(effect.seconds)
+            return None
+        if isinstance(effect, Journaled):
+            journal = tools._journal
+            return await getattr(journal, "a" + effect.op)(*effect.args, **effect.kwargs)
+        assert isinstance(effect, Verify)
+        verdict = effect.hook(effect.call)
+        return await verdict if inspect.isawaitable(verdict) else verdict
+
+    async def send(self, out: Outgoing) -> Reply:
+        tools, planned = self.tools, self.planned
+        key = dict(out.headers).get("Idempotency-Key", planned.idempotency_key)
+        extra = {k: v for k, v in out.headers if k.lower() not in _OWN_HEADERS}
+        wire_meta = cast(RequestParamsMeta, {**extra, **self.meta, KEY_FIELD: key})
+        left = None if out.deadline is None else max(0.0, out.deadline - tools._clock())
+        timeout = left
+        if tools._attempt_timeout is not None:
+            timeout = tools._attempt_timeout if left is None else min(left, tools._attempt_timeout)
+        statuses: list[int] = []
+        reset = _STATUSES.set(statuses)
         try:
-            got = await self._send(planned, meta, sent)
-        except BaseException as exc:
-            attempts = exc.attempts if isinstance(exc, InvokeError) else sent[0]
-            self._emit(CallEndEvent(key, label, None, attempts, 0, None, type(exc).__name__))
-            raise
-        outcome = "replayed" if got.replayed else "executed"
-        self._emit(CallEndEvent(key, label, outcome, got.attempts, 0, None, None))
-        return got
+            session = await tools.session()
+            result = await session.call_tool(
+                planned.tool, planned.args, read_timeout_seconds=timeout, meta=wire_meta
+            )
+        except _NotConnected as exc:
+            return Failure(FailureKind.NOT_SENT, f"connect failed ({exc})")
+        except MCPError as exc:
+            return _reply_of(exc, statuses, out.url)
+        except _TRANSPORT_ERRORS as exc:
+            return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
+        finally:
+            _STATUSES.reset(reset)
+        return _answer_of(result, out.url)
 
-    async def _send(
-        self, planned: Step, meta: Mapping[str, Any] | None, sent: list[int]
-    ) -> MCPToolResult:
-        key, label, policy = planned.idempotency_key, planned.label, self._policy
-        deadline = self._clock() + policy.deadline
-        attempts, saw_ambiguous, last = 0, False, _Retry("not sent", None)
-        while True:
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                break
-            attempts = sent[0] = attempts + 1
-            timeout = remaining
-            if self._attempt_timeout is not None:
-                timeout = min(remaining, self._attempt_timeout)
-            added: dict[str, str] = {}  # a hook's additions, e.g. traceparent
-            self._emit(AttemptEvent(key, label, attempts, _METHOD, planned.tool, added))
-            wire_meta = cast(RequestParamsMeta, {**added, **(meta or {}), KEY_FIELD: key})
-            statuses: list[int] = []
-            reset = _STATUSES.set(statuses)
+    async def probe(self, out: Outgoing) -> Reply:
+        """Does the server mark this tool protected in ``tools/list``? (a harmless question)"""
+        for wait in (0.0, 0.05):  # a session the failure just ended is reopened for the 2nd
+            await self.tools._sleep(wait)
             try:
-                session = await self.session()
-                result = await session.call_tool(
-                    planned.tool, planned.args, read_timeout_seconds=timeout, meta=wire_meta
-                )
-            except _NotConnected as exc:
-                last = _Retry(f"connect failed ({exc})", None)
-            except MCPError as exc:
-                if statuses and statuses[-1] == 401:
-                    raise self._unauthorized(planned, attempts) from None
-                last = self._classify(exc, planned, attempts)
-            except _TRANSPORT_ERRORS as exc:
-                last = _Retry(type(exc).__name__, None, ambiguous=True)
-            else:
-                return self._done(result, planned, attempts)
-            finally:
-                _STATUSES.reset(reset)
-            saw_ambiguous = saw_ambiguous or last.ambiguous
-            if attempts >= policy.max_attempts:
+                session = await self.tools.session()
+                listed = await session.list_tools()
                 break
-            wait = policy.schedule.delay(attempts, last.retry_after)
-            wait = min(wait, max(0.0, deadline - self._clock()))
-            self._emit(RetryEvent(key, label, attempts, last.reason, wait, None))
-            await self._sleep(wait)
-        raise self._give_up(planned, attempts, last, saw_ambiguous)
-
-    # -- one answer ------------------------------------------------------------------
-
-    def _done(self, result: CallToolResult, planned: Step, attempts: int) -> MCPToolResult:
-        replayed = bool(result.meta) and (result.meta or {}).get(REPLAYED_FIELD) is True
-        if replayed:
-            self._emit(ReplayEvent(planned.idempotency_key, planned.label, 200))
-        return MCPToolResult(result, replayed, planned.idempotency_key, planned.label, attempts)
-
-    @staticmethod
-    def _unauthorized(planned: Step, attempts: int) -> AuthenticationError:
-        return AuthenticationError(
-            f"the MCP server refused the bearer token for {planned.label} of tool "
-            f"{planned.tool!r} (key {planned.idempotency_key}) again after a refresh (401), so "
-            "the call was not run. Check the token's audience and scopes for this server",
-            idempotency_key=planned.idempotency_key,
-            step=planned.label,
-            attempts=attempts,
-            status_code=401,
-        )
-
-    def _classify(self, exc: MCPError, planned: Step, attempts: int) -> _Retry:
-        """A retry decision for a JSON-RPC error, or raise the final error it means."""
-        refusal = refusal_of(exc.data)
-        if refusal is not None:
-            kind, retry_after = refusal
-            if kind == "in-progress":
-                return _Retry("in flight", retry_after, in_flight=True)
-            if kind == "unavailable":
-                return _Retry("idempotency store unavailable", retry_after)
-            raise self._refused(kind, exc, planned, attempts)
-        if exc.code in _AMBIGUOUS_CODES:
-            return _Retry(f"JSON-RPC error {exc.code}", None, ambiguous=True)
-        raise ToolRejected(
-            f"tool {planned.tool!r} refused {planned.label} (key {planned.idempotency_key}) with "
-            f"JSON-RPC error {exc.code}: {_cut(exc.message)}. Resending the same step will not "
-            "help; fix the call or its arguments (a new argument makes a new key)",
-            **self._context(planned, attempts, exc),
-        )
-
-    def _refused(self, kind: str, exc: MCPError, planned: Step, attempts: int) -> InvokeError:
-        where = f"{planned.label} of tool {planned.tool!r} (key {planned.idempotency_key})"
-        context = self._context(planned, attempts, exc)
-        if kind == "key-reused":
-            return KeyReused(
-                f"the server bound the key of {where} to another tool, so it refused the call "
-                "rather than answer with another tool's result. Give each tool call its own step "
-                "index (a PlanSession never gives one index to two tools)",
-                **context,
-            )
-        if kind == "payload-mismatch":
-            return PayloadMismatch(
-                f"the server says the arguments of {where} do not match the key's args_hash. "
-                "Send the arguments exactly as the plan step holds them (Step.args)",
-                **context,
-            )
-        if kind == "unauthenticated":
-            return AuthenticationError(
-                f"the server refused {where} because the session is not authenticated, so "
-                "nothing ran; connect with credentials (connect(url, auth=...)) and call again "
-                "with the same step",
-                **context,
-            )
-        return KeyRejected(
-            f"the server refused the idempotency key of {where} ({kind}): it expects the "
-            f"key in params._meta[{KEY_FIELD!r}] as <plan_session_id>:<step>:<args_hash>",
-            **context,
-        )
-
-    @staticmethod
-    def _context(planned: Step, attempts: int, exc: MCPError) -> dict[str, Any]:
-        return {
-            "idempotency_key": planned.idempotency_key,
-            "step": planned.label,
-            "attempts": attempts,
-            "body": exc.data,
-            "reason": _cut(exc.message),
-        }
-
-    def _give_up(self, planned: Step, attempts: int, last: _Retry, ambiguous: bool) -> InvokeError:
-        key, label = planned.idempotency_key, planned.label
-        context: dict[str, Any] = {"idempotency_key": key, "step": label, "attempts": attempts}
-        error: InvokeError
-        if last.in_flight:
-            error = StepInProgress(
-                f"{label} of tool {planned.tool!r} (key {key}) was still running on the server "
-                f"after {attempts} attempt(s); call again later with the same step to get its "
-                "result",
-                **context,
-            )
-        elif ambiguous:
-            error = OutcomeUnknown(
-                f"{label} of tool {planned.tool!r} (key {key}) may or may not have run: the last "
-                f"of {attempts} attempt(s) failed with {last.reason}. Resending later with the "
-                "same step (the same key) is safe: the server replays the stored result",
-                **context,
-            )
+            except _PROBE_ERRORS:
+                continue
         else:
-            error = InvokeError(
-                f"{label} of tool {planned.tool!r} (key {key}) was not run: the server answered "
-                f"{last.reason} to all {attempts} attempt(s); retry later with the same step",
-                **context,
-            )
-        self._emit(GiveUpEvent(key, label, attempts, 0, last.reason, type(error).__name__))
-        return error
+            return Failure(FailureKind.NOT_SENT, "tools/list failed")
+        for tool in listed.tools:
+            if tool.name == self.planned.tool and (tool.meta or {}).get(PROTECTED_FIELD) is True:
+                return Answer(200, {PROTECTED_HEADER.lower(): "true"}, b"", out.url)
+        return Answer(200, {}, b"", out.url)
 
-    def _emit(self, event: InvokeEvent) -> None:
-        for hook in self._hooks:
-            hook(event)
+
+def _answer_of(result: CallToolResult, url: str) -> Answer:
+    """A tool's result as the flow reads an answer: 200, its marks as headers."""
+    meta = result.meta or {}
+    headers = {}
+    if meta.get(REPLAYED_FIELD) is True:
+        headers["idempotent-replayed"] = "true"
+    if meta.get(PROTECTED_FIELD) is True:
+        headers[PROTECTED_HEADER.lower()] = "true"
+    content = result.model_dump_json(by_alias=True, exclude_none=True).encode()
+    return Answer(200, headers, content, url)
+
+
+def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Reply:
+    """A JSON-RPC error as the flow reads an answer (or a failure that may have run)."""
+    if statuses and statuses[-1] == 401:  # the token, refused again after the refresh
+        return Answer(401, {}, b"", url)
+    refusal = refusal_of(exc.data)
+    if refusal is not None:
+        kind, retry_after = refusal
+        status, problem = _REFUSALS.get(kind, (400, "idempotency_key_invalid"))
+        headers = {PROTECTED_HEADER.lower(): "true"}  # agentkey's server said so
+        if retry_after is not None:
+            headers["retry-after"] = str(max(0, round(retry_after)))
+        body = {"type": f"urn:agentkey:problem:{problem}", "detail": _cut(exc.message)}
+        return Answer(status, headers, json.dumps(body).encode(), url)
+    if exc.code in _AMBIGUOUS_CODES:
+        return Failure(FailureKind.AMBIGUOUS, f"JSON-RPC error {exc.code}")
+    body = {"error": f"JSON-RPC error {exc.code}: {_cut(exc.message)}"}
+    return Answer(400, {}, json.dumps(body).encode(), url)
+
+
+def _result_of(answer: Answer) -> CallToolResult:
+    """The tool's result an answer carries (live, or kept by the journal)."""
+    try:
+        return CallToolResult.model_validate_json(answer.content)
+    except ValueError:
+        text = answer.content.decode("utf-8", "replace")
+        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=False)
 
 
 def _cut(text: str, limit: int = 200) -> str:

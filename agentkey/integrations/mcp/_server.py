@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
@@ -42,7 +43,14 @@ from ...server._lifecycle import (
 )
 from ...server._records import Outcome
 from ...server._stores import Store
-from ._wire import ERROR_CODES, KEY_FIELD, REPLAYED_FIELD, RefusalKind, refusal_data
+from ._wire import (
+    ERROR_CODES,
+    KEY_FIELD,
+    PROTECTED_FIELD,
+    REPLAYED_FIELD,
+    RefusalKind,
+    refusal_data,
+)
 
 __all__ = ["IdempotentToolsMiddleware", "MCPPrincipalFunc"]
 
@@ -53,6 +61,7 @@ MCPPrincipalFunc = Callable[[ServerRequestContext[Any, Any]], "str | Awaitable[s
 
 _logger = logging.getLogger("agentkey.server")
 _METHOD = "tools/call"
+_LIST = "tools/list"
 _REJECT_KINDS: Mapping[str, RefusalKind] = {
     "idempotency_key_missing": "key-required",
     "idempotency_key_invalid": "invalid-key",
@@ -193,6 +202,8 @@ class IdempotentToolsMiddleware:
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
     ) -> HandlerResult:
         params = ctx.params
+        if ctx.method == _LIST:
+            return self._advertised(await call_next(ctx))
         if ctx.method != _METHOD or ctx.request_id is None or not isinstance(params, Mapping):
             return await call_next(ctx)
         name = params.get("name")
@@ -232,7 +243,19 @@ class IdempotentToolsMiddleware:
         if isinstance(decision, Replay):
             self._emit("replay", name, key)
             return _replayed(decision.outcome)
-        return await self._run(ctx, call_next, claim, name)
+        return _protected(await self._run(ctx, call_next, claim, name))
+
+    def _advertised(self, result: HandlerResult) -> HandlerResult:
+        """``tools/list`` with each protected tool marked, so a client knows before it calls."""
+        doc = _as_dict(result)
+        tools = doc.get("tools") if doc is not None else None
+        if not isinstance(tools, list):
+            return result
+        for tool in tools:
+            if isinstance(tool, dict) and (self.tools is None or tool.get("name") in self.tools):
+                meta = tool.get("_meta")
+                tool["_meta"] = {**(meta if isinstance(meta, dict) else {}), PROTECTED_FIELD: True}
+        return doc
 
     # -- before the claim ------------------------------------------------------------
 
@@ -279,13 +302,22 @@ class IdempotentToolsMiddleware:
         if claim.auto_renew:
             claim.start_renewing()
         result: HandlerResult = None
-        try:
-            result = await call_next(ctx)
-        except BaseException:
+        # Shielded: a client that stops waiting (its attempt timed out) cancels the request,
+        # and the SDK would cancel the tool half-way through its side effect, so a resend
+        # could not tell whether it ran. The tool runs to its end; its outcome is then
+        # recorded by the settle, which redoes a write a pending cancellation interrupts
+        # (shielded, within its budget). The resend waits (in progress), then replays.
+        failure: BaseException | None = None
+        with anyio.CancelScope(shield=True):
+            try:
+                result = await call_next(ctx)
+            except BaseException as exc:  # re-raised below, once the outcome is settled
+                failure = exc
+            finally:
+                reset_current(token)
+        if failure is not None:
             await self._finish(claim, name, None)
-            raise
-        finally:
-            reset_current(token)
+            raise failure
         await self._finish(claim, name, result)
         return result
 
@@ -338,6 +370,16 @@ def _refusal(kind: RefusalKind, detail: str, *, retry_after: float | None = None
     return MCPError(ERROR_CODES[kind], detail, refusal_data(kind, retry_after=retry_after))
 
 
+def _protected(result: HandlerResult) -> HandlerResult:
+    """The tool's result with ``_meta["io.agentkey/protected"] = true``."""
+    doc = _as_dict(result)
+    if doc is None:
+        return result
+    meta = doc.get("_meta")
+    doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), PROTECTED_FIELD: True}
+    return doc
+
+
 def _replayed(outcome: Outcome) -> dict[str, Any]:
     """The stored result with ``_meta["io.agentkey/replayed"] = true``.
 
@@ -357,5 +399,6 @@ def _replayed(outcome: Outcome) -> dict[str, Any]:
             "isError": True,
         }
     meta = doc.get("_meta")
-    doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), REPLAYED_FIELD: True}
+    marks = {REPLAYED_FIELD: True, PROTECTED_FIELD: True}
+    doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), **marks}
     return doc

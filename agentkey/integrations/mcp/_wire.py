@@ -6,11 +6,12 @@ A ``tools/call`` request carries the key in ``params._meta``::
      "_meta": {"io.agentkey/idempotency-key": "<plan_session_id>:<step>:<args_hash>"}}}
 
 A result replayed from the store carries ``"io.agentkey/replayed": true`` in
-its ``_meta``. A refusal is a JSON-RPC error whose ``data`` is an object with
-``"type": "io.agentkey/<kind>"`` (and ``"retryAfter"`` in seconds for the
-transient kinds). Names follow MCP's ``_meta`` rule: a reverse-DNS prefix, a
-slash, then a name; nothing here uses the reserved ``modelcontextprotocol``
-or ``mcp`` prefixes.
+its ``_meta``; every result of a protected tool, and the tool's entry in
+``tools/list``, carries ``"io.agentkey/protected": true``. A refusal is a
+JSON-RPC error whose ``data`` is an object with ``"type": "io.agentkey/<kind>"``
+(and ``"retryAfter"`` in seconds for the transient kinds). Names follow MCP's
+``_meta`` rule: a reverse-DNS prefix, a slash, then a name; nothing here uses
+the reserved ``modelcontextprotocol`` or ``mcp`` prefixes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "ERROR_CODES",
     "KEY_FIELD",
     "PREFIX",
+    "PROTECTED_FIELD",
     "REPLAYED_FIELD",
     "RefusalKind",
     "refusal_data",
@@ -35,6 +37,10 @@ PREFIX: Final = "io.agentkey/"
 KEY_FIELD: Final = PREFIX + "idempotency-key"
 #: ``result._meta`` field of a ``tools/call`` result: ``true`` when the stored result was replayed.
 REPLAYED_FIELD: Final = PREFIX + "replayed"
+#: ``_meta`` field of a ``tools/call`` result, and of a tool in ``tools/list``: ``true`` when
+#: the server runs the tool at most once per key. Absent: the key was not honoured (the tool
+#: is not protected), and a client must not resend what may have run.
+PROTECTED_FIELD: Final = PREFIX + "protected"
 
 #: Why a server refused a ``tools/call`` (``data.type`` is ``PREFIX + kind``):
 #:
