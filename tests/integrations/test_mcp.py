@@ -161,6 +161,20 @@ async def test_a_tool_the_server_does_not_protect_is_not_resent(
     assert "at most once" not in caplog.text
 
 
+async def test_the_journal_answers_a_repeated_step_of_an_unprotected_tool() -> None:
+    """A step that an unprotected tool answered is answered again from the journal, with its
+    source said, and the tool is not called a second time."""
+    with running(None) as lab:
+        async with session(lab) as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
+            first = await tools.call_tool("create_vm", {"region": "eu-west-3"}, step=7)
+            again = await tools.call_tool("create_vm", {"region": "eu-west-3"}, step=7)
+    assert lab.runs["create_vm"] == 1
+    assert (first.source, again.source) == ("tool", "journal")
+    assert again.replayed
+    assert text_of(again) == text_of(first)
+
+
 async def test_a_tool_slower_than_the_attempt_timeout_runs_once() -> None:
     """Issue 23, case 8: the client gives up on an attempt while the tool runs; the server
     lets the tool finish (it is not cancelled half-way) and records it, so the resend waits

@@ -103,6 +103,10 @@ class MCPToolResult:
     ``result`` is the SDK's ``CallToolResult`` as the server sent it (a tool's
     own failure is a result with ``is_error`` true, as in MCP); ``replayed`` is
     true when the server answered with the result stored for this key.
+    ``source`` says who answered, as on :class:`~agentkey.ToolResult`:
+    ``"tool"``, ``"journal"`` (the result an earlier send of this call got; nothing
+    was sent) or ``"verify"``; ``repeat_of`` names the earlier step a repeated call
+    was sent as.
     """
 
     result: CallToolResult
@@ -110,6 +114,8 @@ class MCPToolResult:
     idempotency_key: str
     step: str
     attempts: int
+    source: str = "tool"
+    repeat_of: str | None = None
 
 
 #: Set by IdempotentSession around each attempt: the HTTP statuses of that attempt's
@@ -462,7 +468,15 @@ class IdempotentSession:
         with in_flight(call.owner):
             done: Finished = await run_async(flow_invoke(call, self._settings), carrier.carry)
         result = _result_of(done.answer)
-        return MCPToolResult(result, done.replayed, done.key, done.label or "", done.attempts)
+        return MCPToolResult(
+            result,
+            done.replayed,
+            done.key,
+            done.label or "",
+            done.attempts,
+            done.source,
+            done.repeat_of,
+        )
 
 
 class _Carrier:
