@@ -64,6 +64,8 @@ from ._common import (
     make_step,
     missing_extra,
     refusal,
+    repeat_note,
+    repeat_record,
     server_reason,
 )
 from ._identity import CallSite, Verdict, decide, earlier_of, lost_turns, step_of
@@ -555,18 +557,8 @@ class _Call:
             and self._on_repeat == "replay"
         ):
             label = verdict.earlier.label
-            artifact = {
-                "tool": self._name,
-                "idempotency_key": verdict.earlier.key,
-                "step": label,
-                "outcome": "replayed",
-                "replayed": True,
-                "repeat_of": label,
-                "attempts": 0,
-                "polls": 0,
-                "elapsed": 0.0,
-            }
-            return _Repeat(_repeat_note(label, replayed=True) + verdict.content, artifact)
+            artifact = repeat_record(self._name, verdict.earlier.key, label)
+            return _Repeat(repeat_note(label, replayed=True) + verdict.content, artifact)
 
         def derive() -> Any:
             return self._step_index(ctx) if callable(self._step_index) else self._step_index
@@ -576,23 +568,11 @@ class _Call:
         return _Send(step, {k: v for k, v in identity.items() if v is not None})
 
 
-def _repeat_note(label: str, *, replayed: bool) -> str:
-    if replayed:
-        return (
-            f"[repeat of {label}: this call, with the same arguments, already succeeded at "
-            f"{label} of this plan, so it was not run a second time. Its result follows.] "
-        )
-    return (
-        f"[repeat of {label}: this call was asked for before, at {label}, and had not "
-        "finished; it has now run once. Its result follows.] "
-    )
-
-
 def _answer(result: ToolResult, step: Step) -> tuple[str, dict[str, Any]]:
     """The model reads the tool's JSON body; the artifact records how agentkey got it."""
     content = json.dumps(result.body, ensure_ascii=False)
     if step.repeat_of is not None:
-        content = _repeat_note(step.repeat_of, replayed=result.replayed) + content
+        content = repeat_note(step.repeat_of, replayed=result.replayed) + content
     return content, call_record(result, step, body=True)
 
 
