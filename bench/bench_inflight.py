@@ -13,6 +13,8 @@ in front of the same tool (it sleeps ``seconds`` from its arguments, counts exec
 per key, and ``GET /executions`` shows the counts):
 
 - ``agentkey``: IdempotencyMiddleware on RedisStore; 409 with ``Retry-After: 1``;
+- ``agentkey_hold``: the same with ``hold_in_flight=10``: it holds a duplicate up to
+  10 s and replays the first call's answer when it ends, then answers 409;
 - ``idemkit``: idemkit 1.0.2 (the interop suite's pin) told not to hold duplicates
   (``wait_timeout_seconds=0``): 423 with ``Retry-After: 30`` (its lease) at once;
 - ``idemkit_hold``: idemkit with its default: it holds a duplicate up to 10 s and
@@ -26,7 +28,7 @@ the others replayed, one execution on the server. Per case: the median delay, it
 interquartile range, min and max, N, and the bound the issue sets: one in-flight wait
 (``min(Retry-After, 2 s)``).
 
-    python bench/bench_inflight.py            # about 4 minutes, writes bench/results/inflight.json
+    python bench/bench_inflight.py            # about 8 minutes, writes bench/results/inflight.json
     python bench/bench_inflight.py --smoke    # a few seconds, for CI (writes nothing)
 """
 
@@ -58,7 +60,9 @@ from bench._harness import machine, servers, spread, write_results
 
 APP = "bench.bench_inflight:app"
 #: What each server sends in Retry-After while the first call runs.
-RETRY_AFTER = {"agentkey": 1.0, "idemkit": 30.0, "idemkit_hold": 30.0}
+RETRY_AFTER = {"agentkey": 1.0, "agentkey_hold": 1.0, "idemkit": 30.0, "idemkit_hold": 30.0}
+#: How long the servers that hold a duplicate hold it (idemkit's default).
+HOLD = 10.0
 DEADLINE = 30.0
 #: Scheduling and loopback round trips on a loaded 2-core machine: not a backoff interval.
 SLACK = 0.25
@@ -91,16 +95,16 @@ def app() -> Any:
     routes = [Route("/tools/work", work, methods=["POST"]), Route("/executions", executions)]
     tool: Any = Starlette(routes=routes)
     namespace = f"inflight-{uuid.uuid4().hex[:12]}"
-    if config == "agentkey":
+    hold = HOLD if config.endswith("_hold") else 0.0
+    if config in ("agentkey", "agentkey_hold"):
         from agentkey.server import IdempotencyMiddleware, RedisStore
 
         store = RedisStore(redis_url, prefix=namespace)
-        return IdempotencyMiddleware(tool, store=store, shared_key_space=True)
+        return IdempotencyMiddleware(tool, store=store, shared_key_space=True, hold_in_flight=hold)
     if config in ("idemkit", "idemkit_hold"):
         import idemkit
 
         backend = idemkit.RedisBackend.from_url(redis_url, namespace=namespace)
-        hold = 10.0 if config == "idemkit_hold" else 0.0  # 10 s: idemkit's default
         options = idemkit.HttpConfig(scope_mode="single_tenant", wait_timeout_seconds=hold)
         return idemkit.IdempotencyMiddleware(tool, backend=backend, config=options)
     raise SystemExit(f"BENCH_APP must be one of {', '.join(RETRY_AFTER)}, got {config!r}")
@@ -211,7 +215,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds over every case")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over every case (even: ABBA)")
     parser.add_argument("--duplicates", type=int, default=3, help="duplicates per trial")
     parser.add_argument(
         "--durations", type=float, nargs="+", default=[0.5, 3.0, 10.0], help="step seconds"
@@ -228,7 +232,7 @@ def main() -> None:
         return
     from tests._loopback import redis_server
 
-    configs = ["agentkey"]
+    configs = ["agentkey", "agentkey_hold"]
     if importlib.util.find_spec("idemkit") is not None:
         configs += ["idemkit", "idemkit_hold"]
     else:
