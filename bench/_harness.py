@@ -141,16 +141,17 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """One uvicorn process (one worker, loopback) serving ``bench._apps`` as ``config``."""
+    """One uvicorn process (one worker, loopback) serving ``app`` as ``config``."""
 
     config: str
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    app: str = "bench._apps:app"  # the app factory uvicorn imports
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "BENCH_APP": self.config, "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "uvicorn", "bench._apps:app", "--factory"]
+        command = [sys.executable, "-m", "uvicorn", self.app, "--factory"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
         command += ["--lifespan", "off", "--log-level", "warning", "--no-access-log"]
         command += ["--loop", "asyncio", "--http", "h11"]  # the figures of record: no uvloop
@@ -188,9 +189,11 @@ class Server:
 
 
 @contextmanager
-def servers(configs: Sequence[str], env: Mapping[str, str]) -> Iterator[dict[str, Server]]:
+def servers(
+    configs: Sequence[str], env: Mapping[str, str], app: str = "bench._apps:app"
+) -> Iterator[dict[str, Server]]:
     """Start one server process per configuration (in parallel); stop them all at the end."""
-    started = {name: Server(name, env) for name in configs}
+    started = {name: Server(name, env, app=app) for name in configs}
     try:
         for server in started.values():
             server.start()

@@ -1,6 +1,6 @@
 """Print the Markdown tables of docs/performance.md from the JSON in bench/results/.
 
-    python bench/report.py            # server, postgres and invoker tables
+    python bench/report.py            # server, postgres, invoker and inflight tables
     python bench/report.py server     # one of them
 
 Each table starts with the line naming the machine, Python and date of its run.
@@ -97,7 +97,44 @@ def invoker_table(data: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"server": server_table, "postgres": server_table, "invoker": invoker_table}
+#: What each server of bench_inflight.py answers a duplicate while the first call runs.
+IN_FLIGHT = {
+    "agentkey": "agentkey middleware: 409, `Retry-After: 1`",
+    "agentkey_hold": "agentkey middleware, `hold_in_flight=10`",
+    "idemkit": "idemkit, no hold: 423, `Retry-After: 30`",
+    "idemkit_hold": "idemkit, default: holds the duplicate ≤ 10 s",
+}
+
+
+def inflight_table(data: Mapping[str, Any]) -> str:
+    lines = [
+        header(data),
+        "",
+        "| server | step | delay: median | IQR | min–max | bound | over | questions: median "
+        "(max) | N |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def s(x: float) -> str:  # a held replay can return a few ms before the first call's
+        return f"{x:.2f}".replace("-0.00", "0.00")
+
+    for r in data["rows"]:
+        d, q = r["delay_seconds"], r["questions"]
+        lines.append(
+            f"| {IN_FLIGHT.get(r['server'], r['server'])} | {r['step_seconds']:g} s "
+            f"| {s(d['median'])} s | {s(d['iqr'][0])}–{s(d['iqr'][1])} s "
+            f"| {s(d['min'])}–{s(d['max'])} s | {r['bound_seconds']:g} s | {r['over_bound']} "
+            f"| {q['median']:g} ({q['max']:g}) | {r['N']} |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {
+    "server": server_table,
+    "postgres": server_table,
+    "invoker": invoker_table,
+    "inflight": inflight_table,
+}
 
 
 def main() -> None:

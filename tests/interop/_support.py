@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -149,11 +150,12 @@ class Tool:
 
 @dataclass(frozen=True)
 class Answer:
-    """One answer as it left the server: status and headers (lowercase names)."""
+    """One answer as it left the server: status, headers (lowercase names), monotonic time."""
 
     path: str
     status: int
     headers: dict[str, str]
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
