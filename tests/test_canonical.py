@@ -447,7 +447,7 @@ odd_values = st.recursive(
 
 
 @pytest.mark.parametrize("profile", ["python", "jcs"])
-@settings(max_examples=300)
+@settings(max_examples=min(300, settings().max_examples))  # 100 by default, 300 under `long`
 @given(args=st.dictionaries(odd_keys, odd_values, max_size=5))
 def test_fast_path_equals_precise_walk(profile: Profile, args: dict[str, Any]) -> None:
     """On any JSON-ish input (subclasses, enums, NaN, huge ints, odd keys) both paths agree."""
@@ -668,7 +668,9 @@ _wide_map = st.dictionaries(st.text(max_size=3), odd_values, min_size=16, max_si
 
 
 @pytest.mark.parametrize("profile", ["python", "jcs"])
-@settings(max_examples=150)
+# Each example builds records and 16+-value containers (about 50 ms of CPU, far more on a
+# loaded machine): 20 by default, and under `long` the 150 this test always ran.
+@settings(max_examples=min(150, settings().max_examples // 5))
 @given(
     args=st.fixed_dictionaries(
         {"rows": _records, "wide": _wide_list, "map": _wide_map, "small": st.lists(odd_values)}

@@ -98,3 +98,18 @@ def test_examples_run_from_the_pages_install_line(path: Path, tmp_path: Path) ->
         [python, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _nav_pages() -> set[str]:
+    """The pages mkdocs.yml's nav lists (``- Title: page.md`` lines)."""
+    text = (ROOT / "mkdocs.yml").read_text("utf-8")
+    return set(re.findall(r"^\s*- [^:\n]+: ([\w/.-]+\.md)\s*$", text, re.MULTILINE))
+
+
+def test_every_page_is_in_the_nav_and_linked_from_the_index() -> None:
+    """No docs page is an orphan: each is in the nav and the index links it."""
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert _nav_pages() == pages
+    index = (ROOT / "docs/index.md").read_text("utf-8")
+    linked = set(re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]*)?\)", index))
+    assert pages - {"index.md"} <= linked, sorted(pages - {"index.md"} - linked)

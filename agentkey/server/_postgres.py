@@ -417,6 +417,12 @@ class PostgresStore:
         self.sweep_every = sweep_every
         self._create = create
         self._ready = False
+        # One creator at a time in this process: a burst of first requests waits for the
+        # first one's CREATE instead of queueing on the advisory lock past lock_timeout,
+        # and shares its outcome (a failure too: they do not each wait out the pool again).
+        self._creating = asyncio.Lock()
+        self._creations = 0  # creations that ended, created or failed (not cancelled)
+        self._creation_error: StoreError | None = None
         self._claims = 0
         # (record key, owner) of records this process's transactions sealed and committed,
         # with the monotonic time each outlives at least: the middleware's finish that
@@ -568,6 +574,22 @@ class PostgresStore:
 
     async def create_table(self) -> None:
         """Create the table and its index if missing (safe to call from many processes)."""
+        seen = self._creations
+        async with self._creating:
+            if self._creations != seen:  # a creation ended while this call waited for it
+                if self._creation_error is None:
+                    return
+                raise type(self._creation_error)(str(self._creation_error))
+            try:
+                await self._create_table()
+            except StoreError as exc:
+                self._creation_error = exc
+                self._creations += 1
+                raise
+            self._creation_error = None
+            self._creations += 1
+
+    async def _create_table(self) -> None:
         try:
             if not self._opened:
                 self._opened = True

@@ -21,21 +21,33 @@ from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
 POLICY = TokenPolicy(initial_backoff=0.01, max_backoff=0.05, max_attempts=1, failure_ttl=5.0)
 
 
-def _provider(idp: IdP, clock: FakeClock | None = None) -> ClientCredentials:
-    policy = POLICY if clock is None else POLICY.replace(clock=clock)
+@pytest.fixture(autouse=True)
+def clock(idp: IdP) -> FakeClock:
+    """One fake clock for the providers and the IdP's token lifetimes.
+
+    On the real clock the IdP's tokens live 2 s: on a loaded machine a burst outlived its
+    token, the tool answered 401, and a second refresh looked like a broken single flight.
+    """
+    idp.clock = fake = FakeClock()
+    return fake
+
+
+def _provider(idp: IdP) -> ClientCredentials:
+    policy = POLICY.replace(clock=idp.clock)
     return ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=policy)
 
 
 async def _expire(auth: ClientCredentials, clock: FakeClock) -> None:
-    """Give ``auth`` a token, then move its clock past the token's life (no real waiting)."""
+    """Give ``auth`` a token, then move the clock past the token's life (no real waiting)."""
     assert await auth.aget_token()
     clock.advance(3600.0)
 
 
-async def test_1000_concurrent_async_calls_make_one_token_request(idp: IdP) -> None:
+async def test_1000_concurrent_async_calls_make_one_token_request(
+    idp: IdP, clock: FakeClock
+) -> None:
     """1,000 concurrent async tool calls over an expired token cause exactly one token request."""
-    clock = FakeClock()
-    auth = _provider(idp, clock)
+    auth = _provider(idp)
     await _expire(auth, clock)
     before = idp.token_requests
     # The token endpoint is reached over loopback; the tool is the same app served in-process
@@ -48,10 +60,9 @@ async def test_1000_concurrent_async_calls_make_one_token_request(idp: IdP) -> N
     assert idp.tool_401 == 0
 
 
-def test_16_threads_make_one_token_request(idp: IdP) -> None:
+def test_16_threads_make_one_token_request(idp: IdP, clock: FakeClock) -> None:
     """16 threads calling at once over an expired token cause exactly one token request."""
-    clock = FakeClock()
-    auth = _provider(idp, clock)
+    auth = _provider(idp)
     asyncio.run(_expire(auth, clock))
     before = idp.token_requests
     barrier = threading.Barrier(16)
@@ -67,10 +78,11 @@ def test_16_threads_make_one_token_request(idp: IdP) -> None:
     assert idp.token_requests - before == 1
 
 
-async def test_threads_and_coroutines_together_make_one_token_request(idp: IdP) -> None:
+async def test_threads_and_coroutines_together_make_one_token_request(
+    idp: IdP, clock: FakeClock
+) -> None:
     """Threads and coroutines hitting one expired credential at once share a single refresh."""
-    clock = FakeClock()
-    auth = _provider(idp, clock)
+    auth = _provider(idp)
     await _expire(auth, clock)
     idp.delay = 0.3  # keep the refresh in flight while everyone arrives
     before = idp.token_requests

@@ -95,6 +95,9 @@ class Peer:
     replays: bool = True
     #: The draft's rules it breaks, as `agentkey check` names the rows.
     contract_fails: frozenset[str] = frozenset()
+    #: It reads the record, then takes a lock: a duplicate that read before the first
+    #: finished takes the freed lock after it and runs again (tests/interop/test_peer_races.py).
+    races: bool = False
 
 
 def _starlette(tool: Tool, *middleware: Middleware) -> Starlette:
@@ -201,7 +204,12 @@ PEERS: tuple[Peer, ...] = (
         replays=False,
         contract_fails=frozenset({DUPLICATE}),
     ),
-    Peer("fastidempotent", _fastidempotent, replay_marker=("x-idempotent-replayed", "true")),
+    Peer(
+        "fastidempotent",
+        _fastidempotent,
+        replay_marker=("x-idempotent-replayed", "true"),
+        races=True,
+    ),
     Peer("fastapi-idempotency", _fastapi_idempotency),
 )
 

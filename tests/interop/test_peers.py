@@ -88,6 +88,14 @@ def test_concurrent_duplicates_run_once(peer: Peer, redis_proc: RedisServer) -> 
             finally:
                 gate.set()
             outcomes = future.result(timeout=60)
+    if peer.races:
+        # On a loaded machine a duplicate may lose the peer's race and run again: agentkey
+        # must then say so, never call a second execution a replay.
+        results = [result(o) for o in outcomes]
+        assert sum(not r.replayed for r in results) == served.tool.executions() >= 1
+        executed = [r.body for r in results if not r.replayed]
+        assert all(r.body in executed for r in results)
+        return
     assert served.tool.executions() == 1
     if not peer.replays:  # the duplicates wait out its 409s, then get its 422
         assert sum(isinstance(o, ToolResult) for o in outcomes) == 1

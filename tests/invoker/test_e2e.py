@@ -322,32 +322,36 @@ def test_resume_poll_sends_the_callers_headers(driver: Driver, tool: tuple[ToolA
     app, url = tool
     step = make_step(tool="provision")
     app.faults["provision"] = Faults(async_polls=10_000)
-    slow_poll = FAST_POLL.replace(
+    short_poll = FAST_POLL.replace(
         initial_backoff=0.01, max_backoff=0.01, max_retry_after=0.01, deadline=0.05
     )
     tenant = {"X-Tenant": "acme"}
-    options: dict[str, Any] = {"retry": FAST_RETRY, "polling": slow_poll, "auth": Bearer()}
+    options: dict[str, Any] = {"retry": FAST_RETRY, "auth": Bearer()}
     options["route_template"] = "/tools/{tool}"
+    # The invoke runs out of its short polling deadline; the resume gets FAST_POLL's 10 s,
+    # so its two polls fit on a loaded machine too.
+    first, later = {**options, "polling": short_poll}, {**options, "polling": FAST_POLL}
+
+    def succeed_later(status_url: str) -> None:
+        with app.lock:
+            app.operations[status_url.rsplit("/", 1)[1]] = ["running", "succeeded"]
 
     def run() -> ToolResult:
         if driver == "sync":
-            with ToolInvoker(url, **options) as invoker:
-                with pytest.raises(PollTimeout) as caught:
-                    invoker.invoke(step, headers=tenant)
-                op = caught.value.status_url.rsplit("/", 1)[1]
-                with app.lock:
-                    app.operations[op] = ["running", "succeeded"]
+            with ToolInvoker(url, **first) as invoker, pytest.raises(PollTimeout) as caught:
+                invoker.invoke(step, headers=tenant)
+            succeed_later(caught.value.status_url)
+            with ToolInvoker(url, **later) as invoker:
                 return invoker.resume_poll(
                     caught.value.status_url, step.idempotency_key, headers=tenant
                 )
 
         async def main() -> ToolResult:
-            async with AsyncToolInvoker(url, **options) as invoker:
+            async with AsyncToolInvoker(url, **first) as invoker:
                 with pytest.raises(PollTimeout) as caught:
                     await invoker.invoke(step, headers=tenant)
-                op = caught.value.status_url.rsplit("/", 1)[1]
-                with app.lock:
-                    app.operations[op] = ["running", "succeeded"]
+            succeed_later(caught.value.status_url)
+            async with AsyncToolInvoker(url, **later) as invoker:
                 return await invoker.resume_poll(
                     caught.value.status_url, step.idempotency_key, headers=tenant
                 )

@@ -353,3 +353,43 @@ async def test_a_failed_release_is_retried_so_the_key_is_not_blocked_for_the_lea
     assert statuses[-1] == 201, statuses
     assert store.releases == 3
     assert runs == [1, 1]
+
+
+async def test_a_burst_of_first_requests_creates_the_table_once(cut_proxy: CutProxy) -> None:
+    """Twenty first claims at once on a fresh store: one table creation, and every claim lands.
+
+    Each used to run its own creation, and those queued on the advisory lock past a short
+    lock_timeout answered 503 (seen under CPU load with the default 1 s).
+    """
+    store = PostgresStore(cut_proxy.dsn, table=f"av_burst_{_owner()[:8]}", min_size=8)
+    cut_proxy.arm(b"pg_advisory_xact_lock", "before", cuts=0)
+    try:
+        keys = [f"p:burst-{n}" for n in range(20)]
+        claims = [store.claim(key, encode_in_progress(_owner(), 1), ttl_ms=5000) for key in keys]
+        assert await asyncio.gather(*claims) == [None] * 20
+    finally:
+        await store.aclose()
+    assert cut_proxy.seen == 1
+
+
+@pytest.mark.realtime
+async def test_a_burst_of_first_requests_shares_a_failed_table_creation(
+    cut_proxy: CutProxy,
+) -> None:
+    """With the database down, a burst of first claims fails together in about one pool
+    timeout: the requests that waited for the failed creation do not each wait out another."""
+    store = PostgresStore(cut_proxy.dsn, table=f"av_down_{_owner()[:8]}", timeout=1.0)
+    cut_proxy.go_down()
+    try:
+        started = time.monotonic()
+        claims = [
+            store.claim(f"p:down-{n}", encode_in_progress(_owner(), 1), ttl_ms=5000)
+            for n in range(10)
+        ]
+        outcomes = await asyncio.gather(*claims, return_exceptions=True)
+        elapsed = time.monotonic() - started
+    finally:
+        cut_proxy.come_back()
+        await store.aclose()
+    assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
+    assert elapsed < 6.0  # one shared timeout (1 s); one after another would take 10 s

@@ -397,26 +397,31 @@ def test_expired_lease_cannot_overwrite_the_new_owner(served: Callable[..., Serv
     assert replay.content == two.content
 
 
+# The two renewal tests run on the real clock: the lease expires in the store (Redis and
+# PostgreSQL keep their own time). Renewals come every lock_ttl/3 = 0.4 s, so a renewal may
+# be late by up to 0.8 s (a loaded machine) before the lease lapses.
+@pytest.mark.realtime
 def test_keep_alive_renews_the_lease_past_lock_ttl(served: Callable[..., Served]) -> None:
     """claim.keep_alive() renews every lock_ttl/3, so a long handler keeps its key."""
-    s = served(lock_ttl=0.3, auto_renew=False)
+    s = served(lock_ttl=1.2, auto_renew=False)
     headers, body = request_for({"gate": "long", "keep_alive": True})
     first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
     _wait_entered(s, "long")
-    time.sleep(0.9)  # three lock_ttls
+    time.sleep(2.4)  # two lock_ttls
     assert s.client.post("/wait", headers=headers, content=body).status_code == 409
     s.app.state.gates.setdefault("long", threading.Event()).set()
     assert first.result(timeout=10).json() == {"run": 1, "gate": "long", "lost": False}
     assert s.runs["wait"] == 1
 
 
+@pytest.mark.realtime
 def test_lease_is_renewed_automatically_by_default(served: Callable[..., Served]) -> None:
-    """Without keep_alive, a handler running three leases keeps its key: a duplicate gets 409."""
-    s = served(lock_ttl=0.3)
+    """Without keep_alive, a handler running two leases keeps its key: a duplicate gets 409."""
+    s = served(lock_ttl=1.2)
     headers, body = request_for({"gate": "auto"})
     first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
     _wait_entered(s, "auto")
-    time.sleep(0.9)  # three lock_ttls
+    time.sleep(2.4)  # two lock_ttls
     assert s.client.post("/wait", headers=headers, content=body).status_code == 409
     s.app.state.gates.setdefault("auto", threading.Event()).set()
     assert first.result(timeout=10).json() == {"run": 1, "gate": "auto", "lost": False}
