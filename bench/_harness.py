@@ -141,22 +141,24 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """One uvicorn process (one worker, loopback) serving ``app`` as ``config``."""
+    """One uvicorn process (one worker, loopback) serving ``app`` as ``config``,
+    from the project's tree at ``root`` (this checkout unless told otherwise)."""
 
     config: str
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     app: str = "bench._apps:app"  # the app factory uvicorn imports
+    root: Path = ROOT
 
     def start(self) -> None:
-        env = {**os.environ, **self.env, "BENCH_APP": self.config, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **self.env, "BENCH_APP": self.config, "PYTHONPATH": str(self.root)}
         command = [sys.executable, "-m", "uvicorn", self.app, "--factory"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
         command += ["--lifespan", "off", "--log-level", "warning", "--no-access-log"]
         command += ["--loop", "asyncio", "--http", "h11"]  # the figures of record: no uvloop
         command += ["--timeout-keep-alive", "3600"]  # the load keeps its connections
-        self.process = subprocess.Popen(command, env=env, cwd=ROOT)  # noqa: S603
+        self.process = subprocess.Popen(command, env=env, cwd=self.root)  # noqa: S603
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         assert self.process is not None
@@ -526,6 +528,20 @@ def run_block(
             got[name].append(slot(name))
         block.rounds.append(got)
     return block
+
+
+def loadgen_row(load: Load, server: Server, rounds: int, seconds: float) -> dict[str, Any]:
+    """The ``loadgen`` row: ``server`` (the fastest configuration) at 64 connections, fresh
+    keys, from one and from two load processes, interleaved. 1.0x: one was enough."""
+
+    def slot(name: str) -> Slot:
+        processes = 2 if name == "2 load processes" else 1
+        return measure(load, server, "fresh", 64, seconds, processes=processes)
+
+    names = ["1 load process", "2 load processes"]
+    block = run_block(Block("fresh", 64), rounds, slot, names)
+    what = f"loadgen: {server.config} endpoint, 2 load processes / 1"
+    return block.row(what, "2 load processes", "1 load process")
 
 
 def print_row(row: Mapping[str, Any]) -> None:

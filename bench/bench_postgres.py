@@ -10,20 +10,26 @@ Configurations, each a uvicorn process of its own (one worker, loopback; see ``b
 
 PostgreSQL runs with fsync on (commits are paid for). Blocks (fresh keys, and one key
 replayed, each at 1 and 64 connections) load every configuration in palindromic (ABBA)
-rounds from a separate load process; see ``bench/_harness.py`` for the method.
+rounds from a separate load process; see ``bench/_harness.py`` for the method. The
+``loadgen`` row loads the bare endpoint from one and from two load processes: the same
+throughput shows one was not the bottleneck.
 Server CPU per request is the uvicorn process's own (PostgreSQL's backends are not
 counted).
 
     python bench/bench_postgres.py          # about 3.5 minutes, writes bench/results/postgres.json
     python bench/bench_postgres.py --smoke  # a few seconds, for CI (writes nothing)
+    python bench/bench_postgres.py --against 094632a  # adds PostgresStore at that commit
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
-from contextlib import ExitStack
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +38,12 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harness, tests._*
 
 from bench._harness import (
+    ROOT,
     Block,
     Load,
+    Server,
     Slot,
+    loadgen_row,
     machine,
     measure,
     print_row,
@@ -53,12 +62,28 @@ ROWS = [
 BLOCKS = [("fresh", 1), ("fresh", 64), ("replay", 1), ("replay", 64)]
 
 
+@contextmanager
+def tree_at(rev: str) -> Iterator[Path]:
+    """The project's files at git revision ``rev``, in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="agentkey-bench-") as tmp:
+        tar = Path(tmp) / "tree.tar"
+        git = ["git", "archive", "--format=tar", f"--output={tar}", rev]
+        subprocess.run(git, cwd=ROOT, check=True)  # noqa: S603
+        subprocess.run(["tar", "-xf", str(tar), "-C", tmp], check=True)  # noqa: S603, S607
+        yield Path(tmp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per block")
     parser.add_argument("--seconds", type=float, default=0.4, help="length of one slot")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="also run PostgresStore from git revision REV, interleaved: a before/after row",
+    )
     ns = parser.parse_args()
     at_start = machine()
     rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
@@ -73,7 +98,17 @@ def main() -> None:
             env["BENCH_REDIS"] = stack.enter_context(redis_server()).url
             configs.insert(1, "redis")
         running = stack.enter_context(servers(configs, env))
-        load = Load()
+        rows_for = list(ROWS)
+        if ns.against:
+            before = Server("postgres", env, root=stack.enter_context(tree_at(ns.against)))
+            stack.callback(before.stop)
+            before.start()
+            before.wait_ready()
+            running["postgres_before"] = before
+            configs.append("postgres_before")
+            what = f"PostgresStore, this tree / at {ns.against}"
+            rows_for.append((what, "postgres", "postgres_before"))
+        load = Load(processes=2)
         stack.callback(load.close)
 
         print(
@@ -87,10 +122,13 @@ def main() -> None:
                 return measure(load, running[name], mode, connections, seconds)
 
             block = run_block(Block(mode, connections), rounds, slot, configs)
-            for what, ours, base in ROWS:
+            for what, ours, base in rows_for:
                 if ours in configs and base in configs:
                     rows.append(block.row(what, ours, base))
                     print_row(rows[-1])
+
+        rows.append(loadgen_row(load, running["bare"], rounds, seconds))
+        print_row(rows[-1])
 
     if not ns.smoke or ns.out:
         path = write_results(

@@ -43,6 +43,7 @@ from bench._harness import (
     Block,
     Load,
     Slot,
+    loadgen_row,
     machine,
     measure,
     print_row,
@@ -109,15 +110,7 @@ def main() -> None:
                         rows.append(block.row(what, ours, base))
                         print_row(rows[-1])
 
-        def load_slot(name: str) -> Slot:
-            processes = 2 if name == "2 load processes" else 1
-            return measure(load, running["bare"], "fresh", 64, seconds, processes=processes)
-
-        check = run_block(
-            Block("fresh", 64), rounds, load_slot, ["1 load process", "2 load processes"]
-        )
-        what = "loadgen: bare endpoint, 2 load processes / 1"
-        rows.append(check.row(what, "2 load processes", "1 load process"))
+        rows.append(loadgen_row(load, running["bare"], rounds, seconds))
         print_row(rows[-1])
 
         if redis_pid is not None:
