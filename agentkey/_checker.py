@@ -297,7 +297,8 @@ def _retry_after_problem(value: str | None) -> str | None:
     """Why a 409's Retry-After is no usable advice, or None when it is."""
     if value is None:
         return "no Retry-After"
-    seconds = retry_after(value)  # never raises: hundreds of digits read as "very long"
+    # Never raises: hundreds of digits read as "very long"; a date counts from now.
+    seconds = retry_after(value, time.time())
     if seconds is None:
         return f"an unparseable Retry-After ({_clip(value)})"
     if seconds > _SANE_RETRY_AFTER:

@@ -261,7 +261,7 @@ class _Run:
         self.asked_last = False  # the last question before the deadline about a key in flight
 
     def ctx(self) -> CallContext:
-        return CallContext(self.call.key, self.call.label, self.attempts, self.polls)
+        return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
 
     def observed(self, flow: Flow) -> Flow:
         """``flow`` between a CallStartEvent and a CallEndEvent that says how it ended.
@@ -318,8 +318,7 @@ class _Run:
         self, schedule: Backoff, tries: int, hint: float | None, deadline: float
     ) -> float | None:
         """The wait after ``tries`` tries, cut to ``deadline``; None once it has passed."""
-        left = deadline - self.s.clock()
-        return None if left <= 0 else min(schedule.delay(tries, hint, rng=self.s.rng), left)
+        return schedule.within(tries, hint, left=deadline - self.s.clock(), rng=self.s.rng)
 
     def wait_in_flight(self, tries: int, hint: float | None) -> float | None:
         """The wait before asking again about a request of this key in flight elsewhere.

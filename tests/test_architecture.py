@@ -61,13 +61,19 @@ PURE = {
     "agentkey.journal._verify",
     "agentkey.server._decide",
 }
-IO_MODULES = {
+#: What a pure module never imports: I/O, a clock (``time``, ``datetime.now``), a random
+#: source of its own, or a logger. Its clock, random source and wall time are injected, and
+#: what it would log or tell a hook is an ``Emit`` effect the driver carries out.
+IMPURE_MODULES = {
     "anyio",
     "asyncio",
+    "datetime",
     "httpx",
     "httpx2",
+    "logging",
     "psycopg",
     "psycopg_pool",
+    "random",
     "redis",
     "socket",
     "ssl",
@@ -155,8 +161,11 @@ def test_import_rules(path: Path) -> None:
         top = name.split(".")[0]
         if top in {"httpx", "httpx2"} and module not in HTTPX_OWNERS:
             broken.append(f"line {line}: imports {name}; only agentkey/_http.py talks to httpx")
-        if module in PURE and top in IO_MODULES:
-            broken.append(f"line {line}: imports {name}; {module} must stay free of I/O and clocks")
+        if module in PURE and top in IMPURE_MODULES:
+            broken.append(
+                f"line {line}: imports {name}; {module} must stay free of I/O, clocks, random "
+                "sources and logging (inject them, or yield an effect)"
+            )
         if top != "agentkey" or facade:
             continue
         target = _owner(name)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import random
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -289,7 +291,7 @@ class TokenEndpoint:
             raise _Retryable(
                 f"{where} answered {status}",
                 status_code=status,
-                retry_after=parse_retry_after(reply.header("Retry-After")),
+                retry_after=parse_retry_after(reply.header("Retry-After"), now=time.time()),
             )
         if reply.oversize or reply.unreadable:
             why = reply.unreadable or f"a body over {MAX_TOKEN_ANSWER_BYTES} bytes"
@@ -415,7 +417,7 @@ class TokenEndpoint:
                     request, reply, sent_at, secrets=self.sent_secrets(request, out)
                 )
             except _Retryable as exc:
-                wait = policy.schedule.delay(attempt, exc.retry_after)
+                wait = policy.schedule.delay(attempt, exc.retry_after, rng=random.random)
                 left = policy.deadline - (policy.clock() - start)
                 if attempt >= policy.max_attempts or wait >= left:
                     raise self._exhausted(request, exc, attempt) from None
