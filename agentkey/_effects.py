@@ -48,8 +48,9 @@ class Outgoing:
     defaults; any other request is built bare: no auth, no client headers or
     cookies, no Idempotency-Key, and sent past the client's cookie jar (so
     another origin's cookies never land there, and never reach the tool).
-    ``deadline`` (on the flow's clock, ``time.monotonic()`` in the drivers)
-    bounds the whole exchange.
+    ``deadline`` bounds the whole exchange. It is on the clock of the flow that
+    yields it (its injected clock): the driver hands that clock to ``_http``
+    with the request, so the time left is read on one clock.
     """
 
     method: str

@@ -513,6 +513,7 @@ class ToolInvoker(_InvokerBase):
                 auth=self._auth,
                 timeout=self._timeout,
                 max_bytes=self._max_bytes,
+                clock=self._settings.clock,
             )
         if isinstance(effect, Emit):
             self._emit(effect)
@@ -631,6 +632,7 @@ class AsyncToolInvoker(_InvokerBase):
                 auth=self._auth,
                 timeout=self._timeout,
                 max_bytes=self._max_bytes,
+                clock=self._settings.clock,
             )
         if isinstance(effect, Emit):
             self._emit(effect)

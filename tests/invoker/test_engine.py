@@ -1,0 +1,110 @@
+"""The one client engine: one clock per deadline, from the flow to the socket.
+
+The flow measures its deadline on its injected clock; the driver hands that
+clock to ``_http`` with the request, so the time left is read on one clock.
+Each test drives a real tool server on loopback and counts its executions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from agentkey import AsyncToolInvoker, OutcomeUnknown, RetryPolicy, ToolInvoker, ToolResult
+from agentkey._invoker import _InvokerBase
+from tests._loopback import serve
+
+from ._support import DRIVERS, FAST_POLL, FAST_RETRY, Driver, make_step
+from ._toolapp import ToolApp
+
+
+@pytest.fixture
+def tool() -> Iterator[tuple[ToolApp, str]]:
+    """The scripted tool app served on loopback."""
+    app = ToolApp()
+    with serve(app) as url:
+        yield app, url
+
+
+class Frozen:
+    """A monotonic clock that never moves, far from ``time.monotonic()``."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _on_clock(invoker: _InvokerBase, clock: Frozen) -> None:
+    """Run ``invoker``'s flows on ``clock`` (the clock ``Settings`` injects into them)."""
+    invoker._settings = dataclasses.replace(invoker._settings, clock=clock)
+
+
+def _call(driver: Driver, url: str, clock: Frozen, **options: Any) -> ToolResult:
+    options.setdefault("retry", FAST_RETRY)
+    step = make_step(tool="create_db")
+    common: dict[str, Any] = {"polling": FAST_POLL, "route_template": "/tools/{tool}"}
+    if driver == "sync":
+        with ToolInvoker(url, **common, **options) as invoker:
+            _on_clock(invoker, clock)
+            return invoker.invoke(step)
+
+    async def main() -> ToolResult:
+        async with AsyncToolInvoker(url, **common, **options) as invoker:
+            _on_clock(invoker, clock)
+            return await invoker.invoke(step)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("offset", [-1e7, 1e7], ids=["behind", "ahead"])
+def test_the_request_gets_the_time_left_on_the_flows_clock(
+    driver: Driver, offset: float, tool: tuple[ToolApp, str]
+) -> None:
+    """A flow on a clock far from time.monotonic() sends with its own time left; the tool runs."""
+    app, url = tool
+    result = _call(driver, url, Frozen(time.monotonic() + offset))
+    assert (result.status_code, result.attempts) == (200, 1)
+    assert sum(app.executions.values()) == 1
+
+
+def _dripping_tool(runs: list[str]) -> Starlette:
+    """A tool that runs, then drips its answer one byte per 100 ms for 30 s."""
+
+    async def tool(request: Request) -> StreamingResponse:
+        runs.append(request.headers["idempotency-key"])
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b'{"id": "'
+            for _ in range(300):
+                await asyncio.sleep(0.1)
+                yield b"a"
+            yield b'"}'
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    return Starlette(routes=[Route("/tools/{name}", tool, methods=["POST"])])
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_fake_clocks_deadline_still_cuts_a_dripping_answer(driver: Driver) -> None:
+    """On a frozen clock, the 0.5 s left still cut a 30 s answer at the socket: one execution."""
+    runs: list[str] = []
+    retry = RetryPolicy(max_attempts=1, deadline=0.5)
+    start = time.monotonic()
+    with serve(_dripping_tool(runs)) as url, pytest.raises(OutcomeUnknown, match="deadline"):
+        _call(driver, url, Frozen(-5e6), retry=retry, honours_keys=False)
+    assert time.monotonic() - start < 15.0  # the answer was cut, not read to its end
+    assert len(runs) == 1
