@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
-    from ._hooks import InvokeEvent
     from .journal._verify import InDoubt
 
 __all__ = [
@@ -72,9 +71,14 @@ class Sleep:
 
 @dataclass(frozen=True, slots=True)
 class Emit:
-    """Give ``event`` to every hook, in order (then send None back)."""
+    """Give ``event`` to every hook, in order (then send None back).
 
-    event: InvokeEvent
+    A tool call's flow emits its ``InvokeEvent``s; a token request's flow its
+    ``TokenEvent``s and the lines its driver writes to the logger. A flow never
+    calls a hook or a logger itself.
+    """
+
+    event: Any
 
 
 @dataclass(frozen=True, slots=True)

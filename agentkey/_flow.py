@@ -43,7 +43,18 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
-from ._effects import Answer, Effect, Emit, Failure, FailureKind, Journaled, Outgoing, Sleep, Verify
+from ._effects import (
+    Answer,
+    Effect,
+    Emit,
+    Failure,
+    FailureKind,
+    Journaled,
+    Outgoing,
+    Reply,
+    Sleep,
+    Verify,
+)
 from ._exceptions import (
     ConfigurationError,
     InvokeError,
@@ -75,7 +86,6 @@ from ._protocol import (
     CallContext,
     Decision,
     ProtocolConfig,
-    Reply,
     budget_exhausted,
     classify,
     interpret_poll,

@@ -1,8 +1,10 @@
-"""The one client engine: one clock per deadline, from the flow to the socket.
+"""The one client engine: its retry loop, and one clock per deadline from the flow to the socket.
 
-The flow measures its deadline on its injected clock; the driver hands that
-clock to ``_http`` with the request, so the time left is read on one clock.
-Each test drives a real tool server on loopback and counts its executions.
+``_flow.attempts`` is the loop every front end runs on (the step, its polls, the
+token endpoint), each with a classifier of its own. The flow measures its
+deadline on its injected clock; the driver hands that clock to ``_http`` with
+the request, so the time left is read on one clock. The clock tests drive a
+real tool server on loopback and count its executions.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +22,9 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, OutcomeUnknown, RetryPolicy, ToolInvoker, ToolResult
+from agentkey._drive import run_async, run_sync
+from agentkey._effects import Answer, Effect, Emit, Outgoing, Reply, Sleep
+from agentkey._flow import Again, Exchange, attempts
 from agentkey._invoker import _InvokerBase
 from tests._loopback import serve
 
@@ -33,6 +38,65 @@ def tool() -> Iterator[tuple[ToolApp, str]]:
     app = ToolApp()
     with serve(app) as url:
         yield app, url
+
+
+class Scripted(Exchange[int]):
+    """An exchange whose classifier reads a script: each reply's verdict, in order."""
+
+    def __init__(self, verdicts: list[int | Again | Exception]) -> None:
+        self.verdicts = verdicts
+        self.sent = 0
+
+    def request(self) -> Generator[Effect, Any, Outgoing]:
+        self.sent += 1
+        yield Emit(("request", self.sent))
+        return Outgoing("GET", f"https://tool.test/{self.sent}", (), None, True)
+
+    def judge(self, reply: Reply) -> Generator[Effect, Any, int | Again]:
+        verdict = self.verdicts.pop(0)
+        if isinstance(verdict, Exception):
+            raise verdict
+        yield from ()
+        return verdict
+
+
+def _carried(exchange: Scripted, driver: Driver) -> tuple[list[object], int | Exception]:
+    """Run ``attempts(exchange)`` on the sync or the async driver: the effects, and the end."""
+    seen: list[object] = []
+
+    def carry(effect: object) -> object:
+        seen.append(effect)
+        return Answer(200, {}, b"", "https://tool.test/") if isinstance(effect, Outgoing) else None
+
+    async def acarry(effect: object) -> object:
+        return carry(effect)
+
+    try:
+        if driver == "sync":
+            return seen, run_sync(attempts(exchange), carry)
+        return seen, asyncio.run(run_async(attempts(exchange), acarry))
+    except ValueError as exc:
+        return seen, exc
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_the_engine_sends_waits_and_returns_what_the_classifier_says(driver: Driver) -> None:
+    """Again(wait, event): the event, then the sleep, then a new request; a result ends it."""
+    exchange = Scripted([Again(0.5, "retrying"), Again(), 7])
+    seen, result = _carried(exchange, driver)
+    assert result == 7
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds == ["Emit", "Outgoing", "Emit", "Sleep", "Emit", "Outgoing", "Emit", "Outgoing"]
+    assert [e.event for e in seen if isinstance(e, Emit)][1] == "retrying"
+    assert [e.seconds for e in seen if isinstance(e, Sleep)] == [0.5]  # Again(): at once
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_the_classifiers_error_ends_the_engine(driver: Driver) -> None:
+    """A classifier that raises (a final answer, a spent budget) ends the loop with its error."""
+    seen, result = _carried(Scripted([Again(0.1), ValueError("spent")]), driver)
+    assert isinstance(result, ValueError)
+    assert sum(isinstance(e, Outgoing) for e in seen) == 2
 
 
 class Frozen:
