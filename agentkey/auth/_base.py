@@ -37,10 +37,10 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .. import _http
-from .._drive import run_async, run_sync
+from .._drive import Handlers, async_carrier, carrier, run_async, run_sync
 from .._effects import Emit, Outgoing, Sleep
 from .._exceptions import AuthError, ConfigurationError
 from .._net import require_secure
@@ -373,27 +373,26 @@ class TokenProvider(_http.Auth):
     def _flow(self, request: TokenRequest) -> TokenFlow:
         return self._require_endpoint().exchange(request, rng=self._rng, wall=self._wall)
 
-    def _carry_sync(self, effect: object) -> object:
-        """Carry out one effect of a token request's flow (or of a refresh's ``_obtain``)."""
-        if isinstance(effect, TokenRequest):
-            return run_sync(self._flow(effect), self._carry_sync)
-        if isinstance(effect, Call):
-            return effect.fn()
-        if isinstance(effect, Outgoing):
-            return _http.send_sync(
-                self._sync_client(),
-                effect,
-                auth=None,
-                timeout=None,
-                max_bytes=MAX_TOKEN_ANSWER_BYTES,
-                clock=self._policy.clock,
-            )
-        if isinstance(effect, Sleep):
-            self._sleep(effect.seconds)
-            return None
-        assert isinstance(effect, Emit)
-        self._tell(effect)
-        return None
+    def _carry_sync(self) -> Callable[[Any], Any]:
+        """How a refresh's ``_obtain`` and its token requests' flows are carried out."""
+        handlers: Handlers = {
+            TokenRequest: lambda request: run_sync(self._flow(request), self._carry_sync()),
+            Call: lambda call: call.fn(),
+            Outgoing: self._send_sync,
+            Sleep: lambda sleep: self._sleep(sleep.seconds),
+            Emit: self._tell,
+        }
+        return carrier(handlers)  # built per refresh: the provider keeps no cycle through it
+
+    def _send_sync(self, out: Outgoing) -> object:
+        return _http.send_sync(
+            self._sync_client(),
+            out,
+            auth=None,
+            timeout=None,
+            max_bytes=MAX_TOKEN_ANSWER_BYTES,
+            clock=self._policy.clock,
+        )
 
     def _token_sync(self, rejected: Token | None = None) -> Token:
         decision = self._decide(rejected)
@@ -409,7 +408,7 @@ class TokenProvider(_http.Auth):
         if not lead:
             return flight.wait_sync(self._wait_cap())
         try:
-            token = run_sync(self._obtain(current), self._carry_sync)
+            token = run_sync(self._obtain(current), self._carry_sync())
         except AuthError as exc:
             self._settle(flight, None, exc)
             raise
@@ -431,31 +430,30 @@ class TokenProvider(_http.Auth):
                 self._async_client = self._open(_http.make_async_client)
             return self._async_client
 
-    async def _carry_async(self, effect: object) -> object:
-        """The awaitable ``_carry_sync``: store calls run in a worker thread."""
-        if isinstance(effect, TokenRequest):
-            return await run_async(self._flow(effect), self._carry_async)
-        if isinstance(effect, Call):
-            return await asyncio.to_thread(effect.fn)
-        if isinstance(effect, Outgoing):
-            return await _http.send_async(
-                self._async_http(),
-                effect,
-                auth=None,
-                timeout=None,
-                max_bytes=MAX_TOKEN_ANSWER_BYTES,
-                clock=self._policy.clock,
-            )
-        if isinstance(effect, Sleep):
-            await self._asleep(effect.seconds)
-            return None
-        assert isinstance(effect, Emit)
-        self._tell(effect)
-        return None
+    def _carry_async(self) -> Callable[[Any], Awaitable[Any]]:
+        """The asyncio ``_carry_sync``: store calls run in a worker thread."""
+        handlers: Handlers = {
+            TokenRequest: lambda request: run_async(self._flow(request), self._carry_async()),
+            Call: lambda call: asyncio.to_thread(call.fn),
+            Outgoing: self._send_async,
+            Sleep: lambda sleep: self._asleep(sleep.seconds),
+            Emit: self._tell,
+        }
+        return async_carrier(handlers)
+
+    def _send_async(self, out: Outgoing) -> Awaitable[object]:
+        return _http.send_async(
+            self._async_http(),
+            out,
+            auth=None,
+            timeout=None,
+            max_bytes=MAX_TOKEN_ANSWER_BYTES,
+            clock=self._policy.clock,
+        )
 
     async def _lead_async(self, flight: _Flight, current: Token | None) -> None:
         try:
-            token = await run_async(self._obtain(current), self._carry_async)
+            token = await run_async(self._obtain(current), self._carry_async())
         except AuthError as exc:
             self._settle(flight, None, exc)
         except Exception as exc:

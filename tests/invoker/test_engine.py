@@ -10,7 +10,6 @@ real tool server on loopback and count its executions.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
@@ -109,26 +108,22 @@ class Frozen:
         return self.now
 
 
-def _on_clock(invoker: _InvokerBase, clock: Frozen) -> None:
-    """Run ``invoker``'s flows on ``clock`` (the clock ``Settings`` injects into them)."""
-    invoker._settings = dataclasses.replace(invoker._settings, clock=clock)
-
-
 def _call(driver: Driver, url: str, clock: Frozen, **options: Any) -> ToolResult:
+    """One call by an invoker whose flows run on ``clock`` (injected as the invoker's clock)."""
     options.setdefault("retry", FAST_RETRY)
     step = make_step(tool="create_db")
     common: dict[str, Any] = {"polling": FAST_POLL, "route_template": "/tools/{tool}"}
-    if driver == "sync":
-        with ToolInvoker(url, **common, **options) as invoker:
-            _on_clock(invoker, clock)
-            return invoker.invoke(step)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_InvokerBase, "_clock", staticmethod(clock))
+        if driver == "sync":
+            with ToolInvoker(url, **common, **options) as invoker:
+                return invoker.invoke(step)
 
-    async def main() -> ToolResult:
-        async with AsyncToolInvoker(url, **common, **options) as invoker:
-            _on_clock(invoker, clock)
-            return await invoker.invoke(step)
+        async def main() -> ToolResult:
+            async with AsyncToolInvoker(url, **common, **options) as invoker:
+                return await invoker.invoke(step)
 
-    return asyncio.run(main())
+        return asyncio.run(main())
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
