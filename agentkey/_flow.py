@@ -848,6 +848,19 @@ class _Sending(Exchange["Decision | Finished"]):
     doubt, or :class:`Again`; it raises when the budget is spent.
     """
 
+    __slots__ = (
+        "ambiguous",
+        "decision",
+        "headers",
+        "held",
+        "in_flight",
+        "reply",
+        "run",
+        "unreachable",
+        "url",
+        "waited",
+    )
+
     def __init__(self, run: _Run) -> None:
         call = run.call
         self.run = run
@@ -868,12 +881,11 @@ class _Sending(Exchange["Decision | Finished"]):
     def request(self) -> Generator[Effect, Any, Outgoing]:
         run, call = self.run, self.run.call
         if run.attempts and run.s.clock() >= run.deadline:
-            raise (yield from self.spent())  # the deadline passed during the wait
-        return (
-            yield from run.outgoing(
-                call.method, self.url, self.headers, call.body, True, run.attempts + 1
-            )
-        )
+            return self.expired()  # the deadline passed during the wait
+        return run.outgoing(call.method, self.url, self.headers, call.body, True, run.attempts + 1)
+
+    def expired(self) -> Generator[Effect, Any, Outgoing]:
+        raise (yield from self.spent())
 
     def judge(self, reply: Reply) -> Generator[Effect, Any, Decision | Finished | Again]:
         run, call, s = self.run, self.run.call, self.run.s
@@ -950,6 +962,17 @@ class _Sending(Exchange["Decision | Finished"]):
 
 class _Polling(Exchange[Finished]):
     """A status URL's exchange: GET it until the operation ends, and its classifier."""
+
+    __slots__ = (
+        "deadline",
+        "hops",
+        "replayed",
+        "result_only",
+        "run",
+        "same_origin",
+        "status_url",
+        "url",
+    )
 
     def __init__(
         self, run: _Run, status_url: str, replayed: bool, deadline: float, result_only: bool
