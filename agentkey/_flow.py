@@ -234,25 +234,27 @@ class Again:
 
 
 class Exchange(Protocol[T_co]):
-    """One front end's part of :func:`attempts`: what it sends and what each reply means.
+    """One front end's part of :func:`attempts`: what it asks and what each reply means.
 
-    ``judge`` is the front end's classifier: it returns the exchange's result, or
-    :class:`Again`; it raises the front end's error when the reply is final or the
-    budget (attempts, deadline) is spent. Both may yield effects of their own.
+    ``request`` gives the effect to carry out (an ``Outgoing``; the journal's
+    ``begin``); ``judge`` is the front end's classifier of what that gave: it
+    returns the exchange's result, or :class:`Again`; it raises the front end's
+    error when the reply is final or the budget (attempts, deadline) is spent.
+    Both may yield effects of their own.
     """
 
-    def request(self) -> Generator[Effect, Any, Outgoing]: ...
+    def request(self) -> Generator[Effect, Any, Effect]: ...
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, T_co | Again]: ...
+    def judge(self, reply: Any) -> Generator[Effect, Any, T_co | Again]: ...
 
 
 def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
-    """The one retry loop of the client: send, judge the reply, wait, send again.
+    """The one retry loop of the client: ask, judge the reply, wait, ask again.
 
-    Tool calls (:func:`invoke`), their polls and token requests
-    (``auth._endpoint``) all run on it, each with a classifier of its own; the
-    MCP client runs the tool call's. What it yields, the drivers in ``_drive``
-    carry out.
+    Tool calls (:func:`invoke`), their polls, the journal's wait for a send of the
+    same key in flight elsewhere, and token requests (``auth._endpoint``) all run
+    on it, each with a classifier of its own; the MCP client runs the tool call's.
+    What it yields, the drivers in ``_drive`` carry out.
     """
     while True:
         out = yield from exchange.request()
@@ -553,34 +555,7 @@ class _Run:
         waited for, within the deadline, when the tool is not known to honour keys: its
         answer then comes from the journal.
         """
-        waited = 0
-        while True:
-            record = self.new_record()
-            begun: Begun = yield Journaled("begin", (record,))
-            self.evidence = self.evidence or begun.evidence
-            earlier = begun.existing
-            if earlier is None:
-                self.record = record
-                return None
-            if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
-                raise _other_route(self.call, earlier)  # (one never sent may go elsewhere)
-            if begun.live and not self.honoured() and self.s.honours_keys is None:
-                yield from self.probe()  # a send in flight elsewhere: ask the route first
-            if not (begun.live and not self.honoured()):
-                return (yield from self.settle_earlier(earlier, begun.live))
-            waited += 1
-            wait = self.wait_in_flight(waited, None)
-            if wait is None:
-                call = self.call
-                raise StepInProgress(
-                    f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
-                    f"(since {_ago(self.s.wall(), earlier.created_at)}), and the tool is not "
-                    "known to honour Idempotency-Key, so it was not sent a second time. Call "
-                    "again later: its answer goes into the journal",
-                    idempotency_key=call.key,
-                    step=call.label,
-                )
-            yield Sleep(wait)
+        return (yield from attempts(_Beginning(self)))
 
     def settle_earlier(
         self, earlier: CallRecord, live: bool
@@ -958,6 +933,54 @@ class _Sending(Exchange["Decision | Finished"]):
                 honoured=run.honoured(),
             )
         return (yield from run.give_up(decision.reason, error))
+
+
+class _Beginning(Exchange["Finished | None"]):
+    """The journal's ``begin``, asked again while a send of the same key is in flight elsewhere.
+
+    ``judge`` returns None when this flow recorded the call (it is to be sent), the
+    call's answer when the journal settles it, or :class:`Again`.
+    """
+
+    __slots__ = ("record", "run", "waited")
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.record: CallRecord | None = None  # the record this flow asks to begin
+        self.waited = 0  # waits for the send in flight elsewhere
+
+    def request(self) -> Generator[Effect, Any, Effect]:
+        self.record = self.run.new_record()
+        yield from ()
+        return Journaled("begin", (self.record,))
+
+    def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
+        run, record = self.run, self.record
+        assert record is not None
+        run.evidence = run.evidence or begun.evidence
+        earlier = begun.existing
+        if earlier is None:
+            run.record = record
+            return None
+        if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
+            raise _other_route(run.call, earlier)  # (one never sent may go elsewhere)
+        if begun.live and not run.honoured() and run.s.honours_keys is None:
+            yield from run.probe()  # a send in flight elsewhere: ask the route first
+        if not (begun.live and not run.honoured()):
+            return (yield from run.settle_earlier(earlier, begun.live))
+        self.waited += 1
+        wait = run.wait_in_flight(self.waited, None)
+        if wait is None:
+            call = run.call
+            raise StepInProgress(
+                f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
+                f"(since {_ago(run.s.wall(), earlier.created_at)}), and the tool is not "
+                "known to honour Idempotency-Key, so it was not sent a second time. Call "
+                "again later: its answer goes into the journal",
+                idempotency_key=call.key,
+                step=call.label,
+            )
+        return Again(wait)
 
 
 class _Polling(Exchange[Finished]):
