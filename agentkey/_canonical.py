@@ -28,7 +28,6 @@ names the path of the first bad one. Both give the same bytes or the same refusa
 
 from __future__ import annotations
 
-import datetime as _dt
 import enum
 import gc
 import hashlib
@@ -213,6 +212,16 @@ def _as_model(value: object) -> BaseModel | None:
     return None
 
 
+def _is_date(value: object) -> bool:
+    """Whether ``value`` is a ``datetime``, ``date`` or ``time``, without importing datetime.
+
+    Nothing can be one unless datetime was imported; this module stays free of the
+    module that holds a clock (``datetime.now``).
+    """
+    dt = sys.modules.get("datetime")
+    return dt is not None and isinstance(value, (dt.datetime, dt.date, dt.time))
+
+
 def to_jsonable(args: object, *, root: str = "args") -> JSONObject:
     """Convert tool arguments to a plain JSON object (dict with str keys).
 
@@ -298,8 +307,8 @@ def _convert(value: object, path: str) -> Any:
         return _convert(model.model_dump(mode="json"), path)
     if isinstance(value, (Mapping, list, tuple)):
         return _convert_container(value, path)
-    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
-        return value.isoformat()
+    if _is_date(value):
+        return value.isoformat()  # type: ignore[attr-defined]  # a datetime, date or time
     if isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, (set, frozenset)):

@@ -52,15 +52,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from . import _http
 from ._canonical import canonical_json, to_jsonable
+from ._effects import Answer, Failure, FailureKind, Outgoing
 from ._exceptions import ConfigurationError
 from ._keys import HEADER_STYLES, HeaderStyle, StepKey
 from ._net import redact_url, require_secure
 from ._protocol import (
     DEFAULT_REPLAY_HEADERS,
     IN_FLIGHT_STATUSES,
-    Answer,
-    Failure,
-    FailureKind,
     Meaning,
     parse_json,
     problem_code,
@@ -251,7 +249,7 @@ class _Target:
         body: bytes,
     ) -> Answer | Failure:
         deadline = time.monotonic() + self.timeout  # the whole exchange, not each read
-        out = _http.Outgoing("POST", url, headers, body, same_origin=True, deadline=deadline)
+        out = Outgoing("POST", url, headers, body, same_origin=True, deadline=deadline)
         return await _http.send_async(
             client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
         )
@@ -297,7 +295,8 @@ def _retry_after_problem(value: str | None) -> str | None:
     """Why a 409's Retry-After is no usable advice, or None when it is."""
     if value is None:
         return "no Retry-After"
-    seconds = retry_after(value)  # never raises: hundreds of digits read as "very long"
+    # Never raises: hundreds of digits read as "very long"; a date counts from now.
+    seconds = retry_after(value, time.time())
     if seconds is None:
         return f"an unparseable Retry-After ({_clip(value)})"
     if seconds > _SANE_RETRY_AFTER:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
-    from ._hooks import InvokeEvent
     from .journal._verify import InDoubt
 
 __all__ = [
@@ -48,8 +47,9 @@ class Outgoing:
     defaults; any other request is built bare: no auth, no client headers or
     cookies, no Idempotency-Key, and sent past the client's cookie jar (so
     another origin's cookies never land there, and never reach the tool).
-    ``deadline`` (on the flow's clock, ``time.monotonic()`` in the drivers)
-    bounds the whole exchange.
+    ``deadline`` bounds the whole exchange. It is on the clock of the flow that
+    yields it (its injected clock): the driver hands that clock to ``_http``
+    with the request, so the time left is read on one clock.
     """
 
     method: str
@@ -71,9 +71,14 @@ class Sleep:
 
 @dataclass(frozen=True, slots=True)
 class Emit:
-    """Give ``event`` to every hook, in order (then send None back)."""
+    """Give ``event`` to every hook, in order (then send None back).
 
-    event: InvokeEvent
+    A tool call's flow emits its ``InvokeEvent``s; a token request's flow its
+    ``TokenEvent``s and the lines its driver writes to the logger. A flow never
+    calls a hook or a logger itself.
+    """
+
+    event: Any
 
 
 @dataclass(frozen=True, slots=True)

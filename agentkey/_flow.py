@@ -8,6 +8,10 @@ drives it with a fake clock and no socket. The decisions about one answer are
 ``_protocol``'s; the waits are ``_schedule``'s; the drivers in ``_drive`` only
 carry effects out.
 
+:func:`attempts` is the client's one retry loop (send, judge, wait, send
+again): the step, its polls and the token endpoint (``auth._endpoint``) each
+give it an :class:`Exchange`, their request and their classifier.
+
 ```
 CallStart ─▶ journal: begin ─▶ (earlier record? settle it first)
           ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
@@ -37,9 +41,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
-from ._effects import Answer, Effect, Emit, Failure, FailureKind, Journaled, Outgoing, Sleep, Verify
+from ._effects import (
+    Answer,
+    Effect,
+    Emit,
+    Failure,
+    FailureKind,
+    Journaled,
+    Outgoing,
+    Reply,
+    Sleep,
+    Verify,
+)
 from ._exceptions import (
     ConfigurationError,
     InvokeError,
@@ -71,7 +86,6 @@ from ._protocol import (
     CallContext,
     Decision,
     ProtocolConfig,
-    Reply,
     budget_exhausted,
     classify,
     interpret_poll,
@@ -86,10 +100,13 @@ from .journal._verify import HttpLookup, InDoubt, Verdict
 __all__ = [
     "HOOK_OWNED",
     "KEY_HEADER",
+    "Again",
     "Call",
+    "Exchange",
     "Finished",
     "Flow",
     "Settings",
+    "attempts",
     "check_headers",
     "invoke",
     "resume",
@@ -197,6 +214,59 @@ class Finished:
 Flow: TypeAlias = Generator[Effect, Any, Finished]
 
 
+# --- the engine: one retry loop for every front end ----------------------------------------
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Again:
+    """A front end's verdict on one reply: not the end, send again.
+
+    ``wait``: the seconds to sleep first (from :meth:`Backoff.within
+    <agentkey._schedule.Backoff.within>`, the one deadline rule), or None to send
+    again at once; ``event``: given to the hooks before the wait.
+    """
+
+    wait: float | None = None
+    event: Any = None
+
+
+class Exchange(Protocol[T_co]):
+    """One front end's part of :func:`attempts`: what it asks and what each reply means.
+
+    ``request`` gives the effect to carry out (an ``Outgoing``; the journal's
+    ``begin``); ``judge`` is the front end's classifier of what that gave: it
+    returns the exchange's result, or :class:`Again`; it raises the front end's
+    error when the reply is final or the budget (attempts, deadline) is spent.
+    Both may yield effects of their own.
+    """
+
+    def request(self) -> Generator[Effect, Any, Effect]: ...
+
+    def judge(self, reply: Any) -> Generator[Effect, Any, T_co | Again]: ...
+
+
+def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
+    """The one retry loop of the client: ask, judge the reply, wait, ask again.
+
+    Tool calls (:func:`invoke`), their polls, the journal's wait for a send of the
+    same key in flight elsewhere, and token requests (``auth._endpoint``) all run
+    on it, each with a classifier of its own; the MCP client runs the tool call's.
+    What it yields, the drivers in ``_drive`` carry out.
+    """
+    while True:
+        out = yield from exchange.request()
+        verdict = yield from exchange.judge((yield out))
+        if not isinstance(verdict, Again):
+            return verdict
+        if verdict.event is not None:
+            yield Emit(verdict.event)
+        if verdict.wait is not None:
+            yield Sleep(verdict.wait)
+
+
 def invoke(call: Call, settings: Settings) -> Flow:
     """The flow of one step: send it (same key on every resend), then poll a 202 to its end."""
     run = _Run(call, settings)
@@ -261,7 +331,7 @@ class _Run:
         self.asked_last = False  # the last question before the deadline about a key in flight
 
     def ctx(self) -> CallContext:
-        return CallContext(self.call.key, self.call.label, self.attempts, self.polls)
+        return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
 
     def observed(self, flow: Flow) -> Flow:
         """``flow`` between a CallStartEvent and a CallEndEvent that says how it ended.
@@ -318,8 +388,7 @@ class _Run:
         self, schedule: Backoff, tries: int, hint: float | None, deadline: float
     ) -> float | None:
         """The wait after ``tries`` tries, cut to ``deadline``; None once it has passed."""
-        left = deadline - self.s.clock()
-        return None if left <= 0 else min(schedule.delay(tries, hint, rng=self.s.rng), left)
+        return schedule.within(tries, hint, left=deadline - self.s.clock(), rng=self.s.rng)
 
     def wait_in_flight(self, tries: int, hint: float | None) -> float | None:
         """The wait before asking again about a request of this key in flight elsewhere.
@@ -486,34 +555,7 @@ class _Run:
         waited for, within the deadline, when the tool is not known to honour keys: its
         answer then comes from the journal.
         """
-        waited = 0
-        while True:
-            record = self.new_record()
-            begun: Begun = yield Journaled("begin", (record,))
-            self.evidence = self.evidence or begun.evidence
-            earlier = begun.existing
-            if earlier is None:
-                self.record = record
-                return None
-            if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
-                raise _other_route(self.call, earlier)  # (one never sent may go elsewhere)
-            if begun.live and not self.honoured() and self.s.honours_keys is None:
-                yield from self.probe()  # a send in flight elsewhere: ask the route first
-            if not (begun.live and not self.honoured()):
-                return (yield from self.settle_earlier(earlier, begun.live))
-            waited += 1
-            wait = self.wait_in_flight(waited, None)
-            if wait is None:
-                call = self.call
-                raise StepInProgress(
-                    f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
-                    f"(since {_ago(self.s.wall(), earlier.created_at)}), and the tool is not "
-                    "known to honour Idempotency-Key, so it was not sent a second time. Call "
-                    "again later: its answer goes into the journal",
-                    idempotency_key=call.key,
-                    step=call.label,
-                )
-            yield Sleep(wait)
+        return (yield from attempts(_Beginning(self)))
 
     def settle_earlier(
         self, earlier: CallRecord, live: bool
@@ -635,82 +677,13 @@ class _Run:
         return done
 
     def send_step(self) -> Flow:
+        """Send the step until an answer is final (same key on every send), then finish it."""
         call, s = self.call, self.s
-        headers = (
-            *call.headers,
-            ("Content-Type", "application/json"),
-            ("Accept", "application/json"),
-            (KEY_HEADER, call.key_value),
-        )
-        url, ambiguous, in_flight, waited = call.url, False, False, 0
-        unreachable = 0  # sends in a row that never reached the tool
-        held: Decision | None = None  # the last answer that said the key is in flight
-        while True:
-            out = yield from self.outgoing(
-                call.method, url, headers, call.body, True, self.attempts + 1
-            )
-            reply = yield out
-            self.attempts += 1
-            not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
-            unreachable = unreachable + 1 if not_sent else 0
-            self.reached = self.reached or not not_sent
-            if isinstance(reply, Answer):
-                yield from self.learn(reply)
-            decision = classify(reply, self.ctx(), s.protocol)
-            if held is not None and isinstance(reply, Failure) and s.clock() >= self.deadline:
-                # A question about the key in flight was cut by the deadline: the holder's
-                # answer stands (an in-flight key runs nothing for a duplicate).
-                decision = held
-                break
-            ambiguous = ambiguous or decision.ambiguous
-            in_flight = in_flight or decision.in_flight
-            if decision.in_flight:
-                held = decision
-            if not decision.retry:
-                break
-            if decision.ambiguous and not self.honoured():
-                found = yield from self.unhonoured_doubt(decision)
-                if isinstance(found, Finished):
-                    return found
-                if not found:  # no resend: the call stays in doubt
-                    raise (yield from self.stop_in_doubt(decision))
-            url = decision.url if decision.action is Action.FOLLOW and decision.url else url
-            if decision.in_flight:
-                waited += 1
-                wait = self.wait_in_flight(waited, decision.retry_after)
-            else:
-                tries = self.attempts - waited
-                wait = self.wait(s.steps, tries, decision.retry_after, self.deadline)
-                if tries >= s.retry.max_attempts or (not_sent and unreachable >= MAX_UNREACHABLE):
-                    wait = None
-            if wait is None:
-                break
-            if s.hooks:
-                yield Emit(
-                    RetryEvent(
-                        call.key,
-                        call.label,
-                        self.attempts,
-                        decision.reason,
-                        wait,
-                        decision.status_code,
-                        self.honoured(),
-                    )
-                )
-            yield Sleep(wait)
-            if s.clock() >= self.deadline:
-                break  # the deadline passed during the wait: the last answer stands
-        if decision.retry:
-            if not self.reached:
-                raise (yield from self.give_up(decision.reason, _unreachable(call, self, reply)))
-            error = budget_exhausted(
-                decision,
-                self.ctx(),
-                saw_ambiguous=ambiguous,
-                saw_in_flight=in_flight,
-                honoured=self.honoured(),
-            )
-            raise (yield from self.give_up(decision.reason, error))
+        sending = _Sending(self)
+        verdict = yield from attempts(sending)
+        if isinstance(verdict, Finished):
+            return verdict  # the reconcile hook says it ran
+        decision, reply = verdict, sending.reply
         if decision.replayed and s.hooks:
             assert isinstance(reply, Answer)
             yield Emit(ReplayEvent(call.key, call.label, reply.status_code))
@@ -814,48 +787,13 @@ class _Run:
         # Polls end at the poll deadline or the caller's deadline, whichever comes first.
         call, s = self.call, self.s
         deadline = min(s.clock() + s.polling.deadline, self.deadline)
-        url, hops = status_url, 0
+        polling = _Polling(self, status_url, replayed, deadline, result_only)
         wait = self.wait(s.polls, 1, hint, deadline) if wait_first else None
-        while True:
-            same_origin = poll_target(url, self.ctx(), s.protocol)  # raises UnsafeRedirect
-            if wait is not None:
-                if self.polls == 0 and s.hooks:  # the wait between the 202 and the first poll
-                    yield Emit(PollEvent(call.key, call.label, 0, url, "accepted", wait))
-                yield Sleep(wait)
-            # Same origin: the step's key goes along so the tool can correlate the poll; any
-            # other (explicitly allowed) origin gets neither key, credentials nor user headers.
-            headers = (
-                (*call.headers, ("Accept", "application/json"), (KEY_HEADER, call.key_value))
-                if same_origin
-                else (("Accept", "application/json"),)
-            )
-            out = yield from self.outgoing("GET", url, headers, None, same_origin, self.polls + 1)
-            reply = yield out
-            self.polls += 1
-            decision = interpret_poll(reply, self.ctx(), s.protocol, result_only=result_only)
-            if decision.action is Action.DONE:
-                assert isinstance(reply, Answer)
-                return self.finish(reply, replayed, status_url)
-            if decision.action is Action.RAISE:
-                assert decision.error is not None
-                raise decision.error
-            if decision.action in (Action.FOLLOW, Action.FETCH):
-                assert decision.url is not None
-                hops += 1
-                if hops > MAX_POLL_REDIRECTS:
-                    raise self.ctx().error(
-                        InvokeError, f"polling {self.ctx().where()} redirected too often"
-                    )
-                url, wait = decision.url, None
-                result_only = result_only or decision.action is Action.FETCH
-                continue
-            wait = self.wait(s.polls, self.polls, decision.retry_after, deadline)
-            if wait is None:
-                error = self._timeout(status_url, decision, deadline)
-                yield from self.close_record(CallState.ACCEPTED, error=error, status_url=status_url)
-                raise (yield from self.give_up(decision.reason, error))
-            if s.hooks:
-                yield Emit(PollEvent(call.key, call.label, self.polls, url, decision.reason, wait))
+        if wait is not None:
+            if s.hooks:  # the wait between the 202 and the first poll
+                yield Emit(PollEvent(call.key, call.label, 0, status_url, "accepted", wait))
+            yield Sleep(wait)
+        return (yield from attempts(polling))
 
     def _timeout(self, status_url: str, decision: Decision, deadline: float) -> PollTimeout:
         s, ctx = self.s, self.ctx()
@@ -874,6 +812,242 @@ class _Run:
             step=ctx.step,
             attempts=ctx.attempts,
             status_code=decision.status_code,
+        )
+
+
+class _Sending(Exchange["Decision | Finished"]):
+    """The step's exchange: one request, resent with the same key, and its classifier.
+
+    ``judge`` returns the final :class:`~agentkey._protocol.Decision` (the answer is
+    in ``reply``), a :class:`Finished` when the reconcile hook settled a call in
+    doubt, or :class:`Again`; it raises when the budget is spent.
+    """
+
+    __slots__ = (
+        "ambiguous",
+        "decision",
+        "headers",
+        "held",
+        "in_flight",
+        "reply",
+        "run",
+        "unreachable",
+        "url",
+        "waited",
+    )
+
+    def __init__(self, run: _Run) -> None:
+        call = run.call
+        self.run = run
+        self.url = call.url
+        self.headers = (
+            *call.headers,
+            ("Content-Type", "application/json"),
+            ("Accept", "application/json"),
+            (KEY_HEADER, call.key_value),
+        )
+        self.ambiguous = self.in_flight = False  # some answer was ambiguous / in flight
+        self.waited = 0  # waits for a request of the same key in flight elsewhere
+        self.unreachable = 0  # sends in a row that never reached the tool
+        self.held: Decision | None = None  # the last answer that said the key is in flight
+        self.decision: Decision | None = None  # the last answer's meaning
+        self.reply: Reply | None = None  # the last answer
+
+    def request(self) -> Generator[Effect, Any, Outgoing]:
+        run, call = self.run, self.run.call
+        if run.attempts and run.s.clock() >= run.deadline:
+            return self.expired()  # the deadline passed during the wait
+        return run.outgoing(call.method, self.url, self.headers, call.body, True, run.attempts + 1)
+
+    def expired(self) -> Generator[Effect, Any, Outgoing]:
+        raise (yield from self.spent())
+
+    def judge(self, reply: Reply) -> Generator[Effect, Any, Decision | Finished | Again]:
+        run, call, s = self.run, self.run.call, self.run.s
+        run.attempts += 1
+        not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
+        self.unreachable = self.unreachable + 1 if not_sent else 0
+        run.reached = run.reached or not not_sent
+        if isinstance(reply, Answer):
+            yield from run.learn(reply)
+        decision = classify(reply, run.ctx(), s.protocol)
+        self.reply = reply
+        if self.held is not None and isinstance(reply, Failure) and s.clock() >= run.deadline:
+            # A question about the key in flight was cut by the deadline: the holder's
+            # answer stands (an in-flight key runs nothing for a duplicate).
+            self.decision = self.held
+            raise (yield from self.spent())
+        self.decision = decision
+        self.ambiguous = self.ambiguous or decision.ambiguous
+        self.in_flight = self.in_flight or decision.in_flight
+        if decision.in_flight:
+            self.held = decision
+        if not decision.retry:
+            return decision
+        if decision.ambiguous and not run.honoured():
+            found = yield from run.unhonoured_doubt(decision)
+            if isinstance(found, Finished):
+                return found
+            if not found:  # no resend: the call stays in doubt
+                raise (yield from run.stop_in_doubt(decision))
+        if decision.action is Action.FOLLOW and decision.url:
+            self.url = decision.url
+        if decision.in_flight:
+            self.waited += 1
+            wait = run.wait_in_flight(self.waited, decision.retry_after)
+        else:
+            tries = run.attempts - self.waited
+            wait = run.wait(s.steps, tries, decision.retry_after, run.deadline)
+            if tries >= s.retry.max_attempts or (not_sent and self.unreachable >= MAX_UNREACHABLE):
+                wait = None
+        if wait is None:
+            raise (yield from self.spent())
+        if not s.hooks:
+            return Again(wait)
+        honoured = run.honoured()
+        event = RetryEvent(
+            call.key,
+            call.label,
+            run.attempts,
+            decision.reason,
+            wait,
+            decision.status_code,
+            honoured,
+        )
+        return Again(wait, event)
+
+    def spent(self) -> Generator[Effect, Any, InvokeError]:
+        """The error that ends a step whose budget (attempts, deadline) ran out."""
+        run, decision = self.run, self.decision
+        assert decision is not None
+        assert self.reply is not None
+        error: InvokeError
+        if not run.reached:
+            error = _unreachable(run.call, run, self.reply)
+        else:
+            error = budget_exhausted(
+                decision,
+                run.ctx(),
+                saw_ambiguous=self.ambiguous,
+                saw_in_flight=self.in_flight,
+                honoured=run.honoured(),
+            )
+        return (yield from run.give_up(decision.reason, error))
+
+
+class _Beginning(Exchange["Finished | None"]):
+    """The journal's ``begin``, asked again while a send of the same key is in flight elsewhere.
+
+    ``judge`` returns None when this flow recorded the call (it is to be sent), the
+    call's answer when the journal settles it, or :class:`Again`.
+    """
+
+    __slots__ = ("record", "run", "waited")
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.record: CallRecord | None = None  # the record this flow asks to begin
+        self.waited = 0  # waits for the send in flight elsewhere
+
+    def request(self) -> Generator[Effect, Any, Effect]:
+        self.record = self.run.new_record()
+        yield from ()
+        return Journaled("begin", (self.record,))
+
+    def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
+        run, record = self.run, self.record
+        assert record is not None
+        run.evidence = run.evidence or begun.evidence
+        earlier = begun.existing
+        if earlier is None:
+            run.record = record
+            return None
+        if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
+            raise _other_route(run.call, earlier)  # (one never sent may go elsewhere)
+        if begun.live and not run.honoured() and run.s.honours_keys is None:
+            yield from run.probe()  # a send in flight elsewhere: ask the route first
+        if not (begun.live and not run.honoured()):
+            return (yield from run.settle_earlier(earlier, begun.live))
+        self.waited += 1
+        wait = run.wait_in_flight(self.waited, None)
+        if wait is None:
+            call = run.call
+            raise StepInProgress(
+                f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
+                f"(since {_ago(run.s.wall(), earlier.created_at)}), and the tool is not "
+                "known to honour Idempotency-Key, so it was not sent a second time. Call "
+                "again later: its answer goes into the journal",
+                idempotency_key=call.key,
+                step=call.label,
+            )
+        return Again(wait)
+
+
+class _Polling(Exchange[Finished]):
+    """A status URL's exchange: GET it until the operation ends, and its classifier."""
+
+    __slots__ = (
+        "deadline",
+        "hops",
+        "replayed",
+        "result_only",
+        "run",
+        "same_origin",
+        "status_url",
+        "url",
+    )
+
+    def __init__(
+        self, run: _Run, status_url: str, replayed: bool, deadline: float, result_only: bool
+    ) -> None:
+        self.run, self.status_url, self.replayed = run, status_url, replayed
+        self.deadline, self.result_only = deadline, result_only
+        self.url, self.hops = status_url, 0
+        self.same_origin = poll_target(status_url, run.ctx(), run.s.protocol)  # or UnsafeRedirect
+
+    def request(self) -> Generator[Effect, Any, Outgoing]:
+        run, call = self.run, self.run.call
+        # Same origin: the step's key goes along so the tool can correlate the poll; any
+        # other (explicitly allowed) origin gets neither key, credentials nor user headers.
+        headers = (
+            (*call.headers, ("Accept", "application/json"), (KEY_HEADER, call.key_value))
+            if self.same_origin
+            else (("Accept", "application/json"),)
+        )
+        return (
+            yield from run.outgoing("GET", self.url, headers, None, self.same_origin, run.polls + 1)
+        )
+
+    def judge(self, reply: Reply) -> Generator[Effect, Any, Finished | Again]:
+        run, call, s = self.run, self.run.call, self.run.s
+        run.polls += 1
+        decision = interpret_poll(reply, run.ctx(), s.protocol, result_only=self.result_only)
+        if decision.action is Action.DONE:
+            assert isinstance(reply, Answer)
+            return run.finish(reply, self.replayed, self.status_url)
+        if decision.action is Action.RAISE:
+            assert decision.error is not None
+            raise decision.error
+        if decision.action in (Action.FOLLOW, Action.FETCH):
+            assert decision.url is not None
+            self.hops += 1
+            if self.hops > MAX_POLL_REDIRECTS:
+                raise run.ctx().error(
+                    InvokeError, f"polling {run.ctx().where()} redirected too often"
+                )
+            self.url = decision.url
+            self.same_origin = poll_target(self.url, run.ctx(), s.protocol)
+            self.result_only = self.result_only or decision.action is Action.FETCH
+            return Again()  # at once
+        wait = run.wait(s.polls, run.polls, decision.retry_after, self.deadline)
+        if wait is None:
+            error = run._timeout(self.status_url, decision, self.deadline)
+            yield from run.close_record(CallState.ACCEPTED, error=error, status_url=self.status_url)
+            raise (yield from run.give_up(decision.reason, error))
+        if not s.hooks:
+            return Again(wait)
+        return Again(
+            wait, PollEvent(call.key, call.label, run.polls, self.url, decision.reason, wait)
         )
 
 

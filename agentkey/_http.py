@@ -13,10 +13,12 @@ defences live here, because only here are bytes read:
   so a compressed answer can never inflate past ``max_response_bytes`` in memory.
   One ``gzip`` or ``deflate`` coding is decoded; stacked (``gzip, gzip``) or unknown
   codings are refused unread.
-- **The caller's deadline.** Each request carries the call's deadline: every timeout
-  is cut to the time left, the body read stops when it passes (a server dripping one
-  byte at a time never resets it), and a sync request's socket operations end by it
-  (``_deadline``); the async driver cancels the whole exchange.
+- **The caller's deadline.** Each request carries the call's deadline, on the clock
+  of the flow that yielded it (its driver passes that clock): the time left is read
+  once, on that clock, and from there measured on the monotonic clock the sockets
+  run on. Every timeout is cut to it, the body read stops when it passes (a server
+  dripping one byte at a time never resets it), and a sync request's socket
+  operations end by it (``_deadline``); the async driver cancels the whole exchange.
 - **Redirects httpx never parses.** httpx builds the request of any redirect it
   receives inside ``send``, even one it does not follow, and a ``Location`` it cannot
   parse (``data:,x``, a bad host) escapes as a raw error. The clients agentkey builds
@@ -40,6 +42,7 @@ import time
 import urllib.request
 import weakref
 import zlib
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
@@ -49,10 +52,10 @@ import anyio
 import httpx
 
 from ._deadline import REDIRECTS, DeadlineTransport, Watchdog, deadline_scope
-from ._effects import Outgoing
+from ._effects import Answer, Failure, FailureKind, Outgoing, Reply
 from ._exceptions import ConfigurationError
 from ._net import secret_forms
-from ._protocol import BAD_LOCATION, Answer, Failure, FailureKind, Reply
+from ._protocol import BAD_LOCATION
 
 __all__ = [
     "ACCEPT_ENCODING",
@@ -360,7 +363,19 @@ def _adapt(lib: Any, auth: httpx.Auth | None) -> Any:
 
 
 def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (on ``time.monotonic()``, the sockets' clock)."""
     return None if deadline is None else deadline - time.monotonic()
+
+
+def _at_socket(out: Outgoing, clock: Callable[[], float]) -> float | None:
+    """``out``'s deadline (on ``clock``, the flow's) as a deadline on the sockets' clock.
+
+    The time left is read once, on the clock the flow measured its deadline on, so a
+    flow on a test's fake clock and the request it sends agree on how long is left.
+    """
+    if out.deadline is None or clock is time.monotonic:
+        return out.deadline
+    return time.monotonic() + (out.deadline - clock())
 
 
 def _cut(lib: Any, timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
@@ -641,9 +656,10 @@ def _build(
     client: httpx.Client | httpx.AsyncClient,
     out: Outgoing,
     timeout: httpx.Timeout | None,
+    deadline: float | None,
 ) -> httpx.Request | Failure:
     """The request, or why it cannot be sent: a URL from the tool that httpx cannot parse."""
-    left = _left(out.deadline)
+    left = _left(deadline)
     if left is not None and left <= 0:
         return Failure(FailureKind.NOT_SENT, "the call's deadline passed before the request")
     try:
@@ -688,26 +704,29 @@ def send_sync(
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Reply:
-    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
+    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
+
+    ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
+    """
+    deadline = _at_socket(out, clock)
     target, lib, made = _target(client, out)
-    request = _build(lib, target, out, timeout)
+    request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):
         return request
     # A transport agentkey did not build (a user's client, an environment proxy) is watched
     # through httpcore's trace extension instead of keeping the deadline at each socket call.
-    watchdog = (
-        None if made is not None and made.exact else Watchdog(out.deadline, request.extensions)
-    )
+    watchdog = None if made is not None and made.exact else Watchdog(deadline, request.extensions)
     try:
-        with deadline_scope(out.deadline):
+        with deadline_scope(deadline):
             # Auth and redirects are explicit, so a user client's own auth never applies and
             # no redirect is followed behind our back. Another origin's request goes through
             # a client without a cookie jar (``_foreign``): this one's jar ignores ports, so
             # a poll origin on the same host could plant cookies the tool then receives.
             response = target.send(request, **_sending(lib, auth, out))
             try:
-                body = _Body(response, max_bytes, out.deadline)
+                body = _Body(response, max_bytes, deadline)
                 if body.pending and body.result is None:
                     for raw in response.iter_raw():
                         if body.feed(raw):
@@ -723,7 +742,7 @@ def send_sync(
             finally:
                 response.close()  # also on KeyboardInterrupt
     except lib.RequestError as exc:
-        return _failed(exc, lib, out.deadline, watchdog is not None and watchdog.redirected)
+        return _failed(exc, lib, deadline, watchdog is not None and watchdog.redirected)
     except (lib.InvalidURL, UnicodeError):
         failure = _bad_location(made, watchdog)
         if failure is None:
@@ -741,18 +760,23 @@ async def send_async(
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,  # noqa: ASYNC109 - httpx per-phase timeouts; the call's deadline is out.deadline
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Reply:
-    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed."""
+    """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
+
+    ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
+    """
+    deadline = _at_socket(out, clock)
     target, lib, made = _target(client, out)
-    request = _build(lib, target, out, timeout)
+    request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):
         return request
-    left = _left(out.deadline)
+    left = _left(deadline)
     try:
         with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
             response = await target.send(request, **_sending(lib, auth, out))
             try:
-                body = _Body(response, max_bytes, out.deadline)
+                body = _Body(response, max_bytes, deadline)
                 if body.pending and body.result is None:
                     async for raw in response.aiter_raw():
                         if body.feed(raw):
@@ -764,7 +788,7 @@ async def send_async(
     except TimeoutError:
         return Failure(FailureKind.AMBIGUOUS, _DEADLINE)
     except lib.RequestError as exc:
-        return _failed(exc, lib, out.deadline, redirected=False)
+        return _failed(exc, lib, deadline, redirected=False)
     except (lib.InvalidURL, UnicodeError):
         failure = _bad_location(made, None)
         if failure is None:

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import inspect
 import random
 import re
 import time
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
 from . import _flow
-from ._drive import run_async, run_sync
+from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
 from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
 from ._exceptions import ConfigurationError, InsecureTransport
 from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
@@ -120,6 +121,12 @@ class ToolResult(BaseModel):
 
 
 class _InvokerBase:
+    #: The clock, random source and wall clock every flow of the invoker runs on (injected
+    #: into its Settings and its driver; tests replace them before building an invoker).
+    _clock: Callable[[], float] = staticmethod(time.monotonic)
+    _rng: Callable[[], float] = staticmethod(random.random)
+    _wall: Callable[[], float] = staticmethod(time.time)
+
     def __init__(
         self,
         base_url: str,
@@ -245,9 +252,9 @@ class _InvokerBase:
             retry,
             polling,
             bool(hooks),
-            time.monotonic,
-            random.random,
-            time.time,
+            self._clock,
+            self._rng,
+            self._wall,
             journal=self._journal is not None,
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=honours_keys,
@@ -256,6 +263,27 @@ class _InvokerBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r})"
+
+    def _handlers(
+        self,
+        client: Client | AsyncClient,
+        send: Callable[..., Any],
+        sleep: Callable[[Sleep], Any],
+        *,
+        asynchronous: bool,
+    ) -> Handlers:
+        """How this invoker's driver carries out each effect: ``send`` (send_sync or send_async)
+        through ``client``.
+
+        The request goes out with the deadline read on the flows' own clock. The table
+        holds what the invoker holds, never the invoker, so it makes no reference cycle.
+        """
+        options = {"auth": self._auth, "timeout": self._timeout, "max_bytes": self._max_bytes}
+        return {
+            **shared_handlers(self._hooks, self._journal, asynchronous=asynchronous),
+            Outgoing: functools.partial(send, client, **options, clock=self._settings.clock),
+            Sleep: sleep,
+        }
 
     @property
     def journal(self) -> Journal | None:
@@ -386,9 +414,50 @@ class _InvokerBase:
             repeat_of=done.repeat_of,
         )
 
-    def _emit(self, effect: Emit) -> None:
-        for hook in self._hooks:
+
+def shared_handlers(
+    hooks: Sequence[Callable[[Any], object]], journal: Journal | None, *, asynchronous: bool
+) -> dict[type, Callable[[Any], Any]]:
+    """How a tool-call front end carries out what is neither a request nor a sleep.
+
+    The hooks get each event; the journal runs each operation (its ``a``-prefixed
+    twin on asyncio); the reconcile hook answers for a call in doubt. Shared by both
+    invokers and the MCP session; none of it holds the front end itself.
+    """
+    prefix = "a" if asynchronous else ""
+
+    def emit(effect: Emit) -> None:
+        for hook in hooks:
             hook(effect.event)
+
+    def journaled(effect: Journaled) -> Any:
+        return getattr(journal, prefix + effect.op)(*effect.args, **effect.kwargs)
+
+    return {Emit: emit, Journaled: journaled, Verify: _verified if asynchronous else _verify_sync}
+
+
+def _verified(effect: Verify) -> Any:
+    """The reconcile hook's Verdict (an awaitable one is awaited by the async carrier)."""
+    return effect.hook(effect.call)
+
+
+def _verify_sync(effect: Verify) -> Any:
+    verdict = effect.hook(effect.call)
+    if inspect.isawaitable(verdict):
+        _close_awaitable(verdict)
+        raise ConfigurationError(
+            "verify= is a coroutine function, which ToolInvoker cannot await; give it a "
+            "plain function, or use AsyncToolInvoker"
+        )
+    return verdict
+
+
+def _sleep(effect: Sleep) -> None:
+    time.sleep(effect.seconds)
+
+
+def _asleep(effect: Sleep) -> Awaitable[None]:
+    return asyncio.sleep(effect.seconds)
 
 
 def _close_awaitable(value: object) -> None:
@@ -464,6 +533,7 @@ class ToolInvoker(_InvokerBase):
         self._owns_client = client is None
         self._check_client_headers(client)
         self._client = client if client is not None else make_client(self._timeout)
+        self._carry = carrier(self._handlers(self._client, send_sync, _sleep, asynchronous=False))
         if self._journal is not None and not self._journal.supports_sync:
             raise ConfigurationError(
                 f"{self._journal!r} serves AsyncToolInvoker only (its client is asyncio); give "
@@ -503,34 +573,6 @@ class ToolInvoker(_InvokerBase):
     def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
         with in_flight(owner):
             return self._result(run_sync(flow, self._carry))
-
-    def _carry(self, effect: object) -> object:
-        """Carry out one effect of a flow (the flow decided it)."""
-        if isinstance(effect, Outgoing):
-            return send_sync(
-                self._client,
-                effect,
-                auth=self._auth,
-                timeout=self._timeout,
-                max_bytes=self._max_bytes,
-            )
-        if isinstance(effect, Emit):
-            self._emit(effect)
-            return None
-        if isinstance(effect, Sleep):
-            time.sleep(effect.seconds)
-            return None
-        if isinstance(effect, Journaled):
-            return getattr(self._journal, effect.op)(*effect.args, **effect.kwargs)
-        assert isinstance(effect, Verify)
-        verdict = effect.hook(effect.call)
-        if inspect.isawaitable(verdict):
-            _close_awaitable(verdict)
-            raise ConfigurationError(
-                "verify= is a coroutine function, which ToolInvoker cannot await; give it a "
-                "plain function, or use AsyncToolInvoker"
-            )
-        return verdict
 
     def close(self) -> None:
         """Close the HTTP client if agentkey created it."""
@@ -582,6 +624,9 @@ class AsyncToolInvoker(_InvokerBase):
         self._owns_client = client is None
         self._check_client_headers(client)
         self._client = client if client is not None else make_async_client(self._timeout)
+        self._carry = async_carrier(
+            self._handlers(self._client, send_async, _asleep, asynchronous=True)
+        )
         if self._journal is not None and not self._journal.supports_async:
             raise ConfigurationError(
                 f"{self._journal!r} serves ToolInvoker only (its client is synchronous); give "
@@ -621,28 +666,6 @@ class AsyncToolInvoker(_InvokerBase):
     async def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
         with in_flight(owner):
             return self._result(await run_async(flow, self._carry))
-
-    async def _carry(self, effect: object) -> object:
-        """Carry out one effect of a flow (the flow decided it)."""
-        if isinstance(effect, Outgoing):
-            return await send_async(
-                self._client,
-                effect,
-                auth=self._auth,
-                timeout=self._timeout,
-                max_bytes=self._max_bytes,
-            )
-        if isinstance(effect, Emit):
-            self._emit(effect)
-            return None
-        if isinstance(effect, Sleep):
-            await asyncio.sleep(effect.seconds)
-            return None
-        if isinstance(effect, Journaled):
-            return await getattr(self._journal, "a" + effect.op)(*effect.args, **effect.kwargs)
-        assert isinstance(effect, Verify)
-        verdict = effect.hook(effect.call)
-        return await verdict if inspect.isawaitable(verdict) else verdict
 
     async def aclose(self) -> None:
         """Close the HTTP client if agentkey created it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
@@ -226,7 +227,7 @@ class PollPolicy:
 
     def wait(self, poll_number: int) -> float:
         """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``."""
-        return self.schedule.delay(poll_number)
+        return self.schedule.delay(poll_number, rng=random.random)
 
 
 readable_aliases(PollPolicy, _POLL_ALIASES)

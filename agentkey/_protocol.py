@@ -115,12 +115,17 @@ class ProtocolConfig:
 
 @dataclass(frozen=True, slots=True)
 class CallContext:
-    """Who an error concerns: the key, the step label and the attempts made so far."""
+    """Who an error concerns: the key, the step label and the attempts made so far.
+
+    ``wall`` is the flow's wall time (Unix seconds) when the answer is judged: an
+    HTTP-date ``Retry-After`` is measured from it (None: a date gives no hint).
+    """
 
     idempotency_key: str
     step: str | None
     attempts: int
     polls: int = 0
+    wall: float | None = None
 
     def where(self) -> str:
         """The key as messages show it: plan id and step label, never the whole key."""
@@ -228,18 +233,20 @@ def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
     return None
 
 
-def retry_after(value: str | None) -> float | None:
+def retry_after(value: str | None, now: float | None = None) -> float | None:
     """The seconds a ``Retry-After`` value asks for, or None (then the caller backs off).
 
-    Never raises: a delay of hundreds or thousands of digits (which ``float``
-    cannot hold, or ``int`` refuses to parse) means "longer than any cap", so it
-    is the largest finite float and the caller's caps and deadline apply.
+    An HTTP-date is measured from ``now`` (Unix seconds, from the caller's wall
+    clock; None: a date gives no hint). Never raises: a delay of hundreds or
+    thousands of digits (which ``float`` cannot hold, or ``int`` refuses to parse)
+    means "longer than any cap", so it is a large finite number and the caller's
+    caps and deadline apply.
     """
-    return parse_retry_after(value)
+    return parse_retry_after(value, now=now)
 
 
-def _retry_after(answer: Answer) -> float | None:
-    return retry_after(answer.header("retry-after"))
+def _retry_after(answer: Answer, ctx: CallContext) -> float | None:
+    return parse_retry_after(answer.header("retry-after"), now=ctx.wall)
 
 
 # --- the dialects of "the key is the problem", "mismatch" and "in flight" --------------------
@@ -573,13 +580,13 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
     in_flight = status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT)
     if status in cfg.retry_statuses and (in_flight or status not in IN_FLIGHT_STATUSES):
         if in_flight:
-            label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply)
+            label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply, ctx)
         elif status in (429, 503):
-            label, ambiguous, hint = f"overloaded ({status})", False, _retry_after(reply)
+            label, ambiguous, hint = f"overloaded ({status})", False, _retry_after(reply, ctx)
         elif status >= 500:
             label, ambiguous, hint = f"server error {status}", True, None
         else:
-            label, ambiguous, hint = f"status {status}", False, _retry_after(reply)
+            label, ambiguous, hint = f"status {status}", False, _retry_after(reply, ctx)
         return Decision(
             Action.RETRY,
             label,
@@ -873,7 +880,7 @@ def interpret_poll(
     status = reply.status_code
     body = _parsed(reply)
     if status == 202:
-        return Decision(Action.WAIT, "accepted", retry_after=_retry_after(reply))
+        return Decision(Action.WAIT, "accepted", retry_after=_retry_after(reply, ctx))
     if status == 303 or status in _REDIRECTS:
         location = reply.header("location")
         if not location:
@@ -908,7 +915,7 @@ def interpret_poll(
         return Decision(
             Action.WAIT,
             f"poll answered {status}",
-            retry_after=_retry_after(reply),
+            retry_after=_retry_after(reply, ctx),
             status_code=status,
         )
     return Decision(
@@ -932,7 +939,7 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
     status = answer.status_code
     if state is None and isinstance(body, dict) and isinstance(body.get("done"), bool):
         if not body["done"]:
-            return Decision(Action.WAIT, "running", retry_after=_retry_after(answer))
+            return Decision(Action.WAIT, "running", retry_after=_retry_after(answer, ctx))
         state = "failed" if body.get("error") is not None else "succeeded"  # AIP-151
     if state is None or state in _SUCCEEDED:
         return Decision(Action.DONE, state or "done", status_code=status)
@@ -952,7 +959,7 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
             ),
         )
     # running, pending, queued, in_progress, notstarted, or a state we do not know yet
-    return Decision(Action.WAIT, state, retry_after=_retry_after(answer))
+    return Decision(Action.WAIT, state, retry_after=_retry_after(answer, ctx))
 
 
 # --- does the tool honour keys? (evidence an answer carries) -------------------------------

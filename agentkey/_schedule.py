@@ -9,14 +9,14 @@ spin). The caller cuts the result to its deadline.
 
 The capped exponential is tenacity's ``wait_exponential`` (overflow-safe for any
 attempt count), called with a call state the schedule owns; tenacity's retry
-engine is not used. The jitter draw comes from the caller's ``rng``, so a test
-drives the schedule deterministically.
+engine is not used (it reads the clock). The jitter draw comes from the caller's
+``rng``, so a test drives the schedule deterministically; nothing here reads a
+clock or a random source of its own.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,18 +62,46 @@ class Backoff:
         attempt: int,
         retry_after: float | None = None,
         *,
-        rng: Callable[[], float] = random.random,
+        rng: Callable[[], float] | None = None,
     ) -> float:
         """Seconds to wait after ``attempt`` (>= 1) attempts; ``retry_after`` wins, capped.
 
-        Never less than ``floor``.
+        Never less than ``floor``. ``rng`` (uniform in [0, 1)) draws the jitter; a
+        jittered schedule needs one.
         """
         if retry_after is not None:
             return max(self.floor, min(float(retry_after), self.max_retry_after))
         state = tenacity.RetryCallState(_NO_ENGINE, fn=None, args=(), kwargs={})
         state.attempt_number = max(1, attempt)
         base = float(self._ceiling(state))
-        return max(self.floor, base * rng() if self.jitter else base)
+        if not self.jitter:
+            return max(self.floor, base)
+        if rng is None:
+            raise ConfigurationError("a jittered Backoff draws from the caller's rng; pass rng=")
+        return max(self.floor, base * rng())
+
+    def within(
+        self,
+        attempt: int,
+        retry_after: float | None,
+        *,
+        left: float,
+        rng: Callable[[], float] | None = None,
+        whole: bool = False,
+    ) -> float | None:
+        """The wait after ``attempt`` attempts when ``left`` seconds remain before the deadline.
+
+        The one deadline rule of every retry: None once the deadline has passed;
+        otherwise :meth:`delay` cut to ``left``, or, with ``whole``, None when that
+        delay would not end before the deadline (a wait that would only run out the
+        clock is not begun).
+        """
+        if left <= 0:
+            return None
+        wait = self.delay(attempt, retry_after, rng=rng)
+        if whole and wait >= left:
+            return None
+        return min(wait, left)
 
 
 #: The call state tenacity's wait strategies read names an engine; none ever runs.

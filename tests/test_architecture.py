@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from agentkey import _effects
+
 ROOT = Path(__file__).resolve().parents[1] / "agentkey"
 
 #: Layers, lowest first. A module may import agentkey modules of its own layer or below.
@@ -61,13 +63,19 @@ PURE = {
     "agentkey.journal._verify",
     "agentkey.server._decide",
 }
-IO_MODULES = {
+#: What a pure module never imports: I/O, a clock (``time``, ``datetime.now``), a random
+#: source of its own, or a logger. Its clock, random source and wall time are injected, and
+#: what it would log or tell a hook is an ``Emit`` effect the driver carries out.
+IMPURE_MODULES = {
     "anyio",
     "asyncio",
+    "datetime",
     "httpx",
     "httpx2",
+    "logging",
     "psycopg",
     "psycopg_pool",
+    "random",
     "redis",
     "socket",
     "ssl",
@@ -155,8 +163,11 @@ def test_import_rules(path: Path) -> None:
         top = name.split(".")[0]
         if top in {"httpx", "httpx2"} and module not in HTTPX_OWNERS:
             broken.append(f"line {line}: imports {name}; only agentkey/_http.py talks to httpx")
-        if module in PURE and top in IO_MODULES:
-            broken.append(f"line {line}: imports {name}; {module} must stay free of I/O and clocks")
+        if module in PURE and top in IMPURE_MODULES:
+            broken.append(
+                f"line {line}: imports {name}; {module} must stay free of I/O, clocks, random "
+                "sources and logging (inject them, or yield an effect)"
+            )
         if top != "agentkey" or facade:
             continue
         target = _owner(name)
@@ -166,6 +177,32 @@ def test_import_rules(path: Path) -> None:
         if _layer(module) == SERVER and _layer(target) == WIRE:
             broken.append(f"line {line}: the server half imports the client's wire ({target})")
     assert not broken, f"{module}:\n" + "\n".join(broken)
+
+
+#: The core's vocabulary: defined in agentkey/_effects.py, and imported from there alone.
+EFFECT_TYPES = frozenset(_effects.__all__)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))
+def test_effect_types_come_from_one_module(path: Path) -> None:
+    """Flows, drivers and the wire take the effect types from _effects, never a re-export."""
+    module = _module_name(path)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    broken = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            source = node.module.rpartition(".")[2]
+            names = {alias.name for alias in node.names} & EFFECT_TYPES
+            ours = node.level > 0 or node.module.startswith("agentkey")
+            if names and ours and source != "_effects":
+                broken.append(f"line {node.lineno}: {sorted(names)} from {node.module}")
+        elif isinstance(node, ast.Attribute) and node.attr in EFFECT_TYPES:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in {"_http", "_protocol", "_flow"}:
+                broken.append(f"line {node.lineno}: {owner.id}.{node.attr}")
+    assert not broken, f"{module} takes effect types from elsewhere than _effects:\n" + "\n".join(
+        broken
+    )
 
 
 def _same_package(module: str, target: str) -> bool:

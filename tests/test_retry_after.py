@@ -1,9 +1,9 @@
-"""Retry-After parsing: delay-seconds, HTTP-dates and garbage."""
+"""Retry-After parsing: delay-seconds, HTTP-dates (from an injected wall time) and garbage."""
 
 from __future__ import annotations
 
 import datetime as dt
-from email.utils import format_datetime
+from email.utils import format_datetime, parsedate_to_datetime
 
 import pytest
 from hypothesis import given
@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from agentkey._retry_after import parse_retry_after
 
-NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.timezone.utc)
+NOW_DATE = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.timezone.utc)
+NOW = NOW_DATE.timestamp()  # the caller's wall clock, in Unix seconds
 
 
 @pytest.mark.parametrize(
@@ -43,13 +44,13 @@ def test_values(value: str | None, expected: float | None) -> None:
 @given(st.integers(min_value=0, max_value=10**12))
 def test_delay_seconds(seconds: int) -> None:
     """Any non-negative integer is that many seconds."""
-    assert parse_retry_after(str(seconds)) == float(seconds)
+    assert parse_retry_after(str(seconds), now=None) == float(seconds)
 
 
 @given(st.integers(min_value=-(10**6), max_value=10**6))
 def test_http_dates(offset: int) -> None:
     """An HTTP-date gives its distance from now, never negative."""
-    when = NOW + dt.timedelta(seconds=offset)
+    when = NOW_DATE + dt.timedelta(seconds=offset)
     assert parse_retry_after(format_datetime(when, usegmt=True), now=NOW) == max(0, offset)
 
 
@@ -79,3 +80,41 @@ def test_protocol_retry_after_never_raises(value: str) -> None:
 
     wait = retry_after(value)
     assert wait is None or 0 <= wait < float("inf")
+
+
+def _by_datetime(value: str, now: dt.datetime) -> float | None:
+    """The HTTP-date reading of ``value`` through ``datetime``, as the parser read it before."""
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return max(0.0, (when - now).total_seconds())
+
+
+_FIELDS = st.tuples(
+    st.sampled_from(["Sun, ", "Mon, ", ""]),
+    st.integers(-1, 40),
+    st.sampled_from(["Jan", "Feb", "Apr", "Nov", "Dec", "Foo"]),
+    st.integers(-1, 10000),
+    st.integers(-1, 25),
+    st.integers(-1, 61),
+    st.integers(-1, 61),
+    st.sampled_from(["GMT", "UT", "+0200", "-0000", "-0130", "+2400", "+9959", "EST", ""]),
+)
+
+
+@given(_FIELDS)
+def test_dates_read_as_datetime_reads_them(fields: tuple[object, ...]) -> None:
+    """Impossible dates (31 Feb, second 60, a zone of a day) give None, as datetime refuses them."""
+    weekday, day, month, year, hour, minute, second, zone = fields
+    value = f"{weekday}{day} {month} {year} {hour:02}:{minute:02}:{second:02} {zone}".strip()
+    expected = _by_datetime(value, NOW_DATE)
+    assert parse_retry_after(value, now=NOW) == expected
+
+
+def test_a_date_without_a_wall_time_gives_no_hint() -> None:
+    """With no wall time (now=None) an HTTP-date says nothing usable; seconds still count."""
+    assert parse_retry_after("Sun, 29 Nov 2026 12:00:30 GMT", now=None) is None
+    assert parse_retry_after("30", now=None) == 30.0

@@ -18,9 +18,12 @@ refresh already in flight or becomes its leader:
   not turn each call into a token request.
 
 Decisions are made once, under the lock, in ``_decide``; the sync and async
-paths only wait, send and await. Token requests go through ``_http`` on
-clients the provider owns (opened on first use, released by ``close``), so
-a refresh never builds a new HTTP client.
+paths only wait, send and await. A refresh (``_obtain``, yielding token
+requests and store calls) and each token request (``TokenEndpoint.exchange``,
+a flow on the client's retry loop) run on the shared drivers of ``_drive``;
+the carriers here send through ``_http`` on clients the provider owns (opened
+on first use, released by ``close``, so a refresh never builds a new HTTP
+client), sleep, and give events to the hooks and lines to the logger.
 """
 
 from __future__ import annotations
@@ -28,19 +31,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import Any, TypeVar
 
 from .. import _http
+from .._drive import Handlers, async_carrier, carrier, run_async, run_sync
+from .._effects import Emit, Outgoing, Sleep
 from .._exceptions import AuthError, ConfigurationError
 from .._net import require_secure
-from .._protocol import Reply
-from ._endpoint import MAX_TOKEN_ANSWER_BYTES, Attempt, Exchange, TokenEndpoint, TokenRequest
+from ._endpoint import MAX_TOKEN_ANSWER_BYTES, Note, TokenEndpoint, TokenFlow, TokenRequest
 from ._policy import TokenPolicy
 from ._token import Token, TokenEvent, TokenHook
 
@@ -176,6 +180,10 @@ class TokenProvider(_http.Auth):
     #: How the provider waits between token requests (tests replace them: nothing really waits).
     _sleep: Callable[[float], None] = staticmethod(time.sleep)
     _asleep: Callable[[float], Awaitable[None]] = staticmethod(asyncio.sleep)
+    #: The random source of the jitter and the wall clock of Retry-After dates, injected into
+    #: each token request's flow (the policy's clock measures everything else).
+    _rng: Callable[[], float] = staticmethod(random.random)
+    _wall: Callable[[], float] = staticmethod(time.time)
 
     def __init__(
         self,
@@ -339,21 +347,13 @@ class TokenProvider(_http.Auth):
 
     # -- sync path --------------------------------------------------------------------
 
-    def _emit(
-        self,
-        phase: Literal["start", "end"],
-        request: TokenRequest,
-        attempts: int = 0,
-        error: BaseException | None = None,
-    ) -> None:
-        endpoint = self._require_endpoint()
-        event = TokenEvent(
-            phase,
-            request.grant_name,
-            str(endpoint.origin),
-            attempts,
-            None if error is None else type(error).__name__,
-        )
+    def _tell(self, effect: Emit) -> None:
+        """Give a token request's event to the hooks, or its note to the logger."""
+        event = effect.event
+        if isinstance(event, Note):
+            (_log.warning if event.level == "warning" else _log.debug)("%s", event.text)
+            return
+        assert isinstance(event, TokenEvent)
         for hook in self._hooks:
             hook(event)
 
@@ -370,56 +370,29 @@ class TokenProvider(_http.Auth):
         timeout = _http.make_timeout(self._policy.timeout)
         return factory(timeout, verify=self._require_endpoint().verify, pooled=False, cookies=False)
 
-    @staticmethod
-    def _bounded(attempt: Attempt) -> _http.Outgoing:
-        return dataclasses.replace(attempt.outgoing, deadline=time.monotonic() + attempt.seconds)
+    def _flow(self, request: TokenRequest) -> TokenFlow:
+        return self._require_endpoint().exchange(request, rng=self._rng, wall=self._wall)
 
-    def _exchange_sync(self, request: TokenRequest) -> Token:
-        """Drive the endpoint's exchange: each attempt through ``_http``, each wait slept."""
-        exchange: Exchange = self._require_endpoint().exchange(request)
-        attempts = 0
-        self._emit("start", request)
-        try:
-            effect = next(exchange)
-            while True:
-                reply: Reply | None = None
-                if isinstance(effect, Attempt):
-                    attempts += 1
-                    reply = _http.send_sync(
-                        self._sync_client(),
-                        self._bounded(effect),
-                        auth=None,
-                        timeout=None,
-                        max_bytes=MAX_TOKEN_ANSWER_BYTES,
-                    )
-                else:
-                    self._sleep(effect.seconds)
-                effect = exchange.send(reply)
-        except StopIteration as stop:
-            token: Token = stop.value
-        except BaseException as exc:
-            self._emit("end", request, attempts, exc)
-            raise
-        self._emit("end", request, attempts)
-        return token
+    def _carry_sync(self) -> Callable[[Any], Any]:
+        """How a refresh's ``_obtain`` and its token requests' flows are carried out."""
+        handlers: Handlers = {
+            TokenRequest: lambda request: run_sync(self._flow(request), self._carry_sync()),
+            Call: lambda call: call.fn(),
+            Outgoing: self._send_sync,
+            Sleep: lambda sleep: self._sleep(sleep.seconds),
+            Emit: self._tell,
+        }
+        return carrier(handlers)  # built per refresh: the provider keeps no cycle through it
 
-    def _perform_sync(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
-        try:
-            if isinstance(op, Call):
-                return op.fn(), None
-            return self._exchange_sync(op), None
-        except AuthError as exc:
-            return None, exc
-
-    def _run_sync(self, gen: Obtain) -> Token:
-        try:
-            op = next(gen)
-            while True:
-                result, error = self._perform_sync(op)
-                op = gen.send(result) if error is None else gen.throw(error)
-        except StopIteration as stop:
-            token: Token = stop.value
-            return token
+    def _send_sync(self, out: Outgoing) -> object:
+        return _http.send_sync(
+            self._sync_client(),
+            out,
+            auth=None,
+            timeout=None,
+            max_bytes=MAX_TOKEN_ANSWER_BYTES,
+            clock=self._policy.clock,
+        )
 
     def _token_sync(self, rejected: Token | None = None) -> Token:
         decision = self._decide(rejected)
@@ -435,7 +408,7 @@ class TokenProvider(_http.Auth):
         if not lead:
             return flight.wait_sync(self._wait_cap())
         try:
-            token = self._run_sync(self._obtain(current))
+            token = run_sync(self._obtain(current), self._carry_sync())
         except AuthError as exc:
             self._settle(flight, None, exc)
             raise
@@ -457,56 +430,30 @@ class TokenProvider(_http.Auth):
                 self._async_client = self._open(_http.make_async_client)
             return self._async_client
 
-    async def _exchange_async(self, request: TokenRequest) -> Token:
-        """Awaitable ``_exchange_sync``."""
-        exchange: Exchange = self._require_endpoint().exchange(request)
-        attempts = 0
-        self._emit("start", request)
-        try:
-            effect = next(exchange)
-            while True:
-                reply: Reply | None = None
-                if isinstance(effect, Attempt):
-                    attempts += 1
-                    reply = await _http.send_async(
-                        self._async_http(),
-                        self._bounded(effect),
-                        auth=None,
-                        timeout=None,
-                        max_bytes=MAX_TOKEN_ANSWER_BYTES,
-                    )
-                else:
-                    await self._asleep(effect.seconds)
-                effect = exchange.send(reply)
-        except StopIteration as stop:
-            token: Token = stop.value
-        except BaseException as exc:
-            self._emit("end", request, attempts, exc)
-            raise
-        self._emit("end", request, attempts)
-        return token
+    def _carry_async(self) -> Callable[[Any], Awaitable[Any]]:
+        """The asyncio ``_carry_sync``: store calls run in a worker thread."""
+        handlers: Handlers = {
+            TokenRequest: lambda request: run_async(self._flow(request), self._carry_async()),
+            Call: lambda call: asyncio.to_thread(call.fn),
+            Outgoing: self._send_async,
+            Sleep: lambda sleep: self._asleep(sleep.seconds),
+            Emit: self._tell,
+        }
+        return async_carrier(handlers)
 
-    async def _perform_async(self, op: TokenRequest | Call) -> tuple[object, AuthError | None]:
-        try:
-            if isinstance(op, Call):
-                return await asyncio.to_thread(op.fn), None
-            return await self._exchange_async(op), None
-        except AuthError as exc:
-            return None, exc
-
-    async def _run_async(self, gen: Obtain) -> Token:
-        try:
-            op = next(gen)
-            while True:
-                result, error = await self._perform_async(op)
-                op = gen.send(result) if error is None else gen.throw(error)
-        except StopIteration as stop:
-            token: Token = stop.value
-            return token
+    def _send_async(self, out: Outgoing) -> Awaitable[object]:
+        return _http.send_async(
+            self._async_http(),
+            out,
+            auth=None,
+            timeout=None,
+            max_bytes=MAX_TOKEN_ANSWER_BYTES,
+            clock=self._policy.clock,
+        )
 
     async def _lead_async(self, flight: _Flight, current: Token | None) -> None:
         try:
-            token = await self._run_async(self._obtain(current))
+            token = await run_async(self._obtain(current), self._carry_async())
         except AuthError as exc:
             self._settle(flight, None, exc)
         except Exception as exc:

@@ -1,32 +1,38 @@
-"""The token endpoint without I/O: build a request, interpret an answer, schedule retries.
+"""The token endpoint without I/O: build a request, interpret an answer, retry on the engine.
 
-:meth:`TokenEndpoint.exchange` is a generator: it yields an :class:`Attempt` (a
-request to send, and how long it may take) or a :class:`Wait`, and receives
-the :class:`~agentkey._protocol.Reply` of each attempt. The provider sends it
-through ``_http`` on the client it owns and does the waiting. Time is read from
-the policy's clock only, and waits come from ``TokenPolicy.schedule``: the
-same backoff formula as step retries and polls.
+:meth:`TokenEndpoint.exchange` is a flow of the core's effects (``_effects``),
+run on the client's one retry loop (``_flow.attempts``) with a classifier of its
+own (:meth:`TokenEndpoint.interpret`): it yields each token request as an
+``Outgoing`` whose deadline is on the policy's clock, a ``Sleep`` between
+attempts, and an ``Emit`` for each :class:`~agentkey.auth.TokenEvent` and each
+log line (:class:`Note`). The provider runs it with the shared drivers
+(``_drive``) and carries the effects out: the request through ``_http`` on the
+client it owns, the waits, the hooks and the logger. Time is read from the
+policy's clock only, the jitter from the injected ``rng``, and a ``Retry-After``
+date is measured from the injected ``wall``; waits come from
+``TokenPolicy.schedule``, the same backoff formula and deadline rule as step
+retries and polls.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import SecretStr
 
+from .._effects import Effect, Emit, Failure, Outgoing, Reply
 from .._exceptions import ConfigurationError, TokenError
-from .._http import Outgoing
+from .._flow import Again, Exchange, attempts
 from .._net import origin_of, redact_url, require_secure, scrub, secret_forms
-from .._protocol import Failure, Reply, parse_json
+from .._protocol import parse_json
 from .._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
 from ._policy import TokenPolicy
-from ._token import Token, header_safe, refresh_deadline
+from ._token import Token, TokenEvent, header_safe, refresh_deadline
 
 if TYPE_CHECKING:
     import ssl
@@ -35,18 +41,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TOKEN_ANSWER_BYTES",
-    "Attempt",
     "ClientAuthConfig",
-    "Exchange",
+    "Note",
     "TokenEndpoint",
+    "TokenFlow",
     "TokenRequest",
-    "Wait",
     "redact_url",
     "require_secure",
     "scope_text",
 ]
-
-_log = logging.getLogger("agentkey.auth")
 
 #: The largest token endpoint answer read: a token answer is a few kilobytes.
 MAX_TOKEN_ANSWER_BYTES = 1024 * 1024
@@ -98,26 +101,22 @@ class TokenRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Attempt:
-    """Send ``outgoing``; it may take ``seconds`` (the policy's timeout, cut to its deadline)."""
+class Note:
+    """A line for the ``agentkey.auth`` logger, emitted by the flow (which never logs itself)."""
 
-    outgoing: Outgoing
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Wait ``seconds`` before the next attempt."""
-
-    seconds: float
+    level: Literal["debug", "warning"]
+    text: str
 
 
-#: The effects of one token request: attempts and waits in, the Token out.
-Exchange = Generator[Attempt | Wait, Reply | None, Token]
+#: One token request as a flow: effects out, replies in, the Token at the end.
+TokenFlow: TypeAlias = Generator[Effect, Any, Token]
 
 
 class _Retryable(Exception):
-    """A token request may succeed if sent again (429, 5xx, timeout, connection error)."""
+    """The classifier's verdict that a token request may succeed if sent again.
+
+    429, 5xx, a timeout or a connection error; the exchange waits and resends.
+    """
 
     def __init__(self, reason: str, *, status_code: int | None, retry_after: float | None):
         super().__init__(reason)
@@ -239,11 +238,14 @@ class TokenEndpoint:
         )
         return headers, body.encode("ascii")
 
-    def outgoing(self, request: TokenRequest) -> Outgoing:
-        """``request`` as the POST to send: form body, client authentication applied."""
+    def outgoing(self, request: TokenRequest, *, deadline: float | None = None) -> Outgoing:
+        """``request`` as the POST to send: form body, client authentication applied.
+
+        ``deadline`` is on the policy's clock.
+        """
         headers, body = self.build(request)
         # Sent bare (same_origin=False): no cookie jar, no client defaults, no auth flow.
-        return Outgoing("POST", self.url, tuple(headers.items()), body, same_origin=False)
+        return Outgoing("POST", self.url, tuple(headers.items()), body, False, deadline)
 
     def sent_secrets(self, request: TokenRequest, out: Outgoing | None = None) -> tuple[str, ...]:
         """Every credential ``request`` carries, sent as ``out``, in the forms a server echoes.
@@ -270,10 +272,15 @@ class TokenEndpoint:
         sent_at: float,
         *,
         secrets: tuple[str, ...] | None = None,
+        now: float | None = None,
+        rand: float | None = None,
     ) -> Token:
         """The Token in a successful answer; raises TokenError or _Retryable otherwise.
 
-        ``secrets`` (default: :meth:`sent_secrets` of ``request``) never reach an error.
+        The token endpoint's classifier. ``secrets`` (default: :meth:`sent_secrets` of
+        ``request``) never reach an error; ``now`` is the wall time (Unix seconds) a
+        ``Retry-After`` date is measured from; ``rand`` in [0, 1) draws the refresh
+        jitter (default: a random draw).
         """
         sent = self.sent_secrets(request) if secrets is None else secrets
         where = f"token endpoint {redact_url(self.url)}"
@@ -289,7 +296,7 @@ class TokenEndpoint:
             raise _Retryable(
                 f"{where} answered {status}",
                 status_code=status,
-                retry_after=parse_retry_after(reply.header("Retry-After")),
+                retry_after=parse_retry_after(reply.header("Retry-After"), now=now),
             )
         if reply.oversize or reply.unreadable:
             why = reply.unreadable or f"a body over {MAX_TOKEN_ANSWER_BYTES} bytes"
@@ -354,11 +361,6 @@ class TokenEndpoint:
                     "token_type Bearer (RFC 6749) or issued_token_type (RFC 8693)",
                     status_code=status,
                 )
-            _log.debug(
-                "%s answered %s without issued_token_type; accepted as a Bearer access token",
-                where,
-                who,
-            )
         elif expected is not None and issued_type not in expected:
             raise TokenError(
                 f"{where} answered {who} with issued_token_type "
@@ -390,40 +392,37 @@ class TokenEndpoint:
                 leeway=policy.leeway,
                 lifetime_fraction=policy.lifetime_fraction,
                 jitter=policy.leeway_jitter,
+                rand=rand,
             ),
             refresh_token=SecretStr(refresh) if isinstance(refresh, str) and refresh else None,
             scope=scope if isinstance(scope, str) else None,
             issued_token_type=issued_type if isinstance(issued_type, str) else None,
         )
 
-    # -- the retry loop, as effects ------------------------------------------------
+    # -- the token request as a flow on the engine --------------------------------------
 
-    def exchange(self, request: TokenRequest) -> Exchange:
-        """Obtain a token for ``request``, retrying as the policy allows; yields its effects."""
-        policy = self.policy
-        start = policy.clock()
-        attempt = 0
-        while True:
-            attempt += 1
-            sent_at = policy.clock()
-            left = policy.deadline - (sent_at - start)
-            out = self.outgoing(request)
-            reply = yield Attempt(out, max(0.001, min(policy.timeout, left)))
-            assert reply is not None
-            try:
-                token = self.interpret(
-                    request, reply, sent_at, secrets=self.sent_secrets(request, out)
-                )
-            except _Retryable as exc:
-                wait = policy.schedule.delay(attempt, exc.retry_after)
-                left = policy.deadline - (policy.clock() - start)
-                if attempt >= policy.max_attempts or wait >= left:
-                    raise self._exhausted(request, exc, attempt) from None
-                _log.warning("%s; token request retried in %.2f s", exc.reason, wait)
-                yield Wait(wait)
-                continue
-            self._log_success(request, token)
-            return token
+    def exchange(
+        self, request: TokenRequest, *, rng: Callable[[], float], wall: Callable[[], float]
+    ) -> TokenFlow:
+        """Obtain a token for ``request``, retrying as the policy allows: a flow of effects.
+
+        ``rng`` (uniform in [0, 1)) draws the jitter of waits and refresh points;
+        ``wall`` gives the Unix time a ``Retry-After`` date is measured from. A
+        TokenEvent is emitted when the request starts and when it ends, also when a
+        failure the driver throws in ends it.
+        """
+        grant, origin = request.grant_name, str(self.origin)
+        run = _Attempts(self, request, rng, wall)
+        yield Emit(TokenEvent("start", grant, origin, 0))
+        try:
+            token = yield from attempts(run)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            yield Emit(TokenEvent("end", grant, origin, run.attempts, type(exc).__name__))
+            raise
+        yield Emit(TokenEvent("end", grant, origin, run.attempts))
+        return token
 
     def _exhausted(self, request: TokenRequest, exc: _Retryable, attempts: int) -> TokenError:
         return TokenError(
@@ -433,14 +432,67 @@ class TokenEndpoint:
             status_code=exc.status_code,
         )
 
-    def _log_success(self, request: TokenRequest, token: Token) -> None:
-        _log.debug(
-            "token obtained with the %s grant for client %r from %s (lifetime %s s)",
-            request.grant_name,
-            self.client.client_id,
-            redact_url(self.url),
-            "unknown" if token.lifetime is None else f"{token.lifetime:g}",
+
+class _Attempts(Exchange[Token]):
+    """One token request's exchange: a fresh request per attempt, judged by ``interpret``."""
+
+    def __init__(
+        self,
+        endpoint: TokenEndpoint,
+        grant: TokenRequest,
+        rng: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
+        self.endpoint, self.grant, self.rng, self.wall = endpoint, grant, rng, wall
+        self.clock = endpoint.policy.clock
+        self.deadline = self.clock() + endpoint.policy.deadline  # the whole refresh, waits included
+        self.attempts = 0  # token requests made so far
+        self.sent_at = 0.0  # when the last one was sent, on the policy's clock
+        self.secrets: tuple[str, ...] = ()  # the credentials it carried
+
+    def request(self) -> Generator[Effect, Any, Outgoing]:
+        endpoint = self.endpoint
+        self.attempts += 1
+        self.sent_at = now = self.clock()
+        # Each attempt may take the policy's timeout, cut to the time left.
+        seconds = max(0.001, min(endpoint.policy.timeout, self.deadline - now))
+        out = endpoint.outgoing(self.grant, deadline=now + seconds)
+        self.secrets = endpoint.sent_secrets(self.grant, out)
+        yield from ()  # nothing to tell before a token request
+        return out
+
+    def judge(self, reply: Reply) -> Generator[Effect, Any, Token | Again]:
+        endpoint, grant, policy = self.endpoint, self.grant, self.endpoint.policy
+        try:
+            token = endpoint.interpret(
+                grant, reply, self.sent_at, secrets=self.secrets, now=self.wall(), rand=self.rng()
+            )
+        except _Retryable as exc:
+            left = self.deadline - self.clock()
+            # A wait that would not end before the deadline is not begun: the refresh fails now.
+            wait = policy.schedule.within(
+                self.attempts, exc.retry_after, left=left, rng=self.rng, whole=True
+            )
+            if wait is None or self.attempts >= policy.max_attempts:
+                raise endpoint._exhausted(grant, exc, self.attempts) from None
+            return Again(
+                wait, Note("warning", f"{exc.reason}; token request retried in {wait:.2f} s")
+            )
+        where = f"token endpoint {redact_url(endpoint.url)}"
+        if grant.expect_issued_token_type is not None and token.issued_token_type is None:
+            who = f"the {grant.grant_name} request of client {endpoint.client.client_id!r}"
+            text = f"{where} answered {who} without issued_token_type"
+            yield Emit(Note("debug", f"{text}; accepted as a Bearer access token"))
+        lifetime = "unknown" if token.lifetime is None else f"{token.lifetime:g}"
+        yield Emit(
+            Note(
+                "debug",
+                f"token obtained with the {grant.grant_name} grant for client "
+                f"{endpoint.client.client_id!r} from {redact_url(endpoint.url)} "
+                f"(lifetime {lifetime} s)",
+            )
         )
+        return token
 
 
 def scope_text(scope: str | Sequence[str] | None) -> str | None:

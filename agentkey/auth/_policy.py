@@ -56,10 +56,10 @@ class TokenPolicy:
       so a tool that refuses every token costs the identity provider one request
       per interval, not one per call.
     - ``clock``: the monotonic clock token lifetimes, refresh points,
-      remembered failures and the rejection interval are measured on (default
-      ``time.monotonic``). Tests pass a fake clock they advance by hand, so a
-      loaded machine cannot make a short-lived token expire between two lines
-      of the test.
+      remembered failures, the rejection interval and each token request's
+      deadline are measured on (default ``time.monotonic``). Tests pass a fake
+      clock they advance by hand, so a loaded machine cannot make a short-lived
+      token expire between two lines of the test.
 
     ``attempts``, ``backoff`` and ``max_wait`` are the deprecated names of
     ``max_attempts``, ``initial_backoff`` and ``max_backoff`` (``max_wait`` also

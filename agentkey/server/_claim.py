@@ -15,6 +15,7 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import random
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -258,7 +259,7 @@ class Claim:
                         exc,
                         lease,
                     )
-                wait = min(interval, _RENEW_BACKOFF.delay(failures))
+                wait = min(interval, _RENEW_BACKOFF.delay(failures, rng=random.random))
             else:
                 if failures:
                     _logger.warning(
@@ -490,7 +491,7 @@ async def release_until_done(store: Store, claim: Claim) -> bool:
 
 async def _until_answered(claim: Claim, done: str, write: Callable[[], Awaitable[bool]]) -> bool:
     for attempt in itertools.count(1):
-        await asyncio.sleep(SETTLE_BACKOFF.delay(attempt))
+        await asyncio.sleep(SETTLE_BACKOFF.delay(attempt, rng=random.random))
         try:
             answer = await write()
         except StoreError as exc:

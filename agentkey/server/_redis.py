@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import itertools
 import logging
+import random
 import time
 from typing import Any
 
@@ -708,7 +709,7 @@ class RedisStore:
 
         async def retry() -> None:
             for attempt in itertools.count(1):
-                await asyncio.sleep(_RELEASE_BACKOFF.delay(attempt))
+                await asyncio.sleep(_RELEASE_BACKOFF.delay(attempt, rng=random.random))
                 if time.monotonic() >= give_up:
                     return
                 try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -12,6 +13,8 @@ from pydantic import SecretStr
 
 import agentkey.auth
 from agentkey import ConfigurationError, TokenError
+from agentkey._drive import run_sync
+from agentkey._effects import Emit, Outgoing, Sleep
 from agentkey._protocol import Answer, Failure, FailureKind, Reply
 from agentkey.auth import (
     ClientCredentials,
@@ -21,7 +24,7 @@ from agentkey.auth import (
     TokenPolicy,
     TokenRequest,
 )
-from agentkey.auth._endpoint import Attempt, ClientAuthConfig, TokenEndpoint, Wait
+from agentkey.auth._endpoint import ClientAuthConfig, Note, TokenEndpoint
 from tests._loopback import serve
 from tests.auth._idp import IdP
 from tests.auth._idp import Reply as IdPReply
@@ -33,23 +36,36 @@ GOOD = Answer(200, {}, b'{"access_token": "at", "token_type": "Bearer", "expires
 BUSY = Answer(503, {}, b"", URL)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """A token request the exchange yielded, and the seconds it was given (on the clock)."""
+
+    outgoing: Outgoing
+    seconds: float
+
+
 def _run(endpoint: TokenEndpoint, replies: list[Reply], clock: FakeClock) -> list[object]:
-    """Drive ``endpoint.exchange`` by hand: scripted replies, waits pass on ``clock``."""
+    """Run ``endpoint.exchange`` on the shared driver: scripted replies, waits pass on ``clock``.
+
+    Returns each request (an Attempt), each Sleep, and the Token at the end; events
+    and log notes are left out.
+    """
     effects: list[object] = []
-    exchange = endpoint.exchange(TokenRequest("client_credentials"))
-    effect = next(exchange)
-    try:
-        while True:
-            effects.append(effect)
-            reply: Reply | None = None
-            if isinstance(effect, Attempt):
-                reply = replies.pop(0)
-            else:
-                assert isinstance(effect, Wait)
-                clock.advance(effect.seconds)
-            effect = exchange.send(reply)
-    except StopIteration as stop:
-        effects.append(stop.value)
+
+    def carry(effect: object) -> object:
+        if isinstance(effect, Emit):
+            return None
+        effects.append(effect)
+        if isinstance(effect, Outgoing):
+            assert effect.deadline is not None
+            effects[-1] = Attempt(effect, effect.deadline - clock())
+            return replies.pop(0)
+        assert isinstance(effect, Sleep)
+        clock.advance(effect.seconds)
+        return None
+
+    flow = endpoint.exchange(TokenRequest("client_credentials"), rng=lambda: 0.5, wall=lambda: 0.0)
+    effects.append(run_sync(flow, carry))
     return effects
 
 
@@ -63,7 +79,7 @@ def test_exchange_waits_follow_the_policy_schedule() -> None:
     clock = FakeClock()
     endpoint = _endpoint(clock, initial_backoff=0.5, backoff_multiplier=3.0)
     effects = _run(endpoint, [BUSY, Failure(FailureKind.NOT_SENT, "ConnectError"), GOOD], clock)
-    waits = [e.seconds for e in effects if isinstance(e, Wait)]
+    waits = [e.seconds for e in effects if isinstance(e, Sleep)]
     assert waits == [endpoint.policy.schedule.delay(1), endpoint.policy.schedule.delay(2)]
     assert waits == [0.5, 1.5]
     assert isinstance(effects[-1], Token)
@@ -75,7 +91,7 @@ def test_exchange_honours_retry_after_capped_by_max_retry_after() -> None:
     clock = FakeClock()
     slow = Answer(429, {"retry-after": "30"}, b"", URL)
     effects = _run(_endpoint(clock, max_retry_after=2.0), [slow, GOOD], clock)
-    assert [e.seconds for e in effects if isinstance(e, Wait)] == [2.0]
+    assert [e.seconds for e in effects if isinstance(e, Sleep)] == [2.0]
 
 
 def test_exchange_gives_up_when_the_next_wait_passes_the_deadline() -> None:
@@ -111,6 +127,77 @@ def test_an_oversized_token_answer_is_refused() -> None:
     huge = Answer(200, {}, b"", URL, oversize=True)
     with pytest.raises(TokenError, match="body over 1048576 bytes"):
         _run(_endpoint(clock), [huge], clock)
+
+
+def _emitted(
+    endpoint: TokenEndpoint,
+    replies: list[Reply | BaseException],
+    *,
+    rng: float = 0.5,
+    wall: float = 0.0,
+) -> tuple[list[object], list[float], Token | BaseException]:
+    """Run the exchange on the shared driver: what it emitted, what it slept, how it ended.
+
+    A reply that is an exception is raised by the driver when it sends that request.
+    """
+    emitted: list[object] = []
+    slept: list[float] = []
+
+    def carry(effect: object) -> object:
+        if isinstance(effect, Emit):
+            emitted.append(effect.event)
+            return None
+        if isinstance(effect, Sleep):
+            slept.append(effect.seconds)
+            return None
+        assert isinstance(effect, Outgoing)
+        reply = replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    flow = endpoint.exchange(TokenRequest("client_credentials"), rng=lambda: rng, wall=lambda: wall)
+    try:
+        return emitted, slept, run_sync(flow, carry)
+    except (TokenError, RuntimeError) as exc:
+        return emitted, slept, exc
+
+
+def test_the_exchange_emits_its_events_and_log_lines_and_runs_no_hook() -> None:
+    """Start and end events and the retry's log line are Emit effects the driver carries out."""
+    clock = FakeClock()
+    emitted, slept, token = _emitted(_endpoint(clock, initial_backoff=0.5), [BUSY, GOOD])
+    assert isinstance(token, Token)
+    origin = "https://idp.example:443"
+    assert emitted[0] == TokenEvent("start", "client_credentials", origin, 0)
+    assert emitted[1] == Note("warning", f"token endpoint {URL} answered 503; token request "
+                              "retried in 0.50 s")  # fmt: skip
+    assert isinstance(emitted[2], Note)
+    assert emitted[2].text.startswith("token obtained with the client_credentials grant")
+    assert emitted[3] == TokenEvent("end", "client_credentials", origin, 2)
+    assert slept == [0.5]
+
+
+def test_a_failure_the_driver_throws_in_ends_the_request_with_an_end_event() -> None:
+    """A send that raises (thrown into the flow) is reported in the end event, then re-raised."""
+    clock = FakeClock()
+    emitted, _, ended = _emitted(_endpoint(clock), [BUSY, RuntimeError("boom")])
+    assert isinstance(ended, RuntimeError)
+    assert emitted[-1] == TokenEvent(
+        "end", "client_credentials", "https://idp.example:443", 2, "RuntimeError"
+    )
+
+
+def test_jitter_and_retry_after_dates_come_from_the_injected_sources() -> None:
+    """The jitter draw is the injected rng's; a Retry-After date counts from the injected wall."""
+    clock = FakeClock()
+    jittered = TokenPolicy(clock=clock, jitter=True, initial_backoff=1.0)
+    endpoint = TokenEndpoint(URL, ClientAuthConfig(client_id="c", method="none"), policy=jittered)
+    _, slept, _ = _emitted(endpoint, [BUSY, GOOD], rng=0.25)
+    assert slept == [0.25]
+    dated = Answer(503, {"retry-after": "Thu, 01 Jan 1970 00:00:03 GMT"}, b"", URL)
+    _, slept, _ = _emitted(_endpoint(clock), [dated, GOOD], wall=1.0)
+    assert slept == [2.0]
 
 
 def _cc(idp: IdP, **kwargs: Any) -> ClientCredentials:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import time
@@ -37,23 +36,13 @@ from pydantic import BaseModel
 
 from ... import _http
 from ..._canonical import args_hash
-from ..._drive import run_async
-from ..._effects import (
-    Answer,
-    Emit,
-    Failure,
-    FailureKind,
-    Journaled,
-    Outgoing,
-    Reply,
-    Sleep,
-    Verify,
-)
+from ..._drive import Handlers, async_carrier, run_async
+from ..._effects import Answer, Failure, FailureKind, Outgoing, Reply, Sleep
 from ..._exceptions import ConfigurationError
 from ..._flow import Call, Finished, Settings, Verifier
 from ..._flow import invoke as flow_invoke
 from ..._hooks import InvokeHook, LoggingHook
-from ..._invoker import JournalOption
+from ..._invoker import JournalOption, shared_handlers
 from ..._net import Origin
 from ..._plan import OnRepeat, PlanSession, Step, check_on_repeat
 from ..._policy import PollPolicy, RetryPolicy
@@ -319,6 +308,12 @@ class IdempotentSession:
                 f"{self._journal!r} serves ToolInvoker only; an MCP session needs a journal "
                 "with an asyncio client"
             )
+        # How each call's flow sleeps, tells the hooks, writes the journal and asks verify=
+        # (its requests go through the call's _Carrier).
+        self._handlers: Handlers = {
+            **shared_handlers(self._hooks, self._journal, asynchronous=True),
+            Sleep: lambda effect: sleep(effect.seconds),
+        }
         self._server = server  # else the name the server reports, read on the first call
         self._seen: dict[tuple[str, str], int] = {}  # (tool, args hash) -> calls so far
         config = ProtocolConfig(
@@ -465,8 +460,9 @@ class IdempotentSession:
             planned.on_repeat,
         )
         carrier = _Carrier(self, planned, dict(meta or {}))
+        carry = async_carrier({**self._handlers, Outgoing: carrier.outgoing})
         with in_flight(call.owner):
-            done: Finished = await run_async(flow_invoke(call, self._settings), carrier.carry)
+            done: Finished = await run_async(flow_invoke(call, self._settings), carry)
         result = _result_of(done.answer)
         return MCPToolResult(
             result,
@@ -480,32 +476,17 @@ class IdempotentSession:
 
 
 class _Carrier:
-    """Carries out the effects of one call's flow on an MCP session."""
+    """Carries one call's requests to an MCP session: the tool call, and the probe."""
 
     def __init__(self, tools: IdempotentSession, planned: Step, meta: dict[str, Any]) -> None:
         self.tools, self.planned, self.meta = tools, planned, meta
 
-    async def carry(self, effect: object) -> object:
-        tools = self.tools
-        if isinstance(effect, Outgoing):
-            if effect.method == "OPTIONS":
-                return await self.probe(effect)
-            if effect.method != _METHOD:
-                return Failure(FailureKind.UNSENDABLE, "not a tool call")
-            return await self.send(effect)
-        if isinstance(effect, Emit):
-            for hook in tools._hooks:
-                hook(effect.event)
-            return None
-        if isinstance(effect, Sleep):
-            await tools._sleep(effect.seconds)
-            return None
-        if isinstance(effect, Journaled):
-            journal = tools._journal
-            return await getattr(journal, "a" + effect.op)(*effect.args, **effect.kwargs)
-        assert isinstance(effect, Verify)
-        verdict = effect.hook(effect.call)
-        return await verdict if inspect.isawaitable(verdict) else verdict
+    async def outgoing(self, effect: Outgoing) -> Reply:
+        if effect.method == "OPTIONS":
+            return await self.probe(effect)
+        if effect.method != _METHOD:
+            return Failure(FailureKind.UNSENDABLE, "not a tool call")
+        return await self.send(effect)
 
     async def send(self, out: Outgoing) -> Reply:
         tools, planned = self.tools, self.planned
