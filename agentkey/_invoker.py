@@ -15,6 +15,7 @@ import re
 import time
 import types
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
@@ -25,7 +26,7 @@ from ._drive import run_async, run_sync
 from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
 from ._exceptions import ConfigurationError, InsecureTransport
 from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
-from ._hooks import InvokeHook, LoggingHook
+from ._hooks import InvokeHook, LoggingHook, listened
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
     AsyncClient,
@@ -252,10 +253,22 @@ class _InvokerBase:
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=honours_keys,
         )
+        self._by_events: dict[frozenset[type], Settings] = {}
         self._closed = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r})"
+
+    def _settings_now(self) -> Settings:
+        """The settings of a call starting now: its flow builds only the events the hooks
+        listen to at this moment (a LoggingHook's logger may be turned up or down)."""
+        if not self._hooks:
+            return self._settings
+        events = listened(self._hooks)
+        settings = self._by_events.get(events)
+        if settings is None:  # a few sets at most: one per logging level
+            settings = self._by_events[events] = replace(self._settings, events=events)
+        return settings
 
     @property
     def journal(self) -> Journal | None:
@@ -365,7 +378,7 @@ class _InvokerBase:
             status_url, "GET", extra, parsed.format(), label, value, b"",
             plan=parsed.plan_session_id, args_hash=parsed.args_hash, owner=current_owner(),
         )  # fmt: skip
-        return _flow.resume(call, self._settings)
+        return _flow.resume(call, self._settings_now())
 
     def _result(self, done: Finished) -> ToolResult:
         # Validated, not model_construct(): pydantic-core checks these 10 fields in ~5 µs,
@@ -488,7 +501,7 @@ class ToolInvoker(_InvokerBase):
         beside the call, so an integration can recognise it again after a restart.
         """
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
-        return self._drive(_flow.invoke(call, self._settings), call.owner)
+        return self._drive(_flow.invoke(call, self._settings_now()), call.owner)
 
     def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
@@ -606,7 +619,7 @@ class AsyncToolInvoker(_InvokerBase):
         beside the call, so an integration can recognise it again after a restart.
         """
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
-        return await self._drive(_flow.invoke(call, self._settings), call.owner)
+        return await self._drive(_flow.invoke(call, self._settings_now()), call.owner)
 
     async def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
