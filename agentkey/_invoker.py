@@ -3,54 +3,109 @@
 The public shells: they check their options and each call at the boundary,
 then run the sans-I/O flow of ``_flow`` (every decision across answers, on an
 injected clock) with a driver of a few lines that only sends, sleeps and awaits.
+
+Importing this module loads only what the classes' signatures need (plans and
+policies): the engine (the flow, the HTTP wire with httpx's transport, anyio and
+asyncio, the journal) loads when the first invoker is made (:func:`_load_engine`),
+so ``from agentkey import ToolInvoker`` stays cheap and a missing dependency is
+an ImportError from that constructor, not from a call deep inside.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import inspect
-import random
 import re
 import time
-import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from . import _flow
-from ._drive import run_async, run_sync
-from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
 from ._exceptions import ConfigurationError, InsecureTransport
-from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
-from ._hooks import InvokeHook, LoggingHook, listened
-from ._http import (
-    DEFAULT_MAX_RESPONSE_BYTES,
-    AsyncClient,
-    Auth,
-    Client,
-    Timeout,
-    make_async_client,
-    make_client,
-    make_max_response_bytes,
-    make_timeout,
-    send_async,
-    send_sync,
-)
 from ._keys import HEADER_STYLES, HeaderStyle, StepKey
-from ._net import is_loopback, origin_of, redact_url
 from ._plan import Step
-from ._policy import PollPolicy, RetryPolicy
-from ._protocol import DEFAULT_REPLAY_HEADERS, ProtocolConfig, parse_json, replay_markers
-from .journal._base import Journal, current_owner, in_flight
-from .journal._default import resolve_journal
-from .journal._verify import HttpLookup
+from ._policy import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
+
+if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
+    import asyncio
+    import random
+    import types
+
+    from . import _flow
+    from ._drive import run_async, run_sync
+    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
+    from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
+    from ._hooks import InvokeHook, LoggingHook, listened
+    from ._http import (
+        AsyncClient,
+        Auth,
+        Client,
+        Timeout,
+        make_async_client,
+        make_client,
+        make_max_response_bytes,
+        make_timeout,
+        send_async,
+        send_sync,
+    )
+    from ._net import is_loopback, origin_of, redact_url
+    from ._protocol import ProtocolConfig, parse_json, replay_markers
+    from .journal._base import Journal, current_owner, in_flight
+    from .journal._default import resolve_journal
+    from .journal._verify import HttpLookup
 
 #: What ``journal=`` takes: a journal, None (the default SQLite file) or False (none).
-JournalOption = Journal | Literal[False] | None
+JournalOption: TypeAlias = "Journal | Literal[False] | None"
+
+_engine_loaded = False
+
+
+def _load_engine() -> None:
+    """Import the call engine, once, when the first invoker is made.
+
+    What a call needs (the flow, the drivers, the HTTP wire, the journal) costs
+    over 100 ms of CPU to import: it is not paid by ``from agentkey import
+    ToolInvoker``, only by a program that makes an invoker, and an ImportError
+    (a broken install) is raised here, by the constructor.
+    """
+    global _engine_loaded, asyncio, random, _flow, run_async, run_sync, Emit, Journaled
+    global Outgoing, Sleep, Verify, Call, Settings, check_headers, LoggingHook, listened
+    global AsyncClient, Auth, Client, make_async_client, make_client, make_max_response_bytes
+    global make_timeout, send_async, send_sync, is_loopback, origin_of, redact_url
+    global ProtocolConfig, parse_json, replay_markers, current_owner, in_flight
+    global resolve_journal, HttpLookup
+    if _engine_loaded:
+        return
+    import asyncio
+    import random
+
+    from . import _flow
+    from ._drive import run_async, run_sync
+    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
+    from ._flow import Call, Settings, check_headers
+    from ._hooks import LoggingHook, listened
+    from ._http import (
+        AsyncClient,
+        Auth,
+        Client,
+        make_async_client,
+        make_client,
+        make_max_response_bytes,
+        make_timeout,
+        send_async,
+        send_sync,
+    )
+    from ._net import is_loopback, origin_of, redact_url
+    from ._protocol import ProtocolConfig, parse_json, replay_markers
+    from .journal._base import current_owner, in_flight
+    from .journal._default import resolve_journal
+    from .journal._verify import HttpLookup
+
+    _engine_loaded = True
+
 
 __all__ = ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"]
 
@@ -84,7 +139,8 @@ class ToolResult(BaseModel):
     ``step`` is the step's label (``step_003``), also readable as ``label``.
     """
 
-    model_config = ConfigDict(frozen=True)
+    # Built on first use (the first result), not when the module is imported.
+    model_config = ConfigDict(frozen=True, defer_build=True)
 
     status_code: int
     body: Any = None
@@ -140,6 +196,7 @@ class _InvokerBase:
         honours_keys: bool | None,
         verify: Verifier | Mapping[str, Verifier] | None,
     ) -> None:
+        _load_engine()
         origin = origin_of(base_url) if isinstance(base_url, str) else None
         if origin is None or urlsplit(base_url).query or urlsplit(base_url).fragment:
             raise ConfigurationError(
@@ -465,6 +522,7 @@ class ToolInvoker(_InvokerBase):
         honours_keys: bool | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
+        _load_engine()
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
         super().__init__(
@@ -583,6 +641,7 @@ class AsyncToolInvoker(_InvokerBase):
         honours_keys: bool | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
+        _load_engine()
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
         super().__init__(
