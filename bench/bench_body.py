@@ -74,17 +74,19 @@ def arguments(size: int) -> dict[str, Any]:
     """Tool arguments whose canonical JSON is about ``size`` bytes."""
     rows: list[dict[str, Any]] = []
     args: dict[str, Any] = {"order": "ord_7f3a", "currency": "EUR", "lines": rows}
-    while len(canonical_json(args)) < size:
-        i = len(rows)
-        rows.append(
-            {
-                "sku": f"SKU-{i:06d}",
-                "name": f"widget {i} (blue, large)",
-                "price": round(1.25 * i + 0.99, 2),
-                "qty": i % 7 + 1,
-                "tags": ["sale", "eu"] if i % 3 else ["new"],
-            }
-        )
+    while (length := len(canonical_json(args))) < size:
+        # Add about what is missing (a line is about 100 bytes), then measure again.
+        for _ in range(max(1, (size - length) // 120)):
+            i = len(rows)
+            rows.append(
+                {
+                    "sku": f"SKU-{i:06d}",
+                    "name": f"widget {i} (blue, large)",
+                    "price": round(1.25 * i + 0.99, 2),
+                    "qty": i % 7 + 1,
+                    "tags": ["sale", "eu"] if i % 3 else ["new"],
+                }
+            )
     return args
 
 
