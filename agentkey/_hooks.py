@@ -197,7 +197,9 @@ def listened(hooks: tuple[InvokeHook, ...]) -> frozenset[type]:
     """
     wanted = _SILENT
     for hook in hooks:
-        heard = hook._listened() if type(hook) is LoggingHook else EVENT_TYPES
+        if type(hook) is not LoggingHook:
+            return EVENT_TYPES
+        heard = hook._listened()
         wanted = heard if not wanted else wanted | heard
     return wanted
 

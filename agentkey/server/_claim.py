@@ -197,8 +197,8 @@ class Claim:
                 value = json.loads(b"".join(self._body))
             except (ValueError, RecursionError) as exc:
                 raise InvalidArguments(
-                    f"the request body is not JSON ({type(exc).__name__}); the handler "
-                    "should answer 400",
+                    f"the request body under {shown_key(self.idempotency_key)} is not JSON "
+                    f"({type(exc).__name__}); answer the request with a 400",
                     path="body",
                 ) from None
             self._json, self._body = value, None

@@ -202,7 +202,7 @@ class Lifecycle:
             binding=checked.binding,
             clock=self.clock,
             body=body,
-            parsed=checked.parsed,
+            parsed=None if body is None else checked.parsed,  # an HTTP body's, for json()
         )
 
     def claim(

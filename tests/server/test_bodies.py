@@ -167,7 +167,9 @@ def test_claim_json_of_a_body_that_is_not_json_raises_a_typed_error(
     headers = {"idempotency-key": _raw_key(body)}
     answer = client.post("/tools/args", headers=headers, content=body)
     assert answer.status_code == 400
-    assert "body: the request body is not JSON" in answer.text
+    assert "body: the request body under" in answer.text
+    assert "is not JSON" in answer.text
+    assert headers["idempotency-key"] not in answer.text  # the key shows as its digest only
     assert recorder.parsed == []
 
 
