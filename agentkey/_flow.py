@@ -67,6 +67,7 @@ from ._exceptions import (
     ToolUnreachable,
 )
 from ._hooks import (
+    EVENT_TYPES,
     AttemptEvent,
     CallEndEvent,
     CallStartEvent,
@@ -177,12 +178,16 @@ class Settings:
     journal: bool = False  # whether a journal records the calls
     journal_max_body: int = 0  # answers larger than this are not kept in the journal
     honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
+    #: The event types the hooks listen to (only these are built); none without hooks.
+    events: frozenset[type] = EVENT_TYPES
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
     in_flight: Backoff = field(init=False)
 
     def __post_init__(self) -> None:
         retry = self.retry
+        if not self.hooks:
+            object.__setattr__(self, "events", frozenset())
         object.__setattr__(self, "steps", retry.schedule)
         object.__setattr__(self, "polls", self.polling.schedule)
         cap = min(retry.max_backoff, IN_FLIGHT_CAP)
@@ -339,15 +344,15 @@ class _Run:
         The drivers throw their own failures (a cancellation, a request that cannot be
         built, a hook that raised) into the flow, so the CallEndEvent names those too.
         """
-        call, hooks = self.call, self.s.hooks
-        if hooks:
+        call, ends = self.call, CallEndEvent in self.s.events
+        if CallStartEvent in self.s.events:
             yield Emit(CallStartEvent(call.key, call.label, call.method, call.url, call.tool))
         try:
             done = yield from flow
         except GeneratorExit:
             raise
         except BaseException as exc:
-            if hooks:
+            if ends:
                 status = getattr(exc, "status_code", None)
                 error = type(exc).__name__
                 yield Emit(
@@ -356,7 +361,7 @@ class _Run:
                     )
                 )
             raise
-        if hooks:
+        if ends:
             outcome = "replayed" if done.replayed else "executed"
             status = done.answer.status_code
             yield Emit(
@@ -376,7 +381,7 @@ class _Run:
         number: int,
     ) -> Generator[Effect, Any, Outgoing]:
         """The request to send, after the AttemptEvent hooks added their headers."""
-        if self.s.hooks:
+        if AttemptEvent in self.s.events:
             extra: dict[str, str] = {}
             yield Emit(AttemptEvent(self.call.key, self.call.label, number, method, url, extra))
             if extra:
@@ -412,7 +417,7 @@ class _Run:
         return wait
 
     def give_up(self, reason: str, error: InvokeError) -> Generator[Effect, Any, InvokeError]:
-        if self.s.hooks:
+        if GiveUpEvent in self.s.events:
             call = self.call
             yield Emit(
                 GiveUpEvent(
@@ -572,7 +577,7 @@ class _Run:
             if earlier.body is None:
                 raise _already_ran(call, earlier)
             answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
-            if self.s.hooks:
+            if ReplayEvent in self.s.events:
                 yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
             return self.finish(answer, True, earlier.status_url, "journal")
         if earlier.state is CallState.FAILED and not honoured:
@@ -663,7 +668,7 @@ class _Run:
         if self.s.journal and unmarked and call.on_repeat != "allow":
             yield from self.check_repeat()
             call = self.call
-        if call.repeat_of is not None and self.s.hooks:
+        if call.repeat_of is not None and RepeatEvent in self.s.events:
             yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))
         if self.s.journal:
             known = yield from self.begin()
@@ -684,7 +689,7 @@ class _Run:
         if isinstance(verdict, Finished):
             return verdict  # the reconcile hook says it ran
         decision, reply = verdict, sending.reply
-        if decision.replayed and s.hooks:
+        if decision.replayed and ReplayEvent in s.events:
             assert isinstance(reply, Answer)
             yield Emit(ReplayEvent(call.key, call.label, reply.status_code))
         if decision.action is Action.RAISE:
@@ -790,7 +795,7 @@ class _Run:
         polling = _Polling(self, status_url, replayed, deadline, result_only)
         wait = self.wait(s.polls, 1, hint, deadline) if wait_first else None
         if wait is not None:
-            if s.hooks:  # the wait between the 202 and the first poll
+            if PollEvent in s.events:  # the wait between the 202 and the first poll
                 yield Emit(PollEvent(call.key, call.label, 0, status_url, "accepted", wait))
             yield Sleep(wait)
         return (yield from attempts(polling))
@@ -902,7 +907,7 @@ class _Sending(Exchange["Decision | Finished"]):
                 wait = None
         if wait is None:
             raise (yield from self.spent())
-        if not s.hooks:
+        if RetryEvent not in s.events:
             return Again(wait)
         honoured = run.honoured()
         event = RetryEvent(
@@ -1044,7 +1049,7 @@ class _Polling(Exchange[Finished]):
             error = run._timeout(self.status_url, decision, self.deadline)
             yield from run.close_record(CallState.ACCEPTED, error=error, status_url=self.status_url)
             raise (yield from run.give_up(decision.reason, error))
-        if not s.hooks:
+        if PollEvent not in s.events:
             return Again(wait)
         return Again(
             wait, PollEvent(call.key, call.label, run.polls, self.url, decision.reason, wait)

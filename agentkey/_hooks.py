@@ -167,6 +167,43 @@ InvokeEvent: TypeAlias = (
 )
 
 
+#: Every event type: what a hook listens to unless it is a plain :class:`LoggingHook`.
+EVENT_TYPES: frozenset[type] = frozenset(
+    {
+        CallStartEvent,
+        AttemptEvent,
+        RetryEvent,
+        PollEvent,
+        ReplayEvent,
+        RepeatEvent,
+        GiveUpEvent,
+        CallEndEvent,
+    }
+)
+# What a LoggingHook logs, by the lowest level its logger is enabled for.
+_AT_WARNING: frozenset[type] = frozenset({RetryEvent, RepeatEvent, GiveUpEvent})
+_AT_INFO = _AT_WARNING | {PollEvent, ReplayEvent}
+_AT_DEBUG = _AT_INFO | {CallStartEvent, CallEndEvent}
+_SILENT: frozenset[type] = frozenset()
+
+
+def listened(hooks: tuple[InvokeHook, ...]) -> frozenset[type]:
+    """The event types ``hooks`` listen to now, so that no other event is built.
+
+    Any hook listens to every event, except a :class:`LoggingHook` (not a subclass),
+    which listens to those its logger would log at its level at this moment: with
+    Python's default WARNING, retries, repeats and give-ups, and nothing on a call
+    that goes through at the first attempt.
+    """
+    wanted = _SILENT
+    for hook in hooks:
+        if type(hook) is not LoggingHook:
+            return EVENT_TYPES
+        heard = hook._listened()
+        wanted = heard if not wanted else wanted | heard
+    return wanted
+
+
 @runtime_checkable
 class InvokeHook(Protocol):
     """Anything callable with one :data:`InvokeEvent`."""
@@ -260,6 +297,13 @@ class LoggingHook:
                 event.status_code,
                 event.error,
             )
+
+    def _listened(self) -> frozenset[type]:
+        """The events this hook would log now (see :func:`listened`)."""
+        log = self._logger
+        if log.isEnabledFor(logging.INFO):
+            return _AT_DEBUG if log.isEnabledFor(logging.DEBUG) else _AT_INFO
+        return _AT_WARNING if log.isEnabledFor(logging.WARNING) else _SILENT
 
     def __repr__(self) -> str:
         return f"LoggingHook(logger={self._logger.name!r})"

@@ -55,6 +55,7 @@ from ._deadline import REDIRECTS, DeadlineTransport, Watchdog, deadline_scope
 from ._effects import Answer, Failure, FailureKind, Outgoing, Reply
 from ._exceptions import ConfigurationError
 from ._net import secret_forms
+from ._policy import DEFAULT_MAX_RESPONSE_BYTES  # the invoker's option default, defined there
 from ._protocol import BAD_LOCATION
 
 __all__ = [
@@ -89,9 +90,6 @@ ReadTimeout = httpx.ReadTimeout
 #: connect 5 s, read 30 s, write 30 s, pool 5 s.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=5.0)
 
-
-#: The largest answer body (after content decoding) an invoker reads into memory: 32 MiB.
-DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
 #: The content codings agentkey decodes itself (with a size limit); it asks for no other.
 ACCEPT_ENCODING = "gzip, deflate"

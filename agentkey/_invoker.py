@@ -3,54 +3,109 @@
 The public shells: they check their options and each call at the boundary,
 then run the sans-I/O flow of ``_flow`` (every decision across answers, on an
 injected clock) with a driver of a few lines that only sends, sleeps and awaits.
+
+Importing this module loads only what the classes' signatures need (plans and
+policies): the engine (the flow, the HTTP wire with httpx's transport, anyio and
+asyncio, the journal) loads when the first invoker is made (:func:`_load_engine`),
+so ``from agentkey import ToolInvoker`` stays cheap and a missing dependency is
+an ImportError from that constructor, not from a call deep inside.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import functools
 import inspect
 import random
 import re
 import time
-import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from . import _flow
-from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
-from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
 from ._exceptions import ConfigurationError, InsecureTransport
-from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
-from ._hooks import InvokeHook, LoggingHook
-from ._http import (
-    DEFAULT_MAX_RESPONSE_BYTES,
-    AsyncClient,
-    Auth,
-    Client,
-    Timeout,
-    make_async_client,
-    make_client,
-    make_max_response_bytes,
-    make_timeout,
-    send_async,
-    send_sync,
-)
 from ._keys import HEADER_STYLES, HeaderStyle, StepKey
-from ._net import is_loopback, origin_of, redact_url
 from ._plan import Step
-from ._policy import PollPolicy, RetryPolicy
-from ._protocol import DEFAULT_REPLAY_HEADERS, ProtocolConfig, parse_json, replay_markers
-from .journal._base import Journal, current_owner, in_flight
-from .journal._default import resolve_journal
-from .journal._verify import HttpLookup
+from ._policy import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
+
+if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
+    import asyncio
+    import types
+
+    from . import _flow
+    from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
+    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
+    from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
+    from ._hooks import InvokeHook, LoggingHook, listened
+    from ._http import (
+        AsyncClient,
+        Auth,
+        Client,
+        Timeout,
+        make_async_client,
+        make_client,
+        make_max_response_bytes,
+        make_timeout,
+        send_async,
+        send_sync,
+    )
+    from ._net import is_loopback, origin_of, redact_url
+    from ._protocol import ProtocolConfig, parse_json, replay_markers
+    from .journal._base import Journal, current_owner, in_flight
+    from .journal._default import resolve_journal
+    from .journal._verify import HttpLookup
 
 #: What ``journal=`` takes: a journal, None (the default SQLite file) or False (none).
-JournalOption = Journal | Literal[False] | None
+JournalOption: TypeAlias = "Journal | Literal[False] | None"
+
+_engine_loaded = False
+
+
+def _load_engine() -> None:
+    """Import the call engine, once, when the first invoker is made.
+
+    What a call needs (the flow, the drivers, the HTTP wire, the journal) costs
+    over 100 ms of CPU to import: it is not paid by ``from agentkey import
+    ToolInvoker``, only by a program that makes an invoker, and an ImportError
+    (a broken install) is raised here, by the constructor.
+    """
+    global _engine_loaded, asyncio, _flow, async_carrier, carrier, run_async, run_sync
+    global Emit, Journaled, Outgoing, Sleep, Verify, Call, Settings, check_headers
+    global LoggingHook, listened, AsyncClient, Auth, Client, make_async_client, make_client
+    global make_max_response_bytes, make_timeout, send_async, send_sync, is_loopback
+    global origin_of, redact_url, ProtocolConfig, parse_json, replay_markers
+    global current_owner, in_flight, resolve_journal, HttpLookup
+    if _engine_loaded:
+        return
+    import asyncio
+
+    from . import _flow
+    from ._drive import async_carrier, carrier, run_async, run_sync
+    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
+    from ._flow import Call, Settings, check_headers
+    from ._hooks import LoggingHook, listened
+    from ._http import (
+        AsyncClient,
+        Auth,
+        Client,
+        make_async_client,
+        make_client,
+        make_max_response_bytes,
+        make_timeout,
+        send_async,
+        send_sync,
+    )
+    from ._net import is_loopback, origin_of, redact_url
+    from ._protocol import ProtocolConfig, parse_json, replay_markers
+    from .journal._base import current_owner, in_flight
+    from .journal._default import resolve_journal
+    from .journal._verify import HttpLookup
+
+    _engine_loaded = True
+
 
 __all__ = ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"]
 
@@ -84,7 +139,8 @@ class ToolResult(BaseModel):
     ``step`` is the step's label (``step_003``), also readable as ``label``.
     """
 
-    model_config = ConfigDict(frozen=True)
+    # Built on first use (the first result), not when the module is imported.
+    model_config = ConfigDict(frozen=True, defer_build=True)
 
     status_code: int
     body: Any = None
@@ -146,6 +202,7 @@ class _InvokerBase:
         honours_keys: bool | None,
         verify: Verifier | Mapping[str, Verifier] | None,
     ) -> None:
+        _load_engine()
         origin = origin_of(base_url) if isinstance(base_url, str) else None
         if origin is None or urlsplit(base_url).query or urlsplit(base_url).fragment:
             raise ConfigurationError(
@@ -259,10 +316,22 @@ class _InvokerBase:
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=honours_keys,
         )
+        self._by_events: dict[frozenset[type], Settings] = {}
         self._closed = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r})"
+
+    def _settings_now(self) -> Settings:
+        """The settings of a call starting now: its flow builds only the events the hooks
+        listen to at this moment (a LoggingHook's logger may be turned up or down)."""
+        if not self._hooks:
+            return self._settings
+        events = listened(self._hooks)
+        settings = self._by_events.get(events)
+        if settings is None:  # a few sets at most: one per logging level
+            settings = self._by_events[events] = replace(self._settings, events=events)
+        return settings
 
     def _handlers(
         self,
@@ -393,7 +462,7 @@ class _InvokerBase:
             status_url, "GET", extra, parsed.format(), label, value, b"",
             plan=parsed.plan_session_id, args_hash=parsed.args_hash, owner=current_owner(),
         )  # fmt: skip
-        return _flow.resume(call, self._settings)
+        return _flow.resume(call, self._settings_now())
 
     def _result(self, done: Finished) -> ToolResult:
         # Validated, not model_construct(): pydantic-core checks these 10 fields in ~5 µs,
@@ -424,6 +493,7 @@ def shared_handlers(
     twin on asyncio); the reconcile hook answers for a call in doubt. Shared by both
     invokers and the MCP session; none of it holds the front end itself.
     """
+    _load_engine()
     prefix = "a" if asynchronous else ""
 
     def emit(effect: Emit) -> None:
@@ -521,6 +591,7 @@ class ToolInvoker(_InvokerBase):
         honours_keys: bool | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
+        _load_engine()
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
         super().__init__(
@@ -558,7 +629,7 @@ class ToolInvoker(_InvokerBase):
         beside the call, so an integration can recognise it again after a restart.
         """
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
-        return self._drive(_flow.invoke(call, self._settings), call.owner)
+        return self._drive(_flow.invoke(call, self._settings_now()), call.owner)
 
     def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
@@ -612,6 +683,7 @@ class AsyncToolInvoker(_InvokerBase):
         honours_keys: bool | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
+        _load_engine()
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
         super().__init__(
@@ -651,7 +723,7 @@ class AsyncToolInvoker(_InvokerBase):
         beside the call, so an integration can recognise it again after a restart.
         """
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
-        return await self._drive(_flow.invoke(call, self._settings), call.owner)
+        return await self._drive(_flow.invoke(call, self._settings_now()), call.owner)
 
     async def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None

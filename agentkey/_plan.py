@@ -61,7 +61,7 @@ class Step(BaseModel):
     which is what results, errors and events call ``step``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # on first use
 
     plan_session_id: str
     index: tuple[int, ...]
@@ -261,7 +261,7 @@ class PlanSession(BaseModel):
     serialised; pass them again to :meth:`from_json`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # on first use
 
     id: str
     profile: Profile = "python"

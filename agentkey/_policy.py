@@ -15,15 +15,39 @@ import random
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._exceptions import ConfigurationError
-from ._schedule import Backoff
 
-__all__ = ["DEFAULT_RETRY_STATUSES", "PollPolicy", "RetryPolicy"]
+if TYPE_CHECKING:
+    from ._schedule import Backoff
+
+__all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
+    "DEFAULT_REPLAY_HEADERS",
+    "DEFAULT_RETRY_STATUSES",
+    "PollPolicy",
+    "RetryPolicy",
+]
 
 #: 409 and 423 (in flight), 429/503 (overloaded), 500/502/504 (ambiguous: may have run).
 DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503, 504})
+
+#: Replay headers recognised by default. An entry is a header name (its value ``true``
+#: marks a replay) or ``"Name: value"`` (that value does); both compare case-insensitively.
+#: (Here, beside the other defaults of the invoker's options, so that its signature needs
+#: no import of the protocol core; :mod:`agentkey._protocol` reads them from here.)
+DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
+    "Idempotent-Replayed",
+    "Idempotency-Replayed",
+    "Idempotent-Replay",
+    "X-Idempotent-Replayed",
+    "X-Idempotency-Replayed",
+    "X-Ichido-Status: replayed",  # ichido 0.1 (it sends "executed" on a first run)
+)
+
+#: The largest answer body (after content decoding) an invoker reads into memory: 32 MiB.
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 
 
 def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -60,6 +84,10 @@ def check_backoff(policy: Any, prefix: str = "") -> None:
 
 def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
     """The :class:`Backoff` of a policy that has the shared backoff options."""
+    # Imported here: it loads tenacity, which a policy needs only once it is used (an
+    # invoker's settings), not where its defaults are written (the invoker's signature).
+    from ._schedule import Backoff
+
     return Backoff(
         policy.initial_backoff,
         policy.max_backoff,

@@ -41,6 +41,7 @@ from ._exceptions import (
 )
 from ._keys import shown_key, uuid_key
 from ._net import Origin, has_control_character, origin_of, scrub_json
+from ._policy import DEFAULT_REPLAY_HEADERS  # the invoker's option default, defined there
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
@@ -73,17 +74,6 @@ __all__ = [
     "retry_after",
     "short_reason",
 ]
-
-#: Replay headers recognised by default. An entry is a header name (its value ``true``
-#: marks a replay) or ``"Name: value"`` (that value does); both compare case-insensitively.
-DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
-    "Idempotent-Replayed",
-    "Idempotency-Replayed",
-    "Idempotent-Replay",
-    "X-Idempotent-Replayed",
-    "X-Idempotency-Replayed",
-    "X-Ichido-Status: replayed",  # ichido 0.1 (it sends "executed" on a first run)
-)
 
 _SUCCEEDED = frozenset({"succeeded", "success", "completed", "complete", "done"})
 _FAILED = frozenset({"failed", "failure", "canceled", "cancelled", "error"})

@@ -14,14 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import json
 import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
+from typing import Any
 
-from .._exceptions import ConfigurationError, LeaseLost, StoreError, StoreUnavailable
+from .._exceptions import (
+    ConfigurationError,
+    InvalidArguments,
+    LeaseLost,
+    StoreError,
+    StoreUnavailable,
+)
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._records import (
@@ -47,6 +55,10 @@ _current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
 )
 
 
+#: Claim.json() has not parsed the body yet.
+_UNPARSED: Any = object()
+
+
 def _wall_ms() -> int:
     return int(time.time() * 1000)
 
@@ -66,7 +78,9 @@ class Claim:
 
     __slots__ = (
         "_binding",
+        "_body",
         "_clock",
+        "_json",
         "_lease_ms",
         "_lost",
         "_mutation_started",
@@ -101,6 +115,8 @@ class Claim:
         binding: Binding | None = None,
         started_ms: int | None = None,
         clock: Callable[[], int] = _wall_ms,
+        body: Sequence[bytes] | None = None,
+        parsed: dict[str, Any] | None = None,
     ) -> None:
         #: The parsed agentkey key; None for an opaque key (a UUID, ``ik_...``).
         self.key = key
@@ -125,6 +141,10 @@ class Claim:
         self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
         #: The store failure the handler met inside the store's transaction, if any.
         self._unavailable: StoreUnavailable | None = None
+        # The HTTP request's body (its chunks) until json() parses it, or what the
+        # middleware parsed.
+        self._body = body if parsed is None else None
+        self._json: Any = _UNPARSED if parsed is None else parsed
 
     def __repr__(self) -> str:
         # The key is a bearer secret: a claim that reaches a log shows its redacted form.
@@ -154,6 +174,36 @@ class Claim:
         back by the next renewal and is not lost.
         """
         return self._lost
+
+    def json(self) -> Any:
+        """The request's JSON body, parsed at most once: what ``await request.json()`` gives.
+
+        The middleware parses a body when it checks it (an opaque key's fingerprint, a
+        body that is not the key's exact bytes); this returns that object, so a handler
+        that reads its arguments here does not parse them a second time. Otherwise the
+        body is parsed on the first call. Every call returns the same object.
+
+        Raises :class:`~agentkey.InvalidArguments` when the body is not JSON, and
+        :class:`~agentkey.ConfigurationError` for a claim without an HTTP body (an MCP
+        call, whose arguments the tool receives as they are).
+        """
+        value = self._json
+        if value is _UNPARSED:
+            if self._body is None:
+                raise ConfigurationError(
+                    "this claim has no HTTP request body to parse: it was made by a front "
+                    "end other than IdempotencyMiddleware (an MCP call receives its arguments)"
+                )
+            try:
+                value = json.loads(b"".join(self._body))
+            except (ValueError, RecursionError) as exc:
+                raise InvalidArguments(
+                    f"the request body under {shown_key(self.idempotency_key)} is not JSON "
+                    f"({type(exc).__name__}); answer the request with a 400",
+                    path="body",
+                ) from None
+            self._json, self._body = value, None
+        return value
 
     def begin_mutation(self) -> None:
         """Mark that the side effect has started; later failures are recorded as FAILED.

@@ -26,11 +26,11 @@ What the inputs are, for a front end that is not HTTP:
     under another operation is refused with ``422 key_reused``, never replayed.
 ``body``
     The exact request bytes. An agentkey key (``<plan>:<step>:<args_hash>``)
-    needs a JSON object whose canonical JSON (or whose bytes) hash to
-    ``args_hash``: an MCP front end passes the canonical JSON of the tool's
-    arguments. An opaque key (a UUID, ``ik_...``) is bound to a digest of the
-    canonical body (equivalent JSON is one body; a body that is not a JSON
-    object is bound by its bytes).
+    needs a body whose bytes hash to ``args_hash`` (taken as they are, unparsed),
+    or else a JSON object whose canonical JSON does: an MCP front end passes the
+    canonical JSON of the tool's arguments. An opaque key (a UUID, ``ik_...``) is
+    bound to a digest of the canonical body (equivalent JSON is one body; a body
+    that is not a JSON object is bound by its bytes).
 
 Every result is a frozen record of what to send: problems (:class:`Reject`,
 :class:`Conflict`, :class:`Unavailable`) carry ``status``, ``code``,
@@ -46,7 +46,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -204,6 +204,9 @@ class Checked:
 
     key: StepKey | OpaqueKey
     binding: Binding
+    #: The body as parsed to check it (a JSON object), or None when it needed no parse:
+    #: its bytes hash to the key's ``args_hash``, or it is not a JSON object.
+    parsed: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -352,18 +355,32 @@ def parse_key(
 def check_body(
     key: StepKey | OpaqueKey,
     operation: Sequence[str],
-    body: bytes,
+    body: bytes | Sequence[bytes],
     *,
     hash_profile: Profile = "python",
 ) -> Reject | Checked:
-    """Bind ``key`` to ``operation``; an agentkey key's ``args_hash`` must match ``body``."""
+    """Bind ``key`` to ``operation``; an agentkey key's ``args_hash`` must match ``body``.
+
+    ``body`` is the request's bytes, whole or in the chunks they came in. A body
+    whose bytes hash to ``args_hash`` (what an agentkey client sends) is accepted
+    as it is, unparsed and unjoined: the key names exactly these bytes, so no
+    parser can read two meanings into one key, and the handler parses it once. Any
+    other body must be a JSON object whose canonical JSON hashes to ``args_hash``.
+    """
     route = _route_digest(tuple(operation))
+    chunks = (body,) if isinstance(body, bytes) else body
     if isinstance(key, StepKey):
-        problem = _check_body(body, key, hash_profile)
-        if problem is not None:
-            return Reject(*problem)
-        return Checked(key, Binding(route))
-    return Checked(key, Binding(route, _body_digest(body, hash_profile)))
+        sha = hashlib.sha256()
+        for chunk in chunks:
+            sha.update(chunk)
+        if sha.hexdigest() == key.args_hash:
+            return Checked(key, Binding(route))
+        checked = _check_body(b"".join(chunks), key, hash_profile)
+        if isinstance(checked, tuple):
+            return Reject(*checked)
+        return Checked(key, Binding(route), checked)
+    fingerprint, parsed = _body_digest(b"".join(chunks), hash_profile)
+    return Checked(key, Binding(route, fingerprint), parsed)
 
 
 _ROUTES: dict[tuple[str, ...], str] = {}
@@ -730,21 +747,26 @@ def _canonical(parsed: dict[str, Any], profile: Profile) -> bytes | None:
         return None
 
 
-def _body_digest(body: bytes, profile: Profile) -> str:
+def _body_digest(body: bytes, profile: Profile) -> tuple[str, dict[str, Any] | None]:
     """An opaque key's body fingerprint: its canonical JSON when it is a JSON object,
-    else its bytes. Equivalent JSON (spacing, member order) is one body."""
+    else its bytes. Equivalent JSON (spacing, member order) is one body. Also the
+    parsed object, when the fingerprint is its canonical JSON."""
     try:
         parsed = _parse(body)
     except (ValueError, RecursionError):
         parsed = None
-    canonical = _canonical(parsed, profile) if isinstance(parsed, dict) else None
-    if canonical is not None:
-        return digest(b"json:" + canonical)
-    return digest(b"bytes:" + body)
+    if isinstance(parsed, dict):
+        canonical = _canonical(parsed, profile)
+        if canonical is not None:
+            return digest(b"json:" + canonical), parsed
+    return digest(b"bytes:" + body), None
 
 
-def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
-    """None when the body is a JSON object hashing to the key's args_hash, else the error."""
+def _check_body(
+    body: bytes, key: StepKey, profile: Profile
+) -> tuple[int, str, str] | dict[str, Any]:
+    """The body parsed, when it is a JSON object whose canonical JSON hashes to the key's
+    args_hash; else the error. (Its bytes do not hash to it: :func:`check_body`.)"""
     try:
         parsed = _parse(body)
     except _DuplicateMember as exc:
@@ -763,13 +785,11 @@ def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, 
             "body_not_json",
             "the request body must be a JSON object, not " + (type(parsed).__name__),
         )
-    if hashlib.sha256(body).hexdigest() == key.args_hash:
-        return None
     canonical = _canonical(parsed, profile)
     if canonical is None:
         return 400, "body_not_json", "the request body holds values canonical JSON cannot carry"
     if hashlib.sha256(canonical).hexdigest() == key.args_hash:
-        return None
+        return parsed
     return (
         422,
         "args_hash_mismatch",

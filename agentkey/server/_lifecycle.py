@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -184,7 +184,11 @@ class Lifecycle:
 
     # --- claiming --------------------------------------------------------------------
 
-    def new_claim(self, checked: Checked, principal: str) -> Claim:
+    def new_claim(
+        self, checked: Checked, principal: str, body: Sequence[bytes] | None = None
+    ) -> Claim:
+        """The claim of ``checked`` for ``principal``; ``body``: the HTTP request's chunks,
+        which :meth:`Claim.json` parses for the handler when the check did not."""
         key = checked.key
         return Claim(
             key=key if isinstance(key, StepKey) else None,
@@ -197,6 +201,8 @@ class Lifecycle:
             auto_renew=self.auto_renew,
             binding=checked.binding,
             clock=self.clock,
+            body=body,
+            parsed=None if body is None else checked.parsed,  # an HTTP body's, for json()
         )
 
     def claim(

@@ -4,7 +4,8 @@
 request ─▶ protected method and route? (the path relative to root_path / the mount) ─no─▶ app
         ─▶ principal(scope): whose key space? none (not authenticated) ─401─▶ (nothing looked up)
         ─▶ key? ─400─▶ key well formed? ─400─▶ body within max_body_bytes? ─413─▶
-             agentkey key <plan>:<step>:<hash>: body a JSON object ─400─▶ hash matches ─422─▶
+             agentkey key <plan>:<step>:<hash>: sha256(body) = hash? taken unparsed; else
+                 body a JSON object ─400─▶ its canonical JSON hashes to hash ─422─▶
              opaque key (UUID, ik_...): fingerprint = digest of the canonical body
         ─▶ claim (one store round trip; the record binds METHOD + route path)
              ├─ store down ............ 503 + Retry-After, handler never runs
@@ -302,14 +303,15 @@ class _Exchange:
         self,
         middleware: IdempotencyMiddleware,
         claim: Claim,
-        body: bytes | None,
+        body: list[bytes],
         receive: Receive,
         send: Send,
         method: str,
         path: str,
     ) -> None:
         self.middleware, self.claim, self.method, self.path = middleware, claim, method, path
-        self.request_body = body  # None once the app has it
+        # The body's chunks as they came, handed on in order (reversed: pop() is the next).
+        self.request_body = body[::-1]
         self.server_receive, self.server_send = receive, send
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -324,10 +326,10 @@ class _Exchange:
         self.abandoned = False  # the request was cancelled: the answer is not sent
 
     async def receive(self) -> Message:
-        body = self.request_body
-        if body is not None:
-            self.request_body = None
-            return {"type": "http.request", "body": body, "more_body": False}
+        chunks = self.request_body
+        if chunks:
+            chunk = chunks.pop()
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
         return await self.server_receive()  # after the body: the server's own disconnect
 
     async def send_held(self) -> None:
@@ -665,7 +667,7 @@ class IdempotencyMiddleware:
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
-        claim = self._life.new_claim(checked, principal)
+        claim = self._life.new_claim(checked, principal, body)
         decision = await self._life.claim(claim, checked, hold=self.hold_in_flight)
         if isinstance(decision, Run):
             await self._run(scope, receive, send, body, claim, method, path)
@@ -726,7 +728,7 @@ class IdempotencyMiddleware:
         scope: Scope,
         receive: Receive,
         send: Send,
-        body: bytes,
+        body: list[bytes],
         claim: Claim,
         method: str,
         path: str,
@@ -875,8 +877,10 @@ class IdempotencyMiddleware:
         return self._life.settle(claim, decision, deliver)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int | None:
-    """The whole body; its size when over ``limit``; None when the client disconnected."""
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> list[bytes] | int | None:
+    """The whole body, in the chunks it came in; its size when over ``limit``; None when
+    the client disconnected. The chunks are never joined here: the key is checked on
+    them as they are, and the app receives them as the server gave them."""
     for name, value in scope.get("headers", ()):
         if name.lower() == b"content-length":
             try:
@@ -884,16 +888,19 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | int 
                     return int(value)
             except ValueError:
                 pass
-    chunks = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks += message.get("body", b"")
-        if len(chunks) > limit:
-            return len(chunks)
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return size
         if not message.get("more_body", False):
-            return bytes(chunks)
+            return chunks
 
 
 def _messages(

@@ -1,0 +1,293 @@
+"""Large request bodies: IdempotencyMiddleware on MemoryStore against the bare app.
+
+Both sides serve the same Starlette handler (``POST /tools/charge``: read the JSON
+body, answer 201 with a small JSON object) in this process, driven straight through
+ASGI (no HTTP server, no sockets), one request after another; the body arrives in
+64 KiB chunks, as uvicorn hands it over. A slot sends a batch of requests with fresh
+keys and times them in thread CPU time; both sides run in the same thread, so the
+figure is all server work.
+
+- **bare**: the handler alone, which parses the body once (``await request.json()``);
+- **middleware**: the same handler behind ``IdempotencyMiddleware`` on ``MemoryStore``
+  (``shared_key_space=True``), every request a fresh key, so every one is claimed,
+  run and recorded.
+
+Rows, each at 1 KB, 100 KB and 1 MB of JSON arguments (records of ids, names,
+prices and tags):
+
+- ``agentkey key, canonical body``: what an agentkey client sends (the key's
+  ``args_hash`` is the SHA-256 of the body's bytes);
+- ``agentkey key, re-serialised body``: the same arguments sent as ``json.dumps``
+  writes them by default (spaces, member order as built), so the bytes do not hash
+  to the key and the middleware re-serialises the body to check it;
+- ``opaque key (UUID)``: a key from an ordinary client; the middleware fingerprints
+  the body (the digest of its canonical JSON);
+- ``... handler reads claim.json()``: the handler takes the body the middleware
+  already parsed (``get_claim(request).json()``), where it did, instead of parsing
+  it again.
+
+Method: rounds of A B B A (A = bare, B = middleware); a round's ratio is
+(B1 + B2) / (A1 + A2) of CPU per request. The table gives the median of the
+per-round ratios, their interquartile range, min and max, and N (rounds).
+
+    python bench/bench_body.py                # about 2 minutes, writes bench/results/body.json
+    python bench/bench_body.py --smoke        # a few seconds, for CI (writes nothing)
+    python bench/bench_body.py --profile 1MB  # cProfile of one 1 MB request, printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
+
+from agentkey import PlanSession, canonical_json
+from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from bench._harness import machine, palindrome, spread, write_results
+
+Message: TypeAlias = MutableMapping[str, Any]
+Receive: TypeAlias = Callable[[], Awaitable[Message]]
+Send: TypeAlias = Callable[[Message], Awaitable[None]]
+App: TypeAlias = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+CHUNK = 64 * 1024  # what uvicorn hands an app per receive() at most
+PATH = "/tools/charge"
+SIZES = {"1KB": 1_000, "100KB": 100_000, "1MB": 1_000_000}
+
+
+def arguments(size: int) -> dict[str, Any]:
+    """Tool arguments whose canonical JSON is about ``size`` bytes."""
+    rows: list[dict[str, Any]] = []
+    args: dict[str, Any] = {"order": "ord_7f3a", "currency": "EUR", "lines": rows}
+    while (length := len(canonical_json(args))) < size:
+        # Add about what is missing (a line is about 100 bytes), then measure again.
+        for _ in range(max(1, (size - length) // 120)):
+            i = len(rows)
+            rows.append(
+                {
+                    "sku": f"SKU-{i:06d}",
+                    "name": f"widget {i} (blue, large)",
+                    "price": round(1.25 * i + 0.99, 2),
+                    "qty": i % 7 + 1,
+                    "tags": ["sale", "eu"] if i % 3 else ["new"],
+                }
+            )
+    return args
+
+
+def handler(*, from_claim: bool) -> Callable[[Request], Awaitable[JSONResponse]]:
+    async def charge(request: Request) -> JSONResponse:
+        args = get_claim(request).json() if from_claim else await request.json()
+        return JSONResponse({"charge_id": "ch_1", "lines": len(args["lines"])}, status_code=201)
+
+    return charge
+
+
+def app(*, from_claim: bool = False) -> Starlette:
+    return Starlette(routes=[Route(PATH, handler(from_claim=from_claim), methods=["POST"])])
+
+
+def protected(*, from_claim: bool = False) -> App:
+    return IdempotencyMiddleware(
+        app(from_claim=from_claim),
+        store=MemoryStore(),
+        shared_key_space=True,
+        max_body_bytes=4 * 1024 * 1024,  # the re-serialised 1 MB body is larger than 1 MiB
+    )
+
+
+async def post(target: App, key: bytes, body: bytes) -> int:
+    """One request through ASGI, the body in 64 KiB chunks; the answer's status."""
+    chunks = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)] or [b""]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": PATH,
+        "raw_path": PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"tool.test"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"idempotency-key", key),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    left = iter(range(len(chunks)))
+    status = 0
+
+    async def receive() -> Message:
+        i = next(left, None)
+        if i is None:
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": chunks[i], "more_body": i < len(chunks) - 1}
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await target(scope, receive, send)
+    return status
+
+
+class Case:
+    """One row: the body, a source of fresh keys, and the two apps."""
+
+    def __init__(self, what: str, size: str, body: bytes, keys: Callable[[int], bytes], *,
+                 from_claim: bool = False) -> None:  # fmt: skip
+        self.what, self.size, self.body, self.keys = what, size, body, keys
+        self.bare = app()
+        self.ours = protected(from_claim=from_claim)
+        self.sent = 0
+
+    async def slot(self, target: App, n: int) -> float:
+        """Thread CPU seconds per request over ``n`` requests with fresh keys."""
+        keys = [self.keys(self.sent + i) for i in range(n)]
+        self.sent += n
+        cpu = time.thread_time()
+        for key in keys:
+            status = await post(target, key, self.body)
+            if status != 201:
+                raise RuntimeError(f"{self.what} {self.size}: answered {status}, not 201")
+        return (time.thread_time() - cpu) / n
+
+
+_RESERIALISED = "agentkey key, re-serialised body"
+_FROM_CLAIM = "handler reads claim.json()"
+
+
+def cases(sizes: list[str]) -> list[Case]:
+    out: list[Case] = []
+    for size in sizes:
+        args = arguments(SIZES[size])
+        plan = PlanSession.new()
+        canonical = plan.step(0, "charge", args).body
+        loose = json.dumps(args).encode()
+        args_hash = plan.step(0, "charge", args).key.args_hash
+
+        def agentkey_key(i: int, plan_id: str = plan.id, args_hash: str = args_hash) -> bytes:
+            return f"{plan_id}:step_{i:03d}:{args_hash}".encode()
+
+        def opaque_key(i: int) -> bytes:
+            return str(uuid.uuid4()).encode()
+
+        out += [
+            Case("agentkey key, canonical body", size, canonical, agentkey_key),
+            Case(_RESERIALISED, size, loose, agentkey_key),
+            Case(f"{_RESERIALISED}, {_FROM_CLAIM}", size, loose, agentkey_key, from_claim=True),
+            Case("opaque key (UUID)", size, canonical, opaque_key),
+            Case(f"opaque key (UUID), {_FROM_CLAIM}", size, canonical, opaque_key, from_claim=True),
+        ]
+    return out
+
+
+def batch(size: str, smoke: bool) -> int:
+    """Requests per slot: about 0.2 s of work (a few when smoke testing)."""
+    if smoke:
+        return 2
+    return {"1KB": 400, "100KB": 40, "1MB": 6}[size]
+
+
+async def measure(case: Case, rounds: int, n: int) -> dict[str, Any]:
+    await case.slot(case.bare, n)
+    await case.slot(case.ours, n)  # warm-up
+    pairs: list[tuple[float, float]] = []
+    for _ in range(rounds):
+        got: dict[str, list[float]] = {"A": [], "B": []}
+        for side in palindrome(["A", "B"]):
+            got[side].append(await case.slot(case.bare if side == "A" else case.ours, n))
+        pairs.append((sum(got["A"]) / 2, sum(got["B"]) / 2))
+    ratio = spread([b / a for a, b in pairs])
+    row = {
+        "what": case.what,
+        "size": case.size,
+        "body_bytes": len(case.body),
+        "N": rounds,
+        "requests_per_slot": n,
+        "cpu_ratio": ratio,
+        "bare_cpu_us": round(statistics.median(a for a, _ in pairs) * 1e6, 1),
+        "middleware_cpu_us": round(statistics.median(b for _, b in pairs) * 1e6, 1),
+        "added_cpu_us": spread([(b - a) * 1e6 for a, b in pairs]),
+    }
+    print(
+        f"  {case.what:<60} {case.size:>6} {ratio['median']:.2f}x "
+        f"({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}, {ratio['min']:.2f}-{ratio['max']:.2f}) "
+        f"{row['middleware_cpu_us']:>9.1f} / {row['bare_cpu_us']:<9.1f} us  N={rounds}"
+    )
+    return row
+
+
+def profile(size: str) -> None:
+    """cProfile of one request with an agentkey key and of one with an opaque key."""
+    for case in cases([size]):
+        if _FROM_CLAIM in case.what:
+            continue
+        asyncio.run(case.slot(case.ours, 2))  # warm
+        profiler = cProfile.Profile()
+        profiler.enable()
+        asyncio.run(case.slot(case.ours, 1))
+        profiler.disable()
+        print(f"\n=== {case.what}, {size}")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per row")
+    parser.add_argument("--sizes", default="1KB,100KB,1MB", help="comma-separated sizes")
+    parser.add_argument("--profile", metavar="SIZE", help="profile one request and exit")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    ns = parser.parse_args()
+    if ns.profile:
+        profile(ns.profile)
+        return
+    if not ns.smoke and ns.rounds < 10:
+        parser.error("a full run needs --rounds >= 10")
+    at_start = machine()
+    rounds = 1 if ns.smoke else ns.rounds
+    sizes = [s for s in ns.sizes.split(",") if s]
+    print(
+        f"bench_body: {rounds} ABBA rounds per row; ratio = middleware / bare app, "
+        "CPU per request, median (IQR, min-max)"
+    )
+    rows = [asyncio.run(measure(case, rounds, batch(case.size, ns.smoke))) for case in cases(sizes)]
+    if not ns.smoke or ns.out:
+        path = write_results(
+            "body",
+            {
+                "method": "in-process ASGI, one request at a time, body in 64 KiB chunks; "
+                "ABBA rounds, ratio per round = (B1+B2)/(A1+A2) of thread CPU per request; "
+                "A = bare Starlette handler (await request.json()), B = the same behind "
+                "IdempotencyMiddleware on MemoryStore, fresh keys",
+                "rows": rows,
+            },
+            ns.out,
+            at_start,
+        )
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
