@@ -75,7 +75,7 @@ def _app(store: RedisStore, ledger: Ledger) -> Any:
         return JSONResponse({"execution": n}, status_code=201)
 
     tool = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(tool, store=store, lock_ttl=LOCK_TTL)
+    return IdempotencyMiddleware(tool, store=store, lock_ttl=LOCK_TTL, shared_key_space=True)
 
 
 def _store(nodes: Cluster, *, replicas: int | None = None, dead_first: bool = False) -> RedisStore:
@@ -285,7 +285,7 @@ def test_the_lost_acknowledgement_window(nodes: Cluster, replicas: int | None) -
     built = _store(nodes, replicas=replicas)
     plan = f"lost-{uuid.uuid4().hex[:12]}"
     key, headers, body = _request(plan, 0)
-    rkey = built.redis_key(record_key("anonymous", StepKey.parse(key)))
+    rkey = built.redis_key(record_key("shared", StepKey.parse(key)))
     master = nodes.master_of(rkey)
     replica = nodes.replicas_of(master)[0]
     with serve_closing(_app(built, ledger), built) as url, httpx.Client(base_url=url) as http:
