@@ -47,6 +47,14 @@ def test_examples_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_blocks_not_run_still_parse(path: Path) -> None:
+    """A ``# not run`` block is still Python a reader can paste into a module: it compiles."""
+    skipped = [b for b in BLOCK.findall(path.read_text("utf-8")) if b.startswith("# not run:")]
+    for number, block in enumerate(skipped, start=1):
+        compile(block, f"{path.name}[not-run block {number}]", "exec")
+
+
 def test_docs_have_examples() -> None:
     """The README's quick start is runnable Python, so the test above is not vacuous."""
     assert _blocks(ROOT / "README.md")
