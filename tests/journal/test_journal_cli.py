@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,3 +115,98 @@ def test_unknown_key_and_bad_journal_are_clear(
     code, out = run(capsys, "journal", "--journal", str(bogus), "list")
     assert code == 2
     assert "cannot be used as a SQLite database" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["list", "--limit", "0"], "whole number from 1 to 100000"),
+        (["list", "--limit", "x"], "whole number from 1 to 100000"),
+        (["doubt", "--limit", "100001"], "whole number from 1 to 100000"),
+        (["prune", "--older-than", "30"], "seconds >= 60"),
+        (["prune", "--older-than", "soon"], "seconds >= 60"),
+        (["prune", "--older-than", "inf"], "seconds >= 60"),
+        (["list", "--state", "lost"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_and_say_what_is_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], error: str
+) -> None:
+    """A limit or age out of range, or an unknown state, is a usage error naming the range."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["journal", "--journal", str(tmp_path / "j.sqlite3"), *argv])
+    assert exit_.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_a_journal_turned_off_needs_an_explicit_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``$AGENTKEY_JOURNAL=off`` and no --journal, the command says to pass one."""
+    monkeypatch.setenv("AGENTKEY_JOURNAL", "off")
+    code, out = run(capsys, "journal", "list")
+    assert code == 2
+    assert "pass --journal" in out
+
+
+def test_list_show_and_prune_in_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The table, one call with its kept answer, a state filter, and prune's count."""
+    path = tmp_path / "j.sqlite3"
+    doubt, done = _seed(path)
+    code, out = run(capsys, "journal", "--journal", str(path), "list", "--state", "answered")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["UPDATED", "STATE", "STEP", "TOOL", "STATUS", "KEY",
+                                           "REASON"]  # fmt: skip
+    assert shown_key(done.key) in out
+    assert shown_key(doubt.key) not in out
+    code, out = run(
+        capsys, "journal", "--journal", str(path), "show", shown_key(done.key), "--body"
+    )
+    assert code == 0
+    assert '{"ok":true}' in out
+    assert done.key not in out
+    code, out = run(capsys, "journal", "--journal", str(path), "--json", "show", done.key)
+    assert json.loads(out)["key"] == shown_key(done.key)  # the whole key finds it too
+    code, out = run(capsys, "journal", "--journal", str(path), "prune", "--older-than", "60")
+    assert (code, out.strip()) == (0, "deleted 0 record(s)")  # both were touched just now
+    code, out = run(capsys, "journal", "--journal", str(path), "--json", "prune",
+                    "--older-than", "60")  # fmt: skip
+    assert json.loads(out) == {"deleted": 0}
+
+
+def test_nothing_in_doubt_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``doubt`` with nothing to settle prints "no calls" and exits 1, for scripts."""
+    code, out = run(capsys, "journal", "--journal", str(tmp_path / "empty.sqlite3"), "doubt")
+    assert (code, out.strip()) == (1, "no calls")
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_a_shared_journal_by_url(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """``--journal redis://...`` and ``postgresql://...`` open the fleet's journal."""
+    if kind == "redis":
+        from agentkey.journal import RedisJournal
+
+        where = request.getfixturevalue("redis_proc").url
+        journal: Any = RedisJournal(where)
+    else:
+        from agentkey.journal import PostgresJournal
+
+        where = request.getfixturevalue("postgres_proc").dsn
+        journal = PostgresJournal(where)
+    plan = PlanSession.new()
+    step = plan.step(0, "charge", {"amount": 5})
+    now = time.time()
+    journal.begin(
+        CallRecord(key=step.idempotency_key, plan=plan.id, step=step.label, tool=step.tool,
+                   args_hash=step.key.args_hash, route="POST http://127.0.0.1:9/tools/charge",
+                   state=CallState.PENDING, created_at=now, updated_at=now,
+                   owner="gone-host:1:x:1", lease_until=now - 1)
+    )  # fmt: skip
+    journal.close()
+    code, out = run(capsys, "journal", "--journal", where, "--json", "doubt", "--plan", plan.id)
+    assert code == 0
+    assert [json.loads(line)["key"] for line in out.splitlines()] == [
+        shown_key(step.idempotency_key)
+    ]
