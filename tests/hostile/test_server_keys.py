@@ -23,7 +23,9 @@ _PRINTABLE = st.text(
 @given(_PRINTABLE, _PRINTABLE)
 def test_distinct_opaque_keys_never_share_a_record(one: str, two: str) -> None:
     """Two different opaque keys get two record keys, with no brace to bend a Cluster hash tag."""
-    assume(one != two)
+    # HTTP drops the spaces and tabs around a field value (RFC 9110 5.5): "0" and "0 " are
+    # one key on the wire, and the middleware reads them so.
+    assume(one.strip(" \t") != two.strip(" \t"))
     parsed = [_parse_key([k.encode()]) for k in (one, two)]
     assume(all(isinstance(p, OpaqueKey) for p in parsed))
     first, second = (_record_key("alice", p) for p in parsed)  # type: ignore[arg-type]
