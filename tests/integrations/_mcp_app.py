@@ -44,6 +44,8 @@ class Lab:
     #: hold_charge sets ``holding`` when it starts, then waits for ``gate``
     holding: threading.Event = field(default_factory=threading.Event)
     gate: threading.Event = field(default_factory=threading.Event)
+    #: when set, a tools/list request waits for ``gate`` before it is answered
+    stall_list: bool = False
     url: str = ""
 
 
@@ -126,6 +128,8 @@ def wrap(inner: Any, lab: Lab) -> Any:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        if lab.stall_list and b'"tools/list"' in body:
+            await anyio.to_thread.run_sync(lab.gate.wait, 30)
         victim = next((n for n in lab.drop if lab.drop[n] > 0 and f'"{n}"'.encode() in body), None)
         if victim is None or b'"tools/call"' not in body:
             await inner(scope, receive_once, send)

@@ -141,6 +141,24 @@ async def test_without_the_middleware_a_lost_answer_is_not_sent_again() -> None:
     assert lab.runs["create_vm"] == 1
 
 
+@pytest.mark.realtime
+async def test_a_stalled_tools_list_probe_ends_at_the_deadline() -> None:
+    """After a lost answer the client asks tools/list whether the tool is protected; a server
+    that never answers that question cannot hold the call past its deadline."""
+    with running(None) as lab:
+        lab.drop["create_vm"] = 1
+        lab.stall_list = True
+        try:
+            async with session(lab) as s:
+                policy = RetryPolicy(max_attempts=4, deadline=2.0, initial_backoff=0.01)
+                tools = IdempotentSession(s, PlanSession.new(), policy=policy)
+                with anyio.fail_after(15), pytest.raises(OutcomeUnknown):
+                    await tools.call_tool("create_vm", {"region": "eu-west-1"})
+        finally:
+            lab.gate.set()
+    assert lab.runs["create_vm"] == 1
+
+
 async def test_a_tool_the_server_does_not_protect_is_not_resent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -493,10 +493,7 @@ class _Carrier:
         key = dict(out.headers).get("Idempotency-Key", planned.idempotency_key)
         extra = {k: v for k, v in out.headers if k.lower() not in _OWN_HEADERS}
         wire_meta = cast(RequestParamsMeta, {**extra, **self.meta, KEY_FIELD: key})
-        left = None if out.deadline is None else max(0.0, out.deadline - tools._clock())
-        timeout = left
-        if tools._attempt_timeout is not None:
-            timeout = tools._attempt_timeout if left is None else min(left, tools._attempt_timeout)
+        timeout = self.timeout(out)
         statuses: list[int] = []
         reset = _STATUSES.set(statuses)
         try:
@@ -514,17 +511,32 @@ class _Carrier:
             _STATUSES.reset(reset)
         return _answer_of(result, out.url)
 
+    def timeout(self, out: Outgoing) -> float | None:
+        """How long one request may wait: the time left before the deadline, at most
+        ``attempt_timeout``."""
+        tools = self.tools
+        left = None if out.deadline is None else max(0.0, out.deadline - tools._clock())
+        if tools._attempt_timeout is None:
+            return left
+        return tools._attempt_timeout if left is None else min(left, tools._attempt_timeout)
+
     async def probe(self, out: Outgoing) -> Reply:
-        """Does the server mark this tool protected in ``tools/list``? (a harmless question)"""
-        for wait in (0.0, 0.05):  # a session the failure just ended is reopened for the 2nd
-            await self.tools._sleep(wait)
-            try:
-                session = await self.tools.session()
-                listed = await session.list_tools()
-                break
-            except _PROBE_ERRORS:
-                continue
-        else:
+        """Does the server mark this tool protected in ``tools/list``? (a harmless question)
+
+        Within the call's deadline. The question is put to a second session when the
+        first one turns out to be the one the call's failure just ended."""
+        timeout = self.timeout(out)
+        listed = None
+        with anyio.move_on_after(float("inf") if timeout is None else timeout):
+            for wait in (0.0, 0.05):  # the ended session is noticed, and replaced, for the 2nd
+                await self.tools._sleep(wait)
+                try:
+                    session = await self.tools.session()
+                    listed = await session.list_tools()
+                    break
+                except _PROBE_ERRORS:
+                    continue
+        if listed is None:
             return Failure(FailureKind.NOT_SENT, "tools/list failed")
         for tool in listed.tools:
             if tool.name == self.planned.tool and (tool.meta or {}).get(PROTECTED_FIELD) is True:
