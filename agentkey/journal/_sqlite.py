@@ -14,6 +14,7 @@ import sqlite3
 import stat
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,12 @@ def record_of_row(row: Sequence[Any]) -> CallRecord:
     return CallRecord(**fields)
 
 
+def _close_in(conn: sqlite3.Connection, pid: int) -> None:
+    """Close ``conn`` if this is the process that opened it (a forked child must not)."""
+    if os.getpid() == pid:
+        conn.close()
+
+
 def default_journal_path() -> Path:
     """Where the default journal lives: the user's data directory, ``agentkey/journal.sqlite3``.
 
@@ -168,6 +175,7 @@ class SQLiteJournal(SyncJournal):
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
+        self._closer: weakref.finalize[Any, Any] | None = None
         self._pruned = 0.0
         # route -> (evidence, when it was read): read at most once a minute per route,
         # so starting a call is one statement, not two.
@@ -183,6 +191,7 @@ class SQLiteJournal(SyncJournal):
         if self._conn is not None and self._pid == pid:
             return self._conn
         _prepare(self.path)
+        conn = None
         try:
             conn = sqlite3.connect(
                 self.path, timeout=5.0, isolation_level=None, check_same_thread=False
@@ -191,11 +200,16 @@ class SQLiteJournal(SyncJournal):
             conn.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
             conn.executescript(_SCHEMA)
         except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()  # a file that is not a database: nothing is left open
             raise ConfigurationError(
                 f"the journal file {str(self.path)!r} cannot be used as a SQLite database "
                 f"({exc}); move it away or pass another path"
             ) from None
         self._conn, self._pid = conn, pid
+        # A journal dropped without close() still closes its connection (Python 3.13 warns
+        # about a connection left to the collector); never one inherited across a fork.
+        self._closer = weakref.finalize(self, _close_in, conn, pid)
         self._prune_now(conn)
         return conn
 
@@ -332,6 +346,6 @@ class SQLiteJournal(SyncJournal):
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
-            self._conn = None
+            if self._closer is not None:
+                self._closer()  # closes the connection in the process that opened it
+            self._conn = self._closer = None
