@@ -33,7 +33,7 @@ __all__ = [
     "FailureKind",
     "Journaled",
     "Outgoing",
-    "Reply",
+    "Received",
     "Sleep",
     "Verify",
 ]
@@ -135,4 +135,4 @@ class Answer:
         return self.headers.get(name.lower())
 
 
-Reply: TypeAlias = Answer | Failure
+Received: TypeAlias = Answer | Failure

@@ -51,7 +51,7 @@ from ._effects import (
     FailureKind,
     Journaled,
     Outgoing,
-    Reply,
+    Received,
     Sleep,
     Verify,
 )
@@ -856,7 +856,7 @@ class _Sending(Exchange["Decision | Finished"]):
         self.unreachable = 0  # sends in a row that never reached the tool
         self.held: Decision | None = None  # the last answer that said the key is in flight
         self.decision: Decision | None = None  # the last answer's meaning
-        self.reply: Reply | None = None  # the last answer
+        self.reply: Received | None = None  # the last answer
 
     def request(self) -> Generator[Effect, Any, Outgoing]:
         run, call = self.run, self.run.call
@@ -867,7 +867,7 @@ class _Sending(Exchange["Decision | Finished"]):
     def expired(self) -> Generator[Effect, Any, Outgoing]:
         raise (yield from self.spent())
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Decision | Finished | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Decision | Finished | Again]:
         run, call, s = self.run, self.run.call, self.run.s
         run.attempts += 1
         not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
@@ -1023,7 +1023,7 @@ class _Polling(Exchange[Finished]):
             yield from run.outgoing("GET", self.url, headers, None, self.same_origin, run.polls + 1)
         )
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Finished | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Finished | Again]:
         run, call, s = self.run, self.run.call, self.run.s
         run.polls += 1
         decision = interpret_poll(reply, run.ctx(), s.protocol, result_only=self.result_only)
@@ -1152,7 +1152,7 @@ def _in_doubt(
     )
 
 
-def _unreachable(call: Call, run: _Run, reply: Reply) -> ToolUnreachable:
+def _unreachable(call: Call, run: _Run, reply: Received) -> ToolUnreachable:
     origin = run.s.protocol.base_origin
     what = reply.description if isinstance(reply, Failure) else "no answer"
     return ToolUnreachable(

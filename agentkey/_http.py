@@ -52,7 +52,7 @@ import anyio
 import httpx
 
 from ._deadline import REDIRECTS, DeadlineTransport, Watchdog, deadline_scope
-from ._effects import Answer, Failure, FailureKind, Outgoing, Reply
+from ._effects import Answer, Failure, FailureKind, Outgoing, Received
 from ._exceptions import ConfigurationError
 from ._net import secret_forms
 from ._policy import DEFAULT_MAX_RESPONSE_BYTES  # the invoker's option default, defined there
@@ -508,7 +508,7 @@ class _Body:
             self._headers["location"] = parked
         self._chunks: list[bytes] = []
         self._size = 0
-        self.result: Reply | None = None
+        self.result: Received | None = None
         self._decoder: _Inflate | _Identity = _IDENTITY
         #: True while raw chunks must still be read from the network (and fed).
         self.pending = not response.is_stream_consumed
@@ -563,7 +563,7 @@ class _Body:
             self.result = Failure(FailureKind.AMBIGUOUS, "DecodingError")
             return True
 
-    def finish(self) -> Reply:
+    def finish(self) -> Received:
         if self.result is None:
             try:
                 self._take(self._decoder.flush(self._limit - self._size))
@@ -703,7 +703,7 @@ def send_sync(
     timeout: httpx.Timeout | None,
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     clock: Callable[[], float] = time.monotonic,
-) -> Reply:
+) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
 
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
@@ -759,7 +759,7 @@ async def send_async(
     timeout: httpx.Timeout | None,  # noqa: ASYNC109 - httpx per-phase timeouts; the call's deadline is out.deadline
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     clock: Callable[[], float] = time.monotonic,
-) -> Reply:
+) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
 
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.

@@ -136,7 +136,7 @@ class Outcome(str, enum.Enum):
 class ToolResult(BaseModel):
     """The final answer of one step: what the tool said, and how agentkey got there.
 
-    ``step`` is the step's label (``step_003``), also readable as ``label``.
+    ``label`` is the step's label (``step_003``), as on :class:`~agentkey.Step`.
     """
 
     # Built on first use (the first result), not when the module is imported.
@@ -147,7 +147,7 @@ class ToolResult(BaseModel):
     headers: dict[str, str]
     outcome: Outcome
     idempotency_key: str
-    step: str | None = None
+    label: str | None = None
     attempts: int
     polls: int = 0
     elapsed: float
@@ -169,11 +169,6 @@ class ToolResult(BaseModel):
         is then ``Outcome.UNKNOWN``).
         """
         return self.outcome is Outcome.REPLAYED
-
-    @property
-    def label(self) -> str | None:
-        """The step's label, e.g. ``step_003`` (the same as ``step``)."""
-        return self.step
 
 
 class _InvokerBase:
@@ -474,7 +469,7 @@ class _InvokerBase:
             headers=dict(answer.headers),
             outcome=Outcome.REPLAYED if done.replayed else self._unmarked,
             idempotency_key=done.key,
-            step=done.label,
+            label=done.label,
             attempts=done.attempts,
             polls=done.polls,
             elapsed=done.elapsed,

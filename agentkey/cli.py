@@ -161,7 +161,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .server import MemoryStore, Store, example_app
+        from .server import MemoryStore, Store
+        from .server._example import example_app
 
         if ns.redis:  # redis-py is needed only then: `agentkey serve` on memory runs without it
             from .server import RedisStore

@@ -10,10 +10,6 @@ from ._base import TokenProvider
 from ._endpoint import TokenRequest
 from ._policy import TokenPolicy
 from ._providers import (
-    ACCESS_TOKEN_TYPE,
-    ID_TOKEN_TYPE,
-    JWT_TOKEN_TYPE,
-    REFRESH_TOKEN_TYPE,
     ClientCredentials,
     OAuthProvider,
     OnBehalfOf,
@@ -25,10 +21,6 @@ from ._stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 from ._token import Token, TokenEvent, TokenHook
 
 __all__ = [
-    "ACCESS_TOKEN_TYPE",
-    "ID_TOKEN_TYPE",
-    "JWT_TOKEN_TYPE",
-    "REFRESH_TOKEN_TYPE",
     "ClientCredentials",
     "EncryptedFileTokenStore",
     "MemoryTokenStore",

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import SecretStr
 
-from .._effects import Effect, Emit, Failure, Outgoing, Reply
+from .._effects import Effect, Emit, Failure, Outgoing, Received
 from .._exceptions import ConfigurationError, TokenError
 from .._flow import Again, Exchange, attempts
 from .._net import origin_of, redact_url, require_secure, scrub, secret_forms
@@ -268,7 +268,7 @@ class TokenEndpoint:
     def interpret(
         self,
         request: TokenRequest,
-        reply: Reply,
+        reply: Received,
         sent_at: float,
         *,
         secrets: tuple[str, ...] | None = None,
@@ -461,7 +461,7 @@ class _Attempts(Exchange[Token]):
         yield from ()  # nothing to tell before a token request
         return out
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Token | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Token | Again]:
         endpoint, grant, policy = self.endpoint, self.grant, self.endpoint.policy
         try:
             token = endpoint.interpret(

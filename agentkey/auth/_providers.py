@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import ssl
 from collections.abc import Callable, Sequence
-from typing import get_args
+from typing import ClassVar, get_args
 
 from pydantic import SecretStr
 
@@ -447,7 +447,16 @@ class TokenExchange(_Delegated):
     When the exchange returns a refresh token, renewals use it; when the
     user's token has expired and nothing can renew, DelegationExpired says the
     user must authorise again.
+
+    The RFC 8693 token-type URIs these options take are class attributes:
+    ``TokenExchange.ACCESS_TOKEN_TYPE``, ``REFRESH_TOKEN_TYPE``, ``ID_TOKEN_TYPE``
+    and ``JWT_TOKEN_TYPE``.
     """
+
+    ACCESS_TOKEN_TYPE: ClassVar[str] = ACCESS_TOKEN_TYPE
+    REFRESH_TOKEN_TYPE: ClassVar[str] = REFRESH_TOKEN_TYPE
+    ID_TOKEN_TYPE: ClassVar[str] = ID_TOKEN_TYPE
+    JWT_TOKEN_TYPE: ClassVar[str] = JWT_TOKEN_TYPE
 
     def __init__(
         self,
@@ -583,7 +592,7 @@ class StaticToken(TokenProvider):
     """A token you already hold (tests, pre-issued tokens). It is never renewed.
 
     A 401 answer is handed back as it is, so the caller raises
-    AuthenticationError; refusing plain http to non-loopback hosts still applies.
+    TokenRejected; refusing plain http to non-loopback hosts still applies.
     """
 
     _can_refresh = False

@@ -133,6 +133,8 @@ def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[s
     # either may carry something (a cookie, a signed URL) that does not belong there.
     exclude = {"headers", "status_url"} if body else {"headers", "status_url", "body"}
     record = result.model_dump(mode="json", exclude=exclude)
+    # The record names the label "step", as the invoker's events and repeat_record do.
+    record = {("step" if name == "label" else name): value for name, value in record.items()}
     return {"tool": step.tool, **record, "repeat_of": step.repeat_of}
 
 

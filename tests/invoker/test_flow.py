@@ -32,7 +32,7 @@ from agentkey._hooks import (
 )
 from agentkey._net import origin_of
 from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import Answer, Failure, FailureKind, ProtocolConfig, Reply
+from agentkey._protocol import Answer, Failure, FailureKind, ProtocolConfig, Received
 
 BASE = "https://tool.test"
 KEY = "plan:step_004:" + "c" * 64
@@ -86,7 +86,7 @@ class Run:
             honours_keys=honours_keys,
         )
 
-    def drive(self, flow: Flow, replies: Sequence[Reply], latency: float = 0.0) -> Finished:
+    def drive(self, flow: Flow, replies: Sequence[Received], latency: float = 0.0) -> Finished:
         """Answer each request with the next reply, ``latency`` s later; sleep on the clock."""
         script = iter(replies)
 

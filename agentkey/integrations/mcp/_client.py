@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from ... import _http
 from ..._canonical import args_hash
 from ..._drive import Handlers, async_carrier, run_async
-from ..._effects import Answer, Failure, FailureKind, Outgoing, Reply, Sleep
+from ..._effects import Answer, Failure, FailureKind, Outgoing, Received, Sleep
 from ..._exceptions import ConfigurationError
 from ..._flow import Call, Finished, Settings, Verifier
 from ..._flow import invoke as flow_invoke
@@ -136,7 +136,7 @@ async def connect(
     to loopback, and a 401 for the token in use refreshes it once and resends the
     same request (same JSON-RPC body, same key); when the tool refuses the new
     token too, :class:`IdempotentSession` raises
-    :class:`~agentkey.AuthenticationError`. ``session_options`` go to
+    :class:`~agentkey.TokenRejected`. ``session_options`` go to
     ``ClientSession`` (``read_timeout_seconds``, callbacks). The HTTP client has
     the SDK transports' timeouts (30 s to connect, 300 s to read a held stream).
     """
@@ -423,7 +423,7 @@ class IdempotentSession:
 
         Raises :class:`~agentkey.KeyReused` (the key belongs to another tool),
         :class:`~agentkey.PayloadMismatch`, :class:`~agentkey.KeyRejected`,
-        :class:`~agentkey.AuthenticationError` (a 401 again after a token refresh, or
+        :class:`~agentkey.TokenRejected` (a 401 again after a token refresh, or
         a server that wants an authenticated session), :class:`~agentkey.ToolRejected`
         (any other JSON-RPC error: final), :class:`~agentkey.StepInProgress` (still
         running at the deadline), :class:`~agentkey.ToolUnreachable` (no request
@@ -481,14 +481,14 @@ class _Carrier:
     def __init__(self, tools: IdempotentSession, planned: Step, meta: dict[str, Any]) -> None:
         self.tools, self.planned, self.meta = tools, planned, meta
 
-    async def outgoing(self, effect: Outgoing) -> Reply:
+    async def outgoing(self, effect: Outgoing) -> Received:
         if effect.method == "OPTIONS":
             return await self.probe(effect)
         if effect.method != _METHOD:
             return Failure(FailureKind.UNSENDABLE, "not a tool call")
         return await self.send(effect)
 
-    async def send(self, out: Outgoing) -> Reply:
+    async def send(self, out: Outgoing) -> Received:
         tools, planned = self.tools, self.planned
         key = dict(out.headers).get("Idempotency-Key", planned.idempotency_key)
         extra = {k: v for k, v in out.headers if k.lower() not in _OWN_HEADERS}
@@ -514,7 +514,7 @@ class _Carrier:
             _STATUSES.reset(reset)
         return _answer_of(result, out.url)
 
-    async def probe(self, out: Outgoing) -> Reply:
+    async def probe(self, out: Outgoing) -> Received:
         """Does the server mark this tool protected in ``tools/list``? (a harmless question)"""
         for wait in (0.0, 0.05):  # a session the failure just ended is reopened for the 2nd
             await self.tools._sleep(wait)
@@ -544,7 +544,7 @@ def _answer_of(result: CallToolResult, url: str) -> Answer:
     return Answer(200, headers, content, url)
 
 
-def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Reply:
+def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Received:
     """A JSON-RPC error as the flow reads an answer (or a failure that may have run)."""
     if statuses and statuses[-1] == 401:  # the token, refused again after the refresh
         return Answer(401, {}, b"", url)
