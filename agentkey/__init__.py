@@ -47,7 +47,8 @@ from ._keys import HeaderStyle, StepKey
 from ._version import __version__
 
 if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
-    from ._hooks import (
+    from ._plan import OnRepeat, PlanSession, Step
+    from .client._hooks import (
         AttemptEvent,
         CallEndEvent,
         CallStartEvent,
@@ -60,9 +61,8 @@ if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
         ReplayEvent,
         RetryEvent,
     )
-    from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
-    from ._plan import OnRepeat, PlanSession, Step
-    from ._policy import PollPolicy, RetryPolicy
+    from .client._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
+    from .client._policies import PollPolicy, RetryPolicy
 
 # Public name -> the module that defines it, imported on first access.
 _LAZY: dict[str, str] = {
@@ -80,11 +80,13 @@ _LAZY: dict[str, str] = {
             "ReplayEvent",
             "RetryEvent",
         ],
-        "._hooks",
+        ".client._hooks",
     ),
-    **dict.fromkeys(["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], "._invoker"),
+    **dict.fromkeys(
+        ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], ".client._invoker"
+    ),
     **dict.fromkeys(["OnRepeat", "PlanSession", "Step"], "._plan"),
-    **dict.fromkeys(["PollPolicy", "RetryPolicy"], "._policy"),
+    **dict.fromkeys(["PollPolicy", "RetryPolicy"], ".client._policies"),
 }
 
 

@@ -65,7 +65,7 @@ def _work_seconds(text: str) -> float:
 
 
 def _concurrency(text: str) -> int:
-    from ._checker import MAX_CONCURRENCY
+    from .client._checker import MAX_CONCURRENCY
 
     try:
         value = int(text)
@@ -233,7 +233,7 @@ def _json_object(text: str, option: str) -> dict[str, object] | None:
 
 def _cmd_check(ns: argparse.Namespace) -> int:
     from ._canonical import canonical_json
-    from ._checker import check_options, check_server  # the checker loads only when used
+    from .client._checker import check_options, check_server  # the checker loads only when used
 
     args = _json_object(ns.args, "--args")
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")

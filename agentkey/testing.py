@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
-from ._checker import CheckReport, CheckResult, acheck_server, check_server
-from ._policy import PollPolicy, RetryPolicy
+from .client._checker import CheckReport, CheckResult, acheck_server, check_server
+from .client._policies import PollPolicy, RetryPolicy
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette

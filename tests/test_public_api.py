@@ -54,15 +54,15 @@ def test_import_is_lazy_and_every_name_resolves() -> None:
     """import agentkey loads neither httpx nor pydantic; each name in __all__ then loads."""
     code = (
         "import sys, agentkey\n"
-        "heavy = ('httpx', 'httpcore', 'pydantic', 'anyio', 'agentkey._invoker',"
-        " 'agentkey._checker', 'agentkey.auth', 'agentkey._plan')\n"
+        "heavy = ('httpx', 'httpcore', 'pydantic', 'anyio', 'agentkey.client._invoker',"
+        " 'agentkey.client._checker', 'agentkey.auth', 'agentkey._plan')\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "assert sorted(set(agentkey.__all__) - set(dir(agentkey))) == []\n"
         "missing = [n for n in agentkey.__all__ if not hasattr(agentkey, n)]\n"
         "print(missing, agentkey.ToolInvoker.__module__, agentkey.auth.__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["[]", "[] agentkey._invoker agentkey.auth"]
+    assert out.stdout.split("\n")[:2] == ["[]", "[] agentkey.client._invoker agentkey.auth"]
 
 
 def test_unknown_names_raise_attribute_error() -> None:

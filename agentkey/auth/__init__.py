@@ -8,7 +8,6 @@ that returns a :class:`TokenRequest` from ``token_request``.
 
 from ._base import TokenProvider
 from ._endpoint import TokenRequest
-from ._policy import TokenPolicy
 from ._providers import (
     ClientCredentials,
     OAuthProvider,
@@ -17,8 +16,9 @@ from ._providers import (
     StaticToken,
     TokenExchange,
 )
-from ._stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 from ._token import Token, TokenEvent, TokenHook
+from ._token_policy import TokenPolicy
+from ._token_stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 
 __all__ = [
     "ClientCredentials",

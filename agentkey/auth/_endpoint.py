@@ -24,15 +24,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import SecretStr
 
-from .._effects import Effect, Emit, Failure, Outgoing, Received
 from .._exceptions import ConfigurationError, TokenError
-from .._flow import Again, Exchange, attempts
-from .._net import origin_of, redact_url, require_secure, scrub, secret_forms
-from .._protocol import parse_json
-from .._retry_after import parse_retry_after
+from ..client._effects import Effect, Emit, Failure, Outgoing, Received
+from ..client._flow import Again, Exchange, attempts
+from ..client._net import origin_of, redact_url, require_secure, scrub, secret_forms
+from ..client._protocol import parse_json
+from ..client._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
-from ._policy import TokenPolicy
 from ._token import Token, TokenEvent, header_safe, refresh_deadline
+from ._token_policy import TokenPolicy
 
 if TYPE_CHECKING:
     import ssl

@@ -11,13 +11,13 @@ from typing import ClassVar, get_args
 from pydantic import SecretStr
 
 from .._exceptions import AuthError, ConfigurationError, DelegationExpired, TokenError
-from .._net import redact_url
+from ..client._net import redact_url
 from ._base import Obtain, TokenProvider, call, send
 from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, scope_text
 from ._oauth import AuthMethod, load_private_key
-from ._policy import TokenPolicy
-from ._stores import MemoryTokenStore, TokenStore
 from ._token import Token, TokenHook, header_safe, jwt_expired
+from ._token_policy import TokenPolicy
+from ._token_stores import MemoryTokenStore, TokenStore
 
 __all__ = [
     "ACCESS_TOKEN_TYPE",

@@ -24,12 +24,12 @@ from ._stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from ._postgres import PostgresStore, PostgresTransaction
-    from ._redis import RedisStore
+    from .redis._store import RedisStore
 
 _LAZY = {
     "PostgresStore": "_postgres",
     "PostgresTransaction": "_postgres",
-    "RedisStore": "_redis",
+    "RedisStore": "redis._store",
 }
 
 

@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from agentkey import AgentKeyError, DelegationExpired, TokenError
-from agentkey._protocol import Answer
 from agentkey.auth import (
     ClientCredentials,
     EncryptedFileTokenStore,
@@ -25,6 +24,7 @@ from agentkey.auth import (
 )
 from agentkey.auth._base import TokenProvider
 from agentkey.auth._endpoint import TokenRequest
+from agentkey.client._protocol import Answer
 from tests.auth._idp import IdP, Reply
 from tests.auth.conftest import (
     CLIENT_ID,

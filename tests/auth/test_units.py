@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from agentkey import ConfigurationError, InsecureTransport, TokenError
-from agentkey._protocol import Answer
 from agentkey.auth import (
     ClientCredentials,
     OnBehalfOf,
@@ -28,6 +27,7 @@ from agentkey.auth._endpoint import (
     _Retryable,
 )
 from agentkey.auth._token import jwt_expired, refresh_deadline
+from agentkey.client._protocol import Answer
 from tests.auth.conftest import PRIVATE_PEM
 
 URL = "https://idp.example/oauth2/token"

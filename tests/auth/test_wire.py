@@ -13,9 +13,6 @@ from pydantic import SecretStr
 
 import agentkey.auth
 from agentkey import ConfigurationError, TokenError
-from agentkey._drive import run_sync
-from agentkey._effects import Emit, Outgoing, Sleep
-from agentkey._protocol import Answer, Failure, FailureKind, Received
 from agentkey.auth import (
     ClientCredentials,
     OAuthProvider,
@@ -25,6 +22,9 @@ from agentkey.auth import (
     TokenRequest,
 )
 from agentkey.auth._endpoint import ClientAuthConfig, Note, TokenEndpoint
+from agentkey.client._drive import run_sync
+from agentkey.client._effects import Emit, Outgoing, Sleep
+from agentkey.client._protocol import Answer, Failure, FailureKind, Received
 from tests._loopback import serve
 from tests.auth._idp import IdP
 from tests.auth._idp import Reply as IdPReply

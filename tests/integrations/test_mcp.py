@@ -36,8 +36,8 @@ from agentkey import (
     TokenRejected,
     canonical_json,
 )
-from agentkey._hooks import CallEndEvent, InvokeEvent
 from agentkey.auth import ClientCredentials, TokenProvider
+from agentkey.client._hooks import CallEndEvent, InvokeEvent
 from agentkey.integrations.mcp import (
     KEY_FIELD,
     PROTECTED_FIELD,

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from agentkey import ConfigurationError, LoggingHook, PollEvent, PollPolicy, RetryEvent, RetryPolicy
-from agentkey._hooks import AttemptEvent, CallEndEvent, CallStartEvent
-from agentkey._http import translate
-from agentkey._protocol import FailureKind
 from agentkey._schedule import Backoff
 from agentkey.auth import TokenPolicy
+from agentkey.client._hooks import AttemptEvent, CallEndEvent, CallStartEvent
+from agentkey.client._protocol import FailureKind
+from agentkey.client._translate import translate
 
 
 def test_policies_are_frozen_and_keyword_only() -> None:

@@ -20,9 +20,9 @@ from agentkey import (
     UnsafeRedirect,
 )
 from agentkey._keys import shown_key
-from agentkey._net import origin_of
-from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import (
+from agentkey.client._net import origin_of
+from agentkey.client._policies import DEFAULT_RETRY_STATUSES
+from agentkey.client._protocol import (
     DEFAULT_REPLAY_HEADERS,
     Action,
     Answer,

@@ -30,9 +30,9 @@ from agentkey import (
     ToolUnreachable,
     UnsafeRedirect,
 )
-from agentkey._hooks import PollEvent, ReplayEvent
-from agentkey._invoker import Outcome, ToolResult
 from agentkey._keys import shown_key
+from agentkey.client._hooks import PollEvent, ReplayEvent
+from agentkey.client._invoker import Outcome, ToolResult
 
 from ._support import (
     BASE,

@@ -304,12 +304,12 @@ async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_clo
 
 
 def test_redis_store_uses_only_redis_pys_public_names() -> None:
-    """agentkey/server/_redis.py imports no private redis-py module or name and reads no
+    """agentkey/server/redis/_store.py imports no private redis-py module or name and reads no
     private attribute of anything but its own objects (issue 27 §3: no socket takeover)."""
     import ast
     import inspect as inspect_
 
-    from agentkey.server import _redis
+    from agentkey.server.redis import _store as _redis
 
     tree = ast.parse(inspect_.getsource(_redis))
     private_imports = [
@@ -356,6 +356,6 @@ def test_a_cluster_wait_counts_only_on_the_connection_of_its_writes(
 ) -> None:
     """The CLIENT INFO frames around a node's writes and WAIT must name one connection to the
     node that serves the key; a pipeline redis-py sent again without its pins fails that."""
-    from agentkey.server._redis import _one_connection
+    from agentkey.server.redis._store import _one_connection
 
     assert _one_connection(first, last, port) is same

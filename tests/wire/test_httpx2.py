@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
-from agentkey._http import Outgoing, send_async, send_sync
-from agentkey._protocol import Failure, FailureKind
 from agentkey.auth import StaticToken
+from agentkey.client._effects import Outgoing
+from agentkey.client._http import send_async, send_sync
+from agentkey.client._protocol import Failure, FailureKind
 from tests._loopback import free_port, serve
 
 httpx2 = pytest.importorskip("httpx2", reason="httpx2 is not installed (`nox -s httpx2` adds it)")

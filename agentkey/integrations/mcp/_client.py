@@ -34,23 +34,23 @@ from mcp_types import (
 )
 from pydantic import BaseModel
 
-from ... import _http
 from ..._canonical import args_hash
-from ..._drive import Handlers, async_carrier, run_async
-from ..._effects import Answer, Failure, FailureKind, Outgoing, Received, Sleep
 from ..._exceptions import ConfigurationError
-from ..._flow import Call, Finished, Settings, Verifier
-from ..._flow import invoke as flow_invoke
-from ..._hooks import InvokeHook, LoggingHook
-from ..._invoker import JournalOption, shared_handlers
-from ..._net import Origin
 from ..._plan import OnRepeat, PlanSession, Step, check_on_repeat
-from ..._policy import PollPolicy, RetryPolicy
-from ..._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...auth import TokenProvider
+from ...client import _httpx2
+from ...client._drive import Handlers, async_carrier, run_async
+from ...client._effects import Answer, Failure, FailureKind, Outgoing, Received, Sleep
+from ...client._flow import Call, Finished, Settings, Verifier
+from ...client._flow import invoke as flow_invoke
+from ...client._hooks import InvokeHook, LoggingHook
+from ...client._invoker import JournalOption, shared_handlers
+from ...client._net import Origin
+from ...client._policies import PollPolicy, RetryPolicy
+from ...client._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...journal._base import current_owner, in_flight
 from ...journal._default import resolve_journal
-from .._common import code
+from .._adapter import code
 from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, refusal_of
 
 __all__ = ["IdempotentSession", "MCPToolResult", "SessionFactory", "connect"]
@@ -144,8 +144,8 @@ async def connect(
         raise ConfigurationError(
             f"auth must be an agentkey token provider (ClientCredentials, ...), got {auth!r}"
         )
-    client = _http.fork_async_client(dict(headers or {}), connect=30.0, read=300.0)
-    client.auth = _http.adapt_auth(auth, client)
+    client = _httpx2.fork_async_client(dict(headers or {}), connect=30.0, read=300.0)
+    client.auth = _httpx2.adapt_auth(auth, client)
     client.event_hooks["response"].append(_record_status)
     async with (
         client,
@@ -226,7 +226,7 @@ class IdempotentSession:
     goes in ``params._meta["io.agentkey/idempotency-key"]``.
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
-    (``agentkey._flow``): it is recorded in the ``journal`` before it is sent;
+    (``agentkey.client._flow``): it is recorded in the ``journal`` before it is sent;
     a call that may have run (connection closed or reset, read timeout, server
     error) is sent again with the same key only to a tool known to honour keys:
     ``honours_keys=True``, or the server marked the tool protected (its results

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._schedule import Backoff
+    from .._schedule import Backoff
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -34,7 +34,7 @@ DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503
 #: Replay headers recognised by default. An entry is a header name (its value ``true``
 #: marks a replay) or ``"Name: value"`` (that value does); both compare case-insensitively.
 #: (Here, beside the other defaults of the invoker's options, so that its signature needs
-#: no import of the protocol core; :mod:`agentkey._protocol` reads them from here.)
+#: no import of the protocol core; :mod:`agentkey.client._protocol` reads them from here.)
 DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
     "Idempotent-Replayed",
     "Idempotency-Replayed",
@@ -84,7 +84,7 @@ def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
     """The :class:`Backoff` of a policy that has the shared backoff options."""
     # Imported here: it loads tenacity, which a policy needs only once it is used (an
     # invoker's settings), not where its defaults are written (the invoker's signature).
-    from ._schedule import Backoff
+    from .._schedule import Backoff
 
     return Backoff(
         policy.initial_backoff,

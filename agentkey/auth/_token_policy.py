@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._exceptions import ConfigurationError
-from .._policy import check_backoff, replace, schedule_of
 from .._schedule import Backoff
+from ..client._policies import check_backoff, replace, schedule_of
 
 __all__ = ["TokenPolicy"]
 

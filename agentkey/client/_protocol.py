@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urljoin
 
-from ._effects import Answer, Failure, FailureKind, Received
-from ._exceptions import (
+from .._exceptions import (
     InvokeError,
     KeyRejected,
     KeyReused,
@@ -39,9 +38,10 @@ from ._exceptions import (
     ToolRejected,
     UnsafeRedirect,
 )
-from ._keys import shown_key, uuid_key
+from .._keys import shown_key, uuid_key
+from ._effects import Answer, Failure, FailureKind, Received
 from ._net import Origin, has_control_character, origin_of, scrub_json
-from ._policy import DEFAULT_REPLAY_HEADERS  # the invoker's option default, defined there
+from ._policies import DEFAULT_REPLAY_HEADERS  # the invoker's option default, defined there
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .._exceptions import ConfigurationError, KeyRejected, MissingExtra, PayloadMismatch, ToolError
-from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import normalize_step
 from .._plan import OnRepeat, PlanSession, Step, check_on_repeat
-from .._protocol import short_reason
+from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from ..client._protocol import short_reason
 
 _Ctx = TypeVar("_Ctx")
 

@@ -23,7 +23,7 @@ Three rules carry the weight:
 - **No blind resend.** A request that may have run (a read timeout after
   sending, a reset, a 5xx) is sent again only to a route known to honour
   Idempotency-Key: declared (``honours_keys=True``), or shown by an answer
-  (:func:`~agentkey._protocol.key_evidence`), or by the route's answer to a
+  (:func:`~agentkey.client._protocol.key_evidence`), or by the route's answer to a
   harmless ``OPTIONS`` asked once. Otherwise the user's reconcile hook decides,
   or the call ends :class:`~agentkey.OutcomeUnknown` and stays in doubt in the
   journal.
@@ -43,6 +43,21 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
+from .._exceptions import (
+    ConfigurationError,
+    InvokeError,
+    KeyReused,
+    OutcomeUnknown,
+    PollTimeout,
+    StepInProgress,
+    StepRepeated,
+    ToolError,
+    ToolUnreachable,
+)
+from .._keys import StepKey, shown_key
+from .._schedule import Backoff
+from ..journal._records import Begun, CallRecord, CallState, route_of
+from ..journal._verify import HttpLookup, InDoubt, Verdict
 from ._effects import (
     Answer,
     Effect,
@@ -54,17 +69,6 @@ from ._effects import (
     Received,
     Sleep,
     Verify,
-)
-from ._exceptions import (
-    ConfigurationError,
-    InvokeError,
-    KeyReused,
-    OutcomeUnknown,
-    PollTimeout,
-    StepInProgress,
-    StepRepeated,
-    ToolError,
-    ToolUnreachable,
 )
 from ._hooks import (
     EVENT_TYPES,
@@ -78,9 +82,8 @@ from ._hooks import (
     RetryEvent,
     _one_line,
 )
-from ._keys import StepKey, shown_key
 from ._net import redact_url
-from ._policy import PollPolicy, RetryPolicy
+from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
     PROTECTED_HEADER,
     Action,
@@ -94,9 +97,6 @@ from ._protocol import (
     parse_json,
     poll_target,
 )
-from ._schedule import Backoff
-from .journal._records import Begun, CallRecord, CallState, route_of
-from .journal._verify import HttpLookup, InDoubt, Verdict
 
 __all__ = [
     "HOOK_OWNED",
@@ -823,7 +823,7 @@ class _Run:
 class _Sending(Exchange["Decision | Finished"]):
     """The step's exchange: one request, resent with the same key, and its classifier.
 
-    ``judge`` returns the final :class:`~agentkey._protocol.Decision` (the answer is
+    ``judge`` returns the final :class:`~agentkey.client._protocol.Decision` (the answer is
     in ``reply``), a :class:`Finished` when the reconcile hook settled a call in
     doubt, or :class:`Again`; it raises when the budget is spent.
     """

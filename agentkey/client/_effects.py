@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
-    from .journal._verify import InDoubt
+    from ..journal._verify import InDoubt
 
 __all__ = [
     "Answer",
