@@ -57,7 +57,8 @@ def _short(key: str) -> str:
 
 async def _run(out: Callable[[str], None]) -> int:
     try:
-        from .server._example import example_app  # the server half is an extra
+        from .server import MemoryStore  # noqa: F401 - the server half is an extra: checked here
+        from .server._example import example_app
     except ImportError:  # MissingExtra, or a package of the extra missing
         out("agentkey demo needs the server half: pip install 'agentkey-idempotency[server]'")
         return 2  # a usage error, as for `agentkey serve`: 1 means the contract broke
