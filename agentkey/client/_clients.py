@@ -1,5 +1,4 @@
-"""The httpx clients agentkey builds: no redirect followed, deadlines at the socket, no cookies
-for another origin.
+"""The httpx clients agentkey builds: no redirect followed, deadlines at the socket.
 
 A redirect's ``Location`` is moved out of httpx's way by a response hook (:func:`_park`), so
 httpx never parses it; the body reader (``_decode``) reads it back. Requests to another
