@@ -1,7 +1,7 @@
 """``agentkey demo``: the whole contract, end to end, on embedded defaults.
 
 The client half (PlanSession, AsyncToolInvoker) talks to the server half
-(``agentkey.server.example_app`` on a MemoryStore) in-process, through an
+(``agentkey.testing.example_app`` on a MemoryStore) in-process, through an
 ASGI client (``_clients.asgi_client``): no network, no Redis, nothing to set up. A fault
 injector between them loses one answer after the server committed, the way a
 read timeout does on a real network.
