@@ -4,8 +4,9 @@ The public surface is what ``__all__`` lists; every module behind it is private.
 
 ``import agentkey`` loads only what keys need (canonical JSON, keys, the
 exceptions). Everything else loads on first use of one of its names (PEP 562):
-plans (pydantic), and the invoker, policies, hooks, checker and token providers
-(httpx), so a program pays for what it uses.
+plans (pydantic), and the invoker, policies and hooks (httpx), so a program pays
+for what it uses. Token providers live in :mod:`agentkey.auth`, the server half in
+:mod:`agentkey.server`, and the protocol checker in :mod:`agentkey.testing`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from ._canonical import Profile, args_hash, canonical_json
 from ._exceptions import (
     AgentKeyError,
-    AuthenticationError,
     AuthError,
     ConfigurationError,
     DelegationExpired,
@@ -37,17 +37,18 @@ from ._exceptions import (
     StoreError,
     StoreUnavailable,
     TokenError,
+    TokenRejected,
     ToolError,
     ToolRejected,
     ToolUnreachable,
     UnsafeRedirect,
 )
-from ._keys import HeaderStyle, StepKey, step_key
+from ._keys import HeaderStyle, StepKey
 from ._version import __version__
 
 if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
-    from ._checker import CheckReport, CheckResult, acheck_server, check_server
-    from ._hooks import (
+    from ._plan import OnRepeat, PlanSession, Step
+    from .client._hooks import (
         AttemptEvent,
         CallEndEvent,
         CallStartEvent,
@@ -60,14 +61,11 @@ if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
         ReplayEvent,
         RetryEvent,
     )
-    from ._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
-    from ._plan import OnRepeat, PlanSession, Step
-    from ._policy import PollPolicy, RetryPolicy
-    from .auth import ClientCredentials, OnBehalfOf, RefreshTokenGrant, StaticToken, TokenExchange
+    from .client._invoker import AsyncToolInvoker, Outcome, ToolInvoker, ToolResult
+    from .client._policies import PollPolicy, RetryPolicy
 
 # Public name -> the module that defines it, imported on first access.
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(["CheckReport", "CheckResult", "acheck_server", "check_server"], "._checker"),
     **dict.fromkeys(
         [
             "AttemptEvent",
@@ -82,15 +80,13 @@ _LAZY: dict[str, str] = {
             "ReplayEvent",
             "RetryEvent",
         ],
-        "._hooks",
+        ".client._hooks",
     ),
-    **dict.fromkeys(["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], "._invoker"),
-    **dict.fromkeys(["OnRepeat", "PlanSession", "Step"], "._plan"),
-    **dict.fromkeys(["PollPolicy", "RetryPolicy"], "._policy"),
     **dict.fromkeys(
-        ["ClientCredentials", "OnBehalfOf", "RefreshTokenGrant", "StaticToken", "TokenExchange"],
-        ".auth",
+        ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], ".client._invoker"
     ),
+    **dict.fromkeys(["OnRepeat", "PlanSession", "Step"], "._plan"),
+    **dict.fromkeys(["PollPolicy", "RetryPolicy"], ".client._policies"),
 }
 
 
@@ -117,12 +113,8 @@ __all__ = [
     "AsyncToolInvoker",
     "AttemptEvent",
     "AuthError",
-    "AuthenticationError",
     "CallEndEvent",
     "CallStartEvent",
-    "CheckReport",
-    "CheckResult",
-    "ClientCredentials",
     "ConfigurationError",
     "DelegationExpired",
     "GiveUpEvent",
@@ -138,7 +130,6 @@ __all__ = [
     "LeaseLost",
     "LoggingHook",
     "MissingExtra",
-    "OnBehalfOf",
     "OnRepeat",
     "Outcome",
     "OutcomeUnknown",
@@ -148,12 +139,10 @@ __all__ = [
     "PollPolicy",
     "PollTimeout",
     "Profile",
-    "RefreshTokenGrant",
     "RepeatEvent",
     "ReplayEvent",
     "RetryEvent",
     "RetryPolicy",
-    "StaticToken",
     "Step",
     "StepFailed",
     "StepInProgress",
@@ -162,7 +151,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TokenError",
-    "TokenExchange",
+    "TokenRejected",
     "ToolError",
     "ToolInvoker",
     "ToolRejected",
@@ -170,9 +159,6 @@ __all__ = [
     "ToolUnreachable",
     "UnsafeRedirect",
     "__version__",
-    "acheck_server",
     "args_hash",
     "canonical_json",
-    "check_server",
-    "step_key",
 ]

@@ -1,8 +1,8 @@
 """``agentkey demo``: the whole contract, end to end, on embedded defaults.
 
 The client half (PlanSession, AsyncToolInvoker) talks to the server half
-(``agentkey.server.example_app`` on a MemoryStore) in-process, through an
-ASGI client (``_http.asgi_client``): no network, no Redis, nothing to set up. A fault
+(``agentkey.testing.example_app`` on a MemoryStore) in-process, through an
+ASGI client (``_clients.asgi_client``): no network, no Redis, nothing to set up. A fault
 injector between them loses one answer after the server committed, the way a
 read timeout does on a real network.
 """
@@ -14,11 +14,11 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from . import _http
-from ._hooks import InvokeEvent, ReplayEvent, RetryEvent
-from ._invoker import AsyncToolInvoker, ToolResult
 from ._plan import PlanSession
-from ._policy import RetryPolicy
+from .client import _clients, _http
+from .client._hooks import InvokeEvent, ReplayEvent, RetryEvent
+from .client._invoker import AsyncToolInvoker, ToolResult
+from .client._policies import RetryPolicy
 
 __all__ = ["run_demo"]
 
@@ -57,7 +57,8 @@ def _short(key: str) -> str:
 
 async def _run(out: Callable[[str], None]) -> int:
     try:
-        from .server import example_app  # the server half is an extra
+        from .server import MemoryStore  # noqa: F401 - the server half is an extra: checked here
+        from .server._example import example_app
     except ImportError:  # MissingExtra, or a package of the extra missing
         out("agentkey demo needs the server half: pip install 'agentkey-idempotency[server]'")
         return 2  # a usage error, as for `agentkey serve`: 1 means the contract broke
@@ -78,7 +79,7 @@ async def _run(out: Callable[[str], None]) -> int:
             lines.append(f"the server replayed its stored answer (status {event.status_code})")
 
     def invoker() -> AsyncToolInvoker:
-        client = _http.asgi_client(faulty)
+        client = _clients.asgi_client(faulty)
         return AsyncToolInvoker(
             "http://tools.internal",
             client=client,

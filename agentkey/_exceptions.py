@@ -19,7 +19,7 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   ├── PollTimeout                    the poll deadline passed; resume later
 │   └── UnsafeRedirect                 a redirect or status URL leads to another origin
 ├── AuthError                        credentials could not be obtained or were refused
-│   ├── AuthenticationError (InvokeError)  the tool refused a freshly refreshed token
+│   ├── TokenRejected (InvokeError)    the tool refused a freshly refreshed token
 │   ├── TokenError                     the token endpoint answered with an error
 │   │   └── DelegationExpired            the user's delegation cannot be renewed
 │   └── InsecureTransport (ConfigurationError)  a bearer token would travel over plain http
@@ -30,7 +30,7 @@ AgentKeyError                      root: catch this to catch everything agentkey
 ```
 
 A name in parentheses is a second parent: ``except InvokeError`` also catches
-``AuthenticationError``, and ``except ConfigurationError`` (or ``ValueError``)
+``TokenRejected``, and ``except ConfigurationError`` (or ``ValueError``)
 also catches ``InsecureTransport``.
 
 Every message says what happened, which key or step it concerns, and what
@@ -42,7 +42,6 @@ from __future__ import annotations
 __all__ = [
     "AgentKeyError",
     "AuthError",
-    "AuthenticationError",
     "ConfigurationError",
     "DelegationExpired",
     "InsecureTransport",
@@ -62,6 +61,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "TokenError",
+    "TokenRejected",
     "ToolError",
     "ToolRejected",
     "ToolUnreachable",
@@ -224,7 +224,7 @@ class AuthError(AgentKeyError):
     """Credentials could not be obtained, or the tool refused them."""
 
 
-class AuthenticationError(AuthError, InvokeError):
+class TokenRejected(AuthError, InvokeError):
     """The tool answered 401 again after a token refresh."""
 
 

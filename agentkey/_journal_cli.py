@@ -24,7 +24,7 @@ from typing import Any
 
 from ._exceptions import AgentKeyError, ConfigurationError
 from ._keys import shown_key
-from ._net import redact_url
+from .client._net import redact_url
 from .journal._base import CallRecord, CallState, Journal, is_live
 from .journal._default import ENV, resolve_journal
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -39,7 +38,6 @@ __all__ = [
     "plan_id_from_external",
     "raw_key",
     "shown_key",
-    "step_key",
     "uuid_key",
     "validate_plan_session_id",
 ]
@@ -288,18 +286,6 @@ class StepKey:
         """The step's label as it appears in the key, e.g. ``step_003.001``."""
         return _label(self.index)
 
-    @property
-    def step(self) -> tuple[int, ...]:
-        """Deprecated name of :attr:`index` (the step's index tuple)."""
-        _renamed("step", "index")
-        return self.index
-
-    @property
-    def step_label(self) -> str:
-        """Deprecated name of :attr:`label`."""
-        _renamed("step_label", "label")
-        return _label(self.index)
-
     def format(self) -> str:
         """The raw key: ``<plan_session_id>:<step>:<args_hash>``."""
         return self._raw
@@ -339,17 +325,6 @@ def key_prefix(plan_session_id: str, index: tuple[int, ...]) -> str:
     return prefix
 
 
-def step_key(
-    plan_session_id: str,
-    step: int | Sequence[int],
-    args: object,
-    *,
-    profile: Profile = "python",
-) -> str:
-    """Return the raw ``Idempotency-Key`` for ``args`` at ``step`` of a plan."""
-    return StepKey.build(plan_session_id, step, args, profile=profile).format()
-
-
 def uuid_key(key: str) -> str:
     """The ``uuid`` header style of the raw agentkey ``key``: its UUIDv5, lowercase.
 
@@ -383,11 +358,3 @@ def shown_key(key: str) -> str:
     ):
         return f"{plan}:{label}:#{digest}"
     return f"#{digest}"
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"StepKey.{old} is deprecated and will be removed in the next release; use StepKey.{new}",
-        DeprecationWarning,
-        stacklevel=3,
-    )

@@ -65,7 +65,7 @@ def _work_seconds(text: str) -> float:
 
 
 def _concurrency(text: str) -> int:
-    from ._checker import MAX_CONCURRENCY
+    from .client._checker import MAX_CONCURRENCY
 
     try:
         value = int(text)
@@ -161,7 +161,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .server import MemoryStore, Store, example_app
+        from .server import MemoryStore, Store
+        from .server._example import example_app
 
         if ns.redis:  # redis-py is needed only then: `agentkey serve` on memory runs without it
             from .server import RedisStore
@@ -232,7 +233,7 @@ def _json_object(text: str, option: str) -> dict[str, object] | None:
 
 def _cmd_check(ns: argparse.Namespace) -> int:
     from ._canonical import canonical_json
-    from ._checker import check_options, check_server  # the checker loads only when used
+    from .client._checker import check_options, check_server  # the checker loads only when used
 
     args = _json_object(ns.args, "--args")
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")

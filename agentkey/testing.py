@@ -1,4 +1,4 @@
-"""Test your agent's tool calls without sockets: a scripted tool server and fast policies.
+"""Test your agent's tool calls and your tool server: a scripted tool, fast policies, a checker.
 
 Import it explicitly (``import agentkey.testing``); ``import agentkey`` never loads it.
 
@@ -17,6 +17,9 @@ Import it explicitly (``import agentkey.testing``); ``import agentkey`` never lo
   and polls runs in milliseconds (a ``Retry-After`` in a script is capped the same way).
 - :func:`example_app`: the example tool server behind the middleware (``agentkey[server]``),
   for tests that want the real server half in process (``httpx.ASGITransport``).
+- :func:`check_server` / :func:`acheck_server`: the protocol checker behind ``agentkey
+  check``, which proves over HTTP that a running tool server honours the wire contract
+  and returns a :class:`CheckReport` of :class:`CheckResult` rows.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
-from ._policy import PollPolicy, RetryPolicy
+from .client._checker import CheckReport, CheckResult, acheck_server, check_server
+from .client._policies import PollPolicy, RetryPolicy
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -37,8 +41,12 @@ if TYPE_CHECKING:
     from .server import Store
 
 __all__ = [
+    "CheckReport",
+    "CheckResult",
     "Reply",
     "ScriptedTool",
+    "acheck_server",
+    "check_server",
     "example_app",
     "fast_poll_policy",
     "fast_retry_policy",

@@ -82,7 +82,7 @@ def _naive(redis_url: str) -> Any:
 def _insert(dsn: str, store: Any) -> Any:
     import psycopg
 
-    from agentkey.server import get_claim
+    from agentkey.server import current_claim
 
     sql = "INSERT INTO bench_charges (amount) VALUES (%s) RETURNING id"
     pool: list[psycopg.AsyncConnection[Any]] = []
@@ -95,7 +95,7 @@ def _insert(dsn: str, store: Any) -> Any:
             row = await (await pool[0].execute(sql, (args["amount"],))).fetchone()
             assert row is not None
             return JSONResponse({"charge_id": row[0]}, status_code=201)
-        async with store.transaction(get_claim(request)) as tx:
+        async with store.transaction(current_claim()) as tx:
             row = await (await tx.connection.execute(sql, (args["amount"],))).fetchone()
             assert row is not None
             return await tx.complete(JSONResponse({"charge_id": row[0]}, status_code=201))  # type: ignore[no-any-return]

@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.auth._idp
 
-from agentkey import ClientCredentials
+from agentkey.auth import ClientCredentials
 from tests._loopback import serve
 from tests.auth._idp import IdP
 

@@ -23,7 +23,7 @@ prices and tags):
 - ``opaque key (UUID)``: a key from an ordinary client; the middleware fingerprints
   the body (the digest of its canonical JSON);
 - ``... handler reads claim.json()``: the handler takes the body the middleware
-  already parsed (``get_claim(request).json()``), where it did, instead of parsing
+  already parsed (``current_claim().json()``), where it did, instead of parsing
   it again.
 
 Method: rounds of A B B A (A = bare, B = middleware); a round's ratio is
@@ -58,7 +58,7 @@ from starlette.routing import Route
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
 from agentkey import PlanSession, canonical_json
-from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from bench._harness import machine, palindrome, spread, write_results
 
 Message: TypeAlias = MutableMapping[str, Any]
@@ -92,7 +92,7 @@ def arguments(size: int) -> dict[str, Any]:
 
 def handler(*, from_claim: bool) -> Callable[[Request], Awaitable[JSONResponse]]:
     async def charge(request: Request) -> JSONResponse:
-        args = get_claim(request).json() if from_claim else await request.json()
+        args = current_claim().json() if from_claim else await request.json()
         return JSONResponse({"charge_id": "ch_1", "lines": len(args["lines"])}, status_code=201)
 
     return charge

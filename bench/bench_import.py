@@ -19,7 +19,7 @@ Rows (baseline in brackets):
   made, which the next row shows;
 - ``... ; ToolInvoker(...)`` [``import httpx, pydantic``]: the same, plus making one
   invoker (``journal=False``);
-- ``import agentkey; agentkey.check_server`` [``python -c pass``]: the protocol checker;
+- ``from agentkey.testing import check_server`` [``python -c pass``]: the protocol checker;
 - ``import pydantic``, ``import httpx`` [``python -c pass``]: for scale.
 
 Bytecode. An installed package has its ``.pyc`` files (pip compiles them), so by
@@ -66,7 +66,10 @@ ROWS: dict[str, tuple[str, str]] = {
         f"{LIBRARIES}; {CLIENT}; ToolInvoker('https://tool.test', journal=False)",
         LIBRARIES,
     ),
-    "import agentkey; agentkey.check_server": ("import agentkey; agentkey.check_server", PYTHON),
+    "from agentkey.testing import check_server": (
+        "from agentkey.testing import check_server",
+        PYTHON,
+    ),
     "import pydantic": ("import pydantic", PYTHON),
     "import httpx": ("import httpx", PYTHON),
 }

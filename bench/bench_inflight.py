@@ -55,7 +55,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harness, tests._loopback
 
 from agentkey import PlanSession, RetryPolicy, Step, ToolInvoker
-from agentkey._flow import IN_FLIGHT_CAP
+from agentkey.client._flow import IN_FLIGHT_CAP
 from bench._harness import machine, servers, spread, write_results
 
 APP = "bench.bench_inflight:app"

@@ -1,5 +1,9 @@
 """The import rules of docs/architecture.md, checked on the source.
 
+The tree shows the layers: the shared modules at the top of ``agentkey`` (canonical
+JSON, keys, plans, the backoff schedule, the errors) import nothing of the halves;
+``agentkey.client`` never imports the server half, nor ``agentkey.server`` the client's.
+
 Every ``import`` is read from the syntax tree, including imports inside
 functions, so a lazy import cannot slip past a rule. ``__init__.py`` files are
 facades that load their package's modules on demand: they follow the rules
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkey import _effects
+from agentkey.client import _effects
 
 ROOT = Path(__file__).resolve().parents[1] / "agentkey"
 
@@ -21,27 +25,27 @@ ROOT = Path(__file__).resolve().parents[1] / "agentkey"
 LAYERS: dict[str, int] = {
     # 0: pure core. No I/O, no clock of its own.
     "agentkey._canonical": 0,
-    "agentkey._drive": 0,
-    "agentkey._effects": 0,
+    "agentkey.client._drive": 0,
+    "agentkey.client._effects": 0,
     "agentkey._exceptions": 0,
-    "agentkey._flow": 0,
-    "agentkey._hooks": 0,
+    "agentkey.client._flow": 0,
+    "agentkey.client._hooks": 0,
     "agentkey._keys": 0,
-    "agentkey._net": 0,
+    "agentkey.client._net": 0,
     "agentkey._plan": 0,
-    "agentkey._policy": 0,
-    "agentkey._protocol": 0,
-    "agentkey._retry_after": 0,
+    "agentkey.client._policies": 0,
+    "agentkey.client._protocol": 0,
+    "agentkey.client._retry_after": 0,
     "agentkey._schedule": 0,
     "agentkey._version": 0,
-    "agentkey.auth._policy": 0,
+    "agentkey.auth._token_policy": 0,
     "agentkey.auth._token": 0,
     "agentkey.journal._records": 0,
     "agentkey.journal._verify": 0,
     "agentkey.server._decide": 0,
     "agentkey.server._records": 0,
 }
-#: The wire: the one module that touches httpx, and what drives it.
+#: The wire (the client modules that touch httpx), and what drives it.
 WIRE = 1
 #: The server half: may use the pure core, never the client's wire.
 SERVER = 2
@@ -51,13 +55,13 @@ APPS = 3
 #: Modules that must not do I/O or read the clock: their effects are yielded to a driver.
 PURE = {
     "agentkey._canonical",
-    "agentkey._drive",
-    "agentkey._effects",
-    "agentkey._flow",
+    "agentkey.client._drive",
+    "agentkey.client._effects",
+    "agentkey.client._flow",
     "agentkey._keys",
-    "agentkey._net",
-    "agentkey._protocol",
-    "agentkey._retry_after",
+    "agentkey.client._net",
+    "agentkey.client._protocol",
+    "agentkey.client._retry_after",
     "agentkey._schedule",
     "agentkey.journal._records",
     "agentkey.journal._verify",
@@ -85,7 +89,8 @@ IMPURE_MODULES = {
     "uvicorn",
 }
 #: httpx (and its fork) may be imported here only.
-HTTPX_OWNERS = {"agentkey._deadline", "agentkey._http", "agentkey.testing"}
+WIRE_MODULES = {"_clients", "_deadline", "_decode", "_http", "_httpx2", "_translate"}
+HTTPX_OWNERS = {f"agentkey.client.{name}" for name in WIRE_MODULES} | {"agentkey.testing"}
 
 
 def _layer(module: str) -> int:
@@ -155,14 +160,16 @@ SOURCES = sorted(ROOT.rglob("*.py"))
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))
 def test_import_rules(path: Path) -> None:
-    """Each module imports only what its layer allows: httpx in _http alone, pure modules no I/O."""
+    """Each module imports only what its layer allows: httpx in the wire alone, pure ones no I/O."""
     module = _module_name(path)
     facade = path.name == "__init__.py"
     broken: list[str] = []
     for name, line in _imports(path):
         top = name.split(".")[0]
         if top in {"httpx", "httpx2"} and module not in HTTPX_OWNERS:
-            broken.append(f"line {line}: imports {name}; only agentkey/_http.py talks to httpx")
+            broken.append(
+                f"line {line}: imports {name}; only agentkey/client/_http.py talks to httpx"
+            )
         if module in PURE and top in IMPURE_MODULES:
             broken.append(
                 f"line {line}: imports {name}; {module} must stay free of I/O, clocks, random "
@@ -179,7 +186,7 @@ def test_import_rules(path: Path) -> None:
     assert not broken, f"{module}:\n" + "\n".join(broken)
 
 
-#: The core's vocabulary: defined in agentkey/_effects.py, and imported from there alone.
+#: The core's vocabulary: defined in agentkey/client/_effects.py, and imported from there alone.
 EFFECT_TYPES = frozenset(_effects.__all__)
 
 
@@ -198,7 +205,7 @@ def test_effect_types_come_from_one_module(path: Path) -> None:
                 broken.append(f"line {node.lineno}: {sorted(names)} from {node.module}")
         elif isinstance(node, ast.Attribute) and node.attr in EFFECT_TYPES:
             owner = node.value
-            if isinstance(owner, ast.Name) and owner.id in {"_http", "_protocol", "_flow"}:
+            if isinstance(owner, ast.Name) and owner.id in {*WIRE_MODULES, "_protocol", "_flow"}:
                 broken.append(f"line {node.lineno}: {owner.id}.{node.attr}")
     assert not broken, f"{module} takes effect types from elsewhere than _effects:\n" + "\n".join(
         broken
@@ -213,3 +220,45 @@ def test_rules_see_every_layer() -> None:
     """The table names only modules that exist, so a rename cannot silently drop a rule."""
     missing = sorted(m for m in [*LAYERS, *PURE] if not _is_agentkey_module(m))
     assert not missing, f"architecture table names missing modules: {missing}"
+
+
+#: The shared modules: what both halves build on. They stay at the top of the package.
+SHARED = {
+    "agentkey._canonical",
+    "agentkey._exceptions",
+    "agentkey._keys",
+    "agentkey._plan",
+    "agentkey._schedule",
+    "agentkey._version",
+}
+#: What else may sit at the top: the package's front door and its applications.
+TOP_LEVEL_APPS = {"agentkey", "agentkey.__main__", "agentkey._demo", "agentkey._journal_cli"}
+TOP_LEVEL_APPS |= {"agentkey.cli", "agentkey.testing"}
+
+
+def test_the_top_level_holds_shared_modules_and_applications_only() -> None:
+    """A module of one half lives in its folder: the top holds shared modules and apps only."""
+    top = {_module_name(p) for p in ROOT.glob("*.py")}
+    assert top - SHARED - TOP_LEVEL_APPS == set()
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: _module_name(p))
+def test_the_tree_is_the_layering(path: Path) -> None:
+    """Shared modules import only shared ones; the client and server halves never meet."""
+    module = _module_name(path)
+    broken = []
+    for name, line in _imports(path):
+        if name.split(".")[0] != "agentkey":
+            continue
+        target = _owner(name)
+        if module in SHARED and target not in SHARED and target != "agentkey":
+            broken.append(f"line {line}: the shared module imports {target}")
+        if module.startswith("agentkey.client") and target.startswith(
+            ("agentkey.server", "agentkey.integrations")
+        ):
+            broken.append(f"line {line}: the client imports {target}")
+        if module.startswith("agentkey.server") and target.startswith(
+            ("agentkey.client", "agentkey.auth", "agentkey.integrations")
+        ):
+            broken.append(f"line {line}: the server half imports {target}")
+    assert not broken, f"{module}:\n" + "\n".join(broken)

@@ -11,15 +11,15 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkey import StepKey, step_key
+from agentkey import StepKey
 from agentkey.cli import main
 from tests._loopback import free_port
 
 
 def test_key_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """`agentkey key` prints the same key as step_key()."""
+    """`agentkey key` prints the same key as StepKey.build().format()."""
     assert main(["key", "--plan", "p1", "--step", "3.1", "--args", '{"b":1,"a":2}']) == 0
-    assert capsys.readouterr().out.strip() == step_key("p1", (3, 1), {"a": 2, "b": 1})
+    assert capsys.readouterr().out.strip() == StepKey.build("p1", (3, 1), {"a": 2, "b": 1}).format()
 
 
 def test_key_command_sf_string(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,7 +107,7 @@ def test_serve_runs_the_example_tool_server_on_a_port() -> None:
         try:
             assert proc.stdout is not None
             assert f"http://127.0.0.1:{port}" in proc.stdout.readline()
-            key = step_key("serve-test", 0, {"amount": 5, "currency": "EUR"})
+            key = StepKey.build("serve-test", 0, {"amount": 5, "currency": "EUR"}).format()
             sent = {
                 "content": b'{"amount":5,"currency":"EUR"}',
                 "headers": {"Idempotency-Key": key, "Authorization": "Bearer agent-7"},

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from agentkey import step_key
+from agentkey import StepKey
 from agentkey.cli import EXIT_UNREACHABLE, EXIT_USAGE, main
 from tests._loopback import RedisServer, free_port
 
@@ -88,7 +88,7 @@ def test_serve_on_a_live_redis_listens_on_the_port_it_prints(redis_proc: RedisSe
             banner = proc.stdout.readline()
             found = re.search(r"http://127\.0\.0\.1:(\d+)", banner)
             assert found, banner
-            key = step_key("serve-redis", 0, {"amount": 5, "currency": "EUR"})
+            key = StepKey.build("serve-redis", 0, {"amount": 5, "currency": "EUR"}).format()
             sent = {
                 "content": b'{"amount":5,"currency":"EUR"}',
                 "headers": {"Idempotency-Key": key, "Authorization": "Bearer demo"},

@@ -13,11 +13,11 @@ import sys
 
 #: What a call needs and ``from agentkey import ToolInvoker, PlanSession`` does not load.
 ENGINE = (
-    "agentkey._flow",
-    "agentkey._http",
-    "agentkey._deadline",
-    "agentkey._hooks",
-    "agentkey._protocol",
+    "agentkey.client._flow",
+    "agentkey.client._http",
+    "agentkey.client._deadline",
+    "agentkey.client._hooks",
+    "agentkey.client._protocol",
     "agentkey.journal",
     "httpcore",
     "anyio",
@@ -60,7 +60,8 @@ def test_the_engine_loads_with_the_first_invoker_and_every_model_works() -> None
         "answer = httpx.MockTransport(lambda r: httpx.Response(201, json={'ok': True}))\n"
         "with ToolInvoker('https://tool.test', client=httpx.Client(transport=answer),\n"
         "                 route_template='/tools/{tool}', journal=False) as tools:\n"
-        "    print([m in sys.modules for m in ('agentkey._flow', 'agentkey._http', 'httpcore')])\n"
+        "    loaded = ('agentkey.client._flow', 'agentkey.client._http', 'httpcore')\n"
+        "    print([m in sys.modules for m in loaded])\n"
         "    result = tools.invoke(step)\n"
         "print(result.status_code, result.body, result.model_dump()['replayed'])\n"
     )

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkey import InvalidKey, StepKey, args_hash, step_key
+from agentkey import InvalidKey, StepKey, args_hash
 from agentkey._keys import KEY_UUID_NAMESPACE, format_step
 
 HASH = "a" * 64
@@ -29,7 +29,7 @@ hashes = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
 
 def test_key_layout() -> None:
     """A key is plan:step_NNN:sha256 of the canonical arguments."""
-    key = step_key("plan-1", 3, {"amount": 5})
+    key = StepKey.build("plan-1", 3, {"amount": 5}).format()
     assert key == f"plan-1:step_003:{args_hash({'amount': 5})}"
 
 
@@ -65,14 +65,14 @@ def test_both_header_styles_parse_to_the_same_key() -> None:
 def test_bad_plan_ids(plan_id: str) -> None:
     """Plan ids outside 1-64 chars of [A-Za-z0-9._~-] are refused with advice."""
     with pytest.raises(InvalidKey, match="from_external_id"):
-        step_key(plan_id, 1, {})
+        StepKey.build(plan_id, 1, {}).format()
 
 
 @pytest.mark.parametrize("step", [-1, (1, -2), (), True, 1.5, "3", (1, "2")])
 def test_bad_steps(step: Any) -> None:
     """Negative, empty, boolean and non-integer step indexes are refused."""
     with pytest.raises(InvalidKey):
-        step_key("p", step, {})
+        StepKey.build("p", step, {}).format()
 
 
 @pytest.mark.parametrize(
@@ -150,11 +150,11 @@ def test_changing_any_leaf_changes_the_hash(args: dict[str, Any], data: st.DataO
 def test_key_is_stable_across_processes_and_hash_seeds() -> None:
     """Other interpreters with other PYTHONHASHSEEDs compute the same key."""
     args = {"region": "us-east-1", "tags": {"b": 2, "a": 1}, "ids": [3, 1, 2], "name": "é"}
-    expected = step_key("plan", (4, 2), args)
+    expected = StepKey.build("plan", (4, 2), args).format()
     code = textwrap.dedent(
         f"""
-        from agentkey import step_key
-        print(step_key("plan", (4, 2), {args!r}))
+        from agentkey import StepKey
+        print(StepKey.build("plan", (4, 2), {args!r}).format())
         """
     )
     for seed in ("0", "1", "12345", "random"):
@@ -166,14 +166,12 @@ def test_key_is_stable_across_processes_and_hash_seeds() -> None:
 
 
 def test_one_word_each_for_index_and_label() -> None:
-    """StepKey names its tuple ``index`` and its text ``label``; the old names still answer."""
+    """StepKey names its tuple ``index`` and its text ``label``; the old names are gone."""
     key = StepKey("p", (3, 1), HASH)
     assert key.index == (3, 1)
     assert key.label == "step_003.001"
-    with pytest.warns(DeprecationWarning, match=r"StepKey\.step is deprecated.*StepKey\.index"):
-        assert key.step == key.index
-    with pytest.warns(DeprecationWarning, match=r"StepKey\.step_label .*StepKey\.label"):
-        assert key.step_label == key.label
+    assert not hasattr(key, "step")
+    assert not hasattr(key, "step_label")
     assert key == StepKey("p", (3, 1), HASH)
 
 
@@ -207,13 +205,13 @@ def test_shown_key_hides_the_args_hash_and_keeps_plan_and_step() -> None:
     """A key shown in logs keeps plan and step readable, never its args_hash or an opaque key."""
     from agentkey._keys import shown_key
 
-    key = step_key("plan-1", 3, {"amount": 5})
+    key = StepKey.build("plan-1", 3, {"amount": 5}).format()
     shown = shown_key(key)
     assert shown.startswith("plan-1:step_003:#")
     assert len(shown) == len("plan-1:step_003:#") + 8
     assert key.rsplit(":", 1)[1] not in shown
     assert shown_key(key) == shown  # stable: two lines about one key match
-    assert shown_key(step_key("plan-1", 3, {"amount": 6})) != shown
+    assert shown_key(StepKey.build("plan-1", 3, {"amount": 6}).format()) != shown
     opaque = "ik_live_4f1d2c3b"
     assert shown_key(opaque).startswith("#")
     assert "ik_live" not in shown_key(opaque)

@@ -23,7 +23,6 @@ from agentkey import (
     StepKey,
     StepRepeated,
     canonical_json,
-    step_key,
 )
 from agentkey._keys import AGENTKEY_NAMESPACE
 
@@ -42,12 +41,13 @@ def test_new_session_id_is_uuid4() -> None:
     assert uuid.UUID(plan.id).version == 4
 
 
-def test_step_key_matches_function() -> None:
-    """A step's key equals step_key() of the same plan, index and arguments."""
+def test_step_key_matches_build() -> None:
+    """A step's key equals StepKey.build().format() of the same plan, index and arguments."""
     plan = PlanSession.new()
     step = plan.step((2, 1), "provision", {"region": "eu-west-1", "storage_gb": 10})
-    assert step.idempotency_key == step_key(
-        plan.id, (2, 1), {"storage_gb": 10, "region": "eu-west-1"}
+    assert (
+        step.idempotency_key
+        == StepKey.build(plan.id, (2, 1), {"storage_gb": 10, "region": "eu-west-1"}).format()
     )
     assert step.key == StepKey.parse(step.idempotency_key)
     assert step.label == "step_002.001"

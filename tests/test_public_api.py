@@ -54,15 +54,15 @@ def test_import_is_lazy_and_every_name_resolves() -> None:
     """import agentkey loads neither httpx nor pydantic; each name in __all__ then loads."""
     code = (
         "import sys, agentkey\n"
-        "heavy = ('httpx', 'httpcore', 'pydantic', 'anyio', 'agentkey._invoker',"
-        " 'agentkey._checker', 'agentkey.auth', 'agentkey._plan')\n"
+        "heavy = ('httpx', 'httpcore', 'pydantic', 'anyio', 'agentkey.client._invoker',"
+        " 'agentkey.client._checker', 'agentkey.auth', 'agentkey._plan')\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "assert sorted(set(agentkey.__all__) - set(dir(agentkey))) == []\n"
         "missing = [n for n in agentkey.__all__ if not hasattr(agentkey, n)]\n"
         "print(missing, agentkey.ToolInvoker.__module__, agentkey.auth.__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:2] == ["[]", "[] agentkey._invoker agentkey.auth"]
+    assert out.stdout.split("\n")[:2] == ["[]", "[] agentkey.client._invoker agentkey.auth"]
 
 
 def test_unknown_names_raise_attribute_error() -> None:
@@ -70,3 +70,45 @@ def test_unknown_names_raise_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         agentkey.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
     assert not hasattr(agentkey, "_LAZYX")
+
+
+def test_three_namespaces_hold_at_most_80_names_each_once() -> None:
+    """agentkey, agentkey.server and agentkey.auth export at most 80 names, none twice."""
+    import agentkey.auth
+    import agentkey.server
+
+    spaces = [agentkey.__all__, agentkey.server.__all__, agentkey.auth.__all__]
+    names = [name for space in spaces for name in space]
+    assert len(names) <= 80, len(names)
+    assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize(
+    ("gone", "home"),
+    [
+        ("ClientCredentials", "agentkey.auth"),
+        ("StaticToken", "agentkey.auth"),
+        ("check_server", "agentkey.testing"),
+        ("CheckReport", "agentkey.testing"),
+        ("step_key", None),
+        ("AuthenticationError", None),
+    ],
+)
+def test_moved_and_removed_names(gone: str, home: str | None) -> None:
+    """A name that moved lives only in its new namespace; a removed one is gone everywhere."""
+    import importlib
+
+    assert gone not in agentkey.__all__
+    assert not hasattr(agentkey, gone)
+    if home is not None:
+        assert hasattr(importlib.import_module(home), gone)
+
+
+def test_settled_pairs_name_one_thing_each() -> None:
+    """TokenRejected is the 401 after a refresh; OnRepeat and the URN constants have homes."""
+    from agentkey.auth import TokenExchange
+
+    assert issubclass(agentkey.TokenRejected, agentkey.AuthError)
+    assert issubclass(agentkey.TokenRejected, agentkey.InvokeError)
+    assert "OnRepeat" in agentkey.__all__
+    assert TokenExchange.ACCESS_TOKEN_TYPE == "urn:ietf:params:oauth:token-type:access_token"

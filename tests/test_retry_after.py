@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkey._retry_after import parse_retry_after
+from agentkey.client._retry_after import parse_retry_after
 
 NOW_DATE = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.timezone.utc)
 NOW = NOW_DATE.timestamp()  # the caller's wall clock, in Unix seconds
@@ -64,7 +64,7 @@ def test_never_raises(value: str) -> None:
 @given(st.text(alphabet="0123456789", min_size=1, max_size=6000))
 def test_any_number_of_digits_is_a_finite_wait(digits: str) -> None:
     """Delay-seconds of any length (310 digits overflow a float, 5,000 trip int()) never raise."""
-    from agentkey._protocol import retry_after
+    from agentkey.client._protocol import retry_after
 
     wait = retry_after(digits)
     assert wait is not None
@@ -76,7 +76,7 @@ def test_any_number_of_digits_is_a_finite_wait(digits: str) -> None:
 @given(st.text(max_size=400))
 def test_protocol_retry_after_never_raises(value: str) -> None:
     """The core's Retry-After reading takes any header text without raising."""
-    from agentkey._protocol import retry_after
+    from agentkey.client._protocol import retry_after
 
     wait = retry_after(value)
     assert wait is None or 0 <= wait < float("inf")

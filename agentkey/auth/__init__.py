@@ -8,12 +8,7 @@ that returns a :class:`TokenRequest` from ``token_request``.
 
 from ._base import TokenProvider
 from ._endpoint import TokenRequest
-from ._policy import TokenPolicy
 from ._providers import (
-    ACCESS_TOKEN_TYPE,
-    ID_TOKEN_TYPE,
-    JWT_TOKEN_TYPE,
-    REFRESH_TOKEN_TYPE,
     ClientCredentials,
     OAuthProvider,
     OnBehalfOf,
@@ -21,14 +16,11 @@ from ._providers import (
     StaticToken,
     TokenExchange,
 )
-from ._stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 from ._token import Token, TokenEvent, TokenHook
+from ._token_policy import TokenPolicy
+from ._token_stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 
 __all__ = [
-    "ACCESS_TOKEN_TYPE",
-    "ID_TOKEN_TYPE",
-    "JWT_TOKEN_TYPE",
-    "REFRESH_TOKEN_TYPE",
     "ClientCredentials",
     "EncryptedFileTokenStore",
     "MemoryTokenStore",

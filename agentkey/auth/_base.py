@@ -39,14 +39,14 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iter
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .. import _http
-from .._drive import Handlers, async_carrier, carrier, run_async, run_sync
-from .._effects import Emit, Outgoing, Sleep
 from .._exceptions import AuthError, ConfigurationError
-from .._net import require_secure
+from ..client import _clients, _http, _httpx2
+from ..client._drive import Handlers, async_carrier, carrier, run_async, run_sync
+from ..client._effects import Emit, Outgoing, Sleep
+from ..client._net import require_secure
 from ._endpoint import MAX_TOKEN_ANSWER_BYTES, Note, TokenEndpoint, TokenFlow, TokenRequest
-from ._policy import TokenPolicy
 from ._token import Token, TokenEvent, TokenHook
+from ._token_policy import TokenPolicy
 
 __all__ = ["Call", "Obtain", "TokenProvider", "call", "send"]
 
@@ -210,8 +210,8 @@ class TokenProvider(_http.Auth):
         self._failure: tuple[AuthError, float] | None = None
         self._rejected_at: float | None = None  # when a 401 last caused a refresh
         self._tasks: set[asyncio.Task[None]] = set()
-        self._client: _http.Client | None = None
-        self._async_client: _http.AsyncClient | None = None
+        self._client: _httpx2.Client | None = None
+        self._async_client: _httpx2.AsyncClient | None = None
 
     # -- subclasses -----------------------------------------------------------------
 
@@ -357,17 +357,17 @@ class TokenProvider(_http.Auth):
         for hook in self._hooks:
             hook(event)
 
-    def _sync_client(self) -> _http.Client:
+    def _sync_client(self) -> _httpx2.Client:
         with self._lock:
             if self._client is None:
-                self._client = self._open(_http.make_client)
+                self._client = self._open(_clients.make_client)
             return self._client
 
     def _open(self, factory: Callable[..., _C]) -> _C:
         # Unpooled: refreshes come minutes apart, long after an idle connection would have
         # closed, and an async client with no pooled connection serves any event loop.
         # Cookieless: token requests go out bare, and this client sends them itself.
-        timeout = _http.make_timeout(self._policy.timeout)
+        timeout = _clients.make_timeout(self._policy.timeout)
         return factory(timeout, verify=self._require_endpoint().verify, pooled=False, cookies=False)
 
     def _flow(self, request: TokenRequest) -> TokenFlow:
@@ -424,10 +424,10 @@ class TokenProvider(_http.Auth):
 
     # -- async path -------------------------------------------------------------------
 
-    def _async_http(self) -> _http.AsyncClient:
+    def _async_http(self) -> _httpx2.AsyncClient:
         with self._lock:
             if self._async_client is None:
-                self._async_client = self._open(_http.make_async_client)
+                self._async_client = self._open(_clients.make_async_client)
             return self._async_client
 
     def _carry_async(self) -> Callable[[Any], Awaitable[Any]]:

@@ -24,15 +24,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import SecretStr
 
-from .._effects import Effect, Emit, Failure, Outgoing, Reply
 from .._exceptions import ConfigurationError, TokenError
-from .._flow import Again, Exchange, attempts
-from .._net import origin_of, redact_url, require_secure, scrub, secret_forms
-from .._protocol import parse_json
-from .._retry_after import parse_retry_after
+from ..client._effects import Effect, Emit, Failure, Outgoing, Received
+from ..client._flow import Again, Exchange, attempts
+from ..client._net import origin_of, redact_url, require_secure, scrub, secret_forms
+from ..client._protocol import parse_json
+from ..client._retry_after import parse_retry_after
 from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
-from ._policy import TokenPolicy
 from ._token import Token, TokenEvent, header_safe, refresh_deadline
+from ._token_policy import TokenPolicy
 
 if TYPE_CHECKING:
     import ssl
@@ -268,7 +268,7 @@ class TokenEndpoint:
     def interpret(
         self,
         request: TokenRequest,
-        reply: Reply,
+        reply: Received,
         sent_at: float,
         *,
         secrets: tuple[str, ...] | None = None,
@@ -461,7 +461,7 @@ class _Attempts(Exchange[Token]):
         yield from ()  # nothing to tell before a token request
         return out
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Token | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Token | Again]:
         endpoint, grant, policy = self.endpoint, self.grant, self.endpoint.policy
         try:
             token = endpoint.interpret(

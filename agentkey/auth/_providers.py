@@ -6,18 +6,18 @@ import dataclasses
 import logging
 import ssl
 from collections.abc import Callable, Sequence
-from typing import get_args
+from typing import ClassVar, get_args
 
 from pydantic import SecretStr
 
 from .._exceptions import AuthError, ConfigurationError, DelegationExpired, TokenError
-from .._net import redact_url
+from ..client._net import redact_url
 from ._base import Obtain, TokenProvider, call, send
 from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, scope_text
 from ._oauth import AuthMethod, load_private_key
-from ._policy import TokenPolicy
-from ._stores import MemoryTokenStore, TokenStore
 from ._token import Token, TokenHook, header_safe, jwt_expired
+from ._token_policy import TokenPolicy
+from ._token_stores import MemoryTokenStore, TokenStore
 
 __all__ = [
     "ACCESS_TOKEN_TYPE",
@@ -447,7 +447,16 @@ class TokenExchange(_Delegated):
     When the exchange returns a refresh token, renewals use it; when the
     user's token has expired and nothing can renew, DelegationExpired says the
     user must authorise again.
+
+    The RFC 8693 token-type URIs these options take are class attributes:
+    ``TokenExchange.ACCESS_TOKEN_TYPE``, ``REFRESH_TOKEN_TYPE``, ``ID_TOKEN_TYPE``
+    and ``JWT_TOKEN_TYPE``.
     """
+
+    ACCESS_TOKEN_TYPE: ClassVar[str] = ACCESS_TOKEN_TYPE
+    REFRESH_TOKEN_TYPE: ClassVar[str] = REFRESH_TOKEN_TYPE
+    ID_TOKEN_TYPE: ClassVar[str] = ID_TOKEN_TYPE
+    JWT_TOKEN_TYPE: ClassVar[str] = JWT_TOKEN_TYPE
 
     def __init__(
         self,
@@ -583,7 +592,7 @@ class StaticToken(TokenProvider):
     """A token you already hold (tests, pre-issued tokens). It is never renewed.
 
     A 401 answer is handed back as it is, so the caller raises
-    AuthenticationError; refusing plain http to non-loopback hosts still applies.
+    TokenRejected; refusing plain http to non-loopback hosts still applies.
     """
 
     _can_refresh = False

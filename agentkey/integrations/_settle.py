@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._exceptions import StepRepeated
-from .._invoker import AsyncToolInvoker, ToolInvoker
 from .._keys import StepKey
 from .._plan import OnRepeat, Step
+from ..client._invoker import AsyncToolInvoker, ToolInvoker
 from ..journal._records import CallRecord, CallState
-from ._common import repeat_note, repeat_record
+from ._adapter import repeat_note, repeat_record
 from ._identity import CallSite, Earlier, Seen, Verdict, decide, earlier_of, step_of
 
 __all__ = ["Repeat", "Send", "aearlier", "earlier", "settle"]

@@ -51,13 +51,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from .._canonical import args_hash, to_jsonable
 from .._exceptions import ConfigurationError, InvalidArguments, ToolError
-from .._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
-from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
-from .._net import redact_url
 from .._plan import OnRepeat, PlanSession, Step
+from ..client._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
+from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from ..client._net import redact_url
 from ..journal._base import is_live
 from ..journal._records import CallState
-from ._common import (
+from ._adapter import (
     call_record,
     check_sources,
     check_tool,

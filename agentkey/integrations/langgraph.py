@@ -37,10 +37,10 @@ from typing import Any
 
 from .._canonical import Profile, encode_jsonable, to_jsonable
 from .._exceptions import AgentKeyError, ConfigurationError
-from .._invoker import AsyncToolInvoker, ToolInvoker
 from .._keys import StepKey
 from .._plan import OnRepeat, PlanSession
-from ._common import code, missing_extra
+from ..client._invoker import AsyncToolInvoker, ToolInvoker
+from ._adapter import code, missing_extra
 from ._identity import CallSite, Seen
 
 try:

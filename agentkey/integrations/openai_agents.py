@@ -49,10 +49,10 @@ from pydantic import BaseModel, ValidationError
 
 from .._canonical import args_hash, encode_jsonable, to_jsonable
 from .._exceptions import ConfigurationError, ToolError
-from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._plan import OnRepeat, PlanSession, Step
+from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from ..journal._records import CallRecord
-from ._common import (
+from ._adapter import (
     call_record,
     check_sources,
     check_tool,

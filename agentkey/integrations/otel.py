@@ -42,7 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._hooks import (
+from .._keys import shown_key
+from .._version import __version__
+from ..auth._token import TokenEvent
+from ..client._hooks import (
     AttemptEvent,
     CallEndEvent,
     CallStartEvent,
@@ -51,11 +54,8 @@ from .._hooks import (
     ReplayEvent,
     RetryEvent,
 )
-from .._keys import shown_key
-from .._net import origin_of, redact_url
-from .._version import __version__
-from ..auth._token import TokenEvent
-from ._common import missing_extra
+from ..client._net import origin_of, redact_url
+from ._adapter import missing_extra
 
 try:
     from opentelemetry import trace

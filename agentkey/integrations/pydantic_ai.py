@@ -44,10 +44,10 @@ from pydantic import BaseModel, ValidationError
 
 from .._canonical import args_hash, encode_jsonable, to_jsonable
 from .._exceptions import AgentKeyError, ConfigurationError, ToolError
-from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import StepKey
 from .._plan import OnRepeat, PlanSession, Step
-from ._common import (
+from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from ._adapter import (
     call_record,
     check_sources,
     check_tool,

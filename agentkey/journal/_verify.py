@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
-from .._effects import Answer, Failure
 from .._exceptions import ConfigurationError
+from ..client._effects import Answer, Failure
 
 __all__ = ["HttpLookup", "InDoubt", "Verdict"]
 

@@ -17,28 +17,19 @@ except ImportError:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtra("server", "starlette") from None
 
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, LeaseLost, current_claim
+from ._claim import Claim, current_claim
 from ._decide import DecisionEvent
-from ._example import example_app
-from ._middleware import (
-    REPLAY_HEADER,
-    IdempotencyMiddleware,
-    PrincipalFunc,
-    get_claim,
-    is_storable,
-    starlette_user_identity,
-)
+from ._middleware import IdempotencyMiddleware, PrincipalFunc, starlette_user_identity
 from ._stores import MemoryStore, Store
 
 if TYPE_CHECKING:
-    from ._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
-    from ._redis import RedisStore
+    from ._postgres import PostgresStore, PostgresTransaction
+    from .redis._store import RedisStore
 
 _LAZY = {
     "PostgresStore": "_postgres",
     "PostgresTransaction": "_postgres",
-    "RecoveryPoint": "_postgres",
-    "RedisStore": "_redis",
+    "RedisStore": "redis._store",
 }
 
 
@@ -53,23 +44,17 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "REPLAY_HEADER",
     "BlobStore",
     "Claim",
     "DecisionEvent",
     "FileBlobStore",
     "IdempotencyMiddleware",
-    "LeaseLost",
     "MemoryStore",
     "PostgresStore",
     "PostgresTransaction",
     "PrincipalFunc",
-    "RecoveryPoint",
     "RedisStore",
     "Store",
     "current_claim",
-    "example_app",
-    "get_claim",
-    "is_storable",
     "starlette_user_identity",
 ]

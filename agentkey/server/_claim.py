@@ -35,7 +35,7 @@ from .._schedule import Backoff
 from ._records import (
     Binding,
     InProgress,
-    Outcome,
+    StoredOutcome,
     decode_record,
     encode_in_progress,
     encode_outcome,
@@ -493,7 +493,9 @@ def reset_current(token: contextvars.Token[Claim | None]) -> None:
 SETTLE_BACKOFF = Backoff(initial=0.05, cap=1.0)
 
 
-async def record_outcome(store: Store, claim: Claim, outcome: Outcome, *, ttl_ms: int) -> bool:
+async def record_outcome(
+    store: Store, claim: Claim, outcome: StoredOutcome, *, ttl_ms: int
+) -> bool:
     """Write ``outcome`` over ``claim``'s record; False when another request owns the key now.
 
     Idempotent, so it can be retried: a finish whose answer was lost finds its
@@ -513,7 +515,9 @@ async def record_outcome(store: Store, claim: Claim, outcome: Outcome, *, ttl_ms
     return current is None or current == encoded
 
 
-async def record_until_stored(store: Store, claim: Claim, outcome: Outcome, *, ttl_ms: int) -> bool:
+async def record_until_stored(
+    store: Store, claim: Claim, outcome: StoredOutcome, *, ttl_ms: int
+) -> bool:
     """Retry :func:`record_outcome` with backoff until the store answers.
 
     For a handler that has run: an unrecorded outcome would free the key after its

@@ -53,7 +53,7 @@ from urllib.parse import quote
 from .._canonical import Profile, canonical_json
 from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
 from .._keys import MAX_KEY_LENGTH, StepKey, parse_sf_item, shown_key
-from ._records import Binding, InProgress, Outcome, decode_record, digest
+from ._records import Binding, InProgress, StoredOutcome, decode_record, digest
 
 __all__ = [
     "PROBLEM_DOCS",
@@ -235,7 +235,7 @@ class Run:
 class Replay:
     """Send the stored outcome, marked as a replay (fetch ``blob_uri`` when set)."""
 
-    outcome: Outcome
+    outcome: StoredOutcome
 
     @property
     def status(self) -> int:
@@ -281,7 +281,7 @@ def replay_headers(
 class Complete:
     """Store ``outcome`` (COMPLETED). ``offload``: its body goes to the blob store."""
 
-    outcome: Outcome
+    outcome: StoredOutcome
     offload: bool = False
 
 
@@ -289,7 +289,7 @@ class Complete:
 class Fail:
     """Store ``outcome`` (FAILED): the side effect began and did not finish."""
 
-    outcome: Outcome
+    outcome: StoredOutcome
     offload: bool = False
 
 
@@ -462,7 +462,7 @@ def on_claimed(
     mismatch = _binding_mismatch(record.binding, checked.binding)
     if mismatch is not None:
         return Reject(422, *mismatch)
-    if isinstance(record, Outcome):
+    if isinstance(record, StoredOutcome):
         return Replay(record)
     if record.owner == owner:
         # Our own claim, read back: the client library re-sent a SET that had already
@@ -512,7 +512,9 @@ def on_finished(
             )
         stored = stored_headers(headers)
         offload = len(body) > max_inline_bytes
-        return Complete(Outcome("COMPLETED", status, stored, body, None, now_ms, binding), offload)
+        return Complete(
+            StoredOutcome("COMPLETED", status, stored, body, None, now_ms, binding), offload
+        )
     if not mutation_started:
         return Release()
     if error:
@@ -531,7 +533,7 @@ def on_finished(
     else:
         stored = stored_headers(headers)
     offload = len(body) > max_inline_bytes
-    return Fail(Outcome("FAILED", status, stored, body, None, now_ms, binding), offload)
+    return Fail(StoredOutcome("FAILED", status, stored, body, None, now_ms, binding), offload)
 
 
 def _too_large(body: bytes, size: int | None, limit: int) -> bool:
@@ -549,7 +551,7 @@ def _not_recorded(size: int, limit: int, binding: Binding | None, now_ms: int) -
         "target system, or have the server raise max_recorded_bytes for this tool",
     )
     headers = (("content-type", PROBLEM_TYPE),)
-    return Fail(Outcome("FAILED", 500, headers, body, None, now_ms, binding))
+    return Fail(StoredOutcome("FAILED", 500, headers, body, None, now_ms, binding))
 
 
 # --- rules ------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ._blobs import BlobStore
-from ._middleware import IdempotencyMiddleware, Scope, get_claim
+from ._claim import current_claim
+from ._middleware import IdempotencyMiddleware, Scope
 from ._stores import MemoryStore, Store
 
 __all__ = ["bearer_principal", "example_app"]
@@ -65,7 +66,7 @@ def example_app(
         amount = args.get("amount")
         if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
             return JSONResponse({"error": "amount must be a positive integer"}, status_code=400)
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         executions["charge"] += 1
         n = executions["charge"]
         return JSONResponse(
@@ -75,7 +76,7 @@ def example_app(
 
     async def provision(request: Request) -> JSONResponse:
         args: dict[str, Any] = await request.json()
-        claim = get_claim(request)
+        claim = current_claim()
         async with claim.keep_alive():
             await asyncio.sleep(work_seconds)  # quota checks, image lookup: no side effect yet
             claim.begin_mutation()
@@ -90,7 +91,7 @@ def example_app(
             return JSONResponse(
                 {"error": f"rows must be an integer from 0 to {_MAX_ROWS}"}, status_code=400
             )
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         executions["report"] += 1
         return JSONResponse({"rows": [{"n": i, "pad": "x" * 20} for i in range(rows)]})
 

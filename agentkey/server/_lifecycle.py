@@ -53,7 +53,7 @@ from ._decide import (
     on_claimed,
     unavailable,
 )
-from ._records import Outcome
+from ._records import StoredOutcome
 from ._stores import SETTLE_SECONDS, Store
 
 __all__ = [
@@ -392,7 +392,7 @@ class Lifecycle:
 
     async def _write(
         self, claim: Claim, decision: Complete | Fail | Release, blob: _Blob | None
-    ) -> Outcome | Release | None:
+    ) -> StoredOutcome | Release | None:
         """Record the outcome (compare-and-set on the owner), or release the claim.
 
         Returns what the store failed to write: the outcome (the handler has run),
@@ -435,7 +435,7 @@ class Lifecycle:
             self._wake(claim.record_key)
         return None
 
-    async def _offload(self, claim: Claim, outcome: Outcome, blob: _Blob) -> Outcome:
+    async def _offload(self, claim: Claim, outcome: StoredOutcome, blob: _Blob) -> StoredOutcome:
         """The outcome with its body in the blob store, written once for this claim.
 
         On asyncio the write runs in a task of its own: a cancellation of the
@@ -485,7 +485,7 @@ class Lifecycle:
         except StoreError as exc:
             _logger.warning("could not delete the unused blob of an %s: %s", why, exc)
 
-    async def _until_written(self, claim: Claim, pending: Outcome | Release) -> None:
+    async def _until_written(self, claim: Claim, pending: StoredOutcome | Release) -> None:
         """Retry a write the store failed until it answers; the caller's deadline cuts it."""
         if isinstance(pending, Release):
             await release_until_done(self.store, claim)
@@ -495,7 +495,7 @@ class Lifecycle:
         if self._held:
             self._wake(claim.record_key)
 
-    async def _lost(self, claim: Claim, outcome: Outcome) -> None:
+    async def _lost(self, claim: Claim, outcome: StoredOutcome) -> None:
         _logger.warning(
             "the lease on %s lapsed before the handler finished and another request "
             "owns the key now; this result was not stored (the lease is renewed "

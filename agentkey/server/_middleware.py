@@ -50,7 +50,6 @@ from collections.abc import (
 from typing import Any
 
 import anyio
-from starlette.requests import HTTPConnection
 
 from .._canonical import Profile, check_profile
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
@@ -88,12 +87,10 @@ from ._stores import MemoryStore, Store
 
 __all__ = [
     "REPLAY_HEADER",
-    "SCOPE_STATE_KEY",
     "DecisionHook",
     "IdempotencyMiddleware",
     "KeyFormat",
     "PrincipalFunc",
-    "get_claim",
     "is_storable",
     "route_path",
     "starlette_user_identity",
@@ -110,10 +107,6 @@ RoutesFunc = Callable[[Scope], bool]
 DecisionHook = Callable[[DecisionEvent], object]
 
 _logger = logging.getLogger("agentkey.server")
-
-#: Where the middleware puts the claim in ``scope["state"]`` (``request.state``).
-SCOPE_STATE_KEY = "agentkey_claim"
-
 
 #: Set on every answer of a protected route: clients learn that it honours the key.
 _PROTECTED = (b"idempotency-protected", b"true")
@@ -164,21 +157,6 @@ def starlette_user_identity(scope: Scope) -> str | None:
             "to IdempotencyMiddleware"
         )
     return identity
-
-
-def get_claim(request: HTTPConnection) -> Claim:
-    """The claim stored on a Starlette/FastAPI ``request`` (``request.state``).
-
-    Works as a FastAPI dependency too: ``claim: Claim = Depends(get_claim)``.
-    """
-    state = request.scope.get("state") or {}
-    claim = state.get(SCOPE_STATE_KEY)
-    if not isinstance(claim, Claim):
-        raise ConfigurationError(
-            "this request carries no idempotency claim: it did not pass through "
-            "IdempotencyMiddleware, or the route is not one the middleware protects"
-        )
-    return claim
 
 
 def route_path(scope: Scope) -> str:
@@ -734,8 +712,6 @@ class IdempotencyMiddleware:
         path: str,
     ) -> None:
         exchange = _Exchange(self, claim, body, receive, send, method, path)
-        state = scope.setdefault("state", {})
-        state[SCOPE_STATE_KEY] = claim
         token = set_current(claim)
         if claim.auto_renew and not claim.start_renewing():
             _logger.warning(
@@ -763,7 +739,6 @@ class IdempotencyMiddleware:
         finally:
             self._in_flight -= 1
             reset_current(token)
-            state.pop(SCOPE_STATE_KEY, None)
         if unavailable_inside is not None:
             await self._unavailable_inside(exchange, unavailable_inside)
             return

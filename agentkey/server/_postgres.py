@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
-from ._records import Outcome, encode_outcome
+from ._records import StoredOutcome, encode_outcome
 from ._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
@@ -391,7 +391,7 @@ class PostgresTransaction:
             raise ConfigurationError("complete() was already called in this transaction")
         headers = stored_headers(raw)
         finished = int(time.time() * 1000)
-        outcome = Outcome(
+        outcome = StoredOutcome(
             "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
         )
         value = encode_outcome(outcome)
@@ -807,7 +807,7 @@ class PostgresStore:
 
         ::
 
-            async with store.transaction(get_claim(request)) as tx:
+            async with store.transaction(current_claim()) as tx:
                 await tx.connection.execute("INSERT INTO charges ...", (...))
                 return await tx.complete(JSONResponse({...}, status_code=201))
 

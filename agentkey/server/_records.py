@@ -35,7 +35,7 @@ from .._keys import shown_key
 __all__ = [
     "Binding",
     "InProgress",
-    "Outcome",
+    "StoredOutcome",
     "decode_record",
     "digest",
     "encode_in_progress",
@@ -89,7 +89,7 @@ class InProgress:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class StoredOutcome:
     """A finished step: what is replayed for every later request with the key."""
 
     state: Literal["COMPLETED", "FAILED"]
@@ -116,7 +116,7 @@ def encode_in_progress(
     return f"P:{owner}:{started_ms}:{lease_end_ms}:{renew_ms}:{binding.encode()}".encode("ascii")
 
 
-def encode_outcome(outcome: Outcome) -> bytes:
+def encode_outcome(outcome: StoredOutcome) -> bytes:
     """v3: the JSON head (ASCII, so never a raw newline), a newline, the body's bytes.
 
     The head is what ``json.dumps(doc, separators=(",", ":"))`` writes for
@@ -136,7 +136,7 @@ def encode_outcome(outcome: Outcome) -> bytes:
     return b"%s%s\n%s" % (tag, head.encode("ascii"), outcome.body)
 
 
-def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
+def decode_record(value: bytes, *, key: str) -> InProgress | StoredOutcome:
     """Decode a stored value; a value this module did not write raises StoreError.
 
     ``key`` (the Idempotency-Key) is named in that error in its redacted form only.
@@ -160,7 +160,7 @@ def decode_record(value: bytes, *, key: str) -> InProgress | Outcome:
             headers = tuple((str(k), str(v)) for k, v in doc["headers"])
             blob = doc.get("blob")
             fp = doc.get("fp")
-            return Outcome(
+            return StoredOutcome(
                 "COMPLETED" if value[:1] == b"C" else "FAILED",
                 int(doc["status"]),
                 headers,

@@ -8,14 +8,13 @@ import pytest
 
 from agentkey import (
     AsyncToolInvoker,
-    AuthenticationError,
-    ClientCredentials,
     PlanSession,
     PollPolicy,
+    TokenRejected,
     ToolInvoker,
     ToolResult,
 )
-from agentkey.auth import TokenPolicy, TokenProvider
+from agentkey.auth import ClientCredentials, TokenPolicy, TokenProvider
 from tests.auth._idp import IdP
 from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
 
@@ -77,7 +76,7 @@ async def test_plan_of_10_steps_with_2s_tokens_sees_no_401(idp: IdP, kind: str) 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_second_401_raises_authentication_error(idp: IdP, kind: str) -> None:
-    """A tool that refuses the refreshed token too makes the invoker raise AuthenticationError."""
+    """A tool that refuses the refreshed token too makes the invoker raise TokenRejected."""
     auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET)
     idp.force_401 = 2
     plan = PlanSession.new()
@@ -91,7 +90,7 @@ async def test_second_401_raises_authentication_error(idp: IdP, kind: str) -> No
         with ToolInvoker(idp.url, auth=auth, routes=routes) as sync_invoker:
             return await asyncio.to_thread(sync_invoker.invoke, step)
 
-    with pytest.raises(AuthenticationError) as info:
+    with pytest.raises(TokenRejected) as info:
         await invoke()
     assert info.value.status_code == 401
     assert idp.hits["client_credentials"] == 2

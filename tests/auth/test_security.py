@@ -12,9 +12,7 @@ import httpx
 import pytest
 
 from agentkey import AgentKeyError, DelegationExpired, TokenError
-from agentkey._protocol import Answer
 from agentkey.auth import (
-    ACCESS_TOKEN_TYPE,
     ClientCredentials,
     EncryptedFileTokenStore,
     MemoryTokenStore,
@@ -26,6 +24,7 @@ from agentkey.auth import (
 )
 from agentkey.auth._base import TokenProvider
 from agentkey.auth._endpoint import TokenRequest
+from agentkey.client._protocol import Answer
 from tests.auth._idp import IdP, Reply
 from tests.auth.conftest import (
     CLIENT_ID,
@@ -80,7 +79,7 @@ def test_nothing_secret_reaches_logs_reprs_or_errors(
             CLIENT_SECRET,
             subject_token=idp.user_token(),
             actor_token=ACTOR,
-            actor_token_type=ACCESS_TOKEN_TYPE,
+            actor_token_type=TokenExchange.ACCESS_TOKEN_TYPE,
             policy=FAST,
         ),
         OnBehalfOf(
@@ -148,11 +147,11 @@ import warnings, sys
 warnings.simplefilter("error")
 import agentkey, agentkey.auth
 from agentkey.auth._endpoint import TokenRequest
-auth = agentkey.ClientCredentials(
+auth = agentkey.auth.ClientCredentials(
     "https://idp.example/token", "c", auth_method="private_key_jwt", private_key={PRIVATE_PEM!r}
 )
 auth._endpoint.build(TokenRequest("client_credentials"))
-agentkey.ClientCredentials("https://idp.example/token", "c", "s")._endpoint.build(
+agentkey.auth.ClientCredentials("https://idp.example/token", "c", "s")._endpoint.build(
     TokenRequest("client_credentials")
 )
 assert "authlib.oauth2.rfc7523" in sys.modules  # the assertion really went through authlib

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from agentkey import ConfigurationError, InsecureTransport, TokenError
-from agentkey._protocol import Answer
 from agentkey.auth import (
-    ACCESS_TOKEN_TYPE,
     ClientCredentials,
     OnBehalfOf,
     RefreshTokenGrant,
@@ -29,6 +27,7 @@ from agentkey.auth._endpoint import (
     _Retryable,
 )
 from agentkey.auth._token import jwt_expired, refresh_deadline
+from agentkey.client._protocol import Answer
 from tests.auth.conftest import PRIVATE_PEM
 
 URL = "https://idp.example/oauth2/token"
@@ -162,8 +161,10 @@ def test_error_description_is_flattened_and_capped() -> None:
 
 def test_issued_token_type_checked() -> None:
     """A token exchange answer must name one of the expected issued token types."""
-    request = TokenRequest("x", expect_issued_token_type=frozenset({ACCESS_TOKEN_TYPE}))
-    good = {"access_token": "at", "issued_token_type": ACCESS_TOKEN_TYPE}
+    request = TokenRequest(
+        "x", expect_issued_token_type=frozenset({TokenExchange.ACCESS_TOKEN_TYPE})
+    )
+    good = {"access_token": "at", "issued_token_type": TokenExchange.ACCESS_TOKEN_TYPE}
     assert _endpoint().interpret(request, _answer(200, good), 0.0).issued_token_type
     with pytest.raises(TokenError, match="issued_token_type"):
         _endpoint().interpret(request, _answer(200, {"access_token": "at"}), 0.0)
@@ -221,7 +222,9 @@ def test_delegation_option_errors() -> None:
     with pytest.raises(ConfigurationError, match="actor_token"):
         TokenExchange(URL, "c", "s", subject_token="u", actor_token="a")
     with pytest.raises(ConfigurationError, match="actor_token"):
-        TokenExchange(URL, "c", "s", subject_token="u", actor_token_type=ACCESS_TOKEN_TYPE)
+        TokenExchange(
+            URL, "c", "s", subject_token="u", actor_token_type=TokenExchange.ACCESS_TOKEN_TYPE
+        )
     with pytest.raises(ConfigurationError, match="subject_token"):
         TokenExchange(URL, "c", "s", subject_token="")
     with pytest.raises(ConfigurationError, match="scope"):

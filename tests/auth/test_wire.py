@@ -13,9 +13,6 @@ from pydantic import SecretStr
 
 import agentkey.auth
 from agentkey import ConfigurationError, TokenError
-from agentkey._drive import run_sync
-from agentkey._effects import Emit, Outgoing, Sleep
-from agentkey._protocol import Answer, Failure, FailureKind, Reply
 from agentkey.auth import (
     ClientCredentials,
     OAuthProvider,
@@ -25,6 +22,9 @@ from agentkey.auth import (
     TokenRequest,
 )
 from agentkey.auth._endpoint import ClientAuthConfig, Note, TokenEndpoint
+from agentkey.client._drive import run_sync
+from agentkey.client._effects import Emit, Outgoing, Sleep
+from agentkey.client._protocol import Answer, Failure, FailureKind, Received
 from tests._loopback import serve
 from tests.auth._idp import IdP
 from tests.auth._idp import Reply as IdPReply
@@ -44,7 +44,7 @@ class Attempt:
     seconds: float
 
 
-def _run(endpoint: TokenEndpoint, replies: list[Reply], clock: FakeClock) -> list[object]:
+def _run(endpoint: TokenEndpoint, replies: list[Received], clock: FakeClock) -> list[object]:
     """Run ``endpoint.exchange`` on the shared driver: scripted replies, waits pass on ``clock``.
 
     Returns each request (an Attempt), each Sleep, and the Token at the end; events
@@ -131,7 +131,7 @@ def test_an_oversized_token_answer_is_refused() -> None:
 
 def _emitted(
     endpoint: TokenEndpoint,
-    replies: list[Reply | BaseException],
+    replies: list[Received | BaseException],
     *,
     rng: float = 0.5,
     wall: float = 0.0,

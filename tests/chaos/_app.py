@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentkey.server import IdempotencyMiddleware, RedisStore, get_claim
+from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
 
 # A token seen valid is trusted this long before the provider is asked again; tokens live
 # a few seconds and agents use them for half of that, so expiry is still enforced.
@@ -100,7 +100,7 @@ def app() -> Starlette:
         if args.get("reject"):  # the tool's own refusal, before any side effect
             return JSONResponse({"error": "amount over limit"}, 402)
         await asyncio.sleep(args["work_ms"] / 1000)  # may outlast the lease: renewal keeps it
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         exec_id = uuid.uuid4().hex[:16]
         key = request.headers["idempotency-key"]
         line = f"{key} {exec_id} {pid} {started:.3f} {time.time():.3f}\n"

@@ -17,19 +17,19 @@ import pytest
 
 from agentkey import (
     AsyncToolInvoker,
-    AuthenticationError,
     InvokeError,
     OutcomeUnknown,
     PlanSession,
     PollTimeout,
     RetryPolicy,
-    StaticToken,
     StepInProgress,
+    TokenRejected,
     ToolError,
     ToolInvoker,
     ToolRejected,
     UnsafeRedirect,
 )
+from agentkey.auth import StaticToken
 from tests._loopback import Handler, raw_server
 
 FAST = RetryPolicy(max_attempts=3, deadline=10.0, initial_backoff=0.01, max_backoff=0.02)
@@ -373,7 +373,7 @@ def _echoing_tool(status: int) -> Handler:
 
 @pytest.mark.parametrize("driver", ["sync", "async"])
 @pytest.mark.parametrize(
-    ("status", "error"), [(401, AuthenticationError), (403, ToolRejected)], ids=["401", "403"]
+    ("status", "error"), [(401, TokenRejected), (403, ToolRejected)], ids=["401", "403"]
 )
 def test_credentials_a_tool_echoes_never_reach_the_error(
     driver: str, status: int, error: type[InvokeError]

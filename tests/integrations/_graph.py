@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, RetryPolicy, ToolInvoker
 from agentkey.integrations.langgraph import remote_tool
-from agentkey.server import IdempotencyMiddleware, MemoryStore, example_app, get_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey.testing import example_app
 from tests._loopback import serve
 
 __all__ = [
@@ -66,7 +67,7 @@ class Order(BaseModel):
 @contextmanager
 def running_server() -> Iterator[tuple[str, Any]]:
     """agentkey's example tool server (MemoryStore) on loopback: (base URL, app)."""
-    app = example_app(work_seconds=0.0, shared_key_space=True)
+    app = example_app(work_seconds=0.0)
     with serve(app) as url:
         yield url, app
 
@@ -99,7 +100,7 @@ def ledger_app() -> Starlette:
                     },
                     status_code=402,
                 )
-            get_claim(request).begin_mutation()
+            current_claim().begin_mutation()
             executions[name] += 1
             return JSONResponse({"id": f"{name}_{executions[name]:04d}", **args}, status_code=201)
 

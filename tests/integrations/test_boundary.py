@@ -39,7 +39,7 @@ from agentkey import (
     ToolInvoker,
 )
 from agentkey.integrations import langchain as ak_langchain
-from agentkey.integrations._common import code
+from agentkey.integrations._adapter import code
 from agentkey.integrations.langgraph import call_step
 from tests.integrations._graph import (
     DRIVERS,

@@ -16,7 +16,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 from agentkey import ConfigurationError, StepKey
-from agentkey.integrations._common import code
+from agentkey.integrations._adapter import code
 from tests.integrations._graph import (
     DRIVERS,
     Command,

@@ -26,8 +26,6 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, RequestParamsMeta
 
 from agentkey import (
-    AuthenticationError,
-    ClientCredentials,
     KeyReused,
     OutcomeUnknown,
     PayloadMismatch,
@@ -35,10 +33,11 @@ from agentkey import (
     RetryPolicy,
     Step,
     StepInProgress,
+    TokenRejected,
     canonical_json,
 )
-from agentkey._hooks import CallEndEvent, InvokeEvent
-from agentkey.auth import TokenProvider
+from agentkey.auth import ClientCredentials, TokenProvider
+from agentkey.client._hooks import CallEndEvent, InvokeEvent
 from agentkey.integrations.mcp import (
     KEY_FIELD,
     PROTECTED_FIELD,
@@ -445,13 +444,13 @@ async def test_bearer_token_refreshed_once_and_same_key_resent() -> None:
 
 
 async def test_token_refused_after_refresh_raises_authentication_error() -> None:
-    """A 401 for the refreshed token too is AuthenticationError at once, not a retry storm."""
+    """A 401 for the refreshed token too is TokenRejected at once, not a retry storm."""
     with running(MemoryStore(), lab=Lab(tokens=True)) as lab:
         auth = ClientCredentials(lab.url + "/token", "agent", "s3cret")
         async with session(lab, auth=auth) as s:
             lab.revoked.update({"t1", "t2", "t3"})  # the client lost access to this server
             tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
-            with pytest.raises(AuthenticationError) as caught:
+            with pytest.raises(TokenRejected) as caught:
                 await tools.call_tool("create_vm", {"region": "af-south-1"})
         assert lab.runs["create_vm"] == 0
     assert lab.issued >= 2  # (the SDK's GET stream refreshes on its own 401s too)

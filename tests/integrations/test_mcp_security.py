@@ -20,7 +20,8 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import RequestParamsMeta
 
-from agentkey import AuthenticationError, ConfigurationError, PlanSession, StaticToken
+from agentkey import ConfigurationError, PlanSession, TokenRejected
+from agentkey.auth import StaticToken
 from agentkey.integrations.mcp import (
     KEY_FIELD,
     REPLAYED_FIELD,
@@ -80,7 +81,7 @@ async def test_without_oauth_sessions_do_not_share_a_key_space() -> None:
     with running(MemoryStore(), shared_key_space=False) as lab:
         async with connect(lab.url + "/mcp") as s:
             tools = IdempotentSession(s, PlanSession.new())
-            with pytest.raises(AuthenticationError, match="not authenticated") as caught:
+            with pytest.raises(TokenRejected, match="not authenticated") as caught:
                 await tools.call_tool("create_vm", {"region": "eu-west-1"})
             meta = cast(RequestParamsMeta, {KEY_FIELD: caught.value.idempotency_key})
             with pytest.raises(MCPError) as raw:

@@ -9,7 +9,8 @@ from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 
-from agentkey import AsyncToolInvoker, ClientCredentials, ToolInvoker
+from agentkey import AsyncToolInvoker, ToolInvoker
+from agentkey.auth import ClientCredentials
 from tests._loopback import serve
 from tests.auth._idp import IdP
 from tests.integrations._graph import (

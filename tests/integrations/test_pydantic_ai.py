@@ -32,7 +32,7 @@ from agentkey import (
     StepRepeated,
     ToolInvoker,
 )
-from agentkey.integrations._common import code
+from agentkey.integrations._adapter import code
 from agentkey.integrations.pydantic_ai import remote_tool, run_step_v1
 from tests._loopback import serve
 from tests.invoker._toolapp import Faults, ToolApp

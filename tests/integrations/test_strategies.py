@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel
 
 from agentkey import ConfigurationError, OnRepeat, PlanSession, ToolInvoker
-from agentkey.integrations._common import code
+from agentkey.integrations._adapter import code
 from agentkey.integrations._identity import CallSite, Earlier, Seen, Verdict, decide
 from agentkey.integrations.langchain import ToolCallContext
 from agentkey.integrations.langgraph import graph_step, graph_step_v1, remote_tool, thread_plan

@@ -21,9 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey import check_server
 from agentkey.cli import EXIT_OK, EXIT_UNREACHABLE, main
-from agentkey.server import example_app
+from agentkey.testing import check_server, example_app
 from tests._loopback import raw_server, serve
 
 ARGS = {"region": "eu-west-1", "size": "m5.large"}
@@ -189,7 +188,7 @@ def test_a_safe_409_for_another_body_is_a_deviation_not_a_failure(
 
 def test_a_connection_dropped_on_reuse_is_retried_on_a_fresh_one() -> None:
     """A kept-alive connection the server drops on reuse costs a resend, not a FAIL row."""
-    app = example_app(work_seconds=0.2)
+    app = example_app(work_seconds=0.2, shared_key_space=False)
     with serve(app) as url, dropping_proxy(url) as proxied:
         report = check_server(proxied, path="/tools/provision", args=ARGS, timeout=10, token="demo")
     table = report.table()
@@ -203,7 +202,10 @@ def test_a_transport_failing_twice_mid_check_is_no_verdict(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """When the fresh connection fails too, the report says "transport problem", exit 3."""
-    with serve(example_app()) as url, dropping_proxy(url, answers=1) as proxied:
+    with (
+        serve(example_app(shared_key_space=False)) as url,
+        dropping_proxy(url, answers=1) as proxied,
+    ):
         argv = ["check", proxied, "--path", "/tools/provision", "--args", json.dumps(ARGS)]
         code = main([*argv, "--token", "demo"])
     out = capsys.readouterr().out

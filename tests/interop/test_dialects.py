@@ -22,9 +22,9 @@ from agentkey import (
     ToolRejected,
 )
 from agentkey._keys import StepKey, uuid_key
-from agentkey._net import origin_of
-from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import (
+from agentkey.client._net import origin_of
+from agentkey.client._policies import DEFAULT_RETRY_STATUSES
+from agentkey.client._protocol import (
     Action,
     Answer,
     CallContext,

@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from agentkey import CheckReport, CheckResult, check_server
 from agentkey.cli import main
+from agentkey.testing import CheckReport, CheckResult, check_server
 
 from ._support import MODES, Mode, Served, StartIdemkit
 

@@ -19,8 +19,8 @@ from agentkey import (
     PlanSession,
     Step,
     ToolResult,
-    check_server,
 )
+from agentkey.testing import check_server
 from tests._loopback import RedisServer
 
 from ._peers import OTHER_ROUTE, PEERS, Peer, serve_peer

@@ -10,9 +10,9 @@ from typing import Any, Literal
 import httpx
 
 from agentkey import PlanSession, Step
-from agentkey._hooks import InvokeEvent, RetryEvent
-from agentkey._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
-from agentkey._policy import PollPolicy, RetryPolicy
+from agentkey.client._hooks import InvokeEvent, RetryEvent
+from agentkey.client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from agentkey.client._policies import PollPolicy, RetryPolicy
 
 __all__ = [
     "BASE",

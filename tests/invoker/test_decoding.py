@@ -8,8 +8,9 @@ import zlib
 import httpx
 import pytest
 
-from agentkey._http import Outgoing, send_sync
-from agentkey._protocol import Answer, Failure, FailureKind
+from agentkey.client._effects import Outgoing
+from agentkey.client._http import send_sync
+from agentkey.client._protocol import Answer, Failure, FailureKind
 
 BODY = b'{"ok": true, "pad": "' + b"x" * 5000 + b'"}'
 

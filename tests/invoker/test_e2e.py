@@ -27,7 +27,7 @@ from agentkey import (
     ToolResult,
     UnsafeRedirect,
 )
-from agentkey._hooks import AttemptEvent, CallEndEvent, CallStartEvent, InvokeEvent
+from agentkey.client._hooks import AttemptEvent, CallEndEvent, CallStartEvent, InvokeEvent
 from tests._loopback import serve
 
 from ._support import DRIVERS, FAST_POLL, FAST_RETRY, Bearer, Driver, Recorder, make_step

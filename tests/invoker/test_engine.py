@@ -21,10 +21,10 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, OutcomeUnknown, RetryPolicy, ToolInvoker, ToolResult
-from agentkey._drive import run_async, run_sync
-from agentkey._effects import Answer, Effect, Emit, Outgoing, Reply, Sleep
-from agentkey._flow import Again, Exchange, attempts
-from agentkey._invoker import _InvokerBase
+from agentkey.client._drive import run_async, run_sync
+from agentkey.client._effects import Answer, Effect, Emit, Outgoing, Received, Sleep
+from agentkey.client._flow import Again, Exchange, attempts
+from agentkey.client._invoker import _InvokerBase
 from tests._loopback import serve
 
 from ._support import DRIVERS, FAST_POLL, FAST_RETRY, Driver, make_step
@@ -51,7 +51,7 @@ class Scripted(Exchange[int]):
         yield Emit(("request", self.sent))
         return Outgoing("GET", f"https://tool.test/{self.sent}", (), None, True)
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, int | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, int | Again]:
         verdict = self.verdicts.pop(0)
         if isinstance(verdict, Exception):
             raise verdict

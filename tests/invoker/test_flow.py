@@ -17,10 +17,10 @@ from agentkey import (
     PollTimeout,
     RetryPolicy,
 )
-from agentkey._drive import run_sync
-from agentkey._effects import Emit, Outgoing, Sleep
-from agentkey._flow import Call, Finished, Flow, Settings, invoke, resume
-from agentkey._hooks import (
+from agentkey.client._drive import run_sync
+from agentkey.client._effects import Emit, Outgoing, Sleep
+from agentkey.client._flow import Call, Finished, Flow, Settings, invoke, resume
+from agentkey.client._hooks import (
     AttemptEvent,
     CallEndEvent,
     CallStartEvent,
@@ -30,9 +30,9 @@ from agentkey._hooks import (
     PollEvent,
     RetryEvent,
 )
-from agentkey._net import origin_of
-from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import Answer, Failure, FailureKind, ProtocolConfig, Reply
+from agentkey.client._net import origin_of
+from agentkey.client._policies import DEFAULT_RETRY_STATUSES
+from agentkey.client._protocol import Answer, Failure, FailureKind, ProtocolConfig, Received
 
 BASE = "https://tool.test"
 KEY = "plan:step_004:" + "c" * 64
@@ -86,7 +86,7 @@ class Run:
             honours_keys=honours_keys,
         )
 
-    def drive(self, flow: Flow, replies: Sequence[Reply], latency: float = 0.0) -> Finished:
+    def drive(self, flow: Flow, replies: Sequence[Received], latency: float = 0.0) -> Finished:
         """Answer each request with the next reply, ``latency`` s later; sleep on the clock."""
         script = iter(replies)
 

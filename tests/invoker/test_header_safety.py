@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import AsyncToolInvoker, ConfigurationError, ToolInvoker
-from agentkey._http import Outgoing
+from agentkey.client._effects import Outgoing
 from tests._loopback import serve
 
 from ._support import BASE, DRIVERS, Driver, Script, make_step

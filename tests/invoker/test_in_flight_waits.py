@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from agentkey import StepInProgress
-from agentkey._flow import invoke
-from agentkey._protocol import Answer
+from agentkey.client._flow import invoke
+from agentkey.client._protocol import Answer
 
 from .test_flow import CALL, POLL, RETRY, Run, answer
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from agentkey import AsyncToolInvoker, LoggingHook, ToolInvoker
-from agentkey._hooks import (
+from agentkey.client._hooks import (
     EVENT_TYPES,
     AttemptEvent,
     CallEndEvent,

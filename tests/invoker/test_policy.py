@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from agentkey import ConfigurationError, LoggingHook, PollEvent, PollPolicy, RetryEvent, RetryPolicy
-from agentkey._hooks import AttemptEvent, CallEndEvent, CallStartEvent
-from agentkey._http import translate
-from agentkey._protocol import FailureKind
 from agentkey._schedule import Backoff
 from agentkey.auth import TokenPolicy
+from agentkey.client._hooks import AttemptEvent, CallEndEvent, CallStartEvent
+from agentkey.client._protocol import FailureKind
+from agentkey.client._translate import translate
 
 
 def test_policies_are_frozen_and_keyword_only() -> None:
@@ -69,33 +69,26 @@ def test_poll_policy_backoff() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "old", "new"),
+    ("cls", "old"),
     [
-        (RetryPolicy, {}, {}),
-        (PollPolicy, {"interval": 0.2}, {"initial_backoff": 0.2}),
-        (PollPolicy, {"backoff": 3.0}, {"backoff_multiplier": 3.0}),
-        (PollPolicy, {"max_interval": 7.0}, {"max_backoff": 7.0, "max_retry_after": 7.0}),
-        (TokenPolicy, {"attempts": 2}, {"max_attempts": 2}),
-        (TokenPolicy, {"backoff": 0.2}, {"initial_backoff": 0.2}),
-        (TokenPolicy, {"max_wait": 7.0}, {"max_backoff": 7.0, "max_retry_after": 7.0}),
+        (PollPolicy, "interval"),
+        (PollPolicy, "backoff"),
+        (PollPolicy, "max_interval"),
+        (TokenPolicy, "attempts"),
+        (TokenPolicy, "backoff"),
+        (TokenPolicy, "max_wait"),
     ],
 )
-def test_old_option_names_are_deprecated_aliases(
-    cls: type[Any], old: dict[str, Any], new: dict[str, Any]
-) -> None:
-    """Old names still work in the constructor, replace() and reads, with a DeprecationWarning."""
-    policy = cls(**new)
-    for name, value in old.items():
-        with pytest.warns(DeprecationWarning, match=name):
-            assert cls(**old) == policy
-        with pytest.warns(DeprecationWarning, match=name):
-            assert cls().replace(**old) == policy
-        with pytest.warns(DeprecationWarning, match=name):
-            assert getattr(policy, name) == value
-    schedule = policy.schedule
+def test_old_option_names_are_gone(cls: type[Any], old: str) -> None:
+    """The pre-release option names are refused by the constructor, replace() and reads."""
+    with pytest.raises(TypeError, match=old):
+        cls(**{old: 1.0})
+    with pytest.raises(ConfigurationError, match=f"no option.*{old}"):
+        cls().replace(**{old: 1.0})
+    assert not hasattr(cls(), old)
+    schedule = cls().schedule
     assert isinstance(schedule, Backoff)
-    assert (schedule.initial, schedule.cap) == (policy.initial_backoff, policy.max_backoff)
-    assert schedule.max_retry_after == policy.max_retry_after
+    assert (schedule.initial, schedule.cap) == (cls().initial_backoff, cls().max_backoff)
 
 
 def test_every_policy_speaks_one_vocabulary() -> None:

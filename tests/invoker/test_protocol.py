@@ -9,20 +9,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkey import (
-    AuthenticationError,
     InvokeError,
     OutcomeUnknown,
     PayloadMismatch,
     StepFailed,
     StepInProgress,
+    TokenRejected,
     ToolError,
     ToolRejected,
     UnsafeRedirect,
 )
 from agentkey._keys import shown_key
-from agentkey._net import origin_of
-from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import (
+from agentkey.client._net import origin_of
+from agentkey.client._policies import DEFAULT_RETRY_STATUSES
+from agentkey.client._protocol import (
     DEFAULT_REPLAY_HEADERS,
     Action,
     Answer,
@@ -109,7 +109,7 @@ def test_transport_failures_retry(kind: FailureKind, ambiguous: bool) -> None:
 @pytest.mark.parametrize(
     ("status", "error"),
     [
-        (401, AuthenticationError),
+        (401, TokenRejected),
         (422, PayloadMismatch),
         (400, ToolRejected),
         (403, ToolRejected),
@@ -281,7 +281,7 @@ def test_other_poll_answers() -> None:
     assert _poll(b"", 202).action is Action.WAIT
     assert _poll(b"", 303, Location="/r").action is Action.FETCH
     assert isinstance(_poll(b"", 404).error, ToolError)
-    assert isinstance(_poll(b"", 401).error, AuthenticationError)
+    assert isinstance(_poll(b"", 401).error, TokenRejected)
     assert _poll(b"", 503).action is Action.WAIT
     failure = interpret_poll(Failure(FailureKind.AMBIGUOUS, "ReadTimeout"), CTX, CFG)
     assert failure.action is Action.WAIT

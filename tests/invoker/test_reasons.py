@@ -9,11 +9,11 @@ import httpx
 import pytest
 
 from agentkey import KeyRejected, OutcomeUnknown, PayloadMismatch, StepInProgress, ToolRejected
-from agentkey._hooks import GiveUpEvent, LoggingHook, RetryEvent
 from agentkey._keys import shown_key
-from agentkey._net import origin_of
-from agentkey._policy import DEFAULT_RETRY_STATUSES
-from agentkey._protocol import (
+from agentkey.client._hooks import GiveUpEvent, LoggingHook, RetryEvent
+from agentkey.client._net import origin_of
+from agentkey.client._policies import DEFAULT_RETRY_STATUSES
+from agentkey.client._protocol import (
     Action,
     Answer,
     CallContext,
@@ -179,7 +179,7 @@ HOSTILE_URLS = [
 def test_hostile_urls_give_typed_errors(url: str, status: int) -> None:
     """Unparseable or foreign URLs never raise raw errors; any URL kept is sendable."""
     from agentkey import InvokeError
-    from agentkey._protocol import interpret_poll, poll_target
+    from agentkey.client._protocol import interpret_poll, poll_target
 
     reply = Answer(status, {"location": url}, b"{}", "https://tool.test/t")
     for decision in (classify(reply, CTX, CFG), interpret_poll(reply, CTX, CFG)):

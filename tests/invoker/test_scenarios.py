@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from agentkey import (
-    AuthenticationError,
     InvokeError,
     KeyRejected,
     KeyReused,
@@ -25,14 +24,15 @@ from agentkey import (
     PollTimeout,
     StepFailed,
     StepInProgress,
+    TokenRejected,
     ToolError,
     ToolRejected,
     ToolUnreachable,
     UnsafeRedirect,
 )
-from agentkey._hooks import PollEvent, ReplayEvent
-from agentkey._invoker import Outcome, ToolResult
 from agentkey._keys import shown_key
+from agentkey.client._hooks import PollEvent, ReplayEvent
+from agentkey.client._invoker import Outcome, ToolResult
 
 from ._support import (
     BASE,
@@ -216,7 +216,7 @@ ROWS = [
     ),
     Row("connect-error-then-ok", [httpx.ConnectError("refused"), ok()], posts=2),
     Row("connect-timeout-then-ok", [httpx.ConnectTimeout("slow"), ok()], posts=2),
-    Row("401-final", [status(401)], error=AuthenticationError),
+    Row("401-final", [status(401)], error=TokenRejected),
     Row("422-final", [status(422)], error=PayloadMismatch),
     Row("400-final", [status(400)], error=KeyRejected),
     Row("403-final", [status(403)], error=ToolRejected),
@@ -623,7 +623,7 @@ def test_401_message_fits_the_invoker(driver: Driver, with_auth: bool, hint: str
     """A 401 says 'refreshed and still refused' with auth=, and 'pass auth=' without it."""
     script = Script([status(401)])
     options: dict[str, Any] = {"auth": Bearer()} if with_auth else {}
-    with pytest.raises(AuthenticationError, match=hint) as info:
+    with pytest.raises(TokenRejected, match=hint) as info:
         run_invoke(driver, script, make_step(), **options)
     assert info.value.status_code == 401
     assert len(script.posts()) == 1

@@ -22,8 +22,8 @@ from agentkey import (
     ToolInvoker,
     ToolUnreachable,
 )
-from agentkey._hooks import GiveUpEvent
 from agentkey._keys import shown_key
+from agentkey.client._hooks import GiveUpEvent
 
 from ._support import DRIVERS, Driver, Recorder, make_step
 

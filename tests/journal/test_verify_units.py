@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agentkey import ConfigurationError
-from agentkey._effects import Answer, Failure, FailureKind
+from agentkey.client._effects import Answer, Failure, FailureKind
 from agentkey.journal import HttpLookup, InDoubt, Verdict
 
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, PostgresStore, get_claim
+from agentkey.server import IdempotencyMiddleware, PostgresStore, current_claim
 
 #: Seconds each tool works before its side effect, so racing duplicates overlap it.
 WORK = 0.02
@@ -37,7 +37,7 @@ def app() -> Starlette:
 
     async def plain(request: Request) -> JSONResponse:
         await request.json()
-        claim = get_claim(request)
+        claim = current_claim()
         await asyncio.sleep(WORK)
         claim.begin_mutation()
         run = uuid.uuid4().hex
@@ -50,7 +50,7 @@ def app() -> Starlette:
 
     async def charge(request: Request) -> JSONResponse:
         args = await request.json()
-        claim = get_claim(request)
+        claim = current_claim()
         async with store.transaction(claim) as tx:
             await asyncio.sleep(WORK)  # a fault can land inside the transaction
             cur = await tx.connection.execute(

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import PlanSession, StoreUnavailable
-from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from agentkey.server._postgres import PostgresStore
 from agentkey.server._records import encode_in_progress
 from tests._postgres import PostgresServer
@@ -70,7 +70,7 @@ def _charge_app(store: PostgresStore, before_commit: Callable[[Any], Any] | None
 
     async def charge(request: Request) -> JSONResponse:
         args = await request.json()
-        claim = get_claim(request)
+        claim = current_claim()
         attempts.append(1)
         async with store.transaction(claim) as tx:
             cur = await tx.connection.execute(

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import PlanSession
-from agentkey.server import IdempotencyMiddleware, get_claim
+from agentkey.server import IdempotencyMiddleware, current_claim
 from agentkey.server._postgres import PostgresStore
 from tests._postgres import PostgresServer
 
@@ -43,7 +43,7 @@ def _die() -> None:
 def _app(store: PostgresStore, kill_at: str) -> Any:
     async def charge(request: Request) -> JSONResponse:
         args = await request.json()
-        claim = get_claim(request)
+        claim = current_claim()
         if kill_at == "before_write":
             _die()
         async with store.transaction(claim) as tx:

@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import ConfigurationError, PlanSession, StoreError, StoreUnavailable
-from agentkey.server import IdempotencyMiddleware, get_claim
+from agentkey.server import IdempotencyMiddleware, current_claim
 from agentkey.server._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
-from agentkey.server._records import Outcome, encode_in_progress, encode_outcome
+from agentkey.server._records import StoredOutcome, encode_in_progress, encode_outcome
 from tests._loopback import free_port
 from tests._postgres import PostgresServer
 from tests.postgres.conftest import TurnCounter
@@ -32,7 +32,7 @@ def _owner() -> str:
 
 
 def _done(body: bytes = b"{}") -> bytes:
-    return encode_outcome(Outcome("COMPLETED", 200, (), body))
+    return encode_outcome(StoredOutcome("COMPLETED", 200, (), body))
 
 
 async def test_each_operation_is_one_round_trip(turn_counter: TurnCounter) -> None:
@@ -72,7 +72,7 @@ def _charge_app(store: PostgresStore, **middleware: Any) -> Any:
 
     async def charge(request: Request) -> JSONResponse:
         args = await request.json()
-        async with store.transaction(get_claim(request)) as tx:
+        async with store.transaction(current_claim()) as tx:
             cur = await tx.connection.execute(
                 "INSERT INTO charges (amount) VALUES (%s) RETURNING id", (args["amount"],)
             )
@@ -493,7 +493,7 @@ async def test_a_recovery_point_is_resumed_only_by_the_same_operation(
     seen: list[object] = []
 
     async def handler(request: Request) -> JSONResponse:
-        claim = get_claim(request)
+        claim = current_claim()
         point = await store.recovery_point(claim)
         seen.append(None if point is None else dict(point.data))
         if point is None:

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, Store, current_claim, get_claim
+from agentkey.server import IdempotencyMiddleware, Store, current_claim
 
 __all__ = ["tenant_principal", "tool_app"]
 
@@ -40,7 +40,7 @@ def tool_app(store: Store, **options: Any) -> Starlette:
     async def ok(request: Request) -> Response:
         args = await request.json()
         if request.headers.get("idempotency-key"):  # keyless requests carry no claim
-            get_claim(request).begin_mutation()
+            current_claim().begin_mutation()
         runs["ok"] += 1
         tenant = request.headers.get("x-tenant", "anonymous")
         return JSONResponse({"run": runs["ok"], "args": args, "tenant": tenant}, status_code=201)
@@ -63,12 +63,12 @@ def tool_app(store: Store, **options: Any) -> Starlette:
         args = await request.json()
         runs["fail"] += 1
         if args.get("mutate"):
-            get_claim(request).begin_mutation()
+            current_claim().begin_mutation()
         raise RuntimeError("the tool broke")
 
     async def big(request: Request) -> Response:
         args = await request.json()
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         runs["big"] += 1
         return Response(b"%d:" % runs["big"] + b"x" * int(args["size"]), media_type="text/plain")
 
@@ -86,7 +86,7 @@ def tool_app(store: Store, **options: Any) -> Starlette:
     async def wait(request: Request) -> Response:
         args = await request.json()
         name = str(args["gate"])
-        claim = get_claim(request)
+        claim = current_claim()
         entered.setdefault(name, threading.Event()).set()
         gate = gates.setdefault(name, threading.Event())
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, RedisStore, get_claim
+from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
 
 
 def app() -> Starlette:
@@ -27,7 +27,7 @@ def app() -> Starlette:
     async def slow(request: Request) -> JSONResponse:
         await request.json()
         await asyncio.sleep(work)  # no side effect yet: a kill here orphans the claim
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         with open(runs, "a") as f:  # noqa: ASYNC230 - one tiny append, test only
             f.write(f"{os.getpid()}\n")
         return JSONResponse({"pid": os.getpid()}, status_code=201)

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import ConfigurationError, InvalidArguments, StepKey, canonical_json
-from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from agentkey.server import _claim as claim_module
 from agentkey.server._claim import Claim
 from agentkey.server._decide import Checked, Reject, check_body
@@ -45,7 +45,7 @@ class _Tool:
         return JSONResponse({"run": len(self.bodies)}, status_code=201)
 
     async def args(self, request: Request) -> Response:
-        claim = get_claim(request)
+        claim = current_claim()
         try:
             first = claim.json()
         except InvalidArguments as exc:

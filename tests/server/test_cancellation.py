@@ -28,7 +28,7 @@ from agentkey.server import (
 )
 from agentkey.server import _lifecycle as lifecycle_module
 from agentkey.server._decide import record_key as _record_key
-from agentkey.server._records import Outcome, decode_record
+from agentkey.server._records import StoredOutcome, decode_record
 from tests._loopback import serve
 from tests.server._util import request_for
 
@@ -79,7 +79,7 @@ async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mut
         if mutate:
             assert raw is not None
             record = decode_record(raw, key="k")
-            assert isinstance(record, Outcome)
+            assert isinstance(record, StoredOutcome)
             assert record.state == "FAILED"
         else:
             assert raw is None  # released at once, not locked until lock_ttl
@@ -309,7 +309,7 @@ async def test_a_cancel_during_the_outcome_write_still_records_it(crowded: bool)
     raw = await store.get(_record_key("alice", key))
     assert raw is not None
     record = decode_record(raw, key="k")
-    assert isinstance(record, Outcome)
+    assert isinstance(record, StoredOutcome)
     assert (record.state, record.status) == ("COMPLETED", 201)
     assert sent == []
 

@@ -17,16 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey import (
-    CheckReport,
-    ConfigurationError,
-    InsecureTransport,
-    StepKey,
-    canonical_json,
-    check_server,
-)
+from agentkey import ConfigurationError, InsecureTransport, StepKey, canonical_json
 from agentkey.cli import main
-from agentkey.server import RedisStore, example_app
+from agentkey.server import RedisStore
+from agentkey.testing import CheckReport, check_server, example_app
 from tests._loopback import RedisServer, serve
 from tests.server._util import serve_closing
 
@@ -134,7 +128,7 @@ def _failed_rows(out: str) -> set[str]:
 
 def test_check_passes_against_the_example_server(capsys: pytest.CaptureFixture[str]) -> None:
     """Every point passes on the example server; the CLI prints the table and exits 0."""
-    app = example_app()
+    app = example_app(shared_key_space=False)
     with serve(app) as url:
         code = main(["check", url, "--path", "/tools/provision", "--args", ARGS, "--token", "tk-9"])
     out, err = capsys.readouterr()
@@ -150,7 +144,7 @@ def test_check_passes_against_the_example_server(capsys: pytest.CaptureFixture[s
 def test_check_passes_on_redis_in_sf_string_style(redis_proc: RedisServer) -> None:
     """The checker's primary style can be sf-string; the example on Redis passes every point."""
     store = RedisStore(redis_proc.url, prefix="check")
-    with serve_closing(example_app(store), store) as url:
+    with serve_closing(example_app(store, shared_key_space=False), store) as url:
         report = check_server(
             url, path="/tools/provision", args={"region": "x"}, style="sf-string", token="tk-1"
         )
@@ -272,7 +266,7 @@ def test_replays_under_another_header_name_and_held_duplicates_count_once() -> N
 
 def test_check_on_a_fast_tool_skips_the_concurrency_point() -> None:
     """When duplicates only ever see replays, the 409 point is SKIP (unproven), not PASS."""
-    app = example_app()
+    app = example_app(shared_key_space=False)
     with serve(app) as url:
         report = check_server(
             url, path="/tools/charge", args={"amount": 5}, concurrency=2, token="tk-1"
@@ -342,7 +336,7 @@ def test_check_reports_an_unreachable_target(capsys: pytest.CaptureFixture[str])
 
 def test_check_reports_a_tls_failure_as_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
     """https:// to a server that speaks no TLS is 'could not reach: the TLS handshake failed'."""
-    with serve(example_app()) as url:
+    with serve(example_app(shared_key_space=False)) as url:
         tls_url = url.replace("http://", "https://")
         code = main(["check", tls_url, "--path", "/tools/provision", "--args", ARGS])
     out = capsys.readouterr().out
@@ -379,7 +373,7 @@ def test_credentials_in_the_target_url_are_refused_unsent_and_unprinted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """user:password@ in the target is a usage error (exit 2): nothing sent, nothing printed."""
-    app = example_app()
+    app = example_app(shared_key_space=False)
     with serve(app) as url:
         target = url.replace("http://", "http://admin:pa55w0rd@")
         code = main(["check", target, "--path", "/tools/provision", "--args", ARGS])
@@ -473,7 +467,7 @@ def test_check_help_warns_about_side_effects(capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("rows", ["many", -1, 10**7, True])
 def test_example_report_refuses_bad_row_counts(rows: object) -> None:
     """The example report tool answers 400 to a row count it should not build, and runs nothing."""
-    app = example_app()
+    app = example_app(shared_key_space=False)
     args = {"rows": rows}
     key = StepKey.build("plan-report", 0, args).format()
     with serve(app) as url:

@@ -14,7 +14,7 @@ uvicorn.run = lambda app, **kwargs: served.append(app)
 from agentkey.cli import main
 assert main(["serve"]) == 0, "serve failed"
 assert served, "nothing was served"
-assert "agentkey.server._redis" not in sys.modules
+assert "agentkey.server.redis._store" not in sys.modules
 """
 
 

@@ -29,7 +29,7 @@ from agentkey.server._decide import (
 )
 from agentkey.server._records import (
     Binding,
-    Outcome,
+    StoredOutcome,
     decode_record,
     digest,
     encode_in_progress,
@@ -130,7 +130,15 @@ def test_non_http_front_end_binds_the_tool_name() -> None:
 
 def _outcome(binding: Binding | None, state: str = "COMPLETED") -> bytes:
     return encode_outcome(
-        Outcome(state, 201, (("content-type", "application/json"),), b'{"ok":1}', None, 5, binding)  # type: ignore[arg-type]
+        StoredOutcome(
+            state,  # type: ignore[arg-type]
+            201,
+            (("content-type", "application/json"),),
+            b'{"ok":1}',
+            None,
+            5,
+            binding,
+        )
     )
 
 
@@ -300,7 +308,7 @@ def test_a_record_head_is_the_json_the_generic_encoder_writes_and_decodes_back(
     state: str,
 ) -> None:
     """The hand-formatted record head is byte for byte json.dumps's, and round-trips."""
-    outcome = Outcome(state, status, tuple(headers), body, blob, finished, binding)  # type: ignore[arg-type]
+    outcome = StoredOutcome(state, status, tuple(headers), body, blob, finished, binding)  # type: ignore[arg-type]
     doc: dict[str, object] = {
         "v": 3,
         "status": status,

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import StepKey, canonical_json
-from agentkey.server import IdempotencyMiddleware, RedisStore, get_claim
+from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
 from agentkey.server._decide import record_key
 from tests._loopback import free_port
 from tests.server._nodes import Cluster, cluster, master_and_replica, replica_online, until
@@ -67,7 +67,7 @@ class Ledger:
 def _app(store: RedisStore, ledger: Ledger) -> Any:
     async def charge(request: Request) -> Response:
         await request.body()
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         key = request.headers["idempotency-key"]
         with ledger.lock:
             ledger.runs[key] += 1

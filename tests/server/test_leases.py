@@ -22,15 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agentkey import LeaseLost
 from agentkey._keys import shown_key
-from agentkey.server import (
-    Claim,
-    IdempotencyMiddleware,
-    LeaseLost,
-    MemoryStore,
-    RedisStore,
-    get_claim,
-)
+from agentkey.server import Claim, IdempotencyMiddleware, MemoryStore, RedisStore, current_claim
 from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
 from tests._loopback import RedisServer, free_port, serve
@@ -121,7 +115,7 @@ def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
     runs: list[int] = []
 
     async def provision(request: Request) -> JSONResponse:
-        claim = get_claim(request)
+        claim = current_claim()
         await asyncio.sleep(0.4)  # four leases of unrenewed work, no competitor
         await claim.renew()
         claim.begin_mutation()

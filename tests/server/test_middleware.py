@@ -20,7 +20,7 @@ from agentkey._canonical import Profile
 from agentkey.server import FileBlobStore, MemoryStore, RedisStore, Store
 from agentkey.server._decide import Checked, OpaqueKey, _parse_key, check_body
 from agentkey.server._decide import record_key as _record_key
-from agentkey.server._records import Outcome, decode_record
+from agentkey.server._records import StoredOutcome, decode_record
 from tests._loopback import free_port
 from tests.server._apps import tool_app
 from tests.server._util import call, new_plan, request_for, serve_closing
@@ -297,7 +297,7 @@ async def test_blob_record_keeps_only_the_uri(make_store: StoreFactory, tmp_path
     raw = await store.get(f"anonymous:{key}")
     assert raw is not None
     record = decode_record(raw, key="k")
-    assert isinstance(record, Outcome)
+    assert isinstance(record, StoredOutcome)
     assert record.body == b""
     assert record.blob_uri is not None
     assert record.blob_uri.startswith("file://")

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from agentkey.server import IdempotencyMiddleware, MemoryStore, get_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from agentkey.server._middleware import route_path
 from tests._loopback import serve
 from tests.server._util import request_for
@@ -22,7 +22,7 @@ from tests.server._util import request_for
 
 def _tools(runs: Counter[str], **options: Any) -> Starlette:
     async def charge(request: Request) -> JSONResponse:
-        get_claim(request).begin_mutation()  # raises when the middleware did not claim
+        current_claim().begin_mutation()  # raises when the middleware did not claim
         runs["charge"] += 1
         return JSONResponse({"run": runs["charge"]}, status_code=201)
 

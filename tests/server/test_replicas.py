@@ -254,7 +254,7 @@ async def test_a_replica_attached_later_is_found(
 ) -> None:
     """replicas=None on a Redis without replicas starts at 0 and asks again (every 30 s; at
     once here) beside later claims: a replica attached meanwhile turns the wait on for good."""
-    from agentkey.server import _redis
+    from agentkey.server.redis import _store as _redis
 
     monkeypatch.setattr(_redis, "_RECHECK_SECONDS", 0.0)
     master = Node(tmp_path, "--appendonly", "no")

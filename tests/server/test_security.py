@@ -37,11 +37,10 @@ from agentkey.server import (
     IdempotencyMiddleware,
     MemoryStore,
     current_claim,
-    get_claim,
     starlette_user_identity,
 )
 from agentkey.server._decide import is_storable
-from agentkey.server._records import Outcome, decode_record
+from agentkey.server._records import StoredOutcome, decode_record
 from tests._loopback import serve
 from tests.server._util import request_for
 from tests.server.test_blob_files import GatedBlobs, blobs_in
@@ -92,7 +91,7 @@ def _dependency_auth_app(runs: Counter[str]) -> FastAPI:
     @app.post("/tools/charge", status_code=201)
     async def charge(request: Request, who: str = Depends(caller)) -> dict[str, Any]:
         args = await request.json()
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         runs[who] += 1
         return {"charged_for": who, "amount": args["amount"]}
 
@@ -137,7 +136,7 @@ class _Tokens(AuthenticationBackend):
 def _authenticated_app(runs: Counter[str], *, misplaced: bool) -> Starlette:
     async def charge(request: Request) -> JSONResponse:
         runs[request.user.display_name if request.user.is_authenticated else "anonymous"] += 1
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         return JSONResponse({"for": request.user.display_name}, status_code=201)
 
     app = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
@@ -373,7 +372,7 @@ async def test_a_request_cancelled_during_its_blob_write_leaves_one_blob(tmp_pat
     raw = await store.get(f"shared:{headers['idempotency-key']}")
     assert raw is not None
     record = decode_record(raw, key="k")
-    assert isinstance(record, Outcome)
+    assert isinstance(record, StoredOutcome)
     assert record.blob_uri is not None
     assert record.blob_uri.endswith(name)
 
@@ -466,7 +465,7 @@ def test_a_trailing_slash_redirect_is_not_recorded_under_the_key() -> None:
     runs: list[int] = []
 
     async def charge(request: Request) -> JSONResponse:
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         runs.append(1)
         return JSONResponse({"charge": len(runs)}, status_code=201)
 

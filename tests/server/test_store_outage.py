@@ -26,7 +26,7 @@ from agentkey.server import (
     MemoryStore,
     PostgresStore,
     RedisStore,
-    get_claim,
+    current_claim,
 )
 from agentkey.server._records import Binding, digest
 from tests.server._util import FailingFinish, request_for, serve_closing
@@ -41,7 +41,7 @@ def _gated_app(store: RedisStore | MemoryStore, *, lock_ttl: float) -> Starlette
     runs = [0]
 
     async def charge(request: Request) -> Response:
-        get_claim(request).begin_mutation()
+        current_claim().begin_mutation()
         runs[0] += 1
         entered.set()
         await anyio.to_thread.run_sync(gate.wait, 30)

@@ -12,13 +12,13 @@ import redis
 import redis.asyncio as aioredis
 import redis.cluster
 
-from agentkey import ConfigurationError, StepKey, StoreError, StoreUnavailable
+from agentkey import ConfigurationError, LeaseLost, StepKey, StoreError, StoreUnavailable
 from agentkey._keys import shown_key
-from agentkey.server import Claim, LeaseLost, MemoryStore, RedisStore, Store
+from agentkey.server import Claim, MemoryStore, RedisStore, Store
 from agentkey.server._records import (
     Binding,
     InProgress,
-    Outcome,
+    StoredOutcome,
     decode_record,
     encode_in_progress,
     encode_outcome,
@@ -31,7 +31,9 @@ def _owner() -> str:
 
 
 def _done(body: bytes = b'{"ok":true}') -> bytes:
-    return encode_outcome(Outcome("COMPLETED", 200, (("content-type", "application/json"),), body))
+    return encode_outcome(
+        StoredOutcome("COMPLETED", 200, (("content-type", "application/json"),), body)
+    )
 
 
 async def test_claim_once_then_existing_record(store: Store) -> None:
@@ -107,7 +109,7 @@ def test_v2_records_still_decode_and_v3_keeps_the_body_raw() -> None:
         b'"fp":"AAAAAAAAAAAAAAAAAAAAAA"}'
     )
     binding = Binding("A" * 22)
-    expected = Outcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9, binding)
+    expected = StoredOutcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9, binding)
     assert decode_record(v2, key="k") == expected
     v3 = encode_outcome(replace(expected, body=b"x" * 1000))
     assert v3.endswith(b"\n" + b"x" * 1000)  # the bytes themselves: no base64, no escaping
@@ -118,9 +120,9 @@ def test_records_round_trip() -> None:
     """Each record state decodes to what was encoded; garbage is a StoreError naming the key."""
     owner = _owner()
     assert decode_record(encode_in_progress(owner, 7), key="k") == InProgress(owner, 7)
-    outcome = Outcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9)
+    outcome = StoredOutcome("FAILED", 500, (("a", "b"),), b"\x00\xff", None, 9)
     assert decode_record(encode_outcome(outcome), key="k") == outcome
-    blob = Outcome("COMPLETED", 201, (), b"", "file:///x/y.blob", 1)
+    blob = StoredOutcome("COMPLETED", 201, (), b"", "file:///x/y.blob", 1)
     assert decode_record(encode_outcome(blob), key="k") == blob
     body = b'{"id":"\n"}\n\x00\xff'  # newlines in the body: only the first one ends the head
     with_newlines = replace(outcome, body=body)
@@ -302,12 +304,12 @@ async def test_a_client_library_bug_is_a_store_error_so_the_middleware_fails_clo
 
 
 def test_redis_store_uses_only_redis_pys_public_names() -> None:
-    """agentkey/server/_redis.py imports no private redis-py module or name and reads no
+    """agentkey/server/redis/_store.py imports no private redis-py module or name and reads no
     private attribute of anything but its own objects (issue 27 §3: no socket takeover)."""
     import ast
     import inspect as inspect_
 
-    from agentkey.server import _redis
+    from agentkey.server.redis import _store as _redis
 
     tree = ast.parse(inspect_.getsource(_redis))
     private_imports = [
@@ -354,6 +356,6 @@ def test_a_cluster_wait_counts_only_on_the_connection_of_its_writes(
 ) -> None:
     """The CLIENT INFO frames around a node's writes and WAIT must name one connection to the
     node that serves the key; a pipeline redis-py sent again without its pins fails that."""
-    from agentkey.server._redis import _one_connection
+    from agentkey.server.redis._store import _one_connection
 
     assert _one_connection(first, last, port) is same

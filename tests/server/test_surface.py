@@ -23,7 +23,6 @@ from agentkey.server import (
     IdempotencyMiddleware,
     MemoryStore,
     current_claim,
-    get_claim,
 )
 from agentkey.server._decide import OpaqueKey, _parse_key
 from agentkey.server._decide import record_key as _record_key
@@ -35,24 +34,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_public_surface() -> None:
     """agentkey.server exports exactly the documented names, sorted."""
     assert server.__all__ == [
-        "REPLAY_HEADER",
         "BlobStore",
         "Claim",
         "DecisionEvent",
         "FileBlobStore",
         "IdempotencyMiddleware",
-        "LeaseLost",
         "MemoryStore",
         "PostgresStore",
         "PostgresTransaction",
         "PrincipalFunc",
-        "RecoveryPoint",
         "RedisStore",
         "Store",
         "current_claim",
-        "example_app",
-        "get_claim",
-        "is_storable",
         "starlette_user_identity",
     ]
     assert server.__all__ == sorted(server.__all__, key=lambda n: (not n.isupper(), n))
@@ -248,16 +241,13 @@ def test_store_must_implement_the_protocol() -> None:
 
 
 def test_claim_accessors_outside_a_claimed_request_explain() -> None:
-    """current_claim() and get_claim() outside a protected request raise ConfigurationError."""
+    """current_claim() outside a protected request raises ConfigurationError."""
     with pytest.raises(ConfigurationError, match="no idempotency claim"):
         current_claim()
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
-    with pytest.raises(ConfigurationError, match="carries no idempotency claim"):
-        get_claim(Request(scope))
 
 
 async def _ok(request: Request) -> Response:
-    claim = get_claim(request)
+    claim = current_claim()
     assert current_claim() is claim
     return JSONResponse({"principal": claim.principal})
 
@@ -387,7 +377,7 @@ async def test_hash_profile_decides_how_a_reformatted_body_is_checked(profile: P
 
 
 def test_fastapi_dependency_reaches_the_claim() -> None:
-    """In FastAPI, `Depends(get_claim)` hands the handler its claim; a replay skips the handler."""
+    """FastAPI's `Depends(current_claim)` hands the handler its claim; a replay skips it."""
     from fastapi import Depends, FastAPI
 
     from agentkey.server import Claim
@@ -398,7 +388,10 @@ def test_fastapi_dependency_reaches_the_claim() -> None:
     seen: list[str] = []
 
     @app.post("/tools/provision")
-    async def provision(args: dict[str, str], claim: Claim = Depends(get_claim)) -> dict[str, str]:  # noqa: B008 - FastAPI's idiom
+    async def provision(
+        args: dict[str, str],
+        claim: Claim = Depends(current_claim),  # noqa: B008 - FastAPI's idiom
+    ) -> dict[str, str]:
         claim.begin_mutation()
         assert claim.key is not None
         seen.append(claim.key.label)

@@ -17,11 +17,12 @@ from agentkey import (
     PayloadMismatch,
     PlanSession,
     RetryPolicy,
-    StaticToken,
     ToolInvoker,
     ToolResult,
 )
-from agentkey.server import Store, example_app
+from agentkey.auth import StaticToken
+from agentkey.server import Store
+from agentkey.testing import example_app
 from tests.server._util import serve_closing
 
 StoreFactory = Callable[[], Store]
@@ -59,7 +60,7 @@ def test_invoker_and_middleware_run_each_step_once(
 ) -> None:
     """Concurrent invokes of one step run it once; the others wait out 409 and get the replay."""
     store = make_store()
-    app = example_app(store, work_seconds=0.2)
+    app = example_app(store, work_seconds=0.2, shared_key_space=False)
     step = PlanSession.new().step(0, tool, {"region": "eu-west-1"})
     with serve_closing(app, store) as url:
         results = _invoke_all(driver, url, [{"step": step, "path": f"/tools/{tool}"}] * copies)
@@ -76,7 +77,7 @@ def test_invoker_and_middleware_run_each_step_once(
 def test_key_for_other_args_is_a_payload_mismatch(make_store: StoreFactory, driver: str) -> None:
     """A key whose hash does not cover the body gets 422, which the invoker raises as final."""
     store = make_store()
-    app = example_app(store)
+    app = example_app(store, shared_key_space=False)
     plan = PlanSession.new()
     step = plan.step(0, "charge", {"amount": 5})
     wrong_key = plan.step(0, "charge", {"amount": 500}).idempotency_key

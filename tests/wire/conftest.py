@@ -1,4 +1,4 @@
-"""The wire tests: agentkey._net's URL rules and agentkey._http with httpx and its httpx2 fork."""
+"""The wire tests: the URL rules of client._net, and client._http with httpx and its httpx2 fork."""
 
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from agentkey._deadline import _ALARMS, Watchdog
-from agentkey._http import Outgoing, send_sync
-from agentkey._protocol import Failure, FailureKind
+from agentkey.client._deadline import _ALARMS, Watchdog
+from agentkey.client._effects import Outgoing
+from agentkey.client._http import send_sync
+from agentkey.client._protocol import Failure, FailureKind
 from tests._loopback import raw_server
 
 

@@ -9,15 +9,17 @@ from typing import Any
 
 import pytest
 
-from agentkey import AsyncToolInvoker, PlanSession, StaticToken, ToolInvoker
-from agentkey._http import Outgoing, send_async, send_sync
-from agentkey._protocol import Failure, FailureKind
+from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
+from agentkey.auth import StaticToken
+from agentkey.client._effects import Outgoing
+from agentkey.client._http import send_async, send_sync
+from agentkey.client._protocol import Failure, FailureKind
 from tests._loopback import free_port, serve
 
 httpx2 = pytest.importorskip("httpx2", reason="httpx2 is not installed (`nox -s httpx2` adds it)")
 pytest.importorskip("starlette", reason="the tool server needs agentkey[server]")
 
-from agentkey.server import example_app  # noqa: E402 - after the skips above
+from agentkey.testing import example_app  # noqa: E402 - after the skips above
 
 pytestmark = pytest.mark.httpx2
 
@@ -45,7 +47,7 @@ class _Recorder:
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_invoke_through_an_httpx2_client(kind: str) -> None:
     """An httpx2 client and a token provider run a step once; the same step again is replayed."""
-    app = example_app(work_seconds=0.0)
+    app = example_app(work_seconds=0.0, shared_key_space=False)
     recorder = _Recorder(app)
     step = PlanSession.new().step(0, "charge", {"amount": 5, "currency": "EUR"})
     options: dict[str, Any] = {"auth": StaticToken("tok-httpx2"), "route_template": "/tools/{tool}"}

@@ -1,4 +1,4 @@
-"""The URL rules in agentkey._net: origins, loopback, the plain-http rule and redaction."""
+"""The URL rules in agentkey.client._net: origins, loopback, the plain-http rule and redaction."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkey._exceptions import InsecureTransport
-from agentkey._net import (
+from agentkey.client._net import (
     Origin,
     has_control_character,
     is_loopback,

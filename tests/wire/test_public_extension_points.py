@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentkey._http import Outgoing, make_client, send_sync
-from agentkey._protocol import Answer, Failure, FailureKind
+from agentkey.client._clients import make_client
+from agentkey.client._effects import Outgoing
+from agentkey.client._http import send_sync
+from agentkey.client._protocol import Answer, Failure, FailureKind
 from tests._loopback import raw_server
 
 ROOT = Path(__file__).resolve().parents[2] / "agentkey"

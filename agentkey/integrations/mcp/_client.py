@@ -34,23 +34,23 @@ from mcp_types import (
 )
 from pydantic import BaseModel
 
-from ... import _http
 from ..._canonical import args_hash
-from ..._drive import Handlers, async_carrier, run_async
-from ..._effects import Answer, Failure, FailureKind, Outgoing, Reply, Sleep
 from ..._exceptions import ConfigurationError
-from ..._flow import Call, Finished, Settings, Verifier
-from ..._flow import invoke as flow_invoke
-from ..._hooks import InvokeHook, LoggingHook
-from ..._invoker import JournalOption, shared_handlers
-from ..._net import Origin
 from ..._plan import OnRepeat, PlanSession, Step, check_on_repeat
-from ..._policy import PollPolicy, RetryPolicy
-from ..._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...auth import TokenProvider
+from ...client import _httpx2
+from ...client._drive import Handlers, async_carrier, run_async
+from ...client._effects import Answer, Failure, FailureKind, Outgoing, Received, Sleep
+from ...client._flow import Call, Finished, Settings, Verifier
+from ...client._flow import invoke as flow_invoke
+from ...client._hooks import InvokeHook, LoggingHook
+from ...client._invoker import JournalOption, shared_handlers
+from ...client._net import Origin
+from ...client._policies import PollPolicy, RetryPolicy
+from ...client._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...journal._base import current_owner, in_flight
 from ...journal._default import resolve_journal
-from .._common import code
+from .._adapter import code
 from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, refusal_of
 
 __all__ = ["IdempotentSession", "MCPToolResult", "SessionFactory", "connect"]
@@ -136,7 +136,7 @@ async def connect(
     to loopback, and a 401 for the token in use refreshes it once and resends the
     same request (same JSON-RPC body, same key); when the tool refuses the new
     token too, :class:`IdempotentSession` raises
-    :class:`~agentkey.AuthenticationError`. ``session_options`` go to
+    :class:`~agentkey.TokenRejected`. ``session_options`` go to
     ``ClientSession`` (``read_timeout_seconds``, callbacks). The HTTP client has
     the SDK transports' timeouts (30 s to connect, 300 s to read a held stream).
     """
@@ -144,8 +144,8 @@ async def connect(
         raise ConfigurationError(
             f"auth must be an agentkey token provider (ClientCredentials, ...), got {auth!r}"
         )
-    client = _http.fork_async_client(dict(headers or {}), connect=30.0, read=300.0)
-    client.auth = _http.adapt_auth(auth, client)
+    client = _httpx2.fork_async_client(dict(headers or {}), connect=30.0, read=300.0)
+    client.auth = _httpx2.adapt_auth(auth, client)
     client.event_hooks["response"].append(_record_status)
     async with (
         client,
@@ -226,7 +226,7 @@ class IdempotentSession:
     goes in ``params._meta["io.agentkey/idempotency-key"]``.
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
-    (``agentkey._flow``): it is recorded in the ``journal`` before it is sent;
+    (``agentkey.client._flow``): it is recorded in the ``journal`` before it is sent;
     a call that may have run (connection closed or reset, read timeout, server
     error) is sent again with the same key only to a tool known to honour keys:
     ``honours_keys=True``, or the server marked the tool protected (its results
@@ -423,7 +423,7 @@ class IdempotentSession:
 
         Raises :class:`~agentkey.KeyReused` (the key belongs to another tool),
         :class:`~agentkey.PayloadMismatch`, :class:`~agentkey.KeyRejected`,
-        :class:`~agentkey.AuthenticationError` (a 401 again after a token refresh, or
+        :class:`~agentkey.TokenRejected` (a 401 again after a token refresh, or
         a server that wants an authenticated session), :class:`~agentkey.ToolRejected`
         (any other JSON-RPC error: final), :class:`~agentkey.StepInProgress` (still
         running at the deadline), :class:`~agentkey.ToolUnreachable` (no request
@@ -481,14 +481,14 @@ class _Carrier:
     def __init__(self, tools: IdempotentSession, planned: Step, meta: dict[str, Any]) -> None:
         self.tools, self.planned, self.meta = tools, planned, meta
 
-    async def outgoing(self, effect: Outgoing) -> Reply:
+    async def outgoing(self, effect: Outgoing) -> Received:
         if effect.method == "OPTIONS":
             return await self.probe(effect)
         if effect.method != _METHOD:
             return Failure(FailureKind.UNSENDABLE, "not a tool call")
         return await self.send(effect)
 
-    async def send(self, out: Outgoing) -> Reply:
+    async def send(self, out: Outgoing) -> Received:
         tools, planned = self.tools, self.planned
         key = dict(out.headers).get("Idempotency-Key", planned.idempotency_key)
         extra = {k: v for k, v in out.headers if k.lower() not in _OWN_HEADERS}
@@ -520,7 +520,7 @@ class _Carrier:
             return left
         return tools._attempt_timeout if left is None else min(left, tools._attempt_timeout)
 
-    async def probe(self, out: Outgoing) -> Reply:
+    async def probe(self, out: Outgoing) -> Received:
         """Does the server mark this tool protected in ``tools/list``? (a harmless question)
 
         Within the call's deadline. The question is put to a second session when the
@@ -556,7 +556,7 @@ def _answer_of(result: CallToolResult, url: str) -> Answer:
     return Answer(200, headers, content, url)
 
 
-def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Reply:
+def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Received:
     """A JSON-RPC error as the flow reads an answer (or a failure that may have run)."""
     if statuses and statuses[-1] == 401:  # the token, refused again after the refresh
         return Answer(401, {}, b"", url)

@@ -41,7 +41,7 @@ from ...server._lifecycle import (
     check_principal_options,
     resolve_principal,
 )
-from ...server._records import Outcome
+from ...server._records import StoredOutcome
 from ...server._stores import Store
 from ._wire import (
     ERROR_CODES,
@@ -380,7 +380,7 @@ def _protected(result: HandlerResult) -> HandlerResult:
     return doc
 
 
-def _replayed(outcome: Outcome) -> dict[str, Any]:
+def _replayed(outcome: StoredOutcome) -> dict[str, Any]:
     """The stored result with ``_meta["io.agentkey/replayed"] = true``.
 
     A FAILED outcome that holds no tool result (the tool raised after

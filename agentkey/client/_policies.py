@@ -3,8 +3,7 @@
 One vocabulary across ``RetryPolicy``, ``PollPolicy`` and ``TokenPolicy``:
 ``max_attempts``, ``initial_backoff``, ``max_backoff``, ``backoff_multiplier``,
 ``max_retry_after``, ``deadline`` and ``jitter``. Each policy's ``.schedule``
-is the one backoff formula, :class:`~agentkey._schedule.Backoff`. The names of
-the previous release are accepted (and readable) with a ``DeprecationWarning``.
+is the one backoff formula, :class:`~agentkey._schedule.Backoff`.
 """
 
 from __future__ import annotations
@@ -12,15 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._schedule import Backoff
+    from .._schedule import Backoff
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -36,7 +34,7 @@ DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503
 #: Replay headers recognised by default. An entry is a header name (its value ``true``
 #: marks a replay) or ``"Name: value"`` (that value does); both compare case-insensitively.
 #: (Here, beside the other defaults of the invoker's options, so that its signature needs
-#: no import of the protocol core; :mod:`agentkey._protocol` reads them from here.)
+#: no import of the protocol core; :mod:`agentkey.client._protocol` reads them from here.)
 DEFAULT_REPLAY_HEADERS: tuple[str, ...] = (
     "Idempotent-Replayed",
     "Idempotency-Replayed",
@@ -86,7 +84,7 @@ def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
     """The :class:`Backoff` of a policy that has the shared backoff options."""
     # Imported here: it loads tenacity, which a policy needs only once it is used (an
     # invoker's settings), not where its defaults are written (the invoker's signature).
-    from ._schedule import Backoff
+    from .._schedule import Backoff
 
     return Backoff(
         policy.initial_backoff,
@@ -98,63 +96,20 @@ def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
     )
 
 
-def apply_aliases(
-    policy: object, aliases: Mapping[str, tuple[str, ...]], given: Mapping[str, object]
-) -> list[str]:
-    """Copy deprecated options that were ``given`` (not None) onto their new names.
-
-    Returns the old names used; the caller validates, then calls :func:`warn_aliases`.
-    """
-    used = [old for old, value in given.items() if value is not None]
-    for old in used:
-        for new in aliases[old]:
-            object.__setattr__(policy, new, given[old])
-    return used
-
-
-def warn_aliases(cls: type, aliases: Mapping[str, tuple[str, ...]], used: list[str]) -> None:
-    for old in used:
-        warnings.warn(
-            f"{cls.__name__}({old}=...) is deprecated; use "
-            f"{' and '.join(f'{new}=' for new in aliases[old])} (removed in the next release)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-
-
-def readable_aliases(cls: type, aliases: Mapping[str, tuple[str, ...]]) -> None:
-    """Make the deprecated names readable on instances of ``cls``, with a warning."""
-    for old, (new, *_) in aliases.items():
-
-        def read(self: object, old: str = old, new: str = new) -> Any:
-            warnings.warn(
-                f"{type(self).__name__}.{old} is deprecated; read .{new}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(self, new)
-
-        setattr(cls, old, property(read, doc=f"Deprecated: use ``{new}``."))
-
-
 _P = TypeVar("_P")
 
 
-def replace(policy: _P, changes: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -> _P:
+def replace(policy: _P, changes: Mapping[str, Any]) -> _P:
     """``policy`` with ``changes`` applied, validated like the constructor."""
     names = {f.name for f in dataclasses.fields(policy)}  # type: ignore[arg-type]
-    unknown = sorted(set(changes) - names - set(aliases))
+    unknown = sorted(set(changes) - names)
     if unknown:
         raise ConfigurationError(
             f"{type(policy).__name__} has no option(s) {', '.join(unknown)}; "
             f"valid options: {', '.join(sorted(names))}"
         )
     current = {name: getattr(policy, name) for name in names}
-    renamed = {new: changes[old] for old in aliases if old in changes for new in aliases[old]}
-    fresh = {k: v for k, v in changes.items() if k not in aliases}
-    out = type(policy)(**{**current, **renamed, **fresh})
-    warn_aliases(type(policy), aliases, [old for old in aliases if old in changes])
-    return out
+    return type(policy)(**{**current, **changes})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,19 +148,12 @@ class RetryPolicy:
 
     def replace(self, **changes: Any) -> RetryPolicy:
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return replace(self, changes, {})
+        return replace(self, changes)
 
     @property
     def schedule(self) -> Backoff:
         """The wait between attempts, as one :class:`~agentkey._schedule.Backoff`."""
         return schedule_of(self)
-
-
-_POLL_ALIASES: Mapping[str, tuple[str, ...]] = {
-    "interval": ("initial_backoff",),
-    "backoff": ("backoff_multiplier",),
-    "max_interval": ("max_backoff", "max_retry_after"),
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,8 +167,7 @@ class PollPolicy:
     gets at most two polls a second, not thousands. After ``deadline`` seconds of polling, or
     at the call's ``RetryPolicy.deadline`` if that comes first,
     :class:`~agentkey.PollTimeout` carries the status URL so polling can be
-    resumed later with ``resume_poll``. ``interval``, ``backoff`` and
-    ``max_interval`` are the deprecated names of the first three.
+    resumed later with ``resume_poll``.
     """
 
     initial_backoff: float = 1.0
@@ -230,23 +177,15 @@ class PollPolicy:
     deadline: float = 600.0
     jitter: bool = False
     min_interval: float = 0.5
-    interval: InitVar[float | None] = None
-    backoff: InitVar[float | None] = None
-    max_interval: InitVar[float | None] = None
 
-    def __post_init__(
-        self, interval: float | None, backoff: float | None, max_interval: float | None
-    ) -> None:
-        given = {"interval": interval, "backoff": backoff, "max_interval": max_interval}
-        used = apply_aliases(self, _POLL_ALIASES, given)
+    def __post_init__(self) -> None:
         check_backoff(self)
         _positive("deadline", self.deadline)
         _positive("min_interval", self.min_interval, allow_zero=True)
-        warn_aliases(PollPolicy, _POLL_ALIASES, used)
 
     def replace(self, **changes: Any) -> PollPolicy:
         """A copy with ``changes`` applied (validated like the constructor)."""
-        return replace(self, changes, _POLL_ALIASES)
+        return replace(self, changes)
 
     @property
     def schedule(self) -> Backoff:
@@ -256,9 +195,6 @@ class PollPolicy:
     def wait(self, poll_number: int) -> float:
         """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``."""
         return self.schedule.delay(poll_number, rng=random.random)
-
-
-readable_aliases(PollPolicy, _POLL_ALIASES)
 
 
 def _statuses(value: object) -> frozenset[int]:

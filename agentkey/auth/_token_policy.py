@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import InitVar, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._exceptions import ConfigurationError
-from .._policy import (
-    apply_aliases,
-    check_backoff,
-    readable_aliases,
-    replace,
-    schedule_of,
-    warn_aliases,
-)
 from .._schedule import Backoff
+from ..client._policies import check_backoff, replace, schedule_of
 
 __all__ = ["TokenPolicy"]
-
-_ALIASES: Mapping[str, tuple[str, ...]] = {
-    "attempts": ("max_attempts",),
-    "backoff": ("initial_backoff",),
-    "max_wait": ("max_backoff", "max_retry_after"),
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +39,7 @@ class TokenPolicy:
       arriving right after it fail fast instead of hammering a broken endpoint.
     - ``rejection_interval``: the least time between two refreshes caused by a
       tool rejecting the token (401). A token the tool rejects again within it
-      is not renewed: the 401 goes back to the caller (``AuthenticationError``),
+      is not renewed: the 401 goes back to the caller (``TokenRejected``),
       so a tool that refuses every token costs the identity provider one request
       per interval, not one per call.
     - ``clock``: the monotonic clock token lifetimes, refresh points,
@@ -60,10 +47,6 @@ class TokenPolicy:
       deadline are measured on (default ``time.monotonic``). Tests pass a fake
       clock they advance by hand, so a loaded machine cannot make a short-lived
       token expire between two lines of the test.
-
-    ``attempts``, ``backoff`` and ``max_wait`` are the deprecated names of
-    ``max_attempts``, ``initial_backoff`` and ``max_backoff`` (``max_wait`` also
-    sets ``max_retry_after``).
     """
 
     leeway: float = 60.0
@@ -80,15 +63,8 @@ class TokenPolicy:
     failure_ttl: float = 2.0
     rejection_interval: float = 10.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
-    attempts: InitVar[int | None] = None
-    backoff: InitVar[float | None] = None
-    max_wait: InitVar[float | None] = None
 
-    def __post_init__(
-        self, attempts: int | None, backoff: float | None, max_wait: float | None
-    ) -> None:
-        given = {"attempts": attempts, "backoff": backoff, "max_wait": max_wait}
-        used = apply_aliases(self, _ALIASES, given)
+    def __post_init__(self) -> None:
         for name in ("leeway", "leeway_jitter", "failure_ttl", "rejection_interval"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
@@ -120,19 +96,15 @@ class TokenPolicy:
                 "TokenPolicy.clock must be a function returning monotonic seconds, "
                 f"such as time.monotonic; got {type(self.clock).__name__}"
             )
-        warn_aliases(TokenPolicy, _ALIASES, used)
 
     def replace(self, **changes: Any) -> TokenPolicy:
         """A copy with ``changes`` applied (validated like the original)."""
-        return replace(self, changes, _ALIASES)
+        return replace(self, changes)
 
     @property
     def schedule(self) -> Backoff:
         """The wait between token requests, as one :class:`~agentkey._schedule.Backoff`."""
         return schedule_of(self)
-
-
-readable_aliases(TokenPolicy, _ALIASES)
 
 
 def _is_number(value: object) -> bool:

@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from . import _http
-from ._canonical import canonical_json, to_jsonable
+from .._canonical import canonical_json, to_jsonable
+from .._exceptions import ConfigurationError
+from .._keys import HEADER_STYLES, HeaderStyle, StepKey
+from . import _clients, _http, _httpx2
 from ._effects import Answer, Failure, FailureKind, Outgoing
-from ._exceptions import ConfigurationError
-from ._keys import HEADER_STYLES, HeaderStyle, StepKey
 from ._net import redact_url, require_secure
 from ._protocol import (
     DEFAULT_REPLAY_HEADERS,
@@ -208,7 +208,7 @@ class _NoAnswer(Exception):
 
 class _Target:
     def __init__(
-        self, client: _http.AsyncClient, url: str, token: str | None, timeout: float
+        self, client: _httpx2.AsyncClient, url: str, token: str | None, timeout: float
     ) -> None:
         self.client = client
         self.url = url
@@ -231,7 +231,7 @@ class _Target:
             headers.append(("authorization", f"Bearer {self.token}"))
         reply = await self._send(self.client, url or self.url, tuple(headers), body)
         if isinstance(reply, Failure) and not _timed_out(reply):
-            async with _http.make_async_client(_http.make_timeout(self.timeout)) as fresh:
+            async with _clients.make_async_client(_clients.make_timeout(self.timeout)) as fresh:
                 reply = await self._send(fresh, url or self.url, tuple(headers), body)
         if isinstance(reply, Failure):
             if _timed_out(reply):
@@ -243,7 +243,7 @@ class _Target:
 
     async def _send(
         self,
-        client: _http.AsyncClient,
+        client: _httpx2.AsyncClient,
         url: str,
         headers: tuple[tuple[str, str], ...],
         body: bytes,
@@ -771,7 +771,7 @@ async def acheck_server(
     shown = _shown(url)
     results: list[CheckResult] = []
     no_verdict = None
-    async with _http.make_async_client(_http.make_timeout(timeout)) as client:
+    async with _clients.make_async_client(_clients.make_timeout(timeout)) as client:
         target = _Target(client, url, token, float(timeout))
         run = _Run(target, plan, canonical_json(plain), plain, changed, style, other_url)
         try:

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urljoin
 
-from ._effects import Answer, Failure, FailureKind, Reply
-from ._exceptions import (
-    AuthenticationError,
+from .._exceptions import (
     InvokeError,
     KeyRejected,
     KeyReused,
@@ -35,13 +33,15 @@ from ._exceptions import (
     PayloadMismatch,
     StepFailed,
     StepInProgress,
+    TokenRejected,
     ToolError,
     ToolRejected,
     UnsafeRedirect,
 )
-from ._keys import shown_key, uuid_key
+from .._keys import shown_key, uuid_key
+from ._effects import Answer, Failure, FailureKind, Received
 from ._net import Origin, has_control_character, origin_of, scrub_json
-from ._policy import DEFAULT_REPLAY_HEADERS  # the invoker's option default, defined there
+from ._policies import DEFAULT_REPLAY_HEADERS  # the invoker's option default, defined there
 from ._retry_after import TOO_LONG, parse_retry_after
 
 __all__ = [
@@ -60,7 +60,7 @@ __all__ = [
     "HeaderStrategy",
     "Meaning",
     "ProtocolConfig",
-    "Reply",
+    "Received",
     "StatusUrlStrategy",
     "budget_exhausted",
     "classify",
@@ -483,7 +483,7 @@ def _unsafe(
     )
 
 
-def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
+def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
     """Decide what one answer to the step's request means (contract section 3)."""
     if isinstance(reply, Failure):
         if reply.kind is FailureKind.UNSENDABLE:
@@ -523,14 +523,14 @@ def classify(reply: Reply, ctx: CallContext, cfg: ProtocolConfig) -> Decision:
             "unauthorized",
             status_code=status,
             error=ctx.error(
-                AuthenticationError,
+                TokenRejected,
                 f"the tool refused the credentials (401){said} for {ctx.where()}, even after "
                 "the auth layer's refresh (a token provider renews a rejected token at most "
                 "once per TokenPolicy.rejection_interval); check the token's scopes and audience"
                 if cfg.has_auth
                 else f"the tool answered 401{said} for {ctx.where()}: it wants credentials and "
                 "the invoker has no auth=; pass a token provider such as "
-                "agentkey.ClientCredentials(...) or StaticToken(...) as auth=",
+                "agentkey.auth.ClientCredentials(...) or StaticToken(...) as auth=",
                 status_code=status,
                 body=body,
                 reason=reason,
@@ -850,7 +850,7 @@ def _state(body: object) -> str | None:
 
 
 def interpret_poll(
-    reply: Reply, ctx: CallContext, cfg: ProtocolConfig, *, result_only: bool = False
+    reply: Received, ctx: CallContext, cfg: ProtocolConfig, *, result_only: bool = False
 ) -> Decision:
     """Decide what one poll answer means (contract section 4).
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
-from ._keys import shown_key
+from .._keys import shown_key
 
 __all__ = [
     "AttemptEvent",

@@ -26,37 +26,28 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from ._exceptions import ConfigurationError, InsecureTransport
-from ._keys import HEADER_STYLES, HeaderStyle, StepKey
-from ._plan import Step
-from ._policy import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
+from .._exceptions import ConfigurationError, InsecureTransport
+from .._keys import HEADER_STYLES, HeaderStyle, StepKey
+from .._plan import Step
+from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
 
 if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
     import asyncio
     import types
 
+    from ..journal._base import Journal, current_owner, in_flight
+    from ..journal._default import resolve_journal
+    from ..journal._verify import HttpLookup
     from . import _flow
+    from ._clients import make_async_client, make_client, make_max_response_bytes, make_timeout
     from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
     from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
     from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
     from ._hooks import InvokeHook, LoggingHook, listened
-    from ._http import (
-        AsyncClient,
-        Auth,
-        Client,
-        Timeout,
-        make_async_client,
-        make_client,
-        make_max_response_bytes,
-        make_timeout,
-        send_async,
-        send_sync,
-    )
+    from ._http import Auth, Timeout, send_async, send_sync
+    from ._httpx2 import AsyncClient, Client
     from ._net import is_loopback, origin_of, redact_url
     from ._protocol import ProtocolConfig, parse_json, replay_markers
-    from .journal._base import Journal, current_owner, in_flight
-    from .journal._default import resolve_journal
-    from .journal._verify import HttpLookup
 
 #: What ``journal=`` takes: a journal, None (the default SQLite file) or False (none).
 JournalOption: TypeAlias = "Journal | Literal[False] | None"
@@ -82,27 +73,19 @@ def _load_engine() -> None:
         return
     import asyncio
 
+    from ..journal._base import current_owner, in_flight
+    from ..journal._default import resolve_journal
+    from ..journal._verify import HttpLookup
     from . import _flow
+    from ._clients import make_async_client, make_client, make_max_response_bytes, make_timeout
     from ._drive import async_carrier, carrier, run_async, run_sync
     from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
     from ._flow import Call, Settings, check_headers
     from ._hooks import LoggingHook, listened
-    from ._http import (
-        AsyncClient,
-        Auth,
-        Client,
-        make_async_client,
-        make_client,
-        make_max_response_bytes,
-        make_timeout,
-        send_async,
-        send_sync,
-    )
+    from ._http import Auth, send_async, send_sync
+    from ._httpx2 import AsyncClient, Client
     from ._net import is_loopback, origin_of, redact_url
     from ._protocol import ProtocolConfig, parse_json, replay_markers
-    from .journal._base import current_owner, in_flight
-    from .journal._default import resolve_journal
-    from .journal._verify import HttpLookup
 
     _engine_loaded = True
 
@@ -136,7 +119,7 @@ class Outcome(str, enum.Enum):
 class ToolResult(BaseModel):
     """The final answer of one step: what the tool said, and how agentkey got there.
 
-    ``step`` is the step's label (``step_003``), also readable as ``label``.
+    ``label`` is the step's label (``step_003``), as on :class:`~agentkey.Step`.
     """
 
     # Built on first use (the first result), not when the module is imported.
@@ -147,7 +130,7 @@ class ToolResult(BaseModel):
     headers: dict[str, str]
     outcome: Outcome
     idempotency_key: str
-    step: str | None = None
+    label: str | None = None
     attempts: int
     polls: int = 0
     elapsed: float
@@ -169,11 +152,6 @@ class ToolResult(BaseModel):
         is then ``Outcome.UNKNOWN``).
         """
         return self.outcome is Outcome.REPLAYED
-
-    @property
-    def label(self) -> str | None:
-        """The step's label, e.g. ``step_003`` (the same as ``step``)."""
-        return self.step
 
 
 class _InvokerBase:
@@ -474,7 +452,7 @@ class _InvokerBase:
             headers=dict(answer.headers),
             outcome=Outcome.REPLAYED if done.replayed else self._unmarked,
             idempotency_key=done.key,
-            step=done.label,
+            label=done.label,
             attempts=done.attempts,
             polls=done.polls,
             elapsed=done.elapsed,

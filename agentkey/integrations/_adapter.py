@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .._exceptions import ConfigurationError, KeyRejected, MissingExtra, PayloadMismatch, ToolError
-from .._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from .._keys import normalize_step
 from .._plan import OnRepeat, PlanSession, Step, check_on_repeat
-from .._protocol import short_reason
+from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from ..client._protocol import short_reason
 
 _Ctx = TypeVar("_Ctx")
 
@@ -133,6 +133,8 @@ def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[s
     # either may carry something (a cookie, a signed URL) that does not belong there.
     exclude = {"headers", "status_url"} if body else {"headers", "status_url", "body"}
     record = result.model_dump(mode="json", exclude=exclude)
+    # The record names the label "step", as the invoker's events and repeat_record do.
+    record = {("step" if name == "label" else name): value for name, value in record.items()}
     return {"tool": step.tool, **record, "repeat_of": step.repeat_of}
 
 

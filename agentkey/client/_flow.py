@@ -23,7 +23,7 @@ Three rules carry the weight:
 - **No blind resend.** A request that may have run (a read timeout after
   sending, a reset, a 5xx) is sent again only to a route known to honour
   Idempotency-Key: declared (``honours_keys=True``), or shown by an answer
-  (:func:`~agentkey._protocol.key_evidence`), or by the route's answer to a
+  (:func:`~agentkey.client._protocol.key_evidence`), or by the route's answer to a
   harmless ``OPTIONS`` asked once. Otherwise the user's reconcile hook decides,
   or the call ends :class:`~agentkey.OutcomeUnknown` and stays in doubt in the
   journal.
@@ -43,19 +43,7 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
-from ._effects import (
-    Answer,
-    Effect,
-    Emit,
-    Failure,
-    FailureKind,
-    Journaled,
-    Outgoing,
-    Reply,
-    Sleep,
-    Verify,
-)
-from ._exceptions import (
+from .._exceptions import (
     ConfigurationError,
     InvokeError,
     KeyReused,
@@ -65,6 +53,22 @@ from ._exceptions import (
     StepRepeated,
     ToolError,
     ToolUnreachable,
+)
+from .._keys import StepKey, shown_key
+from .._schedule import Backoff
+from ..journal._records import Begun, CallRecord, CallState, route_of
+from ..journal._verify import HttpLookup, InDoubt, Verdict
+from ._effects import (
+    Answer,
+    Effect,
+    Emit,
+    Failure,
+    FailureKind,
+    Journaled,
+    Outgoing,
+    Received,
+    Sleep,
+    Verify,
 )
 from ._hooks import (
     EVENT_TYPES,
@@ -78,9 +82,8 @@ from ._hooks import (
     RetryEvent,
     _one_line,
 )
-from ._keys import StepKey, shown_key
 from ._net import redact_url
-from ._policy import PollPolicy, RetryPolicy
+from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
     PROTECTED_HEADER,
     Action,
@@ -94,9 +97,6 @@ from ._protocol import (
     parse_json,
     poll_target,
 )
-from ._schedule import Backoff
-from .journal._records import Begun, CallRecord, CallState, route_of
-from .journal._verify import HttpLookup, InDoubt, Verdict
 
 __all__ = [
     "HOOK_OWNED",
@@ -823,7 +823,7 @@ class _Run:
 class _Sending(Exchange["Decision | Finished"]):
     """The step's exchange: one request, resent with the same key, and its classifier.
 
-    ``judge`` returns the final :class:`~agentkey._protocol.Decision` (the answer is
+    ``judge`` returns the final :class:`~agentkey.client._protocol.Decision` (the answer is
     in ``reply``), a :class:`Finished` when the reconcile hook settled a call in
     doubt, or :class:`Again`; it raises when the budget is spent.
     """
@@ -856,7 +856,7 @@ class _Sending(Exchange["Decision | Finished"]):
         self.unreachable = 0  # sends in a row that never reached the tool
         self.held: Decision | None = None  # the last answer that said the key is in flight
         self.decision: Decision | None = None  # the last answer's meaning
-        self.reply: Reply | None = None  # the last answer
+        self.reply: Received | None = None  # the last answer
 
     def request(self) -> Generator[Effect, Any, Outgoing]:
         run, call = self.run, self.run.call
@@ -867,7 +867,7 @@ class _Sending(Exchange["Decision | Finished"]):
     def expired(self) -> Generator[Effect, Any, Outgoing]:
         raise (yield from self.spent())
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Decision | Finished | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Decision | Finished | Again]:
         run, call, s = self.run, self.run.call, self.run.s
         run.attempts += 1
         not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
@@ -1023,7 +1023,7 @@ class _Polling(Exchange[Finished]):
             yield from run.outgoing("GET", self.url, headers, None, self.same_origin, run.polls + 1)
         )
 
-    def judge(self, reply: Reply) -> Generator[Effect, Any, Finished | Again]:
+    def judge(self, reply: Received) -> Generator[Effect, Any, Finished | Again]:
         run, call, s = self.run, self.run.call, self.run.s
         run.polls += 1
         decision = interpret_poll(reply, run.ctx(), s.protocol, result_only=self.result_only)
@@ -1152,7 +1152,7 @@ def _in_doubt(
     )
 
 
-def _unreachable(call: Call, run: _Run, reply: Reply) -> ToolUnreachable:
+def _unreachable(call: Call, run: _Run, reply: Received) -> ToolUnreachable:
     origin = run.s.protocol.base_origin
     what = reply.description if isinstance(reply, Failure) else "no answer"
     return ToolUnreachable(

@@ -33,9 +33,9 @@ import random
 import time
 from typing import Any
 
-from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
-from .._schedule import Backoff
-from ._stores import _check_ttl, after_failure, owner_prefix, shown
+from ..._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from ..._schedule import Backoff
+from .._stores import _check_ttl, after_failure, owner_prefix, shown
 
 try:
     from redis import asyncio as aioredis

@@ -34,10 +34,26 @@ from typing import Any
 import httpcore
 import httpx
 
-__all__ = ["REDIRECTS", "DeadlineTransport", "Watchdog", "deadline_scope"]
+__all__ = [
+    "DEADLINE_PASSED",
+    "REDIRECTS",
+    "DeadlineTransport",
+    "Watchdog",
+    "deadline_scope",
+    "seconds_left",
+]
 
 #: The statuses for which httpx builds a redirect request (and parses the Location) in ``send``.
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+#: Why an exchange ended when the call's deadline, not the server, ended it.
+DEADLINE_PASSED = "the call's deadline passed before the answer was read"
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (on ``time.monotonic()``, the sockets' clock)."""
+    return None if deadline is None else deadline - time.monotonic()
+
 
 _DEADLINE: ContextVar[float | None] = ContextVar("agentkey_deadline", default=None)
 

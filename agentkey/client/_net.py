@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote, quote_plus, urlsplit, urlunsplit
 
-from ._exceptions import InsecureTransport
+from .._exceptions import InsecureTransport
 
 __all__ = [
     "REDACTED",

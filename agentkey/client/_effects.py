@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
-    from .journal._verify import InDoubt
+    from ..journal._verify import InDoubt
 
 __all__ = [
     "Answer",
@@ -33,7 +33,7 @@ __all__ = [
     "FailureKind",
     "Journaled",
     "Outgoing",
-    "Reply",
+    "Received",
     "Sleep",
     "Verify",
 ]
@@ -135,4 +135,4 @@ class Answer:
         return self.headers.get(name.lower())
 
 
-Reply: TypeAlias = Answer | Failure
+Received: TypeAlias = Answer | Failure
