@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def _lose_checkpoints_after_the_input(db: Path, thread: str) -> None:
         for c in history
         if any(isinstance(m, AIMessage) for m in c.checkpoint["channel_values"].get("messages", []))
     ]
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn, conn:  # `with conn` commits; closing() closes
         for checkpoint_id in lost:
             conn.execute("DELETE FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
             conn.execute("DELETE FROM writes WHERE checkpoint_id = ?", (checkpoint_id,))
