@@ -90,6 +90,12 @@ def _local(arg: str) -> str:
 _PAGES = [p for p in DOCS if _blocks(p)]
 
 
+def test_every_page_with_examples_says_what_to_install() -> None:
+    """The quick check behind the slow docs_install run: no page leaves its reader guessing."""
+    missing = [p.name for p in _PAGES if not _install_lines(p)]
+    assert not missing, f"pages with Python examples but no `pip install` line: {missing}"
+
+
 @pytest.mark.docs_install
 @pytest.mark.parametrize("path", _PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run_from_the_pages_install_line(path: Path, tmp_path: Path) -> None:
