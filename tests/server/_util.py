@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -27,23 +28,35 @@ def serve_closing(
 
     A redis.asyncio client belongs to the loop that opened its connections, so it
     must be closed there; ``also`` lists further closers (a pool passed in by the test).
+    The store is closed once the requests still running have ended, as a server's shutdown
+    does: a client that gave up does not stop its request, and one still retrying a store
+    that fails over would open a connection after the close, left for the loop to find.
     """
+    running: set[asyncio.Task[Any]] = set()
 
     async def shim(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == CLOSE_PATH:
+            if running:
+                await asyncio.wait(running, timeout=60)
             await store.aclose()
             for close in also:
                 await close()
             await send({"type": "http.response.start", "status": 204, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        await app(scope, receive, send)
+        task = asyncio.current_task()
+        assert task is not None
+        running.add(task)
+        try:
+            await app(scope, receive, send)
+        finally:
+            running.discard(task)
 
     with serve(shim) as url:
         try:
             yield url
         finally:
-            httpx.post(url + CLOSE_PATH, timeout=10)
+            httpx.post(url + CLOSE_PATH, timeout=90)
 
 
 def new_plan() -> str:

@@ -13,13 +13,15 @@ and a replica under Sentinel fail over the same way.
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import subprocess
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,12 +171,19 @@ def _under_traffic(nodes: Cluster, fault: Any, *, racers: int = 2, **store: Any)
     return _traffic(_store(nodes, **store), fault, nodes.wait_healthy, racers=racers)
 
 
-def _traffic(built: RedisStore, fault: Any, heal: Any, *, racers: int = 2) -> Run:
+def _traffic(
+    built: RedisStore,
+    fault: Any,
+    heal: Any,
+    *,
+    racers: int = 2,
+    also: Sequence[Callable[[], Awaitable[Any]]] = (),
+) -> Run:
     """Serve the middleware on ``built``, drive agents, run ``fault()``, ``heal()``, stop."""
     ledger = Ledger()
     seen = Traffic()
     stop = threading.Event()
-    with serve_closing(_app(built, ledger), built) as url:
+    with serve_closing(_app(built, ledger), built, also=also) as url:
         driver = threading.Thread(target=lambda: asyncio.run(_drive(url, stop, seen, racers)))
         driver.start()
         try:
@@ -344,6 +353,23 @@ class _SentinelStore(RedisStore):
             await watcher.aclose()
 
 
+async def _collect_dropped_connections() -> None:
+    """Finalize, in the server's loop and before it closes, the connections redis-py's
+    Sentinel client dropped without closing during the failover.
+
+    CI saw it once (2026-12-03, not reproduced in a dozen runs since): a
+    ``SentinelManagedConnection`` left its pool (whose in-use set holds connections weakly)
+    with its socket open, so the loop would not close (uvloop: EBUSY) and the socket's
+    ResourceWarning surfaced in whichever test ran next. agentkey never takes a connection
+    from the pool itself (every command goes through ``execute_command`` or a pipeline), so
+    this is the client's, and not what this test checks.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # see _collect_dropped_connections
 def test_a_sentinel_failover_without_a_duplicate(tmp_path: Path) -> None:
     """A primary and a replica watched by Sentinel: SIGKILL the primary under traffic,
     Sentinel promotes the replica, the old primary comes back as its replica. The store, on
@@ -387,7 +413,7 @@ def test_a_sentinel_failover_without_a_duplicate(tmp_path: Path) -> None:
                 until(lambda: replica_online(replica) or replica_online(primary),
                       "a primary with its replica again", 60)  # fmt: skip
 
-            run = _traffic(store, fault, heal)
+            run = _traffic(store, fault, heal, also=[_collect_dropped_connections])
             assert store.replicas == 1
             _check(run)
         finally:
