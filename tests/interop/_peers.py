@@ -98,6 +98,10 @@ class Peer:
     #: It reads the record, then takes a lock: a duplicate that read before the first
     #: finished takes the freed lock after it and runs again (tests/interop/test_peer_races.py).
     races: bool = False
+    #: It stores a response's body and status in two commands, and a duplicate that reads
+    #: between them gets its 500 (``int(None)`` in its Redis backend). agentkey resends
+    #: that 500 with the same key, and the resend is replayed.
+    torn_reads: bool = False
 
 
 def _starlette(tool: Tool, *middleware: Middleware) -> Starlette:
@@ -184,6 +188,7 @@ PEERS: tuple[Peer, ...] = (
         _asgi_idempotency_header,
         style="uuid",
         fingerprints=False,
+        torn_reads=True,
         contract_fails=frozenset({OTHER_BODY, OTHER_ROUTE}),
     ),
     Peer("ichido", _ichido, replay_marker=("x-ichido-status", "replayed")),
