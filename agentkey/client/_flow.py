@@ -947,12 +947,13 @@ class _Beginning(Exchange["Finished | None"]):
     call's answer when the journal settles it, or :class:`Again`.
     """
 
-    __slots__ = ("record", "run", "waited")
+    __slots__ = ("record", "reread", "run", "waited")
 
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.record: CallRecord | None = None  # the record this flow asks to begin
         self.waited = 0  # waits for the send in flight elsewhere
+        self.reread = False  # a pending record whose sender looked gone was read again
 
     def request(self) -> Generator[Effect, Any, Effect]:
         self.record = self.run.new_record()
@@ -969,6 +970,12 @@ class _Beginning(Exchange["Finished | None"]):
             return None
         if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
             raise _other_route(run.call, earlier)  # (one never sent may go elsewhere)
+        if earlier.state is CallState.PENDING and not begun.live and not self.reread:
+            # The record was read before its sender was seen gone: a sender that finished
+            # in between (another task of this process, a process that just exited) wrote
+            # its outcome after this read. Read once more before calling the call in doubt.
+            self.reread = True
+            return Again()
         if begun.live and not run.honoured() and run.s.honours_keys is None:
             yield from run.probe()  # a send in flight elsewhere: ask the route first
         if not (begun.live and not run.honoured()):

@@ -8,11 +8,14 @@ on both invokers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from agentkey import (
     ToolUnreachable,
 )
 from agentkey.journal import CallState, HttpLookup, InDoubt, SQLiteJournal, Verdict
+from agentkey.journal._base import Begun, is_live
 from agentkey.server import IdempotencyMiddleware, MemoryStore
 from tests._loopback import serve
 from tests.journal._tools import FaultOnce, PlainTool
@@ -225,3 +229,99 @@ def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
             invoke(driver, tool.url, step, **options)
         assert journal.get(step.idempotency_key).state is CallState.PENDING  # type: ignore[union-attr]
     assert tool.plain.executions["charge"] == 1
+
+
+class ReadJustBeforeTheSenderEnds:
+    """A real journal, with one interleaving forced: a second caller of a key reads its
+    pending record while the first is still sending, and judges that record only after
+    the first caller's invoke returned (an asyncio task resumed late, a thread descheduled).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.read = threading.Event()  # the second caller has read the pending record
+        self.sender_done = threading.Event()  # the first caller's invoke returned
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _late(self, begun: Begun) -> Begun:
+        earlier = begun.existing
+        if earlier is None or earlier.state is not CallState.PENDING or self.read.is_set():
+            return begun
+        self.read.set()
+        assert self.sender_done.wait(10)
+        return Begun(earlier, begun.evidence, is_live(earlier, time.time()))
+
+    def begin(self, record: Any) -> Begun:
+        return self._late(self.inner.begin(record))
+
+    def finish(self, record: Any) -> bool:
+        assert self.read.wait(10)
+        return bool(self.inner.finish(record))
+
+    async def abegin(self, record: Any) -> Begun:
+        return await asyncio.to_thread(self._late, await self.inner.abegin(record))
+
+    async def afinish(self, record: Any) -> bool:
+        assert await asyncio.to_thread(self.read.wait, 10)
+        return bool(await self.inner.afinish(record))
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_pending_record_read_just_before_its_sender_ends_is_read_again(
+    journal_factory: Any, driver: str
+) -> None:
+    """Two callers of one step on a tool that does not honour keys: the second reads the
+    first's pending record, and the first finishes before the second judges it. The second
+    reads the record again and gets the recorded answer; it is not OutcomeUnknown (the
+    bench hit this 1 run in 3 with RedisJournal) and the tool runs once."""
+    plain = PlainTool()
+    journal = ReadJustBeforeTheSenderEnds(journal_factory())
+    step = step_for("charge")
+    options: dict[str, Any] = {"retry": RETRY, "route_template": "/tools/{tool}"}
+    with serve(plain) as url:
+        if driver == "sync":
+            with (
+                ToolInvoker(url, journal=journal, **options) as first,
+                ToolInvoker(url, journal=journal, **options) as second,
+                concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool,
+            ):
+
+                def send_first() -> ToolResult:
+                    try:
+                        return first.invoke(step)
+                    finally:
+                        journal.sender_done.set()
+
+                sent = pool.submit(send_first)
+                assert plain.ran.wait(10)
+                again = second.invoke(step)
+                result = sent.result(timeout=10)
+        else:
+
+            async def both() -> tuple[ToolResult, ToolResult]:
+                async with (
+                    AsyncToolInvoker(url, journal=journal, **options) as first,
+                    AsyncToolInvoker(url, journal=journal, **options) as second,
+                ):
+
+                    async def send_first() -> ToolResult:
+                        try:
+                            return await first.invoke(step)
+                        finally:
+                            journal.sender_done.set()
+
+                    sent = asyncio.create_task(send_first())
+                    assert await asyncio.to_thread(plain.ran.wait, 10)
+                    again = await second.invoke(step)
+                    sent_result = await sent
+                await journal.aclose()  # its asyncio client belongs to this loop
+                return sent_result, again
+
+            result, again = asyncio.run(both())
+    assert journal.read.is_set()
+    assert plain.executions["charge"] == 1
+    assert not result.replayed
+    assert again.replayed
+    assert again.body == result.body
