@@ -1,9 +1,11 @@
 """The journal in Redis, for a fleet of agents that share one record of their calls.
 
 One string per call, ``<prefix>:{<plan>}:<key>``, holding the record as JSON; a
-sorted set per plan, ``<prefix>:{<plan>}``, listing its calls by creation time.
-Both carry the plan in a hash tag, so a Redis Cluster keeps a plan's records in
-one slot and every script touches one slot. A global sorted set,
+sorted set per plan, ``<prefix>:{<plan>}``, listing its calls by creation time,
+and one per arguments hash, ``<prefix>:{<plan>}:args:<hash>``, listing the calls
+with those arguments (what a repeat check asks: its cost does not grow with the
+plan). All carry the plan in a hash tag, so a Redis Cluster keeps a plan's
+records in one slot and every script touches one slot. A global sorted set,
 ``<prefix>:calls``, lists every call by its last change (for ``agentkey
 journal``); what routes showed about honouring keys is a hash, ``<prefix>:evidence``.
 
@@ -46,13 +48,16 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 __all__ = ["RedisJournal"]
 
-#: Set the record unless its key exists (then return it), and index it under its plan.
+#: Set the record unless its key exists (then return it), and index it under its plan
+#: (KEYS[2]) and its arguments (KEYS[3]).
 _BEGIN = """
 local existing = redis.call('GET', KEYS[1])
 if existing then return existing end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
+for i = 2, 3 do
+  redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
 return false
 """
 #: Replace the record when its state, owner and last change are still ARGV[3..5]
@@ -154,6 +159,13 @@ class RedisJournal:
     def _plan_key(self, plan: str) -> str:
         return f"{self.prefix}:{{{plan}}}"
 
+    def _args_key(self, plan: str, args_hash: str) -> str:
+        return f"{self.prefix}:{{{plan}}}:args:{args_hash}"
+
+    def _index_key(self, plan: str, args_hash: str | None) -> str:
+        """Where ``find`` lists the candidates: the arguments' index when it has a hash."""
+        return self._plan_key(plan) if args_hash is None else self._args_key(plan, args_hash)
+
     @property
     def _calls_key(self) -> str:
         return f"{self.prefix}:calls"
@@ -166,7 +178,11 @@ class RedisJournal:
         return int(self.retention * 1000)
 
     def _begin_args(self, record: CallRecord) -> tuple[list[str], list[Any]]:
-        keys = [self._record_key(record.plan, record.key), self._plan_key(record.plan)]
+        keys = [
+            self._record_key(record.plan, record.key),
+            self._plan_key(record.plan),
+            self._index_key(record.plan, record.args_hash),  # the plan's again when None
+        ]
         args = [_encode(record), self._ttl_ms(), record.created_at, record.key]
         return keys, args
 
@@ -248,7 +264,7 @@ class RedisJournal:
         call_id: str | None = None,
     ) -> list[CallRecord]:
         client = self._client()
-        keys = client.zrange(self._plan_key(plan), 0, -1)
+        keys = client.zrange(self._index_key(plan, args_hash), 0, -1)
         raws = client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
         return _filtered(raws, tool, args_hash, call_id)
 
@@ -339,7 +355,7 @@ class RedisJournal:
         call_id: str | None = None,
     ) -> list[CallRecord]:
         client = self._aclient()
-        keys = await client.zrange(self._plan_key(plan), 0, -1)
+        keys = await client.zrange(self._index_key(plan, args_hash), 0, -1)
         raws = await client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
         return _filtered(raws, tool, args_hash, call_id)
 

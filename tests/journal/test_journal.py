@@ -118,13 +118,23 @@ def test_find_filters_a_plans_calls_oldest_first(
     a = record("a", created_at=NOW + 2, call_id="call-a")
     b = record("b", created_at=NOW + 1, tool="refund", call_id="call-b")
     other = record("c", plan="plan-2")
-    for r in (a, b, other):
+    twin = record("dd", created_at=NOW + 3, args_hash=a.args_hash)  # a's arguments, step 2
+    opaque = record("e", created_at=NOW + 4).with_(args_hash=None)  # a key of the user's
+    for r in (a, b, other, twin, opaque):
         call(journal, mode, "begin", r)
-    assert [r.key for r in call(journal, mode, "find", "plan-1")] == [b.key, a.key]
+    every = [b.key, a.key, twin.key, opaque.key]
+    assert [r.key for r in call(journal, mode, "find", "plan-1")] == every
     assert call(journal, mode, "find", "plan-1", tool="refund") == [b]
-    assert call(journal, mode, "find", "plan-1", args_hash=a.args_hash) == [a]
+    assert call(journal, mode, "find", "plan-1", args_hash=a.args_hash) == [a, twin]
+    assert call(journal, mode, "find", "plan-1", tool="charge", args_hash=b.args_hash) == []
+    assert call(journal, mode, "find", "plan-2", args_hash=a.args_hash) == []
     assert call(journal, mode, "find", "plan-1", call_id="call-a") == [a]
     assert call(journal, mode, "find", "plan-1", call_id="nope") == []
+    settled = journal.settle(a.key, CallState.ANSWERED, reason="checked by hand")
+    assert call(journal, mode, "find", "plan-1", tool="charge", args_hash=a.args_hash) == [
+        settled,
+        twin,
+    ]
 
 
 @pytest.mark.parametrize("mode", MODES)
