@@ -520,20 +520,27 @@ class _Run:
             fields["reason"] = getattr(error, "reason", None)
         yield Journaled("finish", (record.with_(**fields),))
 
-    def check_repeat(self) -> Generator[Effect, Any, None]:
-        """Send a call the journal shows at another step of the plan under that step's key.
+    def looks_for_repeats(self) -> bool:
+        """Whether ``begin`` asks the journal for this call at another step of the plan.
 
-        The plan itself catches a repeat among the steps it handed out; the journal
-        catches one whatever the plan remembered (a plan saved before the first step was
-        handed out, restored after it was sent).
+        The plan itself catches a repeat among the steps it handed out (``repeat_of``);
+        the journal catches one whatever the plan remembered (a plan saved before the
+        first step was handed out, restored after it was sent). A runtime's call id, a
+        key of the caller's own and ``on_repeat="allow"`` make every call a new one.
         """
         call = self.call
-        found = yield Journaled(
-            "find", (call.plan,), {"tool": call.tool, "args_hash": call.args_hash}
+        return (
+            self.s.journal
+            and call.repeat_of is None
+            and call.call_id is None
+            and call.args_hash is not None
+            and call.on_repeat != "allow"
         )
-        earlier = [r for r in found if r.key != call.key and r.call_id is None]
-        if not earlier:
-            return
+
+    def take_repeat(self, earlier: tuple[CallRecord, ...]) -> Generator[Effect, Any, None]:
+        """Send this call under the key of the first of ``earlier`` (the journal's record of
+        the same tool and arguments at another step), or refuse it (``on_repeat="raise"``)."""
+        call = self.call
         first = StepKey.parse(earlier[0].key)
         if call.on_repeat == "raise":
             raise StepRepeated(
@@ -545,13 +552,15 @@ class _Run:
                 previous_step=first.label,
                 idempotency_key=first.format(),
             )
-        self.call = replace(
+        self.call = call = replace(
             call,
             key=first.format(),
             label=first.label,
             key_value=first.header_value(call.key_style),  # type: ignore[arg-type]
             repeat_of=first.label,
         )
+        if RepeatEvent in self.s.events:
+            yield Emit(RepeatEvent(call.key, call.label, first.label, call.tool))
 
     def begin(self) -> Generator[Effect, Any, Finished | None]:
         """Record the call in the journal, or settle the record of an earlier send of it.
@@ -664,11 +673,7 @@ class _Run:
 
     def step(self) -> Flow:
         call = self.call
-        unmarked = call.repeat_of is None and call.call_id is None
-        if self.s.journal and unmarked and call.on_repeat != "allow":
-            yield from self.check_repeat()
-            call = self.call
-        if call.repeat_of is not None and RepeatEvent in self.s.events:
+        if call.repeat_of is not None and RepeatEvent in self.s.events:  # the plan's repeat
             yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))
         if self.s.journal:
             known = yield from self.begin()
@@ -947,23 +952,31 @@ class _Beginning(Exchange["Finished | None"]):
     call's answer when the journal settles it, or :class:`Again`.
     """
 
-    __slots__ = ("record", "reread", "run", "waited")
+    __slots__ = ("record", "repeats", "reread", "run", "waited")
 
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.record: CallRecord | None = None  # the record this flow asks to begin
         self.waited = 0  # waits for the send in flight elsewhere
         self.reread = False  # a pending record whose sender looked gone was read again
+        self.repeats = run.looks_for_repeats()  # ask for the call at another step first
 
     def request(self) -> Generator[Effect, Any, Effect]:
         self.record = self.run.new_record()
         yield from ()
+        if self.repeats:
+            return Journaled("begin", (self.record,), {"repeats": True})
         return Journaled("begin", (self.record,))
 
     def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
         run, record = self.run, self.record
         assert record is not None
         run.evidence = run.evidence or begun.evidence
+        if self.repeats:
+            self.repeats = False
+            if begun.earlier:  # nothing was written: begin again under the first one's key
+                yield from run.take_repeat(begun.earlier)
+                return Again()
         earlier = begun.existing
         if earlier is None:
             run.record = record

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from .._exceptions import ConfigurationError
-from ._records import SETTLED, Begun, CallRecord, CallState, route_of
+from ._records import SETTLED, Begun, CallRecord, CallState, repeats_among, route_of
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -26,6 +26,7 @@ __all__ = [
     "current_process",
     "in_flight",
     "is_live",
+    "repeats_among",
     "route_of",
 ]
 
@@ -49,8 +50,13 @@ class Journal(Protocol):
     supports_sync: bool
     supports_async: bool
 
-    def begin(self, record: CallRecord) -> Begun:
-        """Write ``record`` unless a record of its key exists; return what was there."""
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+        """Write ``record`` unless a record of its key exists; return what was there.
+
+        ``repeats=True``: first look for the plan's records of the same tool and
+        arguments under another key (:func:`repeats_among`); when there are any, write
+        nothing and return them as ``Begun.earlier``.
+        """
         ...
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
@@ -87,7 +93,7 @@ class Journal(Protocol):
 
     def close(self) -> None: ...
 
-    async def abegin(self, record: CallRecord) -> Begun: ...
+    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
 

@@ -19,6 +19,7 @@ from ._base import (
     check_journal_options,
     is_live,
     now_wall,
+    repeats_among,
 )
 
 __all__ = ["MemoryJournal", "SyncJournal", "unchanged"]
@@ -40,7 +41,7 @@ class SyncJournal(ABC):
     supports_async = True
 
     @abstractmethod
-    def begin(self, record: CallRecord) -> Begun: ...
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
 
     @abstractmethod
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
@@ -67,8 +68,8 @@ class SyncJournal(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    async def abegin(self, record: CallRecord) -> Begun:
-        return self.begin(record)
+    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+        return self.begin(record, repeats=repeats)
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         return self.take_over(record, previous)
@@ -124,8 +125,10 @@ class MemoryJournal(SyncJournal):
             return None
         return found[0]
 
-    def begin(self, record: CallRecord) -> Begun:
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
         with self._lock:
+            if repeats and (earlier := repeats_among(record, self._records.values())):
+                return Begun(None, self._evidence_of(record.route), False, earlier)
             existing = self._records.get(record.key)
             if existing is None:
                 self._records[record.key] = record

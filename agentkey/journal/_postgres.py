@@ -26,6 +26,7 @@ from ._base import (
     check_journal_options,
     is_live,
     now_wall,
+    repeats_among,
 )
 from ._sqlite import COLUMNS, record_of_row, row_of_record
 
@@ -71,7 +72,8 @@ class _Sql:
         names = {
             "calls": sql.Identifier(table),
             "evidence": sql.Identifier(f"{table}_evidence"),
-            "by_plan": sql.Identifier(f"{table}_by_plan"),
+            "by_plan": sql.Identifier(f"{table}_by_plan"),  # before the args index: dropped
+            "by_args": sql.Identifier(f"{table}_by_args"),
             "by_time": sql.Identifier(f"{table}_by_time"),
             "cols": _COLS,
             "qualified": _QUALIFIED,
@@ -85,7 +87,9 @@ class _Sql:
 
         self.schema = q(
             "CREATE TABLE IF NOT EXISTS {calls} ({defs}); "
-            "CREATE INDEX IF NOT EXISTS {by_plan} ON {calls} (plan, created_at); "
+            "DROP INDEX IF EXISTS {by_plan}; "
+            # What the repeat look-up before every call asks: a plan's calls with these args.
+            "CREATE INDEX IF NOT EXISTS {by_args} ON {calls} (plan, args_hash, created_at); "
             "CREATE INDEX IF NOT EXISTS {by_time} ON {calls} (updated_at); "
             "CREATE TABLE IF NOT EXISTS {evidence} (route TEXT PRIMARY KEY, "
             "evidence TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL)"
@@ -209,7 +213,11 @@ class PostgresJournal:
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
 
-    def begin(self, record: CallRecord) -> Begun:
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+        if repeats and record.args_hash is not None:
+            found = self.find(record.plan, tool=record.tool, args_hash=record.args_hash)
+            if earlier := repeats_among(record, found):
+                return Begun(None, None, False, earlier)  # the begin under their key says more
         (row,) = self._run(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
             return self._begun(
@@ -296,7 +304,11 @@ class PostgresJournal:
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
 
-    async def abegin(self, record: CallRecord) -> Begun:
+    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+        if repeats and record.args_hash is not None:
+            found = await self.afind(record.plan, tool=record.tool, args_hash=record.args_hash)
+            if earlier := repeats_among(record, found):
+                return Begun(None, None, False, earlier)
         (row,) = await self._arun(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
             (again,) = await self._arun(self._sql.by_key, (record.key,), rows=True)

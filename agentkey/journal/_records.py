@@ -21,10 +21,20 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FIELDS", "SETTLED", "Begun", "CallRecord", "CallState", "route_of", "values_of"]
+__all__ = [
+    "FIELDS",
+    "SETTLED",
+    "Begun",
+    "CallRecord",
+    "CallState",
+    "repeats_among",
+    "route_of",
+    "values_of",
+]
 
 
 class CallState(str, enum.Enum):
@@ -116,11 +126,31 @@ def values_of(record: CallRecord) -> tuple[Any, ...]:
 class Begun:
     """What :meth:`Journal.begin` found: the existing record (None: this call's was written),
     whether that record's sender may still be sending it (``live``), and what is known
-    about whether the record's route honours keys (``evidence``)."""
+    about whether the record's route honours keys (``evidence``).
+
+    ``earlier``: when ``begin`` was asked to look for repeats, the plan's records of
+    the same tool and arguments under other keys (oldest first); when there are any,
+    nothing was written."""
 
     existing: CallRecord | None
     evidence: str | None
     live: bool = False
+    earlier: tuple[CallRecord, ...] = ()
+
+
+def repeats_among(record: CallRecord, found: Iterable[CallRecord]) -> tuple[CallRecord, ...]:
+    """The records of ``found`` that repeat ``record``: its plan, tool and arguments under
+    another key, made without a runtime's call id; oldest first."""
+    same = [
+        r
+        for r in found
+        if r.key != record.key
+        and r.call_id is None
+        and r.plan == record.plan
+        and r.tool == record.tool
+        and r.args_hash == record.args_hash
+    ]
+    return tuple(sorted(same, key=lambda r: (r.created_at, r.key)))
 
 
 def route_of(method: str, url: str) -> str:

@@ -37,6 +37,7 @@ from ._base import (
     check_journal_options,
     is_live,
     now_wall,
+    repeats_among,
 )
 
 try:
@@ -49,8 +50,16 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 __all__ = ["RedisJournal"]
 
 #: Set the record unless its key exists (then return it), and index it under its plan
-#: (KEYS[2]) and its arguments (KEYS[3]).
+#: (KEYS[2]) and its arguments (KEYS[3]). With ARGV[5] = '1', first list the other calls
+#: with its arguments (a table of their keys; then nothing is written).
 _BEGIN = """
+if ARGV[5] == '1' then
+  local others = {}
+  for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    if key ~= ARGV[4] then others[#others + 1] = key end
+  end
+  if #others > 0 then return others end
+end
 local existing = redis.call('GET', KEYS[1])
 if existing then return existing end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -177,13 +186,14 @@ class RedisJournal:
     def _ttl_ms(self) -> int:
         return int(self.retention * 1000)
 
-    def _begin_args(self, record: CallRecord) -> tuple[list[str], list[Any]]:
+    def _begin_args(self, record: CallRecord, repeats: bool) -> tuple[list[str], list[Any]]:
         keys = [
             self._record_key(record.plan, record.key),
             self._plan_key(record.plan),
             self._index_key(record.plan, record.args_hash),  # the plan's again when None
         ]
-        args = [_encode(record), self._ttl_ms(), record.created_at, record.key]
+        look = "1" if repeats and record.args_hash is not None else "0"
+        args = [_encode(record), self._ttl_ms(), record.created_at, record.key, look]
         return keys, args
 
     def _swap_args(
@@ -226,17 +236,28 @@ class RedisJournal:
 
     # --- synchronous ---------------------------------------------------------------------
 
-    def begin(self, record: CallRecord) -> Begun:
-        keys, args = self._begin_args(record)
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+        keys, args = self._begin_args(record, repeats)
+        client = self._client()
         try:
-            with self._client().pipeline(transaction=False) as pipe:
+            with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
                 pipe.zadd(self._calls_key, {record.key: record.updated_at})
                 pipe.hget(self._evidence_key, record.route)
                 raw, _, evidence = pipe.execute()
+            if not isinstance(raw, list):
+                return self._begun(record, raw, evidence)
+            # Other calls with these arguments: nothing was written (nor is listed).
+            with client.pipeline(transaction=False) as pipe:
+                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                pipe.zrem(self._calls_key, record.key)
+                raws, _ = pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        return self._begun(record, raw, evidence)
+        earlier = _repeats(record, raws)
+        if not earlier:  # another tool with the same arguments, or runtime calls
+            return self.begin(record)
+        return Begun(None, self._evidence_of(evidence), False, earlier)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
@@ -316,18 +337,27 @@ class RedisJournal:
 
     # --- asyncio -------------------------------------------------------------------------
 
-    async def abegin(self, record: CallRecord) -> Begun:
+    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
         client = self._aclient()
-        keys, args = self._begin_args(record)
+        keys, args = self._begin_args(record, repeats)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
                 pipe.zadd(self._calls_key, {record.key: record.updated_at})
                 pipe.hget(self._evidence_key, record.route)
                 raw, _, evidence = await pipe.execute()
+            if not isinstance(raw, list):
+                return self._begun(record, raw, evidence)
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                pipe.zrem(self._calls_key, record.key)
+                raws, _ = await pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        return self._begun(record, raw, evidence)
+        earlier = _repeats(record, raws)
+        if not earlier:
+            return await self.abegin(record)
+        return Begun(None, self._evidence_of(evidence), False, earlier)
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
@@ -366,6 +396,10 @@ class RedisJournal:
         if self._async is not None and self._url is not None:
             await self._async.aclose()
             self._async = None
+
+
+def _repeats(record: CallRecord, raws: Sequence[Any]) -> tuple[CallRecord, ...]:
+    return repeats_among(record, (_decode(raw) for raw in raws if raw is not None))
 
 
 def _text(value: Any) -> str:

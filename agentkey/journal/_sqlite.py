@@ -30,6 +30,7 @@ from ._base import (
     check_journal_options,
     is_live,
     now_wall,
+    repeats_among,
 )
 from ._memory import SyncJournal
 from ._records import FIELDS, values_of
@@ -68,7 +69,9 @@ CREATE TABLE IF NOT EXISTS agentkey_calls (
   body_size INTEGER,
   status_url TEXT
 );
-CREATE INDEX IF NOT EXISTS agentkey_calls_by_plan ON agentkey_calls (plan, created_at);
+DROP INDEX IF EXISTS agentkey_calls_by_plan;
+-- What the repeat look-up before every call asks: a plan's calls with these arguments.
+CREATE INDEX IF NOT EXISTS agentkey_calls_by_args ON agentkey_calls (plan, args_hash, created_at);
 CREATE TABLE IF NOT EXISTS agentkey_evidence (
   route TEXT PRIMARY KEY NOT NULL,
   evidence TEXT NOT NULL,
@@ -89,6 +92,7 @@ _TAKE_OVER = (
     "WHERE key = ? AND state = ? AND owner IS ? AND updated_at = ?"
 )
 _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
+_REPEATS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ? AND call_id IS NULL"
 
 
 def row_of_record(record: CallRecord) -> tuple[Any, ...]:
@@ -237,11 +241,16 @@ class SQLiteJournal(SyncJournal):
         self._evidence_cache[route] = (found, now)
         return found
 
-    def begin(self, record: CallRecord) -> Begun:
+    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
         with self._lock:
             conn = self._connection()
             if self.clock() - self._pruned > _PRUNE_EVERY:
                 self._prune_now(conn)
+            if repeats:
+                rows = conn.execute(_REPEATS, (record.plan, record.args_hash, record.key))
+                earlier = repeats_among(record, map(record_of_row, rows))
+                if earlier:
+                    return Begun(None, self._evidence(conn, record.route), False, earlier)
             inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
             existing = None
             if not inserted:

@@ -138,6 +138,32 @@ def test_find_filters_a_plans_calls_oldest_first(
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_begin_with_repeats_returns_the_same_call_at_other_steps_and_writes_nothing(
+    journal_factory: Callable[..., Any], mode: Mode
+) -> None:
+    """begin(repeats=True): the plan's records of the same tool and arguments under other
+    keys, oldest first, and nothing written; another tool, a runtime's call or another plan
+    is no repeat; repeats=False writes as ever."""
+    journal = journal_factory(clock=Clock())
+    first = record("a", created_at=NOW + 1)
+    runtime = record("aa", created_at=NOW, args_hash=first.args_hash, call_id="call-1")
+    for r in (first, runtime):
+        call(journal, mode, "begin", r)
+    again = record("aaa", created_at=NOW + 2, args_hash=first.args_hash)  # step_003
+    begun = call(journal, mode, "begin", again, repeats=True)
+    assert begun.earlier == (first,)
+    assert begun.existing is None
+    assert call(journal, mode, "get", again.key) is None  # nothing written
+    other_tool = record("aaaa", args_hash=first.args_hash, tool="refund")
+    assert call(journal, mode, "begin", other_tool, repeats=True).earlier == ()
+    assert call(journal, mode, "get", other_tool.key) == other_tool
+    elsewhere = record("a", plan="plan-2")
+    assert call(journal, mode, "begin", elsewhere, repeats=True).earlier == ()
+    assert call(journal, mode, "begin", again).earlier == ()  # not asked: written
+    assert call(journal, mode, "get", again.key) == again
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_evidence_is_learnt_and_goes_stale(journal_factory: Callable[..., Any], mode: Mode) -> None:
     """What a route showed about honouring keys comes back with begin, for 30 days."""
     clock = Clock()

@@ -254,15 +254,15 @@ class ReadJustBeforeTheSenderEnds:
         assert self.sender_done.wait(10)
         return Begun(earlier, begun.evidence, is_live(earlier, time.time()))
 
-    def begin(self, record: Any) -> Begun:
-        return self._late(self.inner.begin(record))
+    def begin(self, record: Any, **options: Any) -> Begun:
+        return self._late(self.inner.begin(record, **options))
 
     def finish(self, record: Any) -> bool:
         assert self.read.wait(10)
         return bool(self.inner.finish(record))
 
-    async def abegin(self, record: Any) -> Begun:
-        return await asyncio.to_thread(self._late, await self.inner.abegin(record))
+    async def abegin(self, record: Any, **options: Any) -> Begun:
+        return await asyncio.to_thread(self._late, await self.inner.abegin(record, **options))
 
     async def afinish(self, record: Any) -> bool:
         assert await asyncio.to_thread(self.read.wait, 10)
