@@ -97,3 +97,37 @@ def test_raise_refuses_a_repeat_the_journal_finds(tool: Any, driver: str) -> Non
         invoke(driver, url, again)
     assert caught.value.previous_step == "step_000"
     assert plain.executions["charge"] == 1
+
+
+def test_a_fresh_call_costs_the_redis_journal_two_round_trips(redis_proc: Any) -> None:
+    """The start (with its look-up for the same call at another step) and the end: two
+    round trips per call whatever the plan's length (three before the look-up joined the
+    start, and that look-up read the whole plan)."""
+    from agentkey.journal import RedisJournal
+    from tests.postgres.conftest import TurnCounter
+
+    plain = PlainTool()
+
+    async def run() -> list[int]:
+        counter = TurnCounter(redis_proc)  # any TCP server: it counts the client's turns
+        await counter.start()
+        journal = RedisJournal(f"redis://127.0.0.1:{counter.port}/0", prefix="rt-journal")
+        plan = PlanSession.new()
+        turns = []
+        options: dict[str, Any] = {"journal": journal, "route_template": "/tools/{tool}"}
+        try:
+            async with AsyncToolInvoker(url, **options) as tools:
+                await tools.invoke(plan.step(0, "charge", {"amount": 0}))  # connects
+                for index in range(1, 41):
+                    counter.reset()
+                    await tools.invoke(plan.step(index, "charge", {"amount": index}))
+                    turns.append(counter.turns)
+        finally:
+            await journal.aclose()
+            await counter.close()
+        return turns
+
+    with serve(plain) as url:
+        turns = asyncio.run(run())
+    assert turns == [2] * 40
+    assert plain.executions["charge"] == 41
