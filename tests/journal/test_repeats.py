@@ -9,12 +9,15 @@ way the repeat is visible: a WARNING log line, ``repeat_of`` on the result; and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import time
 from typing import Any
 
 import pytest
 
 from agentkey import AsyncToolInvoker, PlanSession, Step, StepRepeated, ToolInvoker, ToolResult
+from agentkey.journal import Journal
 from agentkey.server import IdempotencyMiddleware, MemoryStore
 from tests._loopback import serve
 from tests.journal._tools import PlainTool
@@ -131,3 +134,71 @@ def test_a_fresh_call_costs_the_redis_journal_two_round_trips(redis_proc: Any) -
         turns = asyncio.run(run())
     assert turns == [2] * 40
     assert plain.executions["charge"] == 41
+
+
+class SlowToBegin:
+    """A real journal whose every ``begin`` starts 50 ms late: two concurrent calls then
+    reach it together, the way two tasks of one agent can."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.supports_sync, self.supports_async = inner.supports_sync, inner.supports_async
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def begin(self, record: Any, **options: Any) -> Any:
+        time.sleep(0.05)
+        return self.inner.begin(record, **options)
+
+    async def abegin(self, record: Any, **options: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return await self.inner.abegin(record, **options)
+
+
+def _passed_on(name: str) -> Any:
+    def method(self: SlowToBegin, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    return method
+
+
+for _name in dir(Journal):  # on the class: isinstance(x, Journal) looks there (3.12+)
+    if not _name.startswith("_") and not hasattr(SlowToBegin, _name):
+        setattr(SlowToBegin, _name, _passed_on(_name))
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_two_concurrent_repeats_of_one_call_run_it_once(journal_factory: Any, driver: str) -> None:
+    """Two copies of one saved plan send the same call at different steps at the same time
+    (a plain tool): the look-up for the same call and the record are one step of the
+    journal, so one call runs and the other is its labelled repeat. Before, both looked,
+    both found nothing and both ran."""
+    if journal_factory.kind == "postgres":
+        pytest.skip("PostgresJournal looks, then writes, in two statements (docs/journal.md)")
+    plain = PlainTool()
+    journal = SlowToBegin(journal_factory())
+    snapshot = PlanSession.new().to_json()
+    first = PlanSession.from_json(snapshot).step(1, "charge", ARGS)
+    second = PlanSession.from_json(snapshot).step(2, "charge", ARGS)
+    options: dict[str, Any] = {"journal": journal, "route_template": "/tools/{tool}"}
+    with serve(plain) as url:
+        if driver == "sync":
+            with (
+                ToolInvoker(url, **options) as tools,
+                concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool,
+            ):
+                results = list(pool.map(tools.invoke, [first, second]))
+        else:
+
+            async def both() -> list[ToolResult]:
+                async with AsyncToolInvoker(url, **options) as tools:
+                    done = await asyncio.gather(tools.invoke(first), tools.invoke(second))
+                await journal.aclose()
+                return list(done)
+
+            results = asyncio.run(both())
+    assert plain.executions["charge"] == 1
+    assert sorted(r.repeat_of is not None for r in results) == [False, True]
+    assert results[0].body == results[1].body
+    assert results[0].idempotency_key == results[1].idempotency_key
