@@ -26,8 +26,8 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from .._exceptions import ConfigurationError, InsecureTransport
-from .._keys import HEADER_STYLES, HeaderStyle, StepKey
+from .._exceptions import AgentKeyError, ConfigurationError, InsecureTransport
+from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
 from .._plan import Step
 from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
 
@@ -472,16 +472,55 @@ def shared_handlers(
     invokers and the MCP session; none of it holds the front end itself.
     """
     _load_engine()
-    prefix = "a" if asynchronous else ""
 
     def emit(effect: Emit) -> None:
         for hook in hooks:
             hook(effect.event)
 
     def journaled(effect: Journaled) -> Any:
-        return getattr(journal, prefix + effect.op)(*effect.args, **effect.kwargs)
+        try:
+            return getattr(journal, effect.op)(*effect.args, **effect.kwargs)
+        except AgentKeyError:
+            raise
+        except Exception as exc:
+            raise _journal_failed(journal, effect, exc) from None
 
-    return {Emit: emit, Journaled: journaled, Verify: _verified if asynchronous else _verify_sync}
+    async def ajournaled(effect: Journaled) -> Any:
+        try:
+            return await getattr(journal, "a" + effect.op)(*effect.args, **effect.kwargs)
+        except AgentKeyError:
+            raise
+        except Exception as exc:
+            raise _journal_failed(journal, effect, exc) from None
+
+    return {
+        Emit: emit,
+        Journaled: ajournaled if asynchronous else journaled,
+        Verify: _verified if asynchronous else _verify_sync,
+    }
+
+
+def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> ConfigurationError:
+    """A journal's own failure (a locked or full SQLite file, a lost Redis connection) as a
+    typed error that says what it means for the call. Only SQLite's reason is shown: other
+    drivers' messages may name a server's address or credentials."""
+    record = effect.args[0] if effect.args else None  # a CallRecord, for most operations
+    key, step = getattr(record, "key", None), getattr(record, "step", None)
+    which = f" of {step or 'a step'} ({shown_key(key)})" if isinstance(key, str) else ""
+    reason = f": {exc}" if type(exc).__module__ == "sqlite3" else ""  # sqlite3 loads lazily
+    meant = {
+        "begin": "the call was not sent",
+        "finish": (
+            "the tool answered, but the answer was not recorded: the call stays pending in "
+            "the journal, and a later call of the step will find it in doubt unless you "
+            "settle it (agentkey journal settle)"
+        ),
+    }.get(effect.op, "the call was stopped there")
+    return ConfigurationError(
+        f"the journal {journal!r} failed during {effect.op}{which} "
+        f"({type(exc).__name__}{reason}); {meant}. Check that the journal is reachable and "
+        "writable (disk space, permissions, its server), or pass another journal"
+    )
 
 
 def _verified(effect: Verify) -> Any:

@@ -246,18 +246,33 @@ class SQLiteJournal(SyncJournal):
             conn = self._connection()
             if self.clock() - self._pruned > _PRUNE_EVERY:
                 self._prune_now(conn)
-            if repeats:
+            if not repeats:
+                return self._begin(conn, record)
+            # Look and write in one write transaction: another process sending the same
+            # call at another step then finds this one, or this one finds it.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
                 rows = conn.execute(_REPEATS, (record.plan, record.args_hash, record.key))
                 earlier = repeats_among(record, map(record_of_row, rows))
-                if earlier:
-                    return Begun(None, self._evidence(conn, record.route), False, earlier)
-            inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
-            existing = None
-            if not inserted:
-                row = conn.execute(_BY_KEY, (record.key,)).fetchone()
-                existing = None if row is None else record_of_row(row)
-            live = existing is not None and is_live(existing, self.clock())
-            return Begun(existing, self._evidence(conn, record.route), live)
+                begun = (
+                    Begun(None, self._evidence(conn, record.route), False, earlier)
+                    if earlier
+                    else self._begin(conn, record)
+                )
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return begun
+
+    def _begin(self, conn: sqlite3.Connection, record: CallRecord) -> Begun:
+        inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
+        existing = None
+        if not inserted:
+            row = conn.execute(_BY_KEY, (record.key,)).fetchone()
+            existing = None if row is None else record_of_row(row)
+        live = existing is not None and is_live(existing, self.clock())
+        return Begun(existing, self._evidence(conn, record.route), live)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         with self._lock:

@@ -25,6 +25,7 @@ import pytest
 
 from agentkey import (
     AsyncToolInvoker,
+    ConfigurationError,
     KeyReused,
     OutcomeUnknown,
     PlanSession,
@@ -340,3 +341,38 @@ def test_a_pending_record_read_just_before_its_sender_ends_is_read_again(
     assert not result.replayed
     assert again.replayed
     assert again.body == result.body
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_journal_that_fails_mid_call_is_a_typed_error_that_says_what_ran(driver: str) -> None:
+    """Redis, holding the journal, dies while the tool runs: the call ends with a
+    ConfigurationError that says the tool answered and the answer was not recorded (not a
+    redis-py ConnectionError from deep inside); the next call of the step is refused
+    loudly, never sent blindly. A journal that cannot start a call sends nothing."""
+    from agentkey.journal import RedisJournal
+    from tests._loopback import redis_server
+
+    plain = PlainTool()
+    plain.modes["charge"] = "hold"
+    step = step_for("charge")
+    with redis_server() as server, serve(plain) as url:
+
+        def stop_redis_once_the_tool_ran() -> None:
+            assert plain.ran.wait(10)
+            server.process.terminate()
+            server.process.wait(10)
+            plain.release.set()
+
+        stopper = threading.Thread(target=stop_redis_once_the_tool_ran)
+        stopper.start()
+        with pytest.raises(ConfigurationError) as caught:
+            invoke(driver, url, step, journal=RedisJournal(server.url), timeout=5.0)
+        stopper.join(10)
+        message = str(caught.value)
+        assert "failed during finish of step_000" in message
+        assert "the tool answered, but the answer was not recorded" in message
+        assert step.idempotency_key not in message  # the key shows as a digest
+        with pytest.raises(ConfigurationError) as again:
+            invoke(driver, url, step, journal=RedisJournal(server.url), timeout=5.0)
+        assert "the call was not sent" in str(again.value)
+    assert plain.executions["charge"] == 1
