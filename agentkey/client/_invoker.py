@@ -515,7 +515,11 @@ def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> Configur
             "the journal, and a later call of the step will find it in doubt unless you "
             "settle it (agentkey journal settle)"
         ),
-    }.get(effect.op, "the call was stopped there")
+    }.get(
+        effect.op,
+        "the call stopped there: if it had been sent, its record stays pending and a later "
+        "call of the step will find it in doubt unless you settle it (agentkey journal settle)",
+    )
     return ConfigurationError(
         f"the journal {journal!r} failed during {effect.op}{which} "
         f"({type(exc).__name__}{reason}); {meant}. Check that the journal is reachable and "

@@ -22,7 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["FaultOnce", "PlainTool"]
+from agentkey.journal import Journal
+
+__all__ = ["FaultOnce", "PassThrough", "PlainTool"]
 
 
 class FaultOnce:
@@ -109,3 +111,29 @@ class PlainTool:
         if answer is None:
             return JSONResponse({"error": "no such call"}, status_code=404)
         return JSONResponse(answer)
+
+
+class PassThrough:
+    """A real journal with every operation passed on to it; a subclass overrides the ones
+    it changes (to force an interleaving)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.supports_sync, self.supports_async = inner.supports_sync, inner.supports_async
+
+    def __getattr__(self, name: str) -> Any:  # max_body_bytes and the like
+        return getattr(self.inner, name)
+
+
+def _passed_on(name: str) -> Any:
+    def method(self: PassThrough, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    return method
+
+
+# On the class, not only through __getattr__: isinstance(x, Journal) looks the members up
+# statically from Python 3.12 on.
+for _name in dir(Journal):
+    if not _name.startswith("_"):
+        setattr(PassThrough, _name, _passed_on(_name))

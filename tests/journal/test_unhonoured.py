@@ -35,11 +35,11 @@ from agentkey import (
     ToolResult,
     ToolUnreachable,
 )
-from agentkey.journal import CallState, HttpLookup, InDoubt, Journal, SQLiteJournal, Verdict
+from agentkey.journal import CallState, HttpLookup, InDoubt, SQLiteJournal, Verdict
 from agentkey.journal._base import Begun, is_live
 from agentkey.server import IdempotencyMiddleware, MemoryStore
 from tests._loopback import serve
-from tests.journal._tools import FaultOnce, PlainTool
+from tests.journal._tools import FaultOnce, PassThrough, PlainTool
 
 DRIVERS = ("sync", "async")
 RETRY = RetryPolicy(max_attempts=10, initial_backoff=0.01, max_backoff=0.05, deadline=20.0)
@@ -232,20 +232,16 @@ def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
     assert tool.plain.executions["charge"] == 1
 
 
-class ReadJustBeforeTheSenderEnds:
+class ReadJustBeforeTheSenderEnds(PassThrough):
     """A real journal, with one interleaving forced: a second caller of a key reads its
     pending record while the first is still sending, and judges that record only after
     the first caller's invoke returned (an asyncio task resumed late, a thread descheduled).
     """
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.supports_sync, self.supports_async = inner.supports_sync, inner.supports_async
+        super().__init__(inner)
         self.read = threading.Event()  # the second caller has read the pending record
         self.sender_done = threading.Event()  # the first caller's invoke returned
-
-    def __getattr__(self, name: str) -> Any:  # max_body_bytes and the like
-        return getattr(self.inner, name)
 
     def _late(self, begun: Begun) -> Begun:
         earlier = begun.existing
@@ -268,20 +264,6 @@ class ReadJustBeforeTheSenderEnds:
     async def afinish(self, record: Any) -> bool:
         assert await asyncio.to_thread(self.read.wait, 10)
         return bool(await self.inner.afinish(record))
-
-
-def _passed_on(name: str) -> Any:
-    def method(self: ReadJustBeforeTheSenderEnds, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    return method
-
-
-# Defined on the class, not by __getattr__: isinstance(x, Journal) looks members up
-# statically from Python 3.12 on.
-for _name in dir(Journal):
-    if not _name.startswith("_") and not hasattr(ReadJustBeforeTheSenderEnds, _name):
-        setattr(ReadJustBeforeTheSenderEnds, _name, _passed_on(_name))
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
