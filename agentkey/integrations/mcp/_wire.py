@@ -46,6 +46,9 @@ PROTECTED_FIELD: Final = PREFIX + "protected"
 #:
 #: - ``in-progress``: the same key is running; resend the same key after ``retryAfter``.
 #: - ``unavailable``: the idempotency store cannot be reached; nothing ran; resend later.
+#: - ``in-doubt``: an earlier call with this key may have started its side effect and did
+#:   not finish (its server died, or it failed after the effect); nothing runs under the
+#:   key until the server's reconcile hook or an operator settles it. Final for the client.
 #: - ``key-required``: the server requires a key and the call had none.
 #: - ``invalid-key``: the key is not a string of 1 to 255 printable ASCII characters.
 #: - ``payload-mismatch``: the arguments do not hash to the key's ``args_hash``, or
@@ -56,6 +59,7 @@ PROTECTED_FIELD: Final = PREFIX + "protected"
 RefusalKind = Literal[
     "in-progress",
     "unavailable",
+    "in-doubt",
     "key-required",
     "invalid-key",
     "payload-mismatch",
