@@ -24,6 +24,8 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   │   └── DelegationExpired            the user's delegation cannot be renewed
 │   └── InsecureTransport (ConfigurationError)  a bearer token would travel over plain http
 ├── StepRepeated                     the model asked again for a call that already succeeded
+├── JournalError                     the client's journal failed or refused a write (``sent``
+│                                      says whether the call was sent)
 └── StoreError                       server side: the idempotency store failed
     ├── StoreUnavailable               the store cannot be reached
     └── LeaseLost                      another request took the key after this lease lapsed
@@ -48,6 +50,7 @@ __all__ = [
     "InvalidArguments",
     "InvalidKey",
     "InvokeError",
+    "JournalError",
     "KeyRejected",
     "KeyReused",
     "LeaseLost",
@@ -278,6 +281,30 @@ class StepRepeated(AgentKeyError):
         self.tool = tool
         self.previous_step = previous_step
         self.idempotency_key = idempotency_key
+        super().__init__(message)
+
+
+class JournalError(AgentKeyError):
+    """The client's call journal failed, or refused to record something it cannot hold true.
+
+    ``sent`` says whether the call it concerns may have reached the tool: False means
+    nothing was sent (the call can be made again once the journal works); True means the
+    tool may have run it, so its record is in doubt until someone settles it. The message
+    says which call (its key as a digest, never whole), what happened and what to do.
+    ``idempotency_key`` and ``step`` name the call when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sent: bool,
+        idempotency_key: str | None = None,
+        step: str | None = None,
+    ) -> None:
+        self.sent = sent
+        self.idempotency_key = idempotency_key
+        self.step = step
         super().__init__(message)
 
 

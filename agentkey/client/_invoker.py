@@ -26,7 +26,7 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
-from .._exceptions import AgentKeyError, ConfigurationError, InsecureTransport
+from .._exceptions import AgentKeyError, ConfigurationError, InsecureTransport, JournalError
 from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
 from .._plan import Step
 from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
@@ -500,7 +500,7 @@ def shared_handlers(
     }
 
 
-def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> ConfigurationError:
+def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> JournalError:
     """A journal's own failure (a locked or full SQLite file, a lost Redis connection) as a
     typed error that says what it means for the call. Only SQLite's reason is shown: other
     drivers' messages may name a server's address or credentials."""
@@ -520,10 +520,13 @@ def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> Configur
         "the call stopped there: if it had been sent, its record stays pending and a later "
         "call of the step will find it in doubt unless you settle it (agentkey journal settle)",
     )
-    return ConfigurationError(
+    return JournalError(
         f"the journal {journal!r} failed during {effect.op}{which} "
         f"({type(exc).__name__}{reason}); {meant}. Check that the journal is reachable and "
-        "writable (disk space, permissions, its server), or pass another journal"
+        "writable (disk space, permissions, its server), or pass another journal",
+        sent=effect.op != "begin",  # after begin, a request of the call may have left
+        idempotency_key=key if isinstance(key, str) else None,
+        step=step if isinstance(step, str) else None,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -10,25 +11,35 @@ import time
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .._exceptions import ConfigurationError
-from ._records import SETTLED, Begun, CallRecord, CallState, repeats_among, route_of
+from .._exceptions import ConfigurationError, JournalError
+from .._keys import shown_key
+from ._records import SETTLED, Begun, CallRecord, CallState, Evidence, repeats_among, route_of
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_RETENTION",
+    "EVIDENCE_TTL",
     "SETTLED",
     "Begun",
     "CallRecord",
     "CallState",
+    "Evidence",
     "Journal",
     "check_journal_options",
+    "check_settle",
     "current_owner",
     "current_process",
     "in_flight",
     "is_live",
+    "malformed",
+    "missed_finish",
+    "prunable",
     "repeats_among",
     "route_of",
+    "settle_by_take_over",
 ]
+
+_logger = logging.getLogger("agentkey")
 
 #: Answers larger than this are not kept in the journal (the record says how large they were).
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -64,7 +75,13 @@ class Journal(Protocol):
         ...
 
     def finish(self, record: CallRecord) -> bool:
-        """Write ``record`` over the record its owner holds; False if another owner holds it."""
+        """Write ``record`` over the record its owner holds (True).
+
+        When its owner no longer holds it (an operator settled it, another sender took
+        it over, it was deleted), raise :class:`~agentkey.JournalError` (``sent=True``)
+        saying so; the sender's outcome is still written over an operator's verdict or
+        a deleted record, as it is what really happened (:func:`missed_finish`).
+        """
         ...
 
     def get(self, key: str) -> CallRecord | None: ...
@@ -80,15 +97,34 @@ class Journal(Protocol):
         ...
 
     def learn(self, route: str, evidence: str) -> None:
-        """Remember that ``route`` showed it honours keys (``evidence`` says how)."""
+        """Remember that ``route`` showed it honours keys (``evidence`` says how): an
+        :class:`Evidence` record, first seen now or earlier, expiring ``EVIDENCE_TTL``
+        (30 days) after it was last seen."""
         ...
 
-    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
-        """An operator's verdict on a call: overwrite its state whoever holds it."""
+    def evidence(self) -> list[Evidence]:
+        """The evidence in force (not expired), most recently seen first."""
         ...
 
-    def prune(self, *, older_than: float) -> int:
-        """Delete records untouched for ``older_than`` seconds; how many went."""
+    def forget(self, route: str) -> bool:
+        """Forget what ``route`` showed (True if there was evidence for it)."""
+        ...
+
+    def settle(
+        self, key: str, state: CallState, *, reason: str, force: bool = False
+    ) -> CallRecord | None:
+        """An operator's verdict on a call in doubt (None: no such call).
+
+        Refused with :class:`~agentkey.JournalError` while the call's sender is alive
+        (:func:`is_live`), and for a call that already ended (answered, failed, ...)
+        unless ``force=True``. The verdict lands only on the record that was checked.
+        """
+        ...
+
+    def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
+        """Delete the records of ended calls untouched for ``older_than`` seconds; how
+        many went. A call in doubt (or pending, its sender gone) is kept unless
+        ``include_unsettled=True``; one whose sender is alive is always kept."""
         ...
 
     def close(self) -> None: ...
@@ -178,6 +214,144 @@ def is_live(record: CallRecord, now: float) -> bool:
         pid = int(pid_text)
         return pid != os.getpid() and _pid_alive(pid)
     return True
+
+
+#: States of a call that may have run without the journal knowing how it ended.
+UNSETTLED = frozenset({CallState.PENDING, CallState.IN_DOUBT})
+
+
+def _describe(record: CallRecord) -> str:
+    """How a record ended, in words, for messages."""
+    said = record.state.value
+    if record.status_code is not None:
+        said += f", status {record.status_code}"
+    if record.source == "operator":
+        said += ", settled by an operator"
+    return said
+
+
+def check_settle(current: CallRecord, state: CallState, *, force: bool, now: float) -> None:
+    """Refuse an operator's verdict that could be wrong: a live sender, or an ended call."""
+    shown = shown_key(current.key)
+    if is_live(current, now):
+        raise JournalError(
+            f"{shown} is still being sent (its sender {_owner_of(current)} is alive); a "
+            "verdict now would be overturned by its answer, or let the step be sent twice. "
+            "Wait until it ends (agentkey journal show), then settle it if it is in doubt",
+            sent=True,
+            idempotency_key=current.key,
+            step=current.step,
+        )
+    if current.state not in UNSETTLED and not force:
+        raise JournalError(
+            f"{shown} already ended ({_describe(current)}); settle changes only calls in "
+            f"doubt. To overwrite that record as {CallState(state).value} anyway, pass "
+            "--force (force=True)",
+            sent=current.state is not CallState.NOT_SENT,
+            idempotency_key=current.key,
+            step=current.step,
+        )
+
+
+def settled_as(current: CallRecord, state: CallState, reason: str, now: float) -> CallRecord:
+    """``current`` with an operator's verdict."""
+    return current.with_(
+        state=CallState(state), owner=None, reason=reason, updated_at=now, source="operator"
+    )
+
+
+def settle_by_take_over(
+    journal: Journal, key: str, state: CallState, reason: str, *, force: bool, now: float
+) -> CallRecord | None:
+    """Settle ``key`` with a compare-and-set on the record that was checked (a sender
+    that ends meanwhile wins, and the verdict is checked again against its outcome)."""
+    for _ in range(5):
+        current = journal.get(key)
+        if current is None:
+            return None
+        check_settle(current, state, force=force, now=now)
+        settled = settled_as(current, state, reason, now)
+        if journal.take_over(settled, current):
+            return settled
+    raise JournalError(
+        f"{shown_key(key)} kept changing while it was being settled; nothing was changed. "
+        "Try again",
+        sent=True,
+        idempotency_key=key,
+    )
+
+
+def missed_finish(
+    record: CallRecord, current: CallRecord | None
+) -> tuple[CallRecord | None, JournalError]:
+    """A finish that matched no record of its owner: what to write, and the error to raise.
+
+    The sender's outcome is what happened, so it is written over an operator's verdict
+    (given while the call was still being sent) and over a record that was deleted;
+    returned is that record (None: write nothing), to insert when ``current`` is None,
+    else to put in place of ``current``. A call another sender took over keeps that
+    sender's record: the error says the tool may run it twice.
+    """
+    shown, outcome = shown_key(record.key), _describe(record)
+    if current is None:
+        return record, JournalError(
+            f"the journal's record of {shown} was deleted while the call was being sent "
+            f"(pruned, or it expired); its outcome ({outcome}) was written again. Find what "
+            "deletes records of calls in flight (a prune with --include-unsettled, a "
+            "retention shorter than a call)",
+            sent=True,
+            idempotency_key=record.key,
+            step=record.step,
+        )
+    if current.source == "operator" and current.owner is None:
+        written = record.with_(
+            reason=f"the sender's outcome, over an operator's verdict ({current.reason})"
+        )
+        return written, JournalError(
+            f"{shown} was settled by an operator as {current.state.value} while it was "
+            f"still being sent; the sender's outcome ({outcome}) was recorded over that "
+            "verdict, so the step is not sent again on its word. Call the step again to "
+            "get the recorded outcome, and check how the verdict was reached",
+            sent=True,
+            idempotency_key=record.key,
+            step=record.step,
+        )
+    return None, JournalError(
+        f"{shown} was taken over by another sender ({_owner_of(current)}) while this one "
+        f"was still sending it (its lease ran out): the tool may have run it twice. This "
+        f"sender's outcome ({outcome}) was not recorded; see agentkey journal show",
+        sent=True,
+        idempotency_key=record.key,
+        step=record.step,
+    )
+
+
+def prunable(
+    record: CallRecord, cutoff: float, *, include_unsettled: bool, now: float
+) -> bool:
+    """Whether ``prune`` deletes ``record``: untouched since before ``cutoff``, and ended
+    (or unsettled with ``include_unsettled``, its sender gone)."""
+    if record.updated_at >= cutoff:
+        return False
+    if record.state in UNSETTLED:
+        return include_unsettled and not is_live(record, now)
+    return True
+
+
+def malformed(where: str, error: Exception, *, key: str | None = None) -> JournalError:
+    """A record the journal cannot read; logged (listing skips it), and raised for one call."""
+    name = shown_key(key) if key else "a record"
+    message = (
+        f"{where}: {name} cannot be read ({type(error).__name__}: {str(error)[:120]}); it "
+        "was skipped. Look at it with the journal's own tools, then fix or delete it"
+    )
+    _logger.warning("agentkey: %s", message)
+    return JournalError(message, sent=True, idempotency_key=key)
+
+
+def _owner_of(record: CallRecord) -> str:
+    host, _, rest = (record.owner or "?").partition(":")
+    return f"process {rest.partition(':')[0]} on {host}" if rest else host
 
 
 def check_journal_options(max_body_bytes: object, retention: object) -> tuple[int, float]:

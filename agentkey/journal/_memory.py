@@ -16,10 +16,14 @@ from ._base import (
     Begun,
     CallRecord,
     CallState,
+    Evidence,
     check_journal_options,
     is_live,
+    missed_finish,
     now_wall,
+    prunable,
     repeats_among,
+    settle_by_take_over,
 )
 
 __all__ = ["MemoryJournal", "SyncJournal", "unchanged"]
@@ -39,6 +43,7 @@ class SyncJournal(ABC):
 
     supports_sync = True
     supports_async = True
+    clock: Callable[[], float]
 
     @abstractmethod
     def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
@@ -64,6 +69,17 @@ class SyncJournal(ABC):
 
     @abstractmethod
     def learn(self, route: str, evidence: str) -> None: ...
+
+    @abstractmethod
+    def evidence(self) -> list[Evidence]: ...
+
+    @abstractmethod
+    def forget(self, route: str) -> bool: ...
+
+    def settle(
+        self, key: str, state: CallState, *, reason: str, force: bool = False
+    ) -> CallRecord | None:
+        return settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
 
     @abstractmethod
     def close(self) -> None: ...
@@ -113,7 +129,7 @@ class MemoryJournal(SyncJournal):
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
         self.clock = clock
         self._records: dict[str, CallRecord] = {}
-        self._evidence: dict[str, tuple[str, float]] = {}
+        self._evidence: dict[str, Evidence] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -121,9 +137,9 @@ class MemoryJournal(SyncJournal):
 
     def _evidence_of(self, route: str) -> str | None:
         found = self._evidence.get(route)
-        if found is None or self.clock() - found[1] > EVIDENCE_TTL:
+        if found is None or self.clock() > found.expires_at:
             return None
-        return found[0]
+        return found.marker
 
     def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
         with self._lock:
@@ -146,10 +162,13 @@ class MemoryJournal(SyncJournal):
     def finish(self, record: CallRecord) -> bool:
         with self._lock:
             current = self._records.get(record.key)
-            if current is None or current.owner != record.owner:
-                return False
-            self._records[record.key] = record
-            return True
+            if current is not None and current.owner == record.owner:
+                self._records[record.key] = record
+                return True
+            written, error = missed_finish(record, current)
+            if written is not None:
+                self._records[record.key] = written
+        raise error
 
     def get(self, key: str) -> CallRecord | None:
         with self._lock:
@@ -190,24 +209,33 @@ class MemoryJournal(SyncJournal):
         return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
     def learn(self, route: str, evidence: str) -> None:
+        now = self.clock()
         with self._lock:
-            self._evidence[route] = (evidence, self.clock())
+            known = self._evidence.get(route)
+            first = known.first_seen if known is not None and now <= known.expires_at else now
+            self._evidence[route] = Evidence(route, evidence, first, now, now + EVIDENCE_TTL)
 
-    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
+    def evidence(self) -> list[Evidence]:
+        now = self.clock()
         with self._lock:
-            current = self._records.get(key)
-            if current is None:
-                return None
-            settled = current.with_(
-                state=state, owner=None, reason=reason, updated_at=self.clock(), source="operator"
-            )
-            self._records[key] = settled
-            return settled
+            for route in [r for r, e in self._evidence.items() if now > e.expires_at]:
+                del self._evidence[route]
+            found = list(self._evidence.values())
+        return sorted(found, key=lambda e: (-e.last_seen, e.route))
 
-    def prune(self, *, older_than: float) -> int:
-        cutoff = self.clock() - older_than
+    def forget(self, route: str) -> bool:
         with self._lock:
-            old = [k for k, r in self._records.items() if r.updated_at < cutoff]
+            return self._evidence.pop(route, None) is not None
+
+    def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
+        now = self.clock()
+        cutoff = now - older_than
+        with self._lock:
+            old = [
+                k
+                for k, r in self._records.items()
+                if prunable(r, cutoff, include_unsettled=include_unsettled, now=now)
+            ]
             for key in old:
                 del self._records[key]
             return len(old)

@@ -15,20 +15,25 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._exceptions import ConfigurationError, MissingExtra
+from .._exceptions import ConfigurationError, JournalError, MissingExtra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
     EVIDENCE_TTL,
+    SETTLED,
     Begun,
     CallRecord,
     CallState,
+    Evidence,
     check_journal_options,
     is_live,
+    missed_finish,
     now_wall,
+    prunable,
     repeats_among,
+    settle_by_take_over,
 )
-from ._sqlite import COLUMNS, record_of_row, row_of_record
+from ._sqlite import COLUMNS, one_record, records_of_rows, row_of_record
 
 try:
     import psycopg
@@ -92,7 +97,8 @@ class _Sql:
             "CREATE INDEX IF NOT EXISTS {by_args} ON {calls} (plan, args_hash, created_at); "
             "CREATE INDEX IF NOT EXISTS {by_time} ON {calls} (updated_at); "
             "CREATE TABLE IF NOT EXISTS {evidence} (route TEXT PRIMARY KEY, "
-            "evidence TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL)"
+            "evidence TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL); "
+            "ALTER TABLE {evidence} ADD COLUMN IF NOT EXISTS first_seen DOUBLE PRECISION"
         )
         # The record unless its key exists; then the existing row; and the route's evidence.
         # One statement: the SELECT of the existing row sees the table as it was before.
@@ -111,15 +117,24 @@ class _Sql:
         self.select = q("SELECT {cols} FROM {calls}")
         self.by_key = q("SELECT {cols} FROM {calls} WHERE key = %s")
         self.learn = q(
-            "INSERT INTO {evidence} (route, evidence, seen_at) VALUES (%s, %s, %s) "
-            "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "
+            "INSERT INTO {evidence} AS e (route, evidence, seen_at, first_seen) "
+            "VALUES (%s, %s, %s, %s) ON CONFLICT (route) DO UPDATE SET "
+            "evidence = excluded.evidence, first_seen = CASE WHEN e.seen_at >= %s "
+            "THEN coalesce(e.first_seen, e.seen_at) ELSE excluded.first_seen END, "
             "seen_at = excluded.seen_at"
         )
-        self.settle = q(
-            "UPDATE {calls} SET state = %s, owner = NULL, reason = %s, source = 'operator', "
-            "updated_at = %s WHERE key = %s"
+        self.evidence = q(
+            "SELECT route, evidence, coalesce(first_seen, seen_at), seen_at FROM {evidence} "
+            "WHERE seen_at >= %s ORDER BY seen_at DESC, route"
         )
-        self.prune = q("DELETE FROM {calls} WHERE updated_at < %s")
+        self.forget = q("DELETE FROM {evidence} WHERE route = %s")
+        self.expire_evidence = q("DELETE FROM {evidence} WHERE seen_at < %s")
+        self.prune = q("DELETE FROM {calls} WHERE updated_at < %s AND state = ANY(%s)")
+        self.unsettled = q("SELECT {cols} FROM {calls} WHERE updated_at < %s AND NOT state = ANY(%s)")
+        self.delete_unchanged = q(
+            "DELETE FROM {calls} WHERE key = %s AND state = %s "
+            "AND owner IS NOT DISTINCT FROM %s AND updated_at = %s"
+        )
 
     def where(self, conditions: Sequence[str], order: str) -> sql.Composed:
         """``SELECT ... WHERE <conditions> <order>``; the conditions are this module's own."""
@@ -189,10 +204,11 @@ class PostgresJournal:
     def __repr__(self) -> str:
         return "PostgresJournal(<conninfo>)"  # the conninfo may hold a password
 
-    def _wrap(self, exc: Exception) -> ConfigurationError:
-        return ConfigurationError(
+    def _wrap(self, exc: Exception) -> JournalError:
+        return JournalError(
             f"the PostgreSQL journal failed ({type(exc).__name__}); the call was not sent. "
-            "Check that the database is reachable, or pass another journal"
+            "Check that the database is reachable, or pass another journal",
+            sent=False,
         )
 
     # --- synchronous ---------------------------------------------------------------------
@@ -230,11 +246,20 @@ class PostgresJournal:
 
     def finish(self, record: CallRecord) -> bool:
         params = (*row_of_record(record)[1:], record.key, record.owner)
-        return bool(self._run(self._sql.finish, params) == 1)
+        if self._run(self._sql.finish, params) == 1:
+            return True
+        current = self.get(record.key)
+        written, error = missed_finish(record, current)
+        if written is not None:
+            if current is None:
+                self.begin(written)
+            else:
+                self.take_over(written, current)
+        raise error
 
     def get(self, key: str) -> CallRecord | None:
         found = self._run(self._sql.by_key, (key,), rows=True)
-        return record_of_row(found[0]) if found else None
+        return one_record(found[0] if found else None, repr(self))
 
     def find(
         self,
@@ -245,7 +270,7 @@ class PostgresJournal:
         call_id: str | None = None,
     ) -> list[CallRecord]:
         query, params = self._sql.find(plan, tool, args_hash, call_id)
-        return [record_of_row(row) for row in self._run(query, params, rows=True)]
+        return records_of_rows(self._run(query, params, rows=True), repr(self))
 
     def calls(
         self,
@@ -264,17 +289,38 @@ class PostgresJournal:
             params.append([CallState(s).value for s in states])
         query = self._sql.where(where, "ORDER BY updated_at DESC, key LIMIT %s")
         rows = self._run(query, [*params, max(0, int(limit))], rows=True)
-        return [record_of_row(row) for row in rows]
+        return records_of_rows(rows, repr(self))
 
     def learn(self, route: str, evidence: str) -> None:
-        self._run(self._sql.learn, (route, evidence, self.clock()))
+        self._run(self._sql.learn, self._learn_params(route, evidence))
 
-    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
-        self._run(self._sql.settle, (CallState(state).value, reason, self.clock(), key))
-        return self.get(key)
+    def evidence(self) -> list[Evidence]:
+        now = self.clock()
+        self._run(self._sql.expire_evidence, (now - EVIDENCE_TTL,))
+        rows = self._run(self._sql.evidence, (now - EVIDENCE_TTL,), rows=True)
+        return [Evidence(r, str(m), f, s, s + EVIDENCE_TTL) for r, m, f, s in rows]
 
-    def prune(self, *, older_than: float) -> int:
-        count: int = self._run(self._sql.prune, (self.clock() - older_than,))
+    def forget(self, route: str) -> bool:
+        return bool(self._run(self._sql.forget, (route,)))
+
+    def settle(
+        self, key: str, state: CallState, *, reason: str, force: bool = False
+    ) -> CallRecord | None:
+        return settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
+
+    def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
+        now = self.clock()
+        cutoff = now - older_than
+        ended = [s.value for s in SETTLED]
+        count: int = self._run(self._sql.prune, (cutoff, ended))
+        if include_unsettled:
+            rows = self._run(self._sql.unsettled, (cutoff, ended), rows=True)
+            for found in records_of_rows(rows, repr(self)):
+                if prunable(found, cutoff, include_unsettled=True, now=now):
+                    count += self._run(
+                        self._sql.delete_unchanged,
+                        (found.key, found.state.value, found.owner, found.updated_at),
+                    )
         return count
 
     def close(self) -> None:
@@ -322,11 +368,20 @@ class PostgresJournal:
 
     async def afinish(self, record: CallRecord) -> bool:
         params = (*row_of_record(record)[1:], record.key, record.owner)
-        return bool(await self._arun(self._sql.finish, params) == 1)
+        if await self._arun(self._sql.finish, params) == 1:
+            return True
+        current = await self.aget(record.key)
+        written, error = missed_finish(record, current)
+        if written is not None:
+            if current is None:
+                await self.abegin(written)
+            else:
+                await self.atake_over(written, current)
+        raise error
 
     async def aget(self, key: str) -> CallRecord | None:
         found = await self._arun(self._sql.by_key, (key,), rows=True)
-        return record_of_row(found[0]) if found else None
+        return one_record(found[0] if found else None, repr(self))
 
     async def afind(
         self,
@@ -337,10 +392,10 @@ class PostgresJournal:
         call_id: str | None = None,
     ) -> list[CallRecord]:
         query, params = self._sql.find(plan, tool, args_hash, call_id)
-        return [record_of_row(row) for row in await self._arun(query, params, rows=True)]
+        return records_of_rows(await self._arun(query, params, rows=True), repr(self))
 
     async def alearn(self, route: str, evidence: str) -> None:
-        await self._arun(self._sql.learn, (route, evidence, self.clock()))
+        await self._arun(self._sql.learn, self._learn_params(route, evidence))
 
     async def aclose(self) -> None:
         if self._apool is not None:
@@ -348,6 +403,10 @@ class PostgresJournal:
             self._apool = None
 
     # --- shared --------------------------------------------------------------------------
+
+    def _learn_params(self, route: str, evidence: str) -> tuple[Any, ...]:
+        now = self.clock()
+        return (route, evidence, now, now, now - EVIDENCE_TTL)
 
     def _begin_params(self, record: CallRecord) -> tuple[Any, ...]:
         return (*row_of_record(record), record.route, self.clock() - EVIDENCE_TTL, record.key)
@@ -364,6 +423,6 @@ class PostgresJournal:
 
     def _begun(self, row: Sequence[Any]) -> Begun:
         inserted, evidence, *rest = row
-        existing = None if inserted or rest[0] is None else record_of_row(rest)
+        existing = None if inserted or rest[0] is None else one_record(rest, repr(self))
         live = existing is not None and is_live(existing, self.clock())
         return Begun(existing, evidence, live)

@@ -31,6 +31,7 @@ __all__ = [
     "Begun",
     "CallRecord",
     "CallState",
+    "Evidence",
     "repeats_among",
     "route_of",
     "values_of",
@@ -136,6 +137,34 @@ class Begun:
     evidence: str | None
     live: bool = False
     earlier: tuple[CallRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What one route showed about honouring Idempotency-Key, as the journal keeps it.
+
+    ``route`` is ``"<METHOD> <origin><path>"`` (:func:`route_of`): the method that
+    showed it and nothing else. ``marker`` says how it was shown (``"protection
+    header"``, ``"replay marker"``, a key problem answer). It counts from
+    ``first_seen`` until ``expires_at``; seeing it again (``last_seen``) moves the
+    expiry on. Times are Unix seconds.
+    """
+
+    route: str
+    marker: str
+    first_seen: float
+    last_seen: float
+    expires_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The evidence as JSON values."""
+        return {
+            "route": self.route,
+            "marker": self.marker,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+            "expires_at": self.expires_at,
+        }
 
 
 def repeats_among(record: CallRecord, found: Iterable[CallRecord]) -> tuple[CallRecord, ...]:

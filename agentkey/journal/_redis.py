@@ -7,11 +7,16 @@ with those arguments (what a repeat check asks: its cost does not grow with the
 plan). All carry the plan in a hash tag, so a Redis Cluster keeps a plan's
 records in one slot and every script touches one slot. A global sorted set,
 ``<prefix>:calls``, lists every call by its last change (for ``agentkey
-journal``); what routes showed about honouring keys is a hash, ``<prefix>:evidence``.
+journal``); a member whose record is gone is removed when it is listed or pruned.
+What a route showed about honouring keys is one string per route,
+``<prefix>:{evidence}:r:<route>``, expiring 30 days after it was last seen, listed
+in ``<prefix>:{evidence}:index`` (by expiry, expiring with it).
 
 Writing a call's start is one round trip (a script that sets the record unless
 it exists, or returns it); its end is another (a compare-and-set on the owner).
-Records expire after ``retention``; Redis's persistence settings decide what a
+Records of ended calls expire ``retention`` after their last change, and the
+plan's indexes with them; a record of a call that may have run and is not settled
+(pending, in doubt) never expires. Redis's persistence settings decide what a
 crash of Redis itself loses (``appendfsync everysec`` loses at most a second).
 
 Needs redis-py (``pip install 'agentkey-idempotency[redis]'``). Give it a URL
@@ -26,18 +31,24 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._exceptions import ConfigurationError, MissingExtra
+from .._exceptions import ConfigurationError, JournalError, MissingExtra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
     EVIDENCE_TTL,
+    SETTLED,
     Begun,
     CallRecord,
     CallState,
+    Evidence,
     check_journal_options,
     is_live,
+    malformed,
+    missed_finish,
     now_wall,
+    prunable,
     repeats_among,
+    settle_by_take_over,
 )
 
 try:
@@ -62,7 +73,11 @@ if ARGV[5] == '1' then
 end
 local existing = redis.call('GET', KEYS[1])
 if existing then return existing end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[6] == '0' then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
+end
 for i = 2, 3 do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
@@ -70,18 +85,55 @@ end
 return false
 """
 #: Replace the record when its state, owner and last change are still ARGV[3..5]
-#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty).
+#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty). The record
+#: expires after ARGV[6] ms ('0': never, a call not settled); its plan's indexes (KEYS[2],
+#: KEYS[3]) after ARGV[2] ms from now.
 _SWAP = """
 local current = redis.call('GET', KEYS[1])
 if not current then return 0 end
-local record = cjson.decode(current)
+local ok, record = pcall(cjson.decode, current)
+if not ok then return 0 end
 local owner = record['owner']
 if owner == cjson.null then owner = '' end
 if owner ~= ARGV[4] then return 0 end
 if ARGV[3] ~= '' then
   if record['state'] ~= ARGV[3] or record['updated_at'] ~= tonumber(ARGV[5]) then return 0 end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[6] == '0' then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
+end
+for i = 2, 3 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+end
+return 1
+"""
+#: Delete the record if it is still ARGV[1], and its entries in its plan's indexes.
+_DELETE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+return 1
+"""
+#: Remember a route's evidence (KEYS[1]) for ARGV[3] ms, keeping when it was first seen
+#: while it lasted; list it in KEYS[2] by expiry (ARGV[4]) and drop the expired ones.
+_LEARN = """
+local first = tonumber(ARGV[5])
+local known = redis.call('GET', KEYS[1])
+if known then
+  local ok, data = pcall(cjson.decode, known)
+  if ok and type(data) == 'table' and tonumber(data['first_seen']) then
+    first = tonumber(data['first_seen'])
+  end
+end
+local value = cjson.encode({marker = ARGV[1], first_seen = first, last_seen = tonumber(ARGV[5]),
+                            expires_at = tonumber(ARGV[4])})
+redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
@@ -94,11 +146,39 @@ def _encode(record: CallRecord) -> str:
 
 
 def _decode(raw: bytes | str) -> CallRecord:
+    """The record ``raw`` holds; ValueError or TypeError when it holds none."""
     data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
     body64 = data.pop("body64", None)
     data["state"] = CallState(data["state"])
     data["body"] = None if body64 is None else base64.b64decode(body64)
     return CallRecord(**data)
+
+
+_BAD = (ValueError, TypeError, KeyError)
+
+
+def _decoded(raws: Sequence[Any], where: str) -> list[CallRecord]:
+    """The records of ``raws`` (None: gone, skipped); a malformed one is reported, skipped."""
+    found = []
+    for raw in raws:
+        if raw is None:
+            continue
+        try:
+            found.append(_decode(raw))
+        except _BAD as exc:
+            malformed(where, exc)
+    return found
+
+
+def _one(raw: Any, key: str, where: str) -> CallRecord | None:
+    if raw is None:
+        return None
+    try:
+        return _decode(raw)
+    except _BAD as exc:
+        raise malformed(where, exc, key=key) from None
 
 
 class RedisJournal:
@@ -179,29 +259,46 @@ class RedisJournal:
     def _calls_key(self) -> str:
         return f"{self.prefix}:calls"
 
+    def _evidence_key(self, route: str) -> str:
+        return f"{self.prefix}:{{evidence}}:r:{route}"
+
     @property
-    def _evidence_key(self) -> str:
-        return f"{self.prefix}:evidence"
+    def _evidence_index(self) -> str:
+        return f"{self.prefix}:{{evidence}}:index"
 
     def _ttl_ms(self) -> int:
         return int(self.retention * 1000)
 
-    def _begin_args(self, record: CallRecord, repeats: bool) -> tuple[list[str], list[Any]]:
-        keys = [
+    def _record_ttl_ms(self, record: CallRecord) -> int:
+        """How long a record lasts: ``retention`` once its call ended; 0 (for ever) before."""
+        return self._ttl_ms() if record.state in SETTLED else 0
+
+    def _keys_of(self, record: CallRecord) -> list[str]:
+        return [
             self._record_key(record.plan, record.key),
             self._plan_key(record.plan),
             self._index_key(record.plan, record.args_hash),  # the plan's again when None
         ]
+
+    def _begin_args(self, record: CallRecord, repeats: bool) -> tuple[list[str], list[Any]]:
         look = "1" if repeats and record.args_hash is not None else "0"
-        args = [_encode(record), self._ttl_ms(), record.created_at, record.key, look]
-        return keys, args
+        args = [
+            _encode(record),
+            self._ttl_ms(),
+            record.created_at,
+            record.key,
+            look,
+            self._record_ttl_ms(record),
+        ]
+        return self._keys_of(record), args
 
     def _swap_args(
         self, record: CallRecord, previous: CallRecord | None
     ) -> tuple[list[str], list[Any]]:
-        keys = [self._record_key(record.plan, record.key)]
+        keys = self._keys_of(record)
+        ttl = self._record_ttl_ms(record)
         if previous is None:  # finish: the owner must still be this record's
-            args = [_encode(record), self._ttl_ms(), "", record.owner or "", ""]
+            args = [_encode(record), self._ttl_ms(), "", record.owner or "", "", ttl]
         else:
             args = [
                 _encode(record),
@@ -209,29 +306,47 @@ class RedisJournal:
                 previous.state.value,
                 previous.owner or "",
                 repr(float(previous.updated_at)),
+                ttl,
             ]
         return keys, args
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
-        existing = None if raw is None else _decode(raw)
+        existing = _one(raw, record.key, repr(self))
         live = existing is not None and is_live(existing, self.clock())
         return Begun(existing, self._evidence_of(evidence), live)
 
-    def _evidence_of(self, raw: Any) -> str | None:
+    def _evidence_data(self, route: str, raw: Any) -> Evidence | None:
+        """The evidence ``raw`` holds, if it is well formed and in force."""
         if raw is None:
             return None
-        text = raw.decode() if isinstance(raw, bytes) else str(raw)
-        evidence, _, seen = text.rpartition("|")
         try:
-            fresh = self.clock() - float(seen) <= EVIDENCE_TTL
-        except ValueError:
+            data = json.loads(raw)
+            found = Evidence(
+                route,
+                str(data["marker"]),
+                float(data["first_seen"]),
+                float(data["last_seen"]),
+                float(data["expires_at"]),
+            )
+        except (*_BAD, AttributeError):
             return None
-        return evidence if fresh and evidence else None
+        return found if found.marker and self.clock() <= found.expires_at else None
 
-    def _wrap(self, exc: RedisError) -> ConfigurationError:
-        return ConfigurationError(
+    def _evidence_of(self, raw: Any) -> str | None:
+        found = self._evidence_data("", raw)
+        return None if found is None else found.marker
+
+    def _learn_args(self, route: str, evidence: str) -> tuple[list[str], list[Any]]:
+        now = self.clock()
+        keys = [self._evidence_key(route), self._evidence_index]
+        ttl_ms = int(EVIDENCE_TTL * 1000)
+        return keys, [evidence, route, ttl_ms, repr(now + EVIDENCE_TTL), repr(now)]
+
+    def _wrap(self, exc: RedisError) -> JournalError:
+        return JournalError(
             f"the Redis journal failed ({type(exc).__name__}); the call was not sent. Check "
-            "that Redis is reachable, or pass another journal"
+            "that Redis is reachable, or pass another journal",
+            sent=False,
         )
 
     # --- synchronous ---------------------------------------------------------------------
@@ -243,7 +358,7 @@ class RedisJournal:
             with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
                 pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.hget(self._evidence_key, record.route)
+                pipe.get(self._evidence_key(record.route))
                 raw, _, evidence = pipe.execute()
             if not isinstance(raw, list):
                 return self._begun(record, raw, evidence)
@@ -269,12 +384,21 @@ class RedisJournal:
             pipe.eval(_SWAP, len(keys), *keys, *args)
             pipe.zadd(self._calls_key, {record.key: record.updated_at})
             done, _ = pipe.execute()
-        return bool(done)
+        if done:
+            return True
+        current = self.get(record.key)
+        written, error = missed_finish(record, current)
+        if written is not None:
+            if current is None:
+                self.begin(written)
+            else:
+                self.take_over(written, current)
+        raise error
 
     def get(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]
         raw = self._client().get(self._record_key(plan, key))
-        return None if raw is None else _decode(raw)
+        return _one(raw, key, repr(self))
 
     def find(
         self,
@@ -287,7 +411,7 @@ class RedisJournal:
         client = self._client()
         keys = client.zrange(self._index_key(plan, args_hash), 0, -1)
         raws = client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
-        return _filtered(raws, tool, args_hash, call_id)
+        return _filtered(_decoded(raws, repr(self)), tool, args_hash, call_id)
 
     def calls(
         self,
@@ -301,34 +425,65 @@ class RedisJournal:
         else:
             client = self._client()
             keys = [_text(k) for k in client.zrevrange(self._calls_key, 0, 10 * limit)]
-            found = [r for r in (self.get(k) for k in keys) if r is not None]
+            raws = [client.get(self._record_key(k.partition(":")[0], k)) for k in keys]
+            gone = [k for k, raw in zip(keys, raws, strict=True) if raw is None]
+            if gone:  # their records expired: the index forgets them too
+                client.zrem(self._calls_key, *gone)
+            found = _decoded(raws, repr(self))
         wanted = set(states) if states is not None else None
         found = [r for r in found if wanted is None or r.state in wanted]
         return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
     def learn(self, route: str, evidence: str) -> None:
-        self._client().hset(self._evidence_key, route, f"{evidence}|{self.clock()}")
+        keys, args = self._learn_args(route, evidence)
+        self._client().eval(_LEARN, len(keys), *keys, *args)
 
-    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
-        current = self.get(key)
-        if current is None:
-            return None
-        settled = current.with_(
-            state=state, owner=None, reason=reason, updated_at=self.clock(), source="operator"
-        )
+    def evidence(self) -> list[Evidence]:
         client = self._client()
-        client.set(self._record_key(current.plan, key), _encode(settled), px=self._ttl_ms())
-        client.zadd(self._calls_key, {key: settled.updated_at})
+        routes = [_text(r) for r in client.zrangebyscore(self._evidence_index, self.clock(), "+inf")]
+        raws = client.mget([self._evidence_key(r) for r in routes]) if routes else []
+        found = [self._evidence_data(r, raw) for r, raw in zip(routes, raws, strict=True)]
+        return sorted((e for e in found if e is not None), key=lambda e: (-e.last_seen, e.route))
+
+    def forget(self, route: str) -> bool:
+        client = self._client()
+        with client.pipeline(transaction=False) as pipe:
+            pipe.delete(self._evidence_key(route))
+            pipe.zrem(self._evidence_index, route)
+            deleted, _ = pipe.execute()
+        return bool(deleted)
+
+    def settle(
+        self, key: str, state: CallState, *, reason: str, force: bool = False
+    ) -> CallRecord | None:
+        settled = settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
+        if settled is not None:
+            self._client().zadd(self._calls_key, {key: settled.updated_at})
         return settled
 
-    def prune(self, *, older_than: float) -> int:
+    def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
         client = self._client()
-        cutoff = self.clock() - older_than
-        old = [_text(k) for k in client.zrangebyscore(self._calls_key, 0, cutoff)]
-        for key in old:
-            client.delete(self._record_key(key.partition(":")[0], key))
-            client.zrem(self._calls_key, key)
-        return len(old)
+        now = self.clock()
+        cutoff = now - older_than
+        count = 0
+        for key in [_text(k) for k in client.zrangebyscore(self._calls_key, 0, cutoff)]:
+            name = self._record_key(key.partition(":")[0], key)
+            raw = client.get(name)
+            if raw is None:  # expired: only its entry in the index was left
+                client.zrem(self._calls_key, key)
+                continue
+            try:
+                found = _decode(raw)
+            except _BAD as exc:
+                malformed(repr(self), exc, key=key)
+                continue
+            if not prunable(found, cutoff, include_unsettled=include_unsettled, now=now):
+                continue
+            keys = self._keys_of(found)
+            if client.eval(_DELETE, len(keys), *keys, raw, key):
+                client.zrem(self._calls_key, key)
+                count += 1
+        return count
 
     def close(self) -> None:
         if self._sync is not None and self._url is not None:
@@ -344,7 +499,7 @@ class RedisJournal:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
                 pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.hget(self._evidence_key, record.route)
+                pipe.get(self._evidence_key(record.route))
                 raw, _, evidence = await pipe.execute()
             if not isinstance(raw, list):
                 return self._begun(record, raw, evidence)
@@ -369,12 +524,21 @@ class RedisJournal:
             pipe.eval(_SWAP, len(keys), *keys, *args)
             pipe.zadd(self._calls_key, {record.key: record.updated_at})
             done, _ = await pipe.execute()
-        return bool(done)
+        if done:
+            return True
+        current = await self.aget(record.key)
+        written, error = missed_finish(record, current)
+        if written is not None:
+            if current is None:
+                await self.abegin(written)
+            else:
+                await self.atake_over(written, current)
+        raise error
 
     async def aget(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]
         raw = await self._aclient().get(self._record_key(plan, key))
-        return None if raw is None else _decode(raw)
+        return _one(raw, key, repr(self))
 
     async def afind(
         self,
@@ -387,10 +551,11 @@ class RedisJournal:
         client = self._aclient()
         keys = await client.zrange(self._index_key(plan, args_hash), 0, -1)
         raws = await client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
-        return _filtered(raws, tool, args_hash, call_id)
+        return _filtered(_decoded(raws, repr(self)), tool, args_hash, call_id)
 
     async def alearn(self, route: str, evidence: str) -> None:
-        await self._aclient().hset(self._evidence_key, route, f"{evidence}|{self.clock()}")
+        keys, args = self._learn_args(route, evidence)
+        await self._aclient().eval(_LEARN, len(keys), *keys, *args)
 
     async def aclose(self) -> None:
         if self._async is not None and self._url is not None:
@@ -399,7 +564,7 @@ class RedisJournal:
 
 
 def _repeats(record: CallRecord, raws: Sequence[Any]) -> tuple[CallRecord, ...]:
-    return repeats_among(record, (_decode(raw) for raw in raws if raw is not None))
+    return repeats_among(record, _decoded(raws, "the Redis journal"))
 
 
 def _text(value: Any) -> str:
@@ -407,11 +572,11 @@ def _text(value: Any) -> str:
 
 
 def _filtered(
-    raws: Sequence[Any], tool: str | None, args_hash: str | None, call_id: str | None
+    records: Sequence[CallRecord], tool: str | None, args_hash: str | None, call_id: str | None
 ) -> list[CallRecord]:
     found = [
         r
-        for r in (_decode(raw) for raw in raws if raw is not None)
+        for r in records
         if (tool is None or r.tool == tool)
         and (args_hash is None or r.args_hash == args_hash)
         and (call_id is None or r.call_id == call_id)

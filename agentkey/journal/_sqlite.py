@@ -5,6 +5,13 @@ being killed at any moment (it is in the WAL, in the operating system's
 cache); a power cut may lose the last records unless ``durable=True``
 (``synchronous=FULL``: an fsync per write). Several processes on one host may
 share the file.
+
+The database file is never opened except by SQLite. A process's POSIX locks on
+a file belong to the process, not to the descriptor: closing any descriptor of
+the file drops them all, and then another process's SQLite (the ``agentkey
+journal`` command, say) may take itself for the last user, checkpoint and delete
+the ``-wal`` and ``-shm`` files under the agent's feet, losing its records. So
+the checks on the path use ``lstat`` and the file is created by SQLite itself.
 """
 
 from __future__ import annotations
@@ -15,27 +22,41 @@ import stat
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, JournalError
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
     EVIDENCE_TTL,
+    SETTLED,
     Begun,
     CallRecord,
     CallState,
+    Evidence,
     check_journal_options,
     is_live,
+    malformed,
+    missed_finish,
     now_wall,
+    prunable,
     repeats_among,
 )
 from ._memory import SyncJournal
 from ._records import FIELDS, values_of
 
-__all__ = ["COLUMNS", "SQLiteJournal", "default_journal_path", "record_of_row", "row_of_record"]
+__all__ = [
+    "COLUMNS",
+    "SQLiteJournal",
+    "UnsafeJournal",
+    "default_journal_path",
+    "one_record",
+    "record_of_row",
+    "records_of_rows",
+    "row_of_record",
+]
 
 #: The record's fields, in column order (the SQL journals share it).
 COLUMNS: tuple[str, ...] = FIELDS
@@ -78,6 +99,17 @@ CREATE TABLE IF NOT EXISTS agentkey_evidence (
   seen_at REAL NOT NULL
 );
 """
+#: Evidence records when it was first seen (a column added after the table).
+_FIRST_SEEN = "ALTER TABLE agentkey_evidence ADD COLUMN first_seen REAL"
+_ENDED = tuple(sorted(s.value for s in SETTLED))
+_ENDED_IN = f"state IN ({', '.join('?' * len(_ENDED))})"
+_LEARN = (
+    "INSERT INTO agentkey_evidence (route, evidence, seen_at, first_seen) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "
+    "first_seen = CASE WHEN agentkey_evidence.seen_at >= ? "
+    "THEN coalesce(agentkey_evidence.first_seen, agentkey_evidence.seen_at) "
+    "ELSE excluded.first_seen END, seen_at = excluded.seen_at"
+)
 
 # Statements built once from the column list (constants: never user data).
 _INSERT = (
@@ -101,7 +133,8 @@ def row_of_record(record: CallRecord) -> tuple[Any, ...]:
 
 
 def record_of_row(row: Sequence[Any]) -> CallRecord:
-    """The record a row holds (columns in :data:`COLUMNS` order)."""
+    """The record a row holds (columns in :data:`COLUMNS` order); ValueError or TypeError
+    when the row does not hold a record (an unknown state, a missing value)."""
     fields = dict(zip(COLUMNS, row, strict=True))
     fields["state"] = CallState(fields["state"])
     if fields["honoured"] is not None:
@@ -109,6 +142,27 @@ def record_of_row(row: Sequence[Any]) -> CallRecord:
     if fields["body"] is not None:
         fields["body"] = bytes(fields["body"])
     return CallRecord(**fields)
+
+
+def records_of_rows(rows: Iterable[Sequence[Any]], where: str) -> list[CallRecord]:
+    """The records ``rows`` hold; a row that holds none is reported and skipped."""
+    found = []
+    for row in rows:
+        try:
+            found.append(record_of_row(row))
+        except (ValueError, TypeError, KeyError) as exc:
+            malformed(where, exc, key=row[0] if row and isinstance(row[0], str) else None)
+    return found
+
+
+def one_record(row: Sequence[Any] | None, where: str) -> CallRecord | None:
+    """The record one row holds (None: no row); raise JournalError for a malformed one."""
+    if row is None:
+        return None
+    try:
+        return record_of_row(row)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise malformed(where, exc, key=row[0] if isinstance(row[0], str) else None) from None
 
 
 def _close_in(conn: sqlite3.Connection, pid: int) -> None:
@@ -132,25 +186,90 @@ def default_journal_path() -> Path:
     return base / "agentkey" / "journal.sqlite3"
 
 
-def _prepare(path: Path) -> None:
-    """Create the directory (0700) and the file (0600); refuse a symlink in either place."""
-    directory = path.parent
-    if directory.is_symlink():
-        raise ConfigurationError(f"the journal's directory {str(directory)!r} is a symlink")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+class UnsafeJournal(ConfigurationError):
+    """The journal's directory or file may be someone else's: never used, never a fallback."""
+
+
+def _lstat(path: Path) -> os.stat_result | None:
     try:
-        fd = os.open(path, flags, 0o600)
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         raise ConfigurationError(
-            f"cannot open the journal file {str(path)!r} ({exc.strerror or exc}); pass "
-            "journal=SQLiteJournal('<a path you can write>') or set AGENTKEY_JOURNAL"
+            f"cannot look at the journal path {str(path)!r} ({exc.strerror or exc})"
         ) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigurationError(f"the journal file {str(path)!r} is not a regular file")
-    finally:
-        os.close(fd)
+
+
+def _not_private(info: os.stat_result) -> bool:
+    """Owned by another user, or readable or writable by others."""
+    return hasattr(os, "getuid") and (info.st_uid != os.getuid() or bool(info.st_mode & 0o077))
+
+
+def _prepare(path: Path, *, create: bool, private: bool) -> bool:
+    """Check the journal's path without opening the file; True when SQLite will create it.
+
+    ``create``: make a missing directory (0700); else a missing directory or file is an
+    error naming the path. ``private`` (the default location): the directory must be this
+    user's with mode 0700 and the file (and its ``-wal``/``-shm``) this user's with 0600.
+    A symlink in either place is refused. Only ``lstat`` looks at the file (see the module
+    docstring: opening it outside SQLite would drop the process's locks on it).
+    """
+    directory = path.parent
+    fix = (
+        f"; if they are yours, run: chmod 700 {str(directory)!r} && chmod 600 "
+        f"{str(path)!r}* (else move them away), or set AGENTKEY_JOURNAL to another path"
+    )
+    info = _lstat(directory)
+    if info is not None and stat.S_ISLNK(info.st_mode):
+        raise UnsafeJournal(
+            f"the journal's directory {str(directory)!r} is a symlink, which another user may "
+            "have planted; use a real directory"
+        )
+    if info is None:
+        if not create:
+            raise ConfigurationError(
+                f"there is no journal at {str(path)!r} (no directory {str(directory)!r}); "
+                "check the path (--journal, AGENTKEY_JOURNAL)"
+            )
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot create the journal's directory {str(directory)!r} "
+                f"({exc.strerror or exc}); pass journal=SQLiteJournal('<a path you can "
+                "write>') or set AGENTKEY_JOURNAL"
+            ) from None
+        info = _lstat(directory)
+    if info is None or not stat.S_ISDIR(info.st_mode):
+        raise ConfigurationError(f"the journal's directory {str(directory)!r} is not a directory")
+    if private and _not_private(info):
+        raise UnsafeJournal(
+            f"the journal's directory {str(directory)!r} is not private to this user (mode "
+            f"{stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}): another user could read "
+            "its keys or plant records" + fix
+        )
+    found = _lstat(path)
+    if found is None:
+        if not create:
+            raise ConfigurationError(
+                f"there is no journal at {str(path)!r}; check the path (--journal, "
+                "AGENTKEY_JOURNAL). Nothing was created"
+            )
+        return True
+    if stat.S_ISLNK(found.st_mode):
+        raise UnsafeJournal(f"the journal file {str(path)!r} is a symlink; use a regular file")
+    if not stat.S_ISREG(found.st_mode):
+        raise ConfigurationError(f"the journal file {str(path)!r} is not a regular file")
+    if private:
+        for each in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            side = _lstat(each)
+            if side is not None and (stat.S_ISLNK(side.st_mode) or _not_private(side)):
+                raise UnsafeJournal(
+                    f"the journal file {str(each)!r} is not private to this user (mode "
+                    f"{stat.S_IMODE(side.st_mode):o}, owner {side.st_uid})" + fix
+                )
+    return False
 
 
 class SQLiteJournal(SyncJournal):
@@ -158,9 +277,14 @@ class SQLiteJournal(SyncJournal):
 
     ``durable=True`` makes every write reach the disk before it returns (an fsync
     each), for records that must survive a power cut, not only a killed process.
-    Records untouched for ``retention`` seconds (a week) are deleted. Answers
-    over ``max_body_bytes`` are not kept (their size is). ``clock`` gives Unix
-    seconds.
+    Records of ended calls untouched for ``retention`` seconds (a week) are
+    deleted; a call in doubt is kept until it is settled. Answers over
+    ``max_body_bytes`` are not kept (their size is). ``clock`` gives Unix seconds.
+
+    ``create=False`` opens an existing journal only: a missing file (a mistyped path)
+    is an error naming it, and nothing is created (what ``agentkey journal`` uses).
+    The default location (no ``path``) must be private to this user: a directory of
+    mode 0700 and a file of mode 0600, both the user's own; anything else is refused.
     """
 
     def __init__(
@@ -171,9 +295,12 @@ class SQLiteJournal(SyncJournal):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retention: float = DEFAULT_RETENTION,
         clock: Callable[[], float] = now_wall,
+        create: bool = True,
     ) -> None:
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
         self.path = Path(path) if path is not None else default_journal_path()
+        self._private = self.path == default_journal_path()
+        self._create = bool(create)
         self.durable = bool(durable)
         self.clock = clock
         self._lock = threading.Lock()
@@ -194,18 +321,39 @@ class SQLiteJournal(SyncJournal):
         pid = os.getpid()
         if self._conn is not None and self._pid == pid:
             return self._conn
-        _prepare(self.path)
+        new = _prepare(self.path, create=self._create, private=self._private)
         conn = None
+        mode = "rwc" if new else "rw"  # SQLite creates a missing file; never anyone else
         try:
             conn = sqlite3.connect(
-                self.path, timeout=5.0, isolation_level=None, check_same_thread=False
+                f"{self.path.absolute().as_uri()}?mode={mode}",
+                uri=True,
+                timeout=5.0,
+                isolation_level=None,
+                check_same_thread=False,
             )
+            if new:
+                # SQLite made the file (empty until the first write), with the umask's mode;
+                # the -wal and -shm files it makes next copy this mode.
+                os.chmod(self.path, 0o600)
+            elif not self._create and not conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'agentkey_calls'"
+            ).fetchone():
+                raise ConfigurationError(
+                    f"{str(self.path)!r} is a SQLite database but not an agentkey journal; "
+                    "check the path (--journal, AGENTKEY_JOURNAL). Nothing was changed"
+                )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
             conn.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(agentkey_evidence)")}
+            if "first_seen" not in columns:
+                conn.execute(_FIRST_SEEN)
+        except (sqlite3.Error, OSError, ConfigurationError) as exc:
             if conn is not None:
                 conn.close()  # a file that is not a database: nothing is left open
+            if isinstance(exc, ConfigurationError):
+                raise
             raise ConfigurationError(
                 f"the journal file {str(self.path)!r} cannot be used as a SQLite database "
                 f"({exc}); move it away or pass another path"
@@ -214,14 +362,16 @@ class SQLiteJournal(SyncJournal):
         # A journal dropped without close() still closes its connection (Python 3.13 warns
         # about a connection left to the collector); never one inherited across a fork.
         self._closer = weakref.finalize(self, _close_in, conn, pid)
-        self._prune_now(conn)
+        if self._create:  # a journal opened to be read (create=False) is not changed
+            self._prune_now(conn)
         return conn
 
     def _prune_now(self, conn: sqlite3.Connection) -> int:
         now = self.clock()
         self._pruned = now
         cursor = conn.execute(
-            "DELETE FROM agentkey_calls WHERE updated_at < ?", (now - self.retention,)
+            f"DELETE FROM agentkey_calls WHERE updated_at < ? AND {_ENDED_IN}",  # noqa: S608
+            (now - self.retention, *_ENDED),
         )
         conn.execute("DELETE FROM agentkey_evidence WHERE seen_at < ?", (now - EVIDENCE_TTL,))
         return cursor.rowcount
@@ -244,7 +394,7 @@ class SQLiteJournal(SyncJournal):
     def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
         with self._lock:
             conn = self._connection()
-            if self.clock() - self._pruned > _PRUNE_EVERY:
+            if self._create and self.clock() - self._pruned > _PRUNE_EVERY:
                 self._prune_now(conn)
             if not repeats:
                 return self._begin(conn, record)
@@ -253,7 +403,7 @@ class SQLiteJournal(SyncJournal):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 rows = conn.execute(_REPEATS, (record.plan, record.args_hash, record.key))
-                earlier = repeats_among(record, map(record_of_row, rows))
+                earlier = repeats_among(record, records_of_rows(rows, repr(self)))
                 begun = (
                     Begun(None, self._evidence(conn, record.route), False, earlier)
                     if earlier
@@ -269,8 +419,7 @@ class SQLiteJournal(SyncJournal):
         inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
         existing = None
         if not inserted:
-            row = conn.execute(_BY_KEY, (record.key,)).fetchone()
-            existing = None if row is None else record_of_row(row)
+            existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
         live = existing is not None and is_live(existing, self.clock())
         return Begun(existing, self._evidence(conn, record.route), live)
 
@@ -290,15 +439,31 @@ class SQLiteJournal(SyncJournal):
 
     def finish(self, record: CallRecord) -> bool:
         with self._lock:
-            cursor = self._connection().execute(
-                _FINISH, (*row_of_record(record)[1:], record.key, record.owner)
-            )
-            return cursor.rowcount == 1
+            conn = self._connection()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = conn.execute(
+                    _FINISH, (*row_of_record(record)[1:], record.key, record.owner)
+                )
+                error = None
+                if cursor.rowcount != 1:
+                    current = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), "")
+                    written, error = missed_finish(record, current)
+                    if written is not None:
+                        conn.execute("DELETE FROM agentkey_calls WHERE key = ?", (record.key,))
+                        conn.execute(_INSERT, row_of_record(written))
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        if error is not None:
+            raise error
+        return True
 
     def get(self, key: str) -> CallRecord | None:
         with self._lock:
             row = self._connection().execute(_BY_KEY, (key,)).fetchone()
-        return None if row is None else record_of_row(row)
+        return one_record(row, repr(self))
 
     def find(
         self,
@@ -316,7 +481,7 @@ class SQLiteJournal(SyncJournal):
         sql = f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY created_at, key"
         with self._lock:
             rows = self._connection().execute(sql, params).fetchall()
-        return [record_of_row(row) for row in rows]
+        return records_of_rows(rows, repr(self))
 
     def calls(
         self,
@@ -337,36 +502,54 @@ class SQLiteJournal(SyncJournal):
         sql = f"{_SELECT}{clause} ORDER BY updated_at DESC, key LIMIT ?"
         with self._lock:
             rows = self._connection().execute(sql, [*params, max(0, int(limit))]).fetchall()
-        return [record_of_row(row) for row in rows]
+        return records_of_rows(rows, repr(self))
 
     def learn(self, route: str, evidence: str) -> None:
+        now = self.clock()
         with self._lock:
-            self._evidence_cache[route] = (evidence, self.clock())
-            self._connection().execute(
-                "INSERT INTO agentkey_evidence (route, evidence, seen_at) VALUES (?, ?, ?) "
-                "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "
-                "seen_at = excluded.seen_at",
-                (route, evidence, self.clock()),
-            )
+            self._evidence_cache[route] = (evidence, now)
+            self._connection().execute(_LEARN, (route, evidence, now, now, now - EVIDENCE_TTL))
 
-    def settle(self, key: str, state: CallState, *, reason: str) -> CallRecord | None:
+    def evidence(self) -> list[Evidence]:
+        now = self.clock()
+        with self._lock:
+            rows = self._connection().execute(
+                "SELECT route, evidence, coalesce(first_seen, seen_at), seen_at "
+                "FROM agentkey_evidence WHERE seen_at >= ? ORDER BY seen_at DESC, route",
+                (now - EVIDENCE_TTL,),
+            )
+            return [Evidence(r, str(m), f, s, s + EVIDENCE_TTL) for r, m, f, s in rows]
+
+    def forget(self, route: str) -> bool:
+        with self._lock:
+            self._evidence_cache.pop(route, None)
+            cursor = self._connection().execute(
+                "DELETE FROM agentkey_evidence WHERE route = ?", (route,)
+            )
+            return cursor.rowcount > 0
+
+    def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
+        now = self.clock()
+        cutoff = now - older_than
         with self._lock:
             conn = self._connection()
-            conn.execute(
-                "UPDATE agentkey_calls SET state = ?, owner = NULL, reason = ?, "
-                "source = 'operator', updated_at = ? WHERE key = ?",
-                (CallState(state).value, reason, self.clock(), key),
-            )
-            row = conn.execute(_BY_KEY, (key,)).fetchone()
-        return None if row is None else record_of_row(row)
-
-    def prune(self, *, older_than: float) -> int:
-        with self._lock:
-            conn = self._connection()
-            cursor = conn.execute(
-                "DELETE FROM agentkey_calls WHERE updated_at < ?", (self.clock() - older_than,)
-            )
-            return cursor.rowcount
+            count: int = conn.execute(
+                f"DELETE FROM agentkey_calls WHERE updated_at < ? AND {_ENDED_IN}",  # noqa: S608
+                (cutoff, *_ENDED),
+            ).rowcount
+            if not include_unsettled:
+                return count
+            rows = conn.execute(
+                f"{_SELECT} WHERE updated_at < ? AND NOT {_ENDED_IN}", (cutoff, *_ENDED)
+            ).fetchall()
+            for found in records_of_rows(rows, repr(self)):
+                if prunable(found, cutoff, include_unsettled=True, now=now):
+                    count += conn.execute(
+                        "DELETE FROM agentkey_calls WHERE key = ? AND state = ? "
+                        "AND owner IS ? AND updated_at = ?",
+                        (found.key, found.state.value, found.owner, found.updated_at),
+                    ).rowcount
+            return count
 
     def close(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from agentkey import JournalError
 from agentkey.journal import CallRecord, CallState
 from agentkey.journal._base import current_owner, current_process, in_flight, is_live
 
@@ -102,7 +103,10 @@ def test_finish_lands_only_for_the_owner(journal_factory: Callable[..., Any], mo
     first = record()
     call(journal, mode, "begin", first)
     done = first.with_(state=CallState.ANSWERED, status_code=201, body=b"\x00\xff{}", body_size=4)
-    assert call(journal, mode, "finish", done.with_(owner="other:9:z:1")) is False
+    with pytest.raises(JournalError, match="taken over by another sender") as caught:
+        call(journal, mode, "finish", done.with_(owner="other:9:z:1"))
+    assert caught.value.sent is True
+    assert call(journal, mode, "get", first.key) == first  # the holder's record stays
     assert call(journal, mode, "finish", done) is True
     stored = call(journal, mode, "get", first.key)
     assert stored == done
@@ -195,9 +199,10 @@ def test_settle_calls_and_prune(journal_factory: Callable[..., Any]) -> None:
     assert journal.calls(plan="plan-1")[0].key == a.key  # newest change first
     assert journal.settle("plan-1:step_009:" + "f" * 64, CallState.NOT_SENT, reason="x") is None
     clock.now += 3
-    assert journal.prune(older_than=4) == 1  # b, untouched for 8 s; a changed 3 s ago
+    assert journal.prune(older_than=4) == 0  # b is pending (its sender gone): kept
+    assert journal.prune(older_than=4, include_unsettled=True) == 1  # b, untouched for 8 s
     assert journal.get(b.key) is None
-    assert journal.get(a.key) is not None
+    assert journal.get(a.key) is not None  # a changed 3 s ago
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -26,6 +26,7 @@ import pytest
 from agentkey import (
     AsyncToolInvoker,
     ConfigurationError,
+    JournalError,
     KeyReused,
     OutcomeUnknown,
     PlanSession,
@@ -328,9 +329,10 @@ def test_a_pending_record_read_just_before_its_sender_ends_is_read_again(
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_a_journal_that_fails_mid_call_is_a_typed_error_that_says_what_ran(driver: str) -> None:
     """Redis, holding the journal, dies while the tool runs: the call ends with a
-    ConfigurationError that says the tool answered and the answer was not recorded (not a
-    redis-py ConnectionError from deep inside); the next call of the step is refused
-    loudly, never sent blindly. A journal that cannot start a call sends nothing."""
+    JournalError (sent=True) that says the tool answered and the answer was not recorded
+    (not a redis-py ConnectionError, nor a ConfigurationError); the next call of the step is
+    refused loudly (sent=False), never sent blindly. A journal that cannot start a call
+    sends nothing."""
     from agentkey.journal import RedisJournal
     from tests._loopback import redis_server
 
@@ -347,14 +349,18 @@ def test_a_journal_that_fails_mid_call_is_a_typed_error_that_says_what_ran(drive
 
         stopper = threading.Thread(target=stop_redis_once_the_tool_ran)
         stopper.start()
-        with pytest.raises(ConfigurationError) as caught:
+        with pytest.raises(JournalError) as caught:
             invoke(driver, url, step, journal=RedisJournal(server.url), timeout=5.0)
         stopper.join(10)
         message = str(caught.value)
         assert "failed during finish of step_000" in message
         assert "the tool answered, but the answer was not recorded" in message
         assert step.idempotency_key not in message  # the key shows as a digest
-        with pytest.raises(ConfigurationError) as again:
+        assert caught.value.sent is True
+        assert caught.value.idempotency_key == step.idempotency_key
+        assert not isinstance(caught.value, ConfigurationError)
+        with pytest.raises(JournalError) as again:
             invoke(driver, url, step, journal=RedisJournal(server.url), timeout=5.0)
         assert "the call was not sent" in str(again.value)
+        assert again.value.sent is False
     assert plain.executions["charge"] == 1
