@@ -4,33 +4,42 @@
 agentkey journal [--journal PATH|redis://...|postgresql://...] list [--plan P] [--state S]
 agentkey journal doubt                     every call that may have run, unsettled
 agentkey journal show KEY                  one call (KEY as printed: plan:step:#digest)
-agentkey journal settle KEY --ran|--not-run [--reason TEXT]
-agentkey journal prune --older-than SECONDS
+agentkey journal settle KEY --ran|--not-run [--reason TEXT] [--force]
+agentkey journal prune --older-than SECONDS [--include-unsettled]
+agentkey journal evidence [--forget ROUTE]  what routes showed about honouring keys
 ```
 
 Keys are printed as digests (``plan:step_003:#1a2b3c4d``, never the whole key,
 which is a bearer secret); every command that takes a key takes that form.
-``--json`` prints JSON lines for scripts.
+``--json`` prints JSON lines for scripts. The command never creates a journal: a
+path with no journal at it is an error naming the path (exit 2).
+
+Exit codes: 0 done; 1 nothing found (no such call, nothing in doubt, no evidence
+for the route to forget); 2 a usage error or a journal that cannot be opened;
+3 the journal refused (a settle of a call whose sender is alive, or that already
+ended, without ``--force``) or failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._exceptions import AgentKeyError, ConfigurationError
+from ._exceptions import AgentKeyError, ConfigurationError, JournalError
 from ._keys import shown_key
 from .client._net import redact_url
-from .journal._base import CallRecord, CallState, Journal, is_live
-from .journal._default import ENV, resolve_journal
+from .journal._base import CallRecord, CallState, Evidence, Journal, is_live, route_of
+from .journal._default import ENV
 
 __all__ = ["add_parser"]
 
-EXIT_OK, EXIT_FOUND_NOTHING, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FOUND_NOTHING, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _STATES = [s.value for s in CallState]
 
 
@@ -83,11 +92,42 @@ def add_parser(sub: Any) -> None:
     verdict.add_argument("--ran", action="store_true", help="the call ran")
     verdict.add_argument("--not-run", action="store_true", help="the call did not run")
     settle.add_argument("--reason", default="", help="why you know (kept in the journal)")
+    settle.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite a call that already ended (answered, failed, ...); a call whose "
+        "sender is alive is refused even so",
+    )
     settle.set_defaults(func_command=_settle)
 
-    prune = commands.add_parser("prune", help="delete records untouched for a while")
+    prune = commands.add_parser(
+        "prune",
+        help="delete records of ended calls untouched for a while",
+        description="Delete the records of ended calls (answered, accepted, failed, not "
+        "sent) untouched for --older-than seconds. A call that may have run and is not "
+        "settled (pending, in doubt) is kept: it is what stops the step being sent again.",
+    )
     prune.add_argument("--older-than", type=_seconds, required=True, metavar="SECONDS")
+    prune.add_argument(
+        "--include-unsettled",
+        action="store_true",
+        help="also delete calls in doubt (and pending ones whose sender is gone); the next "
+        "call of such a step is sent again",
+    )
     prune.set_defaults(func_command=_prune)
+
+    evidence = commands.add_parser(
+        "evidence",
+        help="what routes showed about honouring Idempotency-Key",
+        description="Each route (method and URL) that showed it honours Idempotency-Key: "
+        "how (a protection header, a replay marker, a key problem answer), when first and "
+        "last seen, and when it expires (30 days after it was last seen). A call that may "
+        "have run is resent only to such a route. --forget ROUTE drops one.",
+    )
+    evidence.add_argument(
+        "--forget", metavar="ROUTE", help="forget this route's evidence ('POST https://...')"
+    )
+    evidence.set_defaults(func_command=_evidence)
     journal.set_defaults(func=_run)
 
 
@@ -113,19 +153,41 @@ def _run(ns: argparse.Namespace) -> int:
     except AgentKeyError as exc:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # A record the journal cannot read is skipped with a warning: show it on stderr.
+    logger = logging.getLogger("agentkey")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
     try:
         code: int = ns.func_command(ns, journal)
+    except JournalError as exc:
+        print(f"agentkey: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     finally:
+        logger.removeHandler(handler)
         journal.close()
     return code
 
 
 def _open(where: str | None) -> Any:
+    """The journal named by ``--journal``, else ``$AGENTKEY_JOURNAL``, else the default file.
+
+    A SQLite journal is opened with ``create=False``: nothing is created, and a path with no
+    journal at it is an error naming it."""
+    from .journal._sqlite import SQLiteJournal
+
     if where is None:
-        journal = resolve_journal(None)
-        if journal is None:
+        setting = os.environ.get(ENV, "").strip()
+        if setting.lower() in ("off", "none", "false", "0"):
             raise ConfigurationError(f"${ENV} turns the journal off; pass --journal")
-        return journal
+        if setting.lower() == "memory":
+            raise ConfigurationError(
+                f"${ENV}=memory keeps each process's journal in its memory, where this "
+                "command cannot see it; pass --journal"
+            )
+        if not setting:
+            return SQLiteJournal(create=False)
+        where = setting
     if where.startswith(("redis://", "rediss://", "unix://")):
         from .journal._redis import RedisJournal
 
@@ -134,9 +196,7 @@ def _open(where: str | None) -> Any:
         from .journal._postgres import PostgresJournal
 
         return PostgresJournal(where)
-    from .journal._sqlite import SQLiteJournal
-
-    return SQLiteJournal(where)
+    return SQLiteJournal(where, create=False)
 
 
 def _find(journal: Journal, shown: str) -> CallRecord | None:
@@ -256,12 +316,69 @@ def _settle(ns: argparse.Namespace, journal: Any) -> int:
     state = CallState.ANSWERED if ns.ran else CallState.NOT_SENT
     verdict = "ran" if ns.ran else "did not run"
     reason = f"settled by an operator: {verdict}" + (f" ({ns.reason})" if ns.reason else "")
-    settled = journal.settle(record.key, state, reason=reason)
+    settled = journal.settle(record.key, state, reason=reason, force=ns.force)
+    if settled is None:
+        print(f"agentkey: no call {ns.key!r} in the journal", file=sys.stderr)
+        return EXIT_FOUND_NOTHING
     _print([_row(settled, time.time())], ns.json)
     return EXIT_OK
 
 
 def _prune(ns: argparse.Namespace, journal: Any) -> int:
-    count = journal.prune(older_than=ns.older_than)
+    count = journal.prune(older_than=ns.older_than, include_unsettled=ns.include_unsettled)
     print(json.dumps({"deleted": count}) if ns.json else f"deleted {count} record(s)")
     return EXIT_OK
+
+
+def _evidence_row(found: Evidence) -> dict[str, Any]:
+    row = found.to_dict()
+    row["route"] = _route(found.route)
+    return row
+
+
+def _evidence(ns: argparse.Namespace, journal: Any) -> int:
+    if ns.forget is not None:
+        route = _normal_route(ns.forget)
+        if route is None:
+            print(
+                "agentkey: --forget takes a route as listed, 'METHOD URL' (POST "
+                f"https://host/path), got {_clean(ns.forget)!r}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        forgot = journal.forget(route)
+        if ns.json:
+            print(json.dumps({"route": _route(route), "forgotten": forgot}))
+        else:
+            print(f"forgot {_route(route)}" if forgot else f"no evidence for {_route(route)}")
+        return EXIT_OK if forgot else EXIT_FOUND_NOTHING
+    rows = [_evidence_row(e) for e in journal.evidence()]
+    if ns.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    elif not rows:
+        print("no evidence")
+    else:
+        stamp = "%Y-%m-%d %H:%M:%S"
+        lines = [("LAST SEEN", "EXPIRES", "MARKER", "ROUTE")] + [
+            (
+                time.strftime(stamp, time.localtime(row["last_seen"])),
+                time.strftime(stamp, time.localtime(row["expires_at"])),
+                _clean(row["marker"], 40),
+                _clean(row["route"], 200),
+            )
+            for row in rows
+        ]
+        widths = [max(len(line[i]) for line in lines) for i in range(4)]
+        for line in lines:
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    return EXIT_OK if rows else EXIT_FOUND_NOTHING
+
+
+def _normal_route(text: str) -> str | None:
+    """``METHOD URL`` as the journal keys it (the method upper-cased, no query); None when
+    ``text`` is not a route."""
+    method, _, url = text.strip().partition(" ")
+    if not method.isalpha() or "://" not in url:
+        return None
+    return route_of(method, url.strip())

@@ -10,7 +10,7 @@ from typing import Any
 from .._exceptions import ConfigurationError
 from ._base import Journal
 from ._memory import MemoryJournal
-from ._sqlite import SQLiteJournal, default_journal_path
+from ._sqlite import SQLiteJournal, UnsafeJournal, default_journal_path
 
 __all__ = ["ENV", "resolve_journal"]
 
@@ -28,7 +28,9 @@ def resolve_journal(journal: Any) -> Journal | None:
     ``None`` means the default: ``$AGENTKEY_JOURNAL`` when set (a path, ``memory``
     or ``off``), else the SQLite file in the user's data directory. Invokers of
     one process share it. When the default file cannot be used (a read-only home
-    directory), a warning says so and the calls are journalled in memory only.
+    directory), a warning says so and the calls are journalled in memory only; a
+    default directory or file that is not private to the user (another owner, a mode
+    other users can read or write, a symlink) is refused with ConfigurationError.
     """
     if journal is False:
         return None
@@ -57,8 +59,8 @@ def _open(name: str, *, explicit: bool) -> Journal:
     try:
         return SQLiteJournal(name)
     except ConfigurationError as exc:
-        if explicit:
-            raise
+        if explicit or isinstance(exc, UnsafeJournal):
+            raise  # a file that may be someone else's is refused, never worked around
         _logger.warning(
             "agentkey: the default journal cannot be used (%s); calls are journalled in "
             "memory only, so a restarted process will not know what this one sent. Set %s "

@@ -176,8 +176,60 @@ def test_list_show_and_prune_in_text(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_nothing_in_doubt_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``doubt`` with nothing to settle prints "no calls" and exits 1, for scripts."""
+    SQLiteJournal(tmp_path / "empty.sqlite3").close()
     code, out = run(capsys, "journal", "--journal", str(tmp_path / "empty.sqlite3"), "doubt")
     assert (code, out.strip()) == (1, "no calls")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["list"], ["doubt"], ["show", "plan:step_000:#00000000"], ["evidence"],
+     ["settle", "plan:step_000:#00000000", "--ran"], ["prune", "--older-than", "60"]],
+    ids=lambda argv: argv[0],
+)  # fmt: skip
+@pytest.mark.parametrize("missing", ["file", "directory"])
+def test_a_mistyped_journal_path_is_an_error_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], missing: str
+) -> None:
+    """No command creates a journal: a path with nothing at it (or in a directory that does
+    not exist) exits 2 naming the path, and no file or directory appears."""
+    where = tmp_path / "jounral.sqlite3" if missing == "file" else tmp_path / "nope" / "j.sqlite3"
+    code, out = run(capsys, "journal", "--journal", str(where), *argv)
+    assert code == 2
+    assert f"there is no journal at {str(where)!r}" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_default_journal_is_not_created_by_the_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --journal nor $AGENTKEY_JOURNAL, a missing default journal is an error naming
+    it; its directory is not made."""
+    monkeypatch.delenv("AGENTKEY_JOURNAL")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    code, out = run(capsys, "journal", "list")
+    assert code == 2
+    assert "there is no journal at" in out and str(tmp_path / "data" / "agentkey") in out
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_database_that_is_not_a_journal_is_left_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A SQLite file of something else is refused by name, and gets no journal tables."""
+    import sqlite3
+
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER)")
+    conn.close()
+    code, out = run(capsys, "journal", "--journal", str(other), "list")
+    assert code == 2
+    assert "not an agentkey journal" in out
+    with sqlite3.connect(other) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    assert tables == {"users"}
 
 
 @pytest.mark.parametrize("kind", ["redis", "postgres"])
