@@ -1,0 +1,241 @@
+"""What the journal keeps, and for how long: malformed records, expiry in Redis, evidence.
+
+A record the journal cannot read is reported and skipped, never a crash of the listing;
+Redis keys of ended calls expire with their records, and nothing that may have run does;
+evidence that a route honours keys is a typed record that expires, is refreshed when seen
+again, and can be listed and forgotten on every journal.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentkey.cli import main
+from agentkey.journal import CallRecord, CallState, SQLiteJournal
+from agentkey.journal._base import current_owner
+from tests._loopback import RedisServer
+from tests._postgres import PostgresServer
+
+DAY = 24 * 3600.0
+NOW = 1_800_000_000.0
+ROUTE = "POST https://tools.test/charge"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(plan: str, n: int = 0, **fields: Any) -> CallRecord:
+    now = fields.pop("now", time.time())
+    base: dict[str, Any] = {
+        "key": f"{plan}:step_{n:03d}:" + f"{n:064x}",
+        "plan": plan,
+        "step": f"step_{n:03d}",
+        "tool": "charge",
+        "args_hash": f"{n:064x}",
+        "route": ROUTE,
+        "created_at": now,
+        "updated_at": now,
+        "owner": "gone-host:1:x:1",
+        "lease_until": now - 1,
+    }
+    base.update(fields)
+    return CallRecord(**base)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- a malformed record ---------------------------------------------------------------------
+
+
+def _plant_sqlite(request: pytest.FixtureRequest, tmp_path: Path, plan: str) -> str:
+    path = tmp_path / "journal.sqlite3"
+    journal = SQLiteJournal(path)
+    journal.begin(record(plan, 0))
+    journal.begin(record(plan, 1))
+    journal.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE agentkey_calls SET state = 'archived' WHERE step = 'step_001'")
+    conn.close()
+    return str(path)
+
+
+def _plant_redis(request: pytest.FixtureRequest, tmp_path: Path, plan: str) -> str:
+    import redis
+
+    from agentkey.journal import RedisJournal
+
+    server: RedisServer = request.getfixturevalue("redis_proc")
+    journal = RedisJournal(server.url)
+    journal.begin(record(plan, 0))
+    bad = record(plan, 1)
+    journal.begin(bad)
+    journal.close()
+    client = redis.Redis.from_url(server.url)
+    client.set(f"agentkey:journal:{{{plan}}}:{bad.key}", b"\x00not json")
+    client.close()
+    return server.url
+
+
+def _plant_postgres(request: pytest.FixtureRequest, tmp_path: Path, plan: str) -> str:
+    import psycopg
+
+    from agentkey.journal import PostgresJournal
+
+    pg: PostgresServer = request.getfixturevalue("postgres_proc")
+    journal = PostgresJournal(pg.dsn)
+    journal.begin(record(plan, 0))
+    journal.begin(record(plan, 1))
+    journal.close()
+    with psycopg.connect(pg.dsn) as conn:
+        conn.execute(
+            "UPDATE agentkey_calls SET state = 'archived' WHERE plan = %s AND step = 'step_001'",
+            (plan,),
+        )
+    return pg.dsn
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgres"])
+def test_a_malformed_record_is_reported_and_skipped(
+    request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """One record the journal cannot read (SQLite and PostgreSQL: state 'archived'; Redis: a
+    value that is not JSON): `list` and `doubt` show the others and name the bad one on
+    stderr; `show` of it says so (the old code crashed with ValueError / JSONDecodeError)."""
+    plan = f"plan{uuid.uuid4().hex[:12]}"
+    where = {"sqlite": _plant_sqlite, "redis": _plant_redis, "postgres": _plant_postgres}[kind](
+        request, tmp_path, plan
+    )
+    good, bad = record(plan, 0), record(plan, 1)
+    for command in ("list", "doubt"):
+        code, out, err = run(capsys, "journal", "--journal", where, "--json", command,
+                             "--plan", plan)  # fmt: skip
+        assert code == 0, err
+        assert [json.loads(line)["step"] for line in out.splitlines()] == ["step_000"]
+        if command == "list":  # (doubt asks the SQL journals for its states alone)
+            assert "cannot be read" in err and "was skipped" in err
+            assert bad.key not in err
+    code, out, err = run(capsys, "journal", "--journal", where, "list")
+    assert code == 0
+    code, out, err = run(capsys, "journal", "--journal", where, "show", bad.key)
+    assert code == 3
+    assert "cannot be read" in err and bad.key not in err
+    code, out, err = run(capsys, "journal", "--journal", where, "show", good.key)
+    assert code == 0
+
+
+# --- Redis expiry ---------------------------------------------------------------------------
+
+
+def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
+    redis_proc: RedisServer,
+) -> None:
+    """retention=60: a pending record never expires (it may have run), its plan's indexes do;
+    once answered the record expires too; evidence expires after 30 days, and the global
+    list forgets a record that expired. (Old code: the pending record expired, the evidence
+    hash never did.)"""
+    import redis
+
+    from agentkey.journal import RedisJournal
+
+    prefix = f"agentkey:t{uuid.uuid4().hex[:10]}"
+    journal = RedisJournal(redis_proc.url, prefix=prefix, retention=60)
+    client = redis.Redis.from_url(redis_proc.url)
+    plan = f"plan{uuid.uuid4().hex[:8]}"
+    pending = record(plan, 0, owner=current_owner(), lease_until=time.time() + 60)
+    journal.begin(pending)
+    name = f"{prefix}:{{{plan}}}:{pending.key}"
+    indexes = [f"{prefix}:{{{plan}}}", f"{prefix}:{{{plan}}}:args:{pending.args_hash}"]
+    assert client.pttl(name) == -1  # may have run: kept until settled
+    assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    journal.finish(pending.with_(state=CallState.ANSWERED, status_code=201))
+    assert 0 < client.pttl(name) <= 60_000
+    assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    journal.learn(ROUTE, "protection header")
+    evidence_keys = [k.decode() for k in client.scan_iter(f"{prefix}:*evidence*")]
+    assert evidence_keys
+    assert all(0 < client.pttl(k) <= 30 * DAY * 1000 for k in evidence_keys)
+    client.delete(name)  # as if it expired
+    assert client.zscore(f"{prefix}:calls", pending.key) is not None
+    assert journal.calls(plan=None) == []
+    assert client.zscore(f"{prefix}:calls", pending.key) is None  # the list forgot it too
+    journal.close()
+    client.close()
+
+
+# --- evidence as data -----------------------------------------------------------------------
+
+
+def test_evidence_is_a_record_refreshed_when_seen_again_and_forgotten_on_request(
+    journal_factory: Callable[..., Any],
+) -> None:
+    """learn() keeps route, marker, first and last seen and expiry; seeing it again moves the
+    expiry on (so it lasts past 30 days from the first sight); forget() drops it, and begin
+    no longer reports it; an expired one is neither listed nor used."""
+    from agentkey.journal._records import Evidence
+
+    clock = Clock()
+    journal = journal_factory(clock=clock)
+    journal.learn(ROUTE, "protection header")
+    first = Evidence(ROUTE, "protection header", NOW, NOW, NOW + 30 * DAY)
+    assert journal.evidence() == [first]
+    clock.now = NOW + 20 * DAY
+    journal.learn(ROUTE, "replay marker")
+    journal.learn("PATCH https://tools.test/charge", "protection header")
+    clock.now = NOW + 35 * DAY  # past 30 days from the first sight, not from the last
+    listed = journal.evidence()
+    assert listed[1] == Evidence(ROUTE, "replay marker", NOW, NOW + 20 * DAY, NOW + 50 * DAY)
+    assert [e.route for e in listed] == ["PATCH https://tools.test/charge", ROUTE]
+    assert journal.begin(record("plan-e", 0, route=ROUTE)).evidence == "replay marker"
+    assert journal.forget(ROUTE) is True
+    assert journal.forget(ROUTE) is False
+    assert [e.route for e in journal.evidence()] == ["PATCH https://tools.test/charge"]
+    assert journal.begin(record("plan-e", 1, route=ROUTE)).evidence is None
+    clock.now = NOW + 51 * DAY  # the PATCH route was last seen at day 20
+    assert journal.evidence() == []
+    journal.learn(ROUTE, "replay marker")  # seen afresh after it expired: a new first sight
+    assert journal.evidence()[0].first_seen == NOW + 51 * DAY
+
+
+def test_the_evidence_command_lists_and_forgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`agentkey journal evidence` lists routes (text and --json); --forget ROUTE drops one
+    (exit 0), a route with none exits 1, and something that is not a route exits 2."""
+    path = tmp_path / "journal.sqlite3"
+    journal = SQLiteJournal(path)
+    journal.learn(ROUTE, "protection header")
+    journal.close()
+    where = ["journal", "--journal", str(path)]
+    code, out, _ = run(capsys, *where, "evidence")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["LAST", "SEEN", "EXPIRES", "MARKER", "ROUTE"]
+    assert ROUTE in out and "protection header" in out
+    code, out, _ = run(capsys, *where, "--json", "evidence")
+    row = json.loads(out)
+    assert (row["route"], row["marker"]) == (ROUTE, "protection header")
+    assert row["expires_at"] - row["last_seen"] == 30 * DAY
+    code, out, _ = run(capsys, *where, "evidence", "--forget", "post https://tools.test/charge?x=1")
+    assert (code, out.strip()) == (0, f"forgot {ROUTE}")
+    code, out, _ = run(capsys, *where, "evidence", "--forget", ROUTE)
+    assert code == 1
+    code, out, _ = run(capsys, *where, "evidence")
+    assert (code, out.strip()) == (1, "no evidence")
+    code, _, err = run(capsys, *where, "evidence", "--forget", "charge")
+    assert code == 2 and "METHOD URL" in err
