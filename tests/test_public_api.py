@@ -72,14 +72,14 @@ def test_unknown_names_raise_attribute_error() -> None:
     assert not hasattr(agentkey, "_LAZYX")
 
 
-def test_three_namespaces_hold_at_most_80_names_each_once() -> None:
-    """agentkey, agentkey.server and agentkey.auth export at most 80 names, none twice."""
+def test_three_namespaces_hold_at_most_81_names_each_once() -> None:
+    """agentkey, agentkey.server and agentkey.auth export at most 81 names, none twice."""
     import agentkey.auth
     import agentkey.server
 
     spaces = [agentkey.__all__, agentkey.server.__all__, agentkey.auth.__all__]
     names = [name for space in spaces for name in space]
-    assert len(names) <= 80, len(names)
+    assert len(names) <= 81, len(names)
     assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
 
 
@@ -102,6 +102,15 @@ def test_moved_and_removed_names(gone: str, home: str | None) -> None:
     assert not hasattr(agentkey, gone)
     if home is not None:
         assert hasattr(importlib.import_module(home), gone)
+
+
+def test_journal_failures_have_their_own_error() -> None:
+    """JournalError is exported, an AgentKeyError and not a ConfigurationError, and says
+    whether the call was sent."""
+    error = agentkey.JournalError("the journal failed", sent=False, idempotency_key="k")
+    assert isinstance(error, agentkey.AgentKeyError)
+    assert not isinstance(error, agentkey.ConfigurationError)
+    assert (error.sent, error.idempotency_key, error.step) == (False, "k", None)
 
 
 def test_settled_pairs_name_one_thing_each() -> None:

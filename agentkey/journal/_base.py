@@ -260,8 +260,16 @@ def settled_as(current: CallRecord, state: CallState, reason: str, now: float) -
     )
 
 
+class _Swaps(Protocol):
+    """What settling needs of a journal: read a record, and swap it if unchanged."""
+
+    def get(self, key: str) -> CallRecord | None: ...
+
+    def take_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
+
+
 def settle_by_take_over(
-    journal: Journal, key: str, state: CallState, reason: str, *, force: bool, now: float
+    journal: _Swaps, key: str, state: CallState, reason: str, *, force: bool, now: float
 ) -> CallRecord | None:
     """Settle ``key`` with a compare-and-set on the record that was checked (a sender
     that ends meanwhile wins, and the verdict is checked again against its outcome)."""
@@ -326,9 +334,7 @@ def missed_finish(
     )
 
 
-def prunable(
-    record: CallRecord, cutoff: float, *, include_unsettled: bool, now: float
-) -> bool:
+def prunable(record: CallRecord, cutoff: float, *, include_unsettled: bool, now: float) -> bool:
     """Whether ``prune`` deletes ``record``: untouched since before ``cutoff``, and ended
     (or unsettled with ``include_unsettled``, its sender gone)."""
     if record.updated_at >= cutoff:

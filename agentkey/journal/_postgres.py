@@ -130,7 +130,9 @@ class _Sql:
         self.forget = q("DELETE FROM {evidence} WHERE route = %s")
         self.expire_evidence = q("DELETE FROM {evidence} WHERE seen_at < %s")
         self.prune = q("DELETE FROM {calls} WHERE updated_at < %s AND state = ANY(%s)")
-        self.unsettled = q("SELECT {cols} FROM {calls} WHERE updated_at < %s AND NOT state = ANY(%s)")
+        self.unsettled = q(
+            "SELECT {cols} FROM {calls} WHERE updated_at < %s AND NOT state = ANY(%s)"
+        )
         self.delete_unchanged = q(
             "DELETE FROM {calls} WHERE key = %s AND state = %s "
             "AND owner IS NOT DISTINCT FROM %s AND updated_at = %s"

@@ -440,7 +440,9 @@ class RedisJournal:
 
     def evidence(self) -> list[Evidence]:
         client = self._client()
-        routes = [_text(r) for r in client.zrangebyscore(self._evidence_index, self.clock(), "+inf")]
+        routes = [
+            _text(r) for r in client.zrangebyscore(self._evidence_index, self.clock(), "+inf")
+        ]
         raws = client.mget([self._evidence_key(r) for r in routes]) if routes else []
         found = [self._evidence_data(r, raw) for r, raw in zip(routes, raws, strict=True)]
         return sorted((e for e in found if e is not None), key=lambda e: (-e.last_seen, e.route))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._exceptions import ConfigurationError, JournalError
+from .._exceptions import ConfigurationError
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
@@ -146,13 +146,16 @@ def record_of_row(row: Sequence[Any]) -> CallRecord:
 
 def records_of_rows(rows: Iterable[Sequence[Any]], where: str) -> list[CallRecord]:
     """The records ``rows`` hold; a row that holds none is reported and skipped."""
-    found = []
-    for row in rows:
-        try:
-            found.append(record_of_row(row))
-        except (ValueError, TypeError, KeyError) as exc:
-            malformed(where, exc, key=row[0] if row and isinstance(row[0], str) else None)
-    return found
+    found = (_read(row, where) for row in rows)
+    return [r for r in found if r is not None]
+
+
+def _read(row: Sequence[Any], where: str) -> CallRecord | None:
+    try:
+        return record_of_row(row)
+    except (ValueError, TypeError, KeyError) as exc:
+        malformed(where, exc, key=row[0] if row and isinstance(row[0], str) else None)
+        return None
 
 
 def one_record(row: Sequence[Any] | None, where: str) -> CallRecord | None:
@@ -336,9 +339,12 @@ class SQLiteJournal(SyncJournal):
                 # SQLite made the file (empty until the first write), with the umask's mode;
                 # the -wal and -shm files it makes next copy this mode.
                 os.chmod(self.path, 0o600)
-            elif not self._create and not conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'agentkey_calls'"
-            ).fetchone():
+            elif (
+                not self._create
+                and not conn.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'agentkey_calls'"
+                ).fetchone()
+            ):
                 raise ConfigurationError(
                     f"{str(self.path)!r} is a SQLite database but not an agentkey journal; "
                     "check the path (--journal, AGENTKEY_JOURNAL). Nothing was changed"

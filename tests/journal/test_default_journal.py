@@ -138,7 +138,8 @@ def test_a_default_journal_that_is_not_private_is_refused_with_the_fix(
         _default.resolve_journal(None)
     message = str(caught.value)
     assert f"{what} {str(path if what == 'file' else path.parent)!r}" in message
-    assert "chmod 700" in message and "chmod 600" in message
+    assert "chmod 700" in message
+    assert "chmod 600" in message
     with pytest.raises(ConfigurationError, match="not private"):
         SQLiteJournal()  # the default location, asked for by name too
 

@@ -129,13 +129,15 @@ def test_a_malformed_record_is_reported_and_skipped(
         assert code == 0, err
         assert [json.loads(line)["step"] for line in out.splitlines()] == ["step_000"]
         if command == "list":  # (doubt asks the SQL journals for its states alone)
-            assert "cannot be read" in err and "was skipped" in err
+            assert "cannot be read" in err
+            assert "was skipped" in err
             assert bad.key not in err
     code, out, err = run(capsys, "journal", "--journal", where, "list")
     assert code == 0
     code, out, err = run(capsys, "journal", "--journal", where, "show", bad.key)
     assert code == 3
-    assert "cannot be read" in err and bad.key not in err
+    assert "cannot be read" in err
+    assert bad.key not in err
     code, out, err = run(capsys, "journal", "--journal", where, "show", good.key)
     assert code == 0
 
@@ -226,7 +228,8 @@ def test_the_evidence_command_lists_and_forgets(
     code, out, _ = run(capsys, *where, "evidence")
     assert code == 0
     assert out.splitlines()[0].split() == ["LAST", "SEEN", "EXPIRES", "MARKER", "ROUTE"]
-    assert ROUTE in out and "protection header" in out
+    assert ROUTE in out
+    assert "protection header" in out
     code, out, _ = run(capsys, *where, "--json", "evidence")
     row = json.loads(out)
     assert (row["route"], row["marker"]) == (ROUTE, "protection header")
@@ -238,4 +241,5 @@ def test_the_evidence_command_lists_and_forgets(
     code, out, _ = run(capsys, *where, "evidence")
     assert (code, out.strip()) == (1, "no evidence")
     code, _, err = run(capsys, *where, "evidence", "--forget", "charge")
-    assert code == 2 and "METHOD URL" in err
+    assert code == 2
+    assert "METHOD URL" in err

@@ -209,7 +209,8 @@ def test_the_default_journal_is_not_created_by_the_command(
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     code, out = run(capsys, "journal", "list")
     assert code == 2
-    assert "there is no journal at" in out and str(tmp_path / "data" / "agentkey") in out
+    assert "there is no journal at" in out
+    assert str(tmp_path / "data" / "agentkey") in out
     assert not (tmp_path / "data").exists()
 
 

@@ -40,7 +40,9 @@ def _invoke(url: str, journal: Any, step: Any) -> ToolResult:
 
 
 @contextmanager
-def sending(journal: Any) -> Iterator[tuple[PlainTool, str, Any, concurrent.futures.Future[ToolResult]]]:
+def sending(
+    journal: Any,
+) -> Iterator[tuple[PlainTool, str, Any, concurrent.futures.Future[ToolResult]]]:
     """A charge being sent: the tool ran it and holds its answer until ``release`` is set."""
     plain = PlainTool()
     plain.modes["charge"] = "hold"
@@ -50,7 +52,8 @@ def sending(journal: Any) -> Iterator[tuple[PlainTool, str, Any, concurrent.futu
         try:
             assert plain.ran.wait(30), "the request never reached the tool"
             record = journal.get(step.idempotency_key)
-            assert record is not None and record.state is CallState.PENDING
+            assert record is not None
+            assert record.state is CallState.PENDING
             yield plain, url, step, sent
         finally:
             plain.release.set()
@@ -71,7 +74,8 @@ def test_settle_and_prune_leave_a_call_that_is_being_sent_alone(
                 with pytest.raises(JournalError, match="is still being sent") as caught:
                     journal.settle(key, state, reason="checked the ledger", force=force)
                 assert caught.value.sent is True
-                assert key not in str(caught.value) and shown_key(key) in str(caught.value)
+                assert key not in str(caught.value)
+                assert shown_key(key) in str(caught.value)
         assert journal.prune(older_than=3600) == 0
         assert journal.prune(older_than=3600, include_unsettled=True) == 0
         assert journal.get(key).state is CallState.PENDING
@@ -79,18 +83,19 @@ def test_settle_and_prune_leave_a_call_that_is_being_sent_alone(
         assert sent.result(timeout=30).status_code == 201
         again = _invoke(url, journal, step)  # the tool does not honour keys: the journal answers
     assert (again.source, again.status_code) == ("journal", 201)
-    with pytest.raises(JournalError, match="already ended .answered, status 201.") as caught:
+    with pytest.raises(JournalError, match=r"already ended \(answered, status 201\)") as caught:
         journal.settle(key, CallState.NOT_SENT, reason="wrong ledger")
     assert "--force" in str(caught.value)
     assert journal.get(key).state is CallState.ANSWERED
     forced = journal.settle(key, CallState.NOT_SENT, reason="refunded by hand", force=True)
-    assert forced is not None and forced.state is CallState.NOT_SENT
+    assert forced is not None
+    assert forced.state is CallState.NOT_SENT
     assert plain.executions["charge"] == 1
 
 
 def _verdict_by_the_old_command(journal: Any, key: str) -> CallRecord:
     """What `journal settle --not-run` wrote over a live call before it checked the sender."""
-    current = journal.get(key)
+    current: CallRecord = journal.get(key)
     verdict = current.with_(state=CallState.NOT_SENT, owner=None, source="operator",
                             reason="settled by an operator: did not run",
                             updated_at=current.updated_at + 1)  # fmt: skip
@@ -126,7 +131,7 @@ def test_a_finish_after_another_sender_took_over_says_the_tool_may_have_run_twic
     """Another sender took the record over while this one was still sending (its lease ran
     out): the finish raises JournalError naming that, and leaves the other sender's record."""
     journal = journal_factory()
-    with sending(journal) as (plain, url, step, sent):
+    with sending(journal) as (plain, _url, step, sent):
         current = journal.get(step.idempotency_key)
         theirs = current.with_(owner="another-host:1:x:1", updated_at=current.updated_at + 1)
         assert journal.take_over(theirs, current)
@@ -151,7 +156,7 @@ def test_the_command_in_another_process_refuses_to_settle_a_live_call(tmp_path: 
     process alive and exits 3 saying so; the call ends answered and runs once."""
     path = tmp_path / "journal.sqlite3"
     journal = SQLiteJournal(path)
-    with sending(journal) as (plain, url, step, sent):
+    with sending(journal) as (plain, _url, step, sent):
         shown = shown_key(step.idempotency_key)
         refused = _cli("--journal", str(path), "settle", shown, "--not-run")
         assert refused.returncode == 3, refused.stderr

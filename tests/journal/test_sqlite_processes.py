@@ -43,7 +43,8 @@ def _cli(path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def _go_and_kill(agent: subprocess.Popen[str]) -> None:
-    assert agent.stdin is not None and agent.stdout is not None
+    assert agent.stdin is not None
+    assert agent.stdout is not None
     agent.stdin.write("go\n")
     agent.stdin.flush()
     assert agent.stdout.readline().strip() == "written"
