@@ -95,11 +95,11 @@ class World:
         mine = self.record(n, who.owner)
         begun = self.journal.begin(mine)
         earlier = begun.existing
-        if earlier is None:
-            self.hold(who, n)
-        elif earlier.state is CallState.NOT_SENT and self.journal.take_over(
-            mine.with_(created_at=earlier.created_at), earlier
-        ):  # it never reached the tool: send it
+        # None: its record was written; not sent: it never reached the tool, send it.
+        taken = earlier is not None and earlier.state is CallState.NOT_SENT
+        if earlier is None or (
+            taken and self.journal.take_over(mine.with_(created_at=earlier.created_at), earlier)
+        ):
             self.hold(who, n)
         # answered, failed, accepted: answered from the journal; pending and live: wait;
         # pending and dead, or in doubt: OutcomeUnknown. Nothing is sent.
