@@ -13,6 +13,7 @@ sends a new key for a step it already sent.
 - :class:`MemoryJournal`: in-process, for tests.
 - :class:`Verdict`, :class:`InDoubt` and :class:`HttpLookup`: reconcile hooks
   (``verify=`` on an invoker) that settle a call in doubt.
+- :class:`Evidence`: what a route showed about honouring keys (``journal.evidence()``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._base import CallRecord, CallState, Journal
+from ._base import CallRecord, CallState, Evidence, Journal
 from ._default import ENV
 from ._memory import MemoryJournal
 from ._sqlite import SQLiteJournal, default_journal_path
@@ -34,6 +35,7 @@ __all__ = [
     "ENV",
     "CallRecord",
     "CallState",
+    "Evidence",
     "HttpLookup",
     "InDoubt",
     "Journal",

@@ -444,17 +444,18 @@ class SQLiteJournal(SyncJournal):
             return cursor.rowcount == 1
 
     def finish(self, record: CallRecord) -> bool:
+        params = (*row_of_record(record)[1:], record.key, record.owner)
         with self._lock:
             conn = self._connection()
+            if conn.execute(_FINISH, params).rowcount == 1:
+                return True  # one statement, one commit: the usual case
+            # Its owner no longer holds it: look, and write what happened, in one transaction.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                cursor = conn.execute(
-                    _FINISH, (*row_of_record(record)[1:], record.key, record.owner)
-                )
                 error = None
-                if cursor.rowcount != 1:
-                    current = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), "")
-                    written, error = missed_finish(record, current)
+                if conn.execute(_FINISH, params).rowcount != 1:
+                    row = conn.execute(_BY_KEY, (record.key,)).fetchone()
+                    written, error = missed_finish(record, one_record(row, repr(self)))
                     if written is not None:
                         conn.execute("DELETE FROM agentkey_calls WHERE key = ?", (record.key,))
                         conn.execute(_INSERT, row_of_record(written))

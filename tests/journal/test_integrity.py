@@ -190,7 +190,7 @@ def test_evidence_is_a_record_refreshed_when_seen_again_and_forgotten_on_request
     """learn() keeps route, marker, first and last seen and expiry; seeing it again moves the
     expiry on (so it lasts past 30 days from the first sight); forget() drops it, and begin
     no longer reports it; an expired one is neither listed nor used."""
-    from agentkey.journal._records import Evidence
+    from agentkey.journal import Evidence
 
     clock = Clock()
     journal = journal_factory(clock=clock)
