@@ -243,3 +243,23 @@ def test_the_evidence_command_lists_and_forgets(
     code, _, err = run(capsys, *where, "evidence", "--forget", "charge")
     assert code == 2
     assert "METHOD URL" in err
+
+
+def test_the_retention_deletes_ended_calls_and_keeps_calls_in_doubt(tmp_path: Path) -> None:
+    """SQLite's own pruning after ``retention``: an answered call goes, a pending call whose
+    sender is gone (in doubt) stays until settled (the old code deleted it, and the step
+    could then be sent again)."""
+    clock = Clock()
+    path = tmp_path / "journal.sqlite3"
+    journal = SQLiteJournal(path, retention=60, clock=clock)
+    doubt = record("plan-r", 0, now=NOW)
+    done = record("plan-r", 1, now=NOW, state=CallState.ANSWERED, status_code=201)
+    journal.begin(doubt)
+    journal.begin(done)
+    journal.close()
+    clock.now = NOW + 3600
+    again = SQLiteJournal(path, retention=60, clock=clock)  # prunes as it opens
+    assert again.get(done.key) is None
+    assert again.get(doubt.key) == doubt
+    assert [r.key for r in again.calls(states=[CallState.PENDING])] == [doubt.key]
+    again.close()
