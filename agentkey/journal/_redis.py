@@ -105,7 +105,7 @@ else
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
 end
 for i = 2, 3 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
 return 1
 """
