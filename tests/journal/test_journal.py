@@ -114,6 +114,38 @@ def test_finish_lands_only_for_the_owner(journal_factory: Callable[..., Any], mo
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_finish_over_an_operators_verdict_records_the_outcome_and_says_so(
+    journal_factory: Callable[..., Any], mode: Mode
+) -> None:
+    """A verdict written while the call was still being sent: the sender's finish raises
+    JournalError (sent=True) and its outcome replaces the verdict; a record deleted meanwhile
+    is written again, also with the error."""
+    journal = journal_factory(clock=Clock())
+    first = record("a")
+    call(journal, mode, "begin", first)
+    verdict = first.with_(state=CallState.NOT_SENT, owner=None, source="operator",
+                          reason="did not run", updated_at=NOW + 1)  # fmt: skip
+    assert call(journal, mode, "take_over", verdict, first) is True
+    done = first.with_(state=CallState.ANSWERED, status_code=201, updated_at=NOW + 2)
+    with pytest.raises(JournalError, match="settled by an operator as not_sent") as caught:
+        call(journal, mode, "finish", done)
+    assert caught.value.sent is True
+    stored = call(journal, mode, "get", first.key)
+    assert (stored.state, stored.status_code, stored.owner) == (
+        CallState.ANSWERED,
+        201,
+        first.owner,
+    )
+    assert "over an operator's verdict" in stored.reason
+    gone = record("b")  # begun, then deleted by someone while it was being sent
+    call(journal, mode, "begin", gone)
+    assert journal.prune(older_than=-1, include_unsettled=True) >= 1
+    with pytest.raises(JournalError, match="was deleted while the call was being sent"):
+        call(journal, mode, "finish", gone.with_(state=CallState.IN_DOUBT))
+    assert call(journal, mode, "get", gone.key).state is CallState.IN_DOUBT
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_find_filters_a_plans_calls_oldest_first(
     journal_factory: Callable[..., Any], mode: Mode
 ) -> None:
