@@ -119,8 +119,7 @@ def _invoke(
 def test_a_status_origin_behind_the_users_mounts_is_polled_through_poll_client(
     driver: Driver, servers: tuple[ToolApp, str, ToolApp, str]
 ) -> None:
-    """The status origin only a mount reaches is polled through poll_client=, and the step
-    finishes; the polls carry no credential, cookie, default header or key."""
+    """A status origin only a mount reaches is polled through poll_client=, bare."""
     tool, url, status, path = servers
     tool.faults["provision"] = Faults(async_polls=0, status_origin=STATUS)
     status.operations["op1"] = ["running", "succeeded"]
@@ -140,9 +139,7 @@ def test_a_status_origin_behind_the_users_mounts_is_polled_through_poll_client(
 def test_a_poll_that_cannot_connect_says_so_with_the_key_and_the_origin(
     driver: Driver, servers: tuple[ToolApp, str, ToolApp, str]
 ) -> None:
-    """Without poll_client=, agentkey's own client cannot reach the mounted origin: the error
-    says the polls could not connect to it (not that the deadline passed before a request),
-    names the key by its digest and points at poll_client=."""
+    """Without poll_client=: PollTimeout says it could not connect (key digest, origin)."""
     tool, url, status, path = servers
     tool.faults["provision"] = Faults(async_polls=0, status_origin=STATUS)
     status.operations["op1"] = ["running", "succeeded"]
@@ -166,8 +163,7 @@ def test_a_poll_that_cannot_connect_says_so_with_the_key_and_the_origin(
 def test_a_closed_status_port_is_reported_as_not_connecting(
     driver: Driver, servers: tuple[ToolApp, str, ToolApp, str]
 ) -> None:
-    """A status origin whose port is closed, polled until the call's deadline: the error
-    says the polls could not connect (ConnectError) to that origin."""
+    """A closed status port polled until the call's deadline is reported as not connecting."""
     tool, url, _, _ = servers
     closed = f"http://localhost:{free_port()}"
     tool.faults["provision"] = Faults(async_polls=0, status_origin=closed)

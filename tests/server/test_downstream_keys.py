@@ -196,8 +196,7 @@ async def _mcp_key(url: str, key: str) -> str:
 
 
 async def test_an_mcp_tool_gets_the_same_downstream_key_after_a_restart() -> None:
-    """An MCP tool handler reaches key_for() through current_claim(); a server that lost its
-    records (a restart on a MemoryStore) runs it again and derives the same key."""
+    """An MCP tool's key_for() is the same after a restart that lost its records."""
     key = "order-" + uuid.uuid4().hex
     seen = []
     for _ in range(2):
