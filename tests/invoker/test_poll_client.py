@@ -229,3 +229,23 @@ async def test_poll_client_must_be_of_the_invokers_kind() -> None:
                 poll_client=apolls,  # type: ignore[arg-type]
                 allowed_poll_origins=["https://status.test"],
             )
+
+
+def test_the_poll_error_names_the_last_answer_not_the_deadline_cut() -> None:
+    """A status URL answering 503 until the call's deadline: the error says 'poll answered 503'."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, headers={"Location": "/operations/op1"})
+        return httpx.Response(503)
+
+    short = RetryPolicy(max_attempts=4, deadline=0.3, initial_backoff=0.01, max_backoff=0.05)
+    step = make_step(tool="provision")
+    with (
+        httpx.Client(transport=httpx.MockTransport(handler)) as client,
+        ToolInvoker("https://tool.test", client=client, retry=short, polling=FAST_POLL) as inv,
+        pytest.raises(PollTimeout) as raised,
+    ):
+        inv.invoke(step, path="/tools/provision")
+    assert "still 'poll answered 503'" in str(raised.value)
+    assert "could not connect" not in str(raised.value)
