@@ -249,6 +249,8 @@ class Claim:
                 f"[A-Za-z0-9._~-] such as 'payments', got {shown}; the key of "
                 f"{shown_key(self.idempotency_key)} is not derived for it"
             )
+        # Fixed forever, as KEY_UUID_NAMESPACE is: another derivation would give a step
+        # already in flight new downstream keys on its next run.
         digest = hashlib.sha256()
         binding = "" if self._binding is None else self._binding.encode()
         for part in ("agentkey.key_for.v1", self.principal, binding, self.idempotency_key, name):
