@@ -82,7 +82,7 @@ from ._hooks import (
     RetryEvent,
     _one_line,
 )
-from ._net import redact_url
+from ._net import origin_of, redact_url
 from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
     PROTECTED_HEADER,
@@ -805,18 +805,26 @@ class _Run:
             yield Sleep(wait)
         return (yield from attempts(polling))
 
-    def _timeout(self, status_url: str, decision: Decision, deadline: float) -> PollTimeout:
+    def _timeout(
+        self, status_url: str, decision: Decision, deadline: float, polling: _Polling | None = None
+    ) -> PollTimeout:
         s, ctx = self.s, self.ctx()
         which = (
             f"the call's deadline (RetryPolicy.deadline={s.retry.deadline:g} s)"
             if deadline >= self.deadline
             else f"the poll deadline (PollPolicy.deadline={s.polling.deadline:g} s)"
         )
+        if polling is not None and polling.unreached:
+            message = polling.unreachable(ctx.where(), which)
+        else:
+            message = (
+                f"{ctx.where()} was still {_one_line(decision.reason)!r} at "
+                f"{redact_url(status_url)} after {self.polls} poll(s) and {which}; it has not "
+                "failed. Call invoker.resume_poll(error.status_url, error.idempotency_key) "
+                "later to finish it without sending the step again"
+            )
         return PollTimeout(
-            f"{ctx.where()} was still {_one_line(decision.reason)!r} at "
-            f"{redact_url(status_url)} after {self.polls} poll(s) and {which}; it has not "
-            "failed. Call invoker.resume_poll(error.status_url, error.idempotency_key) "
-            "later to finish it without sending the step again",
+            message,
             status_url=status_url,
             idempotency_key=ctx.idempotency_key,
             step=ctx.step,
@@ -1008,6 +1016,10 @@ class _Beginning(Exchange["Finished | None"]):
         return Again(wait)
 
 
+#: A request that failed this close to the call's deadline (seconds) was ended by it.
+_DEADLINE_SLACK = 0.01
+
+
 class _Polling(Exchange[Finished]):
     """A status URL's exchange: GET it until the operation ends, and its classifier."""
 
@@ -1019,6 +1031,8 @@ class _Polling(Exchange[Finished]):
         "run",
         "same_origin",
         "status_url",
+        "told",
+        "unreached",
         "url",
     )
 
@@ -1029,6 +1043,42 @@ class _Polling(Exchange[Finished]):
         self.deadline, self.result_only = deadline, result_only
         self.url, self.hops = status_url, 0
         self.same_origin = poll_target(status_url, run.ctx(), run.s.protocol)  # or UnsafeRedirect
+        # What the last polls said about the status URL, for the error at the deadline: the
+        # last decision that was about it (a poll the call's deadline kept from being sent
+        # says nothing), and how many polls in a row could not connect (``told``'s reason).
+        self.told: Decision | None = None
+        self.unreached = 0
+
+    def _note(self, reply: Received, decision: Decision) -> None:
+        if isinstance(reply, Failure):
+            if self.run.deadline - self.run.s.clock() <= _DEADLINE_SLACK:
+                return  # the call's deadline, not the status URL, ended this one
+            self.unreached = self.unreached + 1 if reply.kind is FailureKind.NOT_SENT else 0
+        else:
+            self.unreached = 0
+        self.told = decision
+
+    def unreachable(self, where: str, which: str) -> str:
+        """The message of a poll deadline reached while the status URL could not be reached."""
+        origin = origin_of(self.url)
+        shown = str(origin) if origin is not None else redact_url(self.url)
+        cause = _one_line(self.told.reason) if self.told is not None else "not connected"
+        if self.same_origin:
+            check = f"Check that the tool at {shown} is up"
+        else:
+            check = (
+                f"Check that this process reaches {shown}: polls to an allowed status origin "
+                "go through a client of their own (without your credentials or cookies), so "
+                "if your client reaches that origin through its transport, mounts, proxy or "
+                "certificates, pass a client set up that way as poll_client="
+            )
+        return (
+            f"{where} was accepted (202), but its status URL could not be reached: the last "
+            f"{self.unreached} poll(s) could not connect to {shown} ({cause}) until {which}. "
+            f"The step may still be running or done; it has not failed. {check}, then call "
+            "invoker.resume_poll(error.status_url, error.idempotency_key) to finish it "
+            "without sending the step again"
+        )
 
     def request(self) -> Generator[Effect, Any, Outgoing]:
         run, call = self.run, self.run.call
@@ -1047,6 +1097,7 @@ class _Polling(Exchange[Finished]):
         run, call, s = self.run, self.run.call, self.run.s
         run.polls += 1
         decision = interpret_poll(reply, run.ctx(), s.protocol, result_only=self.result_only)
+        self._note(reply, decision)
         if decision.action is Action.DONE:
             assert isinstance(reply, Answer)
             return run.finish(reply, self.replayed, self.status_url)
@@ -1066,7 +1117,7 @@ class _Polling(Exchange[Finished]):
             return Again()  # at once
         wait = run.wait(s.polls, run.polls, decision.retry_after, self.deadline)
         if wait is None:
-            error = run._timeout(self.status_url, decision, self.deadline)
+            error = run._timeout(self.status_url, self.told or decision, self.deadline, self)
             yield from run.close_record(CallState.ACCEPTED, error=error, status_url=self.status_url)
             raise (yield from run.give_up(decision.reason, error))
         if PollEvent not in s.events:

@@ -152,10 +152,15 @@ def _build(
         return Failure(FailureKind.UNSENDABLE, "a URL httpx cannot parse")
 
 
-def _target(client: Any, out: Outgoing) -> tuple[Any, Any, Made | None]:
-    """The client that sends ``out``, its library, and how agentkey built it (if it did)."""
-    target = client if out.same_origin else foreign(client)
-    return target, lib_of(target), MADE.get(target)
+def _target(client: Any, out: Outgoing, poll_client: Any) -> tuple[Any, Any, Made | None]:
+    """The client that sends ``out``, its library, and how agentkey built it (if it did).
+
+    A request to another origin (a poll of an allowed status origin) goes through the
+    user's ``poll_client`` when given, else through a client without a cookie jar.
+    """
+    if not out.same_origin:
+        client = foreign(client) if poll_client is None else poll_client
+    return client, lib_of(client), MADE.get(client)
 
 
 def _sending(lib: Any, auth: httpx.Auth | None, out: Outgoing) -> dict[str, Any]:
@@ -189,13 +194,15 @@ def send_sync(
     timeout: httpx.Timeout | None,
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     clock: Callable[[], float] = time.monotonic,
+    poll_client: Any = None,
 ) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
 
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
+    ``poll_client`` sends requests to another origin (the invoker's ``poll_client=``).
     """
     deadline = _at_socket(out, clock)
-    target, lib, made = _target(client, out)
+    target, lib, made = _target(client, out, poll_client)
     request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):
         return request
@@ -245,13 +252,15 @@ async def send_async(
     timeout: httpx.Timeout | None,  # noqa: ASYNC109 - httpx per-phase timeouts; the call's deadline is out.deadline
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     clock: Callable[[], float] = time.monotonic,
+    poll_client: Any = None,
 ) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
 
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
+    ``poll_client`` sends requests to another origin (the invoker's ``poll_client=``).
     """
     deadline = _at_socket(out, clock)
-    target, lib, made = _target(client, out)
+    target, lib, made = _target(client, out, poll_client)
     request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):
         return request

@@ -318,6 +318,7 @@ class _InvokerBase:
         sleep: Callable[[Sleep], Any],
         *,
         asynchronous: bool,
+        poll_client: Client | AsyncClient | None = None,
     ) -> Handlers:
         """How this invoker's driver carries out each effect: ``send`` (send_sync or send_async)
         through ``client``.
@@ -325,7 +326,12 @@ class _InvokerBase:
         The request goes out with the deadline read on the flows' own clock. The table
         holds what the invoker holds, never the invoker, so it makes no reference cycle.
         """
-        options = {"auth": self._auth, "timeout": self._timeout, "max_bytes": self._max_bytes}
+        options = {
+            "auth": self._auth,
+            "timeout": self._timeout,
+            "max_bytes": self._max_bytes,
+            "poll_client": poll_client,
+        }
         return {
             **shared_handlers(self._hooks, self._journal, asynchronous=asynchronous),
             Outgoing: functools.partial(send, client, **options, clock=self._settings.clock),
@@ -348,6 +354,31 @@ class _InvokerBase:
                 f"client= sends {', '.join(carried)} by default, and base_url is plain http to "
                 f"{origin.host!r}; use an https:// base_url (plain http is allowed to loopback "
                 "hosts alone)"
+            )
+
+    def _check_poll_client(
+        self, poll_client: object, client: object, kind: type[Any] | tuple[type[Any], ...]
+    ) -> None:
+        """``poll_client=``: a client of the invoker's kind, for allowed status origins only."""
+        if poll_client is None:
+            return
+        if not isinstance(poll_client, kind):
+            raise ConfigurationError(
+                f"poll_client must be a client of the same kind as client= "
+                f"({'httpx.AsyncClient' if kind is AsyncClient else 'httpx.Client'}), "
+                f"got {type(poll_client).__name__}"
+            )
+        if poll_client is client:
+            raise ConfigurationError(
+                "poll_client must be a client of its own, not client=: the status origin's "
+                "answers would put its cookies into client='s jar, which sends them to the "
+                "tool (a jar ignores ports). Build a second client with the same transport, "
+                "mounts, proxy and certificates"
+            )
+        if not self._config.allowed_poll_origins:
+            raise ConfigurationError(
+                "poll_client= sends the polls to allowed_poll_origins, and none is given: "
+                "add the status origins, e.g. allowed_poll_origins=['https://status.example.com']"
             )
 
     # --- preparing a call: everything checked at the boundary, the key computed once --------
@@ -592,7 +623,11 @@ class ToolInvoker(_InvokerBase):
 
     Use it as a context manager, or call :meth:`close`. A ``client`` you pass
     (proxies, mTLS, event hooks) is used as is and not closed; auth and
-    redirects are still set per request by agentkey.
+    redirects are still set per request by agentkey. Polls of a status URL on an
+    origin of ``allowed_poll_origins`` go out bare (no credentials, cookies or
+    default headers) through ``poll_client`` when given (a second client with your
+    transport, mounts, proxy or certificates; not closed either), else through a
+    cookieless client agentkey builds.
     """
 
     def __init__(
@@ -603,6 +638,7 @@ class ToolInvoker(_InvokerBase):
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, so sharing is safe
         polling: PollPolicy = PollPolicy(),  # noqa: B008 - frozen, so sharing is safe
         client: Client | None = None,
+        poll_client: Client | None = None,
         timeout: float | Timeout | None = None,
         key_header_style: HeaderStyle = "raw",
         replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
@@ -627,8 +663,13 @@ class ToolInvoker(_InvokerBase):
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)
+        self._check_poll_client(poll_client, client, Client)
         self._client = client if client is not None else make_client(self._timeout)
-        self._carry = carrier(self._handlers(self._client, send_sync, _sleep, asynchronous=False))
+        self._carry = carrier(
+            self._handlers(
+                self._client, send_sync, _sleep, asynchronous=False, poll_client=poll_client
+            )
+        )
         if self._journal is not None and not self._journal.supports_sync:
             raise ConfigurationError(
                 f"{self._journal!r} serves AsyncToolInvoker only (its client is asyncio); give "
@@ -695,6 +736,7 @@ class AsyncToolInvoker(_InvokerBase):
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, so sharing is safe
         polling: PollPolicy = PollPolicy(),  # noqa: B008 - frozen, so sharing is safe
         client: AsyncClient | None = None,
+        poll_client: AsyncClient | None = None,
         timeout: float | Timeout | None = None,
         key_header_style: HeaderStyle = "raw",
         replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
@@ -719,9 +761,12 @@ class AsyncToolInvoker(_InvokerBase):
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)
+        self._check_poll_client(poll_client, client, AsyncClient)
         self._client = client if client is not None else make_async_client(self._timeout)
         self._carry = async_carrier(
-            self._handlers(self._client, send_async, _asleep, asynchronous=True)
+            self._handlers(
+                self._client, send_async, _asleep, asynchronous=True, poll_client=poll_client
+            )
         )
         if self._journal is not None and not self._journal.supports_async:
             raise ConfigurationError(

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import itertools
 import json
 import logging
 import random
+import re
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -26,6 +29,7 @@ from typing import Any
 from .._exceptions import (
     ConfigurationError,
     InvalidArguments,
+    InvalidKey,
     LeaseLost,
     StoreError,
     StoreUnavailable,
@@ -54,6 +58,9 @@ _current: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
     "agentkey_claim", default=None
 )
 
+
+#: A name of Claim.key_for(): the characters of a plan id.
+_DOWNSTREAM_NAME = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 
 #: Claim.json() has not parsed the body yet.
 _UNPARSED: Any = object()
@@ -218,6 +225,41 @@ class Claim:
                 "retries with the same key and gets the other request's answer"
             )
         self._mutation_started = True
+
+    def key_for(self, name: str) -> str:
+        """The ``Idempotency-Key`` for the downstream call ``name`` this handler makes.
+
+        The same request (the same key, caller and route) gets the same key for
+        ``name`` on every run, so a run after a crash or a released retry repeats its
+        downstream calls under their first keys, and a downstream service that honours
+        keys (Stripe, another agentkey server) runs each once. The key is a UUID (version
+        8) made from a SHA-256 digest of the incoming key, the principal, the route the
+        key is bound to and ``name``: it reveals nothing of the incoming key (a bearer
+        secret, never passed on), and differs per caller, per route and per name. Give
+        each downstream call of the handler its own name (``"payments"``,
+        ``"ledger.entry"``): one name is one operation downstream.
+
+        Raises :class:`~agentkey.InvalidKey` when ``name`` is not 1-64 characters from
+        ``[A-Za-z0-9._~-]``.
+        """
+        if not isinstance(name, str) or not _DOWNSTREAM_NAME.fullmatch(name):
+            shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else "a long str"
+            raise InvalidKey(
+                f"claim.key_for() takes the name of one downstream call, 1-64 characters from "
+                f"[A-Za-z0-9._~-] such as 'payments', got {shown}; the key of "
+                f"{shown_key(self.idempotency_key)} is not derived for it"
+            )
+        # Fixed forever, as KEY_UUID_NAMESPACE is: another derivation would give a step
+        # already in flight new downstream keys on its next run.
+        digest = hashlib.sha256()
+        binding = "" if self._binding is None else self._binding.encode()
+        for part in ("agentkey.key_for.v1", self.principal, binding, self.idempotency_key, name):
+            data = part.encode("utf-8", "surrogatepass")
+            digest.update(len(data).to_bytes(4, "big") + data)  # length-prefixed: unambiguous
+        value = int.from_bytes(digest.digest()[:16], "big")
+        # RFC 9562 version 8 (custom) and the RFC variant bits: a valid UUID everywhere.
+        value = (value & ~(0xF << 76) & ~(0x3 << 62)) | (0x8 << 76) | (0x2 << 62)
+        return str(uuid.UUID(int=value))
 
     def in_progress_record(self, now_ms: int | None = None) -> bytes:
         """This claim's ``IN_PROGRESS`` value, its lease starting now (or at ``now_ms``)."""

@@ -692,10 +692,18 @@ class PostgresStore:
             if not self._opened:
                 self._opened = True
                 await self._pool.open(wait=False)
-            async with self._pool.connection() as conn, conn.transaction():
-                # One creator at a time: concurrent CREATE ... IF NOT EXISTS can collide.
-                await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.table,))
-                await conn.execute(self._sql["schema"])
+            # The store's own checkout, which asks the pool to connect again every
+            # _KICK_SECONDS: a plain pool checkout waited out the whole timeout when the
+            # database came back after the pool had given up reconnecting, and every
+            # request of a cold worker waits for this creation.
+            conn = await self._checkout()
+            try:
+                async with conn.transaction():
+                    # One creator at a time: concurrent CREATE ... IF NOT EXISTS can collide.
+                    await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (self.table,))
+                    await conn.execute(self._sql["schema"])
+            finally:
+                await self._checkin(conn)
         except Exception as exc:
             raise self._map("table creation", self.table, exc) from None
         self._ready = True

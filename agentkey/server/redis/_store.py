@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import itertools
 import logging
+import math
 import random
 import time
 from typing import Any
@@ -65,6 +66,8 @@ _ELSEWHERE = (redis_errors.AskError, redis_errors.TryAgainError, redis_errors.Cl
 _RELEASE_BACKOFF = Backoff(initial=0.1, cap=1.0)
 #: While the deployment has no replica, how often a store on ``replicas=None`` asks again.
 _RECHECK_SECONDS = 30.0
+# replica_timeout when not given: the smaller of this and half of ``timeout``.
+_DEFAULT_REPLICA_TIMEOUT = 1.0
 
 
 class _Script:
@@ -337,9 +340,11 @@ class RedisStore:
 
     ``replicas``: how many replicas must hold each claim, renewal and finish
     before it counts (``WAIT`` on the same connection, at most
-    ``replica_timeout`` seconds). ``None`` (the default) is 1 when the deployment
-    reports a replica at the first claim (a Redis with replicas attached, or a
-    cluster with replicas) and 0 otherwise, asked again every 30 s while it is 0.
+    ``replica_timeout`` seconds: by default the smaller of 1 s and half of
+    ``timeout``; given, it must be below ``timeout``). ``None`` (the default) is 1
+    when the deployment reports a replica at the first claim (a Redis with replicas
+    attached, or a cluster with replicas) and 0 otherwise, asked again every 30 s
+    while it is 0.
     A claim no replica confirmed in time is deleted again and refused (503): a
     failover can then never lose a claim that ran. A finish no replica confirmed
     raises, and the middleware keeps writing it until one does. ``replicas=0``
@@ -359,7 +364,7 @@ class RedisStore:
         connect_timeout: float = 2.0,
         timeout: float = 5.0,
         replicas: int | None = None,
-        replica_timeout: float = 1.0,
+        replica_timeout: float | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(
@@ -372,14 +377,28 @@ class RedisStore:
                 f"RedisStore replicas must be None (ask the deployment) or an int >= 0, "
                 f"got {replicas!r}"
             )
-        if (
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigurationError(
+                f"RedisStore timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        if replica_timeout is None:
+            # Derived, so a default never conflicts with the timeout the user chose: a WAIT
+            # for replicas must end before the command's socket timeout does.
+            replica_timeout = min(_DEFAULT_REPLICA_TIMEOUT, timeout / 2)
+        elif (
             isinstance(replica_timeout, bool)
             or not isinstance(replica_timeout, (int, float))
-            or not 0.001 <= replica_timeout < timeout
+            or not 0.001 <= replica_timeout < math.inf
         ):
             raise ConfigurationError(
-                f"RedisStore replica_timeout must be seconds from 0.001 up to below timeout "
-                f"({timeout!r}), got {replica_timeout!r}"
+                f"RedisStore replica_timeout must be seconds from 0.001, got {replica_timeout!r}"
+            )
+        elif replica_timeout >= timeout:
+            raise ConfigurationError(
+                f"RedisStore replica_timeout ({replica_timeout!r} s) must be below timeout "
+                f"({timeout!r} s): the wait for replicas runs inside a command that timeout "
+                "ends. Lower replica_timeout, raise timeout, or leave replica_timeout out "
+                "(it then defaults to the smaller of 1 s and half the timeout)"
             )
         self.prefix = prefix
         self._connect_timeout, self._timeout = connect_timeout, timeout
