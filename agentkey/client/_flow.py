@@ -48,6 +48,7 @@ from .._exceptions import (
     InvokeError,
     KeyReused,
     OutcomeUnknown,
+    PayloadMismatch,
     PollTimeout,
     StepInProgress,
     StepRepeated,
@@ -58,6 +59,7 @@ from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ..journal._records import Begun, CallRecord, CallState, route_of
 from ..journal._verify import HttpLookup, InDoubt, Verdict
+from ._evidence import RouteMemory
 from ._effects import (
     Answer,
     Effect,
@@ -96,6 +98,7 @@ from ._protocol import (
     key_evidence,
     parse_json,
     poll_target,
+    short_reason,
 )
 
 __all__ = [
@@ -114,6 +117,8 @@ __all__ = [
 ]
 
 KEY_HEADER = "Idempotency-Key"
+#: The header of the OPTIONS probe that names the call's method (a CORS preflight's).
+PREFLIGHT_HEADER = "Access-Control-Request-Method"
 MAX_POLL_REDIRECTS = 10
 #: Sends in a row that all failed before reaching the tool, after which it is unreachable.
 MAX_UNREACHABLE = 3
@@ -180,6 +185,8 @@ class Settings:
     honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
     #: The event types the hooks listen to (only these are built); none without hooks.
     events: frozenset[type] = EVENT_TYPES
+    #: What this invoker's flows learnt about its routes (shared by them: one probe a route).
+    memory: RouteMemory = field(default_factory=RouteMemory, compare=False)
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
     in_flight: Backoff = field(init=False)
@@ -331,8 +338,12 @@ class _Run:
         self.attempts = self.polls = 0
         self.reached = False  # some request reached the tool (or may have)
         self.record: CallRecord | None = None  # this call's journal record, while it owns it
-        self.evidence: str | None = None  # how the route showed it honours keys
-        self.probed = False
+        self.target = call.url  # where the step is sent now (a same-origin 307/308 moves it)
+        self.evidence: str | None = None  # how the target's route showed it honours keys
+        self.probed = False  # the target's route was asked (or is known) this run
+        self.refused = 0  # answers that said the server refused the request, nothing ran
+        self.doubted: float | None = None  # when the last attempt that may have run ended
+        self.recall()
         self.asked_last = False  # the last question before the deadline about a key in flight
 
     def ctx(self) -> CallContext:
@@ -480,16 +491,37 @@ class _Run:
             created_at=earlier.created_at, call_id=earlier.call_id, context=earlier.context
         )
 
+    def route(self) -> str:
+        """The route the step is sent to now: evidence belongs to it alone."""
+        return route_of(self.call.method, self.target)
+
+    def recall(self) -> None:
+        """What this invoker learnt lately about the target's route (probed: asked)."""
+        known, evidence = self.s.memory.get(self.route(), self.s.clock())
+        self.probed = known
+        self.evidence = self.evidence or evidence
+
+    def follow(self, url: str) -> None:
+        """The step moves to ``url`` (a same-origin redirect): what the first route showed
+        is that route's, never the target's."""
+        self.target, self.evidence = url, None
+        self.recall()
+
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
-        """Remember what ``answer`` shows about the route honouring keys."""
-        if self.evidence is not None:
+        """Remember what ``answer`` shows about its route honouring keys (that method and
+        that route only: a redirect's evidence is the redirecting route's)."""
+        route = route_of(self.call.method, answer.url)
+        mine = route == self.route()
+        if mine and self.evidence is not None:
             return
         found = key_evidence(answer, self.s.protocol)
         if found is None:
             return
-        self.evidence = found
+        if mine:
+            self.evidence = found
+        self.s.memory.put(route, found, self.s.clock())
         if self.s.journal:
-            yield Journaled("learn", (route_of(self.call.method, self.call.url), found))
+            yield Journaled("learn", (route, found))
 
     def close_record(
         self, state: CallState, *, answer: Answer | None = None, error: BaseException | None = None,
@@ -660,14 +692,27 @@ class _Run:
         return self.finish(answer, True, None, "verify")
 
     def probe(self) -> Generator[Effect, Any, None]:
-        """Ask the route once, with a harmless OPTIONS, whether it honours keys."""
+        """Ask the route, with a harmless OPTIONS, whether it honours keys for this method.
+
+        Once per route per invoker: an answer without evidence is remembered in memory
+        for a while (``RouteMemory``), evidence in the journal too. The request names
+        the call's method as a CORS preflight does (``Access-Control-Request-Method``):
+        agentkey's middleware says ``Idempotency-Protected: true`` only for a method
+        it protects at that path.
+        """
         if self.probed or self.s.clock() >= self.deadline:
             return
+        self.recall()
+        if self.probed:
+            return
         self.probed = True
-        call = self.call
-        reply = yield Outgoing("OPTIONS", call.url, call.headers, None, True, self.deadline)
+        call, route = self.call, self.route()
+        headers = (*call.headers, (PREFLIGHT_HEADER, call.method))
+        reply = yield Outgoing("OPTIONS", self.target, headers, None, True, self.deadline)
         if isinstance(reply, Answer):
             yield from self.learn(reply)
+            if self.evidence is None:
+                self.s.memory.put(route, None, self.s.clock())
 
     # --- the step --------------------------------------------------------------------------
 
@@ -877,10 +922,13 @@ class _Sending(Exchange["Decision | Finished"]):
         run.attempts += 1
         not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
         self.unreachable = self.unreachable + 1 if not_sent else 0
-        run.reached = run.reached or not not_sent
         if isinstance(reply, Answer):
             yield from run.learn(reply)
         decision = classify(reply, run.ctx(), s.protocol)
+        run.refused += decision.not_run
+        run.reached = run.reached or not (not_sent or decision.not_run)
+        if decision.ambiguous:
+            run.doubted = s.clock()
         self.reply = reply
         if self.held is not None and isinstance(reply, Failure) and s.clock() >= run.deadline:
             # A question about the key in flight was cut by the deadline: the holder's
@@ -902,6 +950,7 @@ class _Sending(Exchange["Decision | Finished"]):
                 raise (yield from run.stop_in_doubt(decision))
         if decision.action is Action.FOLLOW and decision.url:
             self.url = decision.url
+            run.follow(decision.url)
         if decision.in_flight:
             self.waited += 1
             wait = run.wait_in_flight(self.waited, decision.retry_after)
@@ -983,6 +1032,8 @@ class _Beginning(Exchange["Finished | None"]):
             return None
         if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
             raise _other_route(run.call, earlier)  # (one never sent may go elsewhere)
+        if _other_args(earlier, record):
+            raise _mismatch(run.call, earlier)  # never another call's answer
         if earlier.state is CallState.PENDING and not begun.live and not self.reread:
             # The record was read before its sender was seen gone: a sender that finished
             # in between (another task of this process, a process that just exited) wrote
@@ -1133,6 +1184,29 @@ def _other_route(call: Call, record: CallRecord) -> KeyReused:
     )
 
 
+def _other_args(earlier: CallRecord, record: CallRecord) -> bool:
+    """Whether ``record`` sends other arguments under the key of ``earlier`` (one never
+    sent ran nowhere: its key may go with other arguments)."""
+    return (
+        earlier.state is not CallState.NOT_SENT
+        and earlier.args_hash is not None
+        and record.args_hash is not None
+        and earlier.args_hash != record.args_hash
+    )
+
+
+def _mismatch(call: Call, record: CallRecord) -> PayloadMismatch:
+    when = f" (sent by {record.step})" if record.step and record.step != call.label else ""
+    return PayloadMismatch(
+        f"{_where(call)} is in the journal with other arguments{when}: the key names that "
+        "call, so its answer is not this call's, and this call was not sent. Use a key with "
+        "the arguments it was made for (the step's own key), or make a new step for these "
+        "arguments",
+        idempotency_key=call.key,
+        step=call.label,
+    )
+
+
 def _route_shown(route: str) -> str:
     method, _, url = route.partition(" ")
     return f"{method} {redact_url(url)}"
@@ -1174,6 +1248,23 @@ def _in_doubt(
 
 def _unreachable(call: Call, run: _Run, reply: Received) -> ToolUnreachable:
     origin = run.s.protocol.base_origin
+    if run.refused:
+        said = ""
+        if isinstance(reply, Answer):
+            reason = short_reason(parse_json(reply.content), call.key)
+            said = f": {reason}" if reason else ""
+        unsent = run.attempts - run.refused
+        also = f", {unsent} more never reached it" if unsent else ""
+        return ToolUnreachable(
+            f"the tool's server refused {_where(call)} before running it, {run.refused} "
+            f"time(s) (503 not run{said}){also}; {run.attempts} attempt(s) in all, and none "
+            "ran the step, so it did not run. It is safe to call it again later with the "
+            "same key",
+            idempotency_key=call.key,
+            step=call.label,
+            attempts=run.attempts,
+            status_code=reply.status_code if isinstance(reply, Answer) else None,
+        )
     what = reply.description if isinstance(reply, Failure) else "no answer"
     return ToolUnreachable(
         f"the tool at {origin.host}:{origin.port} could not be reached for {_where(call)} "
