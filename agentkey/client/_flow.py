@@ -343,6 +343,7 @@ class _Run:
         self.probed = False  # the target's route was asked (or is known) this run
         self.refused = 0  # answers that said the server refused the request, nothing ran
         self.doubted: float | None = None  # when the last attempt that may have run ended
+        self.unsure: str | None = None  # why the reconcile hook could not tell
         self.recall()
         self.asked_last = False  # the last question before the deadline about a key in flight
 
@@ -627,7 +628,7 @@ class _Run:
             return None  # honoured (step() waits otherwise): the tool arbitrates, 409 in flight
         in_doubt = earlier.state in (CallState.IN_DOUBT, CallState.PENDING)
         if in_doubt and not honoured:
-            verdict = yield from self.reconcile(earlier)
+            verdict = yield from self.reconcile(earlier, self.quiet_since(earlier))
             if verdict is None and self.s.honours_keys is None:
                 yield from self.probe()
                 honoured = self.honoured()
@@ -648,8 +649,27 @@ class _Run:
             step=call.label,
         )
 
-    def reconcile(self, record: CallRecord) -> Generator[Effect, Any, Verdict | None]:
-        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook."""
+    def quiet_since(self, record: CallRecord) -> float:
+        """Seconds since a request of ``record``'s call may last have left (wall clock).
+
+        In doubt: when its sender closed it. Pending (its sender gone): the sender's own
+        deadline, or now if that is later (when it died is not known).
+        """
+        now = self.s.wall()
+        if record.state is CallState.PENDING:
+            last = min(now, record.lease_until - LEASE_SLACK)
+        else:
+            last = record.updated_at or record.created_at
+        return max(0.0, now - last)
+
+    def reconcile(
+        self, record: CallRecord, quiet: float | None
+    ) -> Generator[Effect, Any, Verdict | None]:
+        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook.
+
+        ``quiet``: seconds since the call's last request may have left; an HttpLookup's
+        "not run" before its ``not_run_after`` is "cannot tell yet".
+        """
         call = self.call
         hook = call.verify
         if hook is None:
@@ -669,7 +689,7 @@ class _Run:
             url = hook.url(call.url, doubt)
             request = (*call.headers, ("Accept", "application/json"))
             reply = yield Outgoing("GET", url, request, None, True, self.deadline)
-            return hook.verdict(reply)
+            return hook.verdict(reply, quiet)
         verdict = yield Verify(doubt, hook)
         if not isinstance(verdict, Verdict):
             raise ConfigurationError(
@@ -778,8 +798,10 @@ class _Run:
             return False
         yield Sleep(wait)  # a request still running on the tool gets time to land first
         record = self.record or self.new_record()
-        verdict = yield from self.reconcile(record.with_(attempts=self.attempts))
+        quiet = None if self.doubted is None else self.s.clock() - self.doubted
+        verdict = yield from self.reconcile(record.with_(attempts=self.attempts), quiet)
         if verdict is None or verdict.happened is None:
+            self.unsure = verdict.reason if verdict is not None else None
             return False
         if verdict.happened:
             answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
@@ -800,10 +822,11 @@ class _Run:
             else "the tool has not shown that it honours Idempotency-Key (no replay marker, "
             f"no {PROTECTED_HEADER} header, no key problem answer)"
         )
+        asked = f" The verify= hook could not tell ({self.unsure})." if self.unsure else ""
         error = ctx.error(
             OutcomeUnknown,
             f"{_where(call)} may have run: {decision.reason} after the request was sent, and "
-            f"{why}, so agentkey did not send it again (a second send could run it twice). "
+            f"{why}, so agentkey did not send it again (a second send could run it twice).{asked} "
             "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
             "or give the invoker a verify= hook; if the tool does honour the key, say so with "
             "honours_keys=True",
