@@ -59,7 +59,6 @@ from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ..journal._records import Begun, CallRecord, CallState, route_of
 from ..journal._verify import HttpLookup, InDoubt, Verdict
-from ._evidence import RouteMemory
 from ._effects import (
     Answer,
     Effect,
@@ -72,6 +71,7 @@ from ._effects import (
     Sleep,
     Verify,
 )
+from ._evidence import RouteMemory
 from ._hooks import (
     EVENT_TYPES,
     AttemptEvent,
@@ -722,11 +722,12 @@ class _Run:
         """
         if self.probed or self.s.clock() >= self.deadline:
             return
-        self.recall()
-        if self.probed:
-            return
         self.probed = True
         call, route = self.call, self.route()
+        known, evidence = self.s.memory.get(route, self.s.clock())
+        if known:  # another call of this invoker asked (or learnt) lately
+            self.evidence = self.evidence or evidence
+            return
         headers = (*call.headers, (PREFLIGHT_HEADER, call.method))
         reply = yield Outgoing("OPTIONS", self.target, headers, None, True, self.deadline)
         if isinstance(reply, Answer):
