@@ -6,12 +6,13 @@ asked with ``OPTIONS`` once, not once per call. Both answers are kept for a
 bounded time on the flow's own clock (``ttl`` seconds): a route that was asked
 and said nothing is not asked again before then, and evidence forgotten by an
 operator (``agentkey journal evidence --forget``) stops counting here by then.
-Nothing here does I/O; the dict is bounded (oldest entries go first).
+Nothing here does I/O or reads a clock; the dict is bounded (oldest entries go
+first). Each method makes single dict operations, so threads sharing an invoker at
+worst ask a route twice.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 
 __all__ = ["NEGATIVE_TTL", "RouteMemory"]
@@ -22,33 +23,33 @@ _MAX_ROUTES = 1024
 
 
 class RouteMemory:
-    """``route -> (evidence or None, until)`` for one invoker; thread-safe, bounded."""
+    """``route -> (evidence or None, until)`` for one invoker; bounded."""
 
-    __slots__ = ("_lock", "_routes", "ttl")
+    __slots__ = ("_routes", "ttl")
 
     def __init__(self, ttl: float = NEGATIVE_TTL) -> None:
         self.ttl = ttl
         self._routes: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RouteMemory({len(self._routes)} routes)"
 
     def get(self, route: str, now: float) -> tuple[bool, str | None]:
         """``(known, evidence)``: whether ``route`` was asked or shown lately, and how."""
-        with self._lock:
-            found = self._routes.get(route)
-            if found is None:
-                return False, None
-            if now >= found[1]:
-                del self._routes[route]
-                return False, None
-            return True, found[0]
+        found = self._routes.get(route)
+        if found is None:
+            return False, None
+        if now >= found[1]:
+            self._routes.pop(route, None)
+            return False, None
+        return True, found[0]
 
     def put(self, route: str, evidence: str | None, now: float) -> None:
         """Remember what ``route`` showed (None: asked, and it showed nothing)."""
-        with self._lock:
-            self._routes.pop(route, None)
-            self._routes[route] = (evidence, now + self.ttl)
-            while len(self._routes) > _MAX_ROUTES:
+        self._routes.pop(route, None)
+        self._routes[route] = (evidence, now + self.ttl)
+        while len(self._routes) > _MAX_ROUTES:
+            try:
                 self._routes.popitem(last=False)
+            except KeyError:  # another thread emptied it first
+                break
