@@ -48,8 +48,5 @@ class RouteMemory:
         """Remember what ``route`` showed (None: asked, and it showed nothing)."""
         self._routes.pop(route, None)
         self._routes[route] = (evidence, now + self.ttl)
-        while len(self._routes) > _MAX_ROUTES:
-            try:
-                self._routes.popitem(last=False)
-            except KeyError:  # another thread emptied it first
-                break
+        for old in list(self._routes)[: max(0, len(self._routes) - _MAX_ROUTES)]:
+            self._routes.pop(old, None)  # the oldest first (another thread may beat us)
