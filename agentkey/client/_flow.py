@@ -617,7 +617,7 @@ class _Run:
         honoured = self.honoured()
         if earlier.state is CallState.ANSWERED and not honoured:
             if earlier.body is None:
-                raise _already_ran(call, earlier)
+                raise _already_ran(call, earlier, self.s.journal_max_body)
             answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
             if ReplayEvent in self.s.events:
                 yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
@@ -1071,15 +1071,7 @@ class _Beginning(Exchange["Finished | None"]):
         self.waited += 1
         wait = run.wait_in_flight(self.waited, None)
         if wait is None:
-            call = run.call
-            raise StepInProgress(
-                f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
-                f"(since {_ago(run.s.wall(), earlier.created_at)}), and the tool is not "
-                "known to honour Idempotency-Key, so it was not sent a second time. Call "
-                "again later: its answer goes into the journal",
-                idempotency_key=call.key,
-                step=call.label,
-            )
+            raise _still_pending(run.call, earlier, run.s.wall())
         return Again(wait)
 
 
@@ -1184,13 +1176,31 @@ def _state_after(error: InvokeError, reached: bool) -> CallState:
     return CallState.FAILED
 
 
-def _already_ran(call: Call, record: CallRecord) -> StepRepeated:
-    size = f"{record.body_size} bytes" if record.body_size is not None else "its answer"
+def _already_ran(call: Call, record: CallRecord, max_body: int) -> StepRepeated:
+    """A call that ran, whose answer the journal does not hold: why not, truthfully."""
+    if record.body_size is not None and record.body_size > max_body:
+        what = (
+            f"already ran (answered {record.status_code}), and its answer "
+            f"({record.body_size} bytes) is larger than the journal keeps"
+        )
+        advice = (
+            "Use the first answer, raise the journal's max_body_bytes, or make a new step "
+            "if a second run is meant"
+        )
+    else:
+        said = f" ({record.reason})" if record.reason else ""
+        who = "an operator settled it as run" if record.source == "operator" else "it ran"
+        what = (
+            f"ran: {who}{said}, but no answer of it was ever received, so the journal "
+            "has none to give"
+        )
+        advice = (
+            "Treat the call as done without its answer (tell the model it already ran), or "
+            "ask the tool for its outcome; make a new step only if a second run is meant"
+        )
     return StepRepeated(
-        f"{_where(call)} already ran (answered {record.status_code}), and its answer "
-        f"({size}) is larger than the journal keeps, while the tool is not known to honour "
-        "Idempotency-Key: sending it again could run it twice. Use the first answer, raise "
-        "the journal's max_body_bytes, or make a new step if a second run is meant",
+        f"{_where(call)} {what}. The tool is not known to honour Idempotency-Key, so it was "
+        f"not sent again: a second send could run it twice. {advice}",
         tool=call.tool or "",
         previous_step=record.step or (call.label or ""),
         idempotency_key=call.key,
@@ -1234,6 +1244,21 @@ def _mismatch(call: Call, record: CallRecord) -> PayloadMismatch:
 def _route_shown(route: str) -> str:
     method, _, url = route.partition(" ")
     return f"{method} {redact_url(url)}"
+
+
+def _still_pending(call: Call, record: CallRecord, now: float) -> StepInProgress:
+    """A call pending in the journal under a sender that is still alive, all deadline long."""
+    return StepInProgress(
+        f"{_where(call)} has been pending in the journal since "
+        f"{_ago(now, record.created_at)}, recorded by {_owner(record)}, which is still "
+        "running: that process is sending it, or sent it and could not record how it ended "
+        "(a journal failure at its finish). The tool is not known to honour "
+        "Idempotency-Key, so it was not sent a second time. Call again later (an answer that "
+        "process records ends the wait), or, once you know that process is done with it, "
+        "find out whether it ran and settle it (agentkey journal settle)",
+        idempotency_key=call.key,
+        step=call.label,
+    )
 
 
 def _already_failed(call: Call, record: CallRecord) -> ToolError:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -26,11 +29,14 @@ from agentkey import (
     PlanSession,
     RetryPolicy,
     Step,
+    StepInProgress,
+    StepRepeated,
     ToolInvoker,
     ToolResult,
     ToolUnreachable,
 )
-from agentkey.journal import CallState, HttpLookup, MemoryJournal, SQLiteJournal
+from agentkey.journal import CallRecord, CallState, HttpLookup, MemoryJournal, SQLiteJournal
+from agentkey.journal._records import route_of
 from tests._loopback import serve
 
 DRIVERS = ("sync", "async")
@@ -348,3 +354,72 @@ def test_a_lookups_not_run_is_believed_once_not_run_after_has_passed(
     assert isinstance(later, ToolResult), later
     assert later.source == "tool"
     assert tool.executions["/tools/charge"] == 1
+
+
+# --- honest messages ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_call_settled_as_run_says_so_not_that_its_answer_was_too_large(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """``journal settle --ran`` on a call in doubt, then the step again: StepRepeated that
+    says an operator settled it and no answer was received; nothing sent (before: "its
+    answer is larger than the journal keeps", which was false)."""
+    tool, url = plain
+    tool.script["/tools/charge"] = [ran(502, {"error": "bad gateway"})]
+    step = charge()
+    journal = MemoryJournal()
+    [first] = invoke(driver, url, [step], journal=journal)
+    assert isinstance(first, OutcomeUnknown), first
+    journal.settle(step.idempotency_key, CallState.ANSWERED, reason="settled by an operator: ran")
+    with pytest.raises(StepRepeated) as caught:
+        invoke_raising(driver, url, step, journal=journal)
+    message = str(caught.value)
+    assert "an operator settled it as run" in message
+    assert "no answer of it was ever received" in message
+    assert "larger than the journal keeps" not in message
+    assert step.idempotency_key not in message
+    assert tool.executions["/tools/charge"] == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_call_pending_under_a_live_process_says_what_may_have_happened(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """A record pending under another live process all deadline long (its finish may have
+    failed): StepInProgress names both possibilities, nothing sent (before: "was being
+    sent ... for the whole deadline", though it may have been answered long ago)."""
+    tool, url = plain
+    step = charge()
+    journal = MemoryJournal()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        now = time.time()
+        owner = f"{socket.gethostname()}:{sleeper.pid}:cafe:1"
+        record = CallRecord(
+            key=step.idempotency_key, plan=step.plan_session_id, step=step.label,
+            tool="charge", args_hash=step.key.args_hash,
+            route=route_of("POST", f"{url}/tools/charge"), created_at=now - 5,
+            updated_at=now - 5, owner=owner, lease_until=now + 3600,
+        )  # fmt: skip
+        assert journal.begin(record).existing is None
+        short = RetryPolicy(deadline=0.3, initial_backoff=0.01, max_backoff=0.05)
+        with pytest.raises(StepInProgress) as caught:
+            invoke_raising(driver, url, step, journal=journal, retry=short)
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+    message = str(caught.value)
+    assert "could not record how it ended" in message
+    assert f"process {sleeper.pid}" in message
+    assert step.idempotency_key not in message
+    assert tool.executions["/tools/charge"] == 0
+
+
+def invoke_raising(driver: str, url: str, step: Step, **options: Any) -> ToolResult:
+    """One step through a fresh invoker of ``driver``; its error is raised."""
+    [got] = invoke(driver, url, [step], **options)
+    if isinstance(got, InvokeError):
+        raise got
+    return got
