@@ -511,17 +511,17 @@ class _Run:
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
         """Remember what ``answer`` shows about its route honouring keys (that method and
         that route only: a redirect's evidence is the redirecting route's)."""
-        route = route_of(self.call.method, answer.url)
-        mine = route == self.route()
-        if mine and self.evidence is not None:
-            return
         found = key_evidence(answer, self.s.protocol)
         if found is None:
             return
-        if mine:
-            self.evidence = found
-        self.s.memory.put(route, found, self.s.clock())
-        if self.s.journal:
+        route, now = route_of(self.call.method, answer.url), self.s.clock()
+        if route == self.route():
+            self.evidence = self.evidence or found
+        known, remembered = self.s.memory.get(route, now)
+        if known and remembered is not None:
+            return  # learnt lately: the journal heard it then (refreshed once a TTL)
+        self.s.memory.put(route, found, now)
+        if self.s.journal:  # refreshes the journal's "last seen" too
             yield Journaled("learn", (route, found))
 
     def close_record(

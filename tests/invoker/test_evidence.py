@@ -423,3 +423,54 @@ def invoke_raising(driver: str, url: str, step: Step, **options: Any) -> ToolRes
     if isinstance(got, InvokeError):
         raise got
     return got
+
+
+class CountingJournal(MemoryJournal):
+    """A memory journal that counts what it was told about routes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.learnt: list[tuple[str, str]] = []
+
+    def learn(self, route: str, evidence: str) -> None:
+        self.learnt.append((route, evidence))
+        super().learn(route, evidence)
+
+    async def alearn(self, route: str, evidence: str) -> None:
+        self.learn(route, evidence)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_evidence_seen_again_is_refreshed_in_the_journal_once_a_while(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """A protected route's answers keep showing the header: one invoker tells the journal
+    once per memory TTL (10 minutes on its injected clock), not once per call, and again
+    after it (before: never again, so evidence in daily use expired after 30 days)."""
+    tool, url = plain
+    tool.script["/tools/charge"] = [ran(201, None, **{"Idempotency-Protected": "true"})] * 6
+    journal = CountingJournal()
+    ahead = [0.0]
+    clock = {"_clock": staticmethod(lambda: time.monotonic() + ahead[0])}
+    options: dict[str, Any] = {
+        "route_template": "/tools/{tool}", "hooks": (), "journal": journal, "retry": FAST,
+    }  # fmt: skip
+    learnt: list[int] = []
+    if driver == "sync":
+        with type("Later", (ToolInvoker,), clock)(url, **options) as invoker:
+            for n in range(6):
+                ahead[0] = 0.0 if n < 3 else 601.0
+                invoker.invoke(charge(n))
+                learnt.append(len(journal.learnt))
+    else:
+
+        async def main() -> None:
+            async with type("Later", (AsyncToolInvoker,), clock)(url, **options) as invoker:
+                for n in range(6):
+                    ahead[0] = 0.0 if n < 3 else 601.0
+                    await invoker.invoke(charge(n))
+                    learnt.append(len(journal.learnt))
+
+        asyncio.run(main())
+    assert learnt == [1, 1, 1, 2, 2, 2]
+    assert journal.learnt[0] == (f"POST {url}/tools/charge", "protection header")
