@@ -54,3 +54,20 @@ def test_an_in_doubt_refusal_is_outcome_unknown_at_once() -> None:
     assert isinstance(decision.error, OutcomeUnknown)
     assert "the earlier call may have charged" in str(decision.error)
     assert not decision.retry
+
+
+async def test_a_tool_the_server_does_not_mark_is_never_resent() -> None:
+    """The server protects delete_vm only: after delete_vm's answers showed the mark, a lost
+    answer of create_vm is not resent (OutcomeUnknown, 1 execution); delete_vm's is."""
+    with running(MemoryStore(), tools=["delete_vm"]) as lab:
+        async with connect(lab.url + "/mcp") as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST, journal=MemoryJournal())
+            await tools.call_tool("delete_vm", {"region": "eu-west-1"})
+            lab.drop["create_vm"] = 1
+            with pytest.raises(OutcomeUnknown):
+                await tools.call_tool("create_vm", {"region": "eu-west-1"})
+            lab.drop["delete_vm"] = 1
+            again = await tools.call_tool("delete_vm", {"region": "eu-west-2"})
+        assert lab.runs["create_vm"] == 1
+        assert lab.runs["delete_vm"] == 2  # two calls, each once
+    assert again.replayed
