@@ -84,7 +84,7 @@ from ._hooks import (
     RetryEvent,
     _one_line,
 )
-from ._net import redact_url
+from ._net import redact_url, scrub_json
 from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
     PROTECTED_HEADER,
@@ -342,6 +342,7 @@ class _Run:
         self.evidence: str | None = None  # how the target's route showed it honours keys
         self.probed = False  # the target's route was asked (or is known) this run
         self.refused = 0  # answers that said the server refused the request, nothing ran
+        self.refusal: str | None = None  # the server's reason for the last such refusal
         self.doubted: float | None = None  # when the last attempt that may have run ended
         self.unsure: str | None = None  # why the reconcile hook could not tell
         self.recall()
@@ -949,7 +950,10 @@ class _Sending(Exchange["Decision | Finished"]):
         if isinstance(reply, Answer):
             yield from run.learn(reply)
         decision = classify(reply, run.ctx(), s.protocol)
-        run.refused += decision.not_run
+        if decision.not_run and isinstance(reply, Answer):
+            run.refused += 1
+            body = scrub_json(parse_json(reply.content), reply.sent_secrets)
+            run.refusal = short_reason(body, call.key)
         run.reached = run.reached or not (not_sent or decision.not_run)
         if decision.ambiguous:
             run.doubted = s.clock()
@@ -1298,10 +1302,7 @@ def _in_doubt(
 def _unreachable(call: Call, run: _Run, reply: Received) -> ToolUnreachable:
     origin = run.s.protocol.base_origin
     if run.refused:
-        said = ""
-        if isinstance(reply, Answer):
-            reason = short_reason(parse_json(reply.content), call.key)
-            said = f": {reason}" if reason else ""
+        said = f": {run.refusal}" if run.refusal else ""
         unsent = run.attempts - run.refused
         also = f", {unsent} more never reached it" if unsent else ""
         return ToolUnreachable(
