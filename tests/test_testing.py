@@ -57,11 +57,12 @@ def _invoke(driver: str, tool: ScriptedTool, step: Step, **options: Any) -> Tool
 
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_retries_resend_the_same_key_and_body(driver: str) -> None:
-    """A 503, a reset and a 409 are retried with the step's own key and body each time."""
+    """A 503 "not run", a reset and a 409 are retried with the step's own key and body."""
     step = _step()
+    not_run = {"type": "urn:agentkey:problem:not_run"}  # a bare 503 may have run (issue 34)
     tool = ScriptedTool(
         [
-            Reply(503, headers={"Retry-After": "30"}),  # capped by the fast policy
+            Reply(503, json=not_run, headers={"Retry-After": "30"}),  # capped by the policy
             httpx.ConnectError("connection refused"),
             Reply(409, json={"type": "in_progress"}, headers={"Retry-After": "1"}),
             Reply(201, json={"charge_id": "ch_1"}),

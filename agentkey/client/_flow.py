@@ -48,6 +48,7 @@ from .._exceptions import (
     InvokeError,
     KeyReused,
     OutcomeUnknown,
+    PayloadMismatch,
     PollTimeout,
     StepInProgress,
     StepRepeated,
@@ -70,6 +71,7 @@ from ._effects import (
     Sleep,
     Verify,
 )
+from ._evidence import RouteMemory
 from ._hooks import (
     EVENT_TYPES,
     AttemptEvent,
@@ -82,7 +84,7 @@ from ._hooks import (
     RetryEvent,
     _one_line,
 )
-from ._net import origin_of, redact_url
+from ._net import origin_of, redact_url, scrub_json
 from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
     PROTECTED_HEADER,
@@ -96,6 +98,7 @@ from ._protocol import (
     key_evidence,
     parse_json,
     poll_target,
+    short_reason,
 )
 
 __all__ = [
@@ -114,6 +117,8 @@ __all__ = [
 ]
 
 KEY_HEADER = "Idempotency-Key"
+#: The header of the OPTIONS probe that names the call's method (a CORS preflight's).
+PREFLIGHT_HEADER = "Access-Control-Request-Method"
 MAX_POLL_REDIRECTS = 10
 #: Sends in a row that all failed before reaching the tool, after which it is unreachable.
 MAX_UNREACHABLE = 3
@@ -180,6 +185,8 @@ class Settings:
     honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
     #: The event types the hooks listen to (only these are built); none without hooks.
     events: frozenset[type] = EVENT_TYPES
+    #: What this invoker's flows learnt about its routes (shared by them: one probe a route).
+    memory: RouteMemory = field(default_factory=RouteMemory, compare=False)
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
     in_flight: Backoff = field(init=False)
@@ -331,8 +338,14 @@ class _Run:
         self.attempts = self.polls = 0
         self.reached = False  # some request reached the tool (or may have)
         self.record: CallRecord | None = None  # this call's journal record, while it owns it
-        self.evidence: str | None = None  # how the route showed it honours keys
-        self.probed = False
+        self.target = call.url  # where the step is sent now (a same-origin 307/308 moves it)
+        self.evidence: str | None = None  # how the target's route showed it honours keys
+        self.probed = False  # the target's route was asked (or is known) this run
+        self.refused = 0  # answers that said the server refused the request, nothing ran
+        self.refusal: str | None = None  # the server's reason for the last such refusal
+        self.doubted: float | None = None  # when the last attempt that may have run ended
+        self.unsure: str | None = None  # why the reconcile hook could not tell
+        self.recall()
         self.asked_last = False  # the last question before the deadline about a key in flight
 
     def ctx(self) -> CallContext:
@@ -480,16 +493,37 @@ class _Run:
             created_at=earlier.created_at, call_id=earlier.call_id, context=earlier.context
         )
 
+    def route(self) -> str:
+        """The route the step is sent to now: evidence belongs to it alone."""
+        return route_of(self.call.method, self.target)
+
+    def recall(self) -> None:
+        """What this invoker learnt lately about the target's route (probed: asked)."""
+        known, evidence = self.s.memory.get(self.route(), self.s.clock())
+        self.probed = known
+        self.evidence = self.evidence or evidence
+
+    def follow(self, url: str) -> None:
+        """The step moves to ``url`` (a same-origin redirect): what the first route showed
+        is that route's, never the target's."""
+        self.target, self.evidence = url, None
+        self.recall()
+
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
-        """Remember what ``answer`` shows about the route honouring keys."""
-        if self.evidence is not None:
-            return
+        """Remember what ``answer`` shows about its route honouring keys (that method and
+        that route only: a redirect's evidence is the redirecting route's)."""
         found = key_evidence(answer, self.s.protocol)
         if found is None:
             return
-        self.evidence = found
-        if self.s.journal:
-            yield Journaled("learn", (route_of(self.call.method, self.call.url), found))
+        route, now = route_of(self.call.method, answer.url), self.s.clock()
+        if route == self.route():
+            self.evidence = self.evidence or found
+        known, remembered = self.s.memory.get(route, now)
+        if known and remembered is not None:
+            return  # learnt lately: the journal heard it then (refreshed once a TTL)
+        self.s.memory.put(route, found, now)
+        if self.s.journal:  # refreshes the journal's "last seen" too
+            yield Journaled("learn", (route, found))
 
     def close_record(
         self, state: CallState, *, answer: Answer | None = None, error: BaseException | None = None,
@@ -584,7 +618,7 @@ class _Run:
         honoured = self.honoured()
         if earlier.state is CallState.ANSWERED and not honoured:
             if earlier.body is None:
-                raise _already_ran(call, earlier)
+                raise _already_ran(call, earlier, self.s.journal_max_body)
             answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
             if ReplayEvent in self.s.events:
                 yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
@@ -595,7 +629,7 @@ class _Run:
             return None  # honoured (step() waits otherwise): the tool arbitrates, 409 in flight
         in_doubt = earlier.state in (CallState.IN_DOUBT, CallState.PENDING)
         if in_doubt and not honoured:
-            verdict = yield from self.reconcile(earlier)
+            verdict = yield from self.reconcile(earlier, self.quiet_since(earlier))
             if verdict is None and self.s.honours_keys is None:
                 yield from self.probe()
                 honoured = self.honoured()
@@ -616,8 +650,27 @@ class _Run:
             step=call.label,
         )
 
-    def reconcile(self, record: CallRecord) -> Generator[Effect, Any, Verdict | None]:
-        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook."""
+    def quiet_since(self, record: CallRecord) -> float:
+        """Seconds since a request of ``record``'s call may last have left (wall clock).
+
+        In doubt: when its sender closed it. Pending (its sender gone): the sender's own
+        deadline, or now if that is later (when it died is not known).
+        """
+        now = self.s.wall()
+        if record.state is CallState.PENDING:
+            last = min(now, record.lease_until - LEASE_SLACK)
+        else:
+            last = record.updated_at or record.created_at
+        return max(0.0, now - last)
+
+    def reconcile(
+        self, record: CallRecord, quiet: float | None
+    ) -> Generator[Effect, Any, Verdict | None]:
+        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook.
+
+        ``quiet``: seconds since the call's last request may have left; an HttpLookup's
+        "not run" before its ``not_run_after`` is "cannot tell yet".
+        """
         call = self.call
         hook = call.verify
         if hook is None:
@@ -637,7 +690,7 @@ class _Run:
             url = hook.url(call.url, doubt)
             request = (*call.headers, ("Accept", "application/json"))
             reply = yield Outgoing("GET", url, request, None, True, self.deadline)
-            return hook.verdict(reply)
+            return hook.verdict(reply, quiet)
         verdict = yield Verify(doubt, hook)
         if not isinstance(verdict, Verdict):
             raise ConfigurationError(
@@ -660,14 +713,28 @@ class _Run:
         return self.finish(answer, True, None, "verify")
 
     def probe(self) -> Generator[Effect, Any, None]:
-        """Ask the route once, with a harmless OPTIONS, whether it honours keys."""
+        """Ask the route, with a harmless OPTIONS, whether it honours keys for this method.
+
+        Once per route per invoker: an answer without evidence is remembered in memory
+        for a while (``RouteMemory``), evidence in the journal too. The request names
+        the call's method as a CORS preflight does (``Access-Control-Request-Method``):
+        agentkey's middleware says ``Idempotency-Protected: true`` only for a method
+        it protects at that path.
+        """
         if self.probed or self.s.clock() >= self.deadline:
             return
         self.probed = True
-        call = self.call
-        reply = yield Outgoing("OPTIONS", call.url, call.headers, None, True, self.deadline)
+        call, route = self.call, self.route()
+        known, evidence = self.s.memory.get(route, self.s.clock())
+        if known:  # another call of this invoker asked (or learnt) lately
+            self.evidence = self.evidence or evidence
+            return
+        headers = (*call.headers, (PREFLIGHT_HEADER, call.method))
+        reply = yield Outgoing("OPTIONS", self.target, headers, None, True, self.deadline)
         if isinstance(reply, Answer):
             yield from self.learn(reply)
+            if self.evidence is None:
+                self.s.memory.put(route, None, self.s.clock())
 
     # --- the step --------------------------------------------------------------------------
 
@@ -733,8 +800,10 @@ class _Run:
             return False
         yield Sleep(wait)  # a request still running on the tool gets time to land first
         record = self.record or self.new_record()
-        verdict = yield from self.reconcile(record.with_(attempts=self.attempts))
+        quiet = None if self.doubted is None else self.s.clock() - self.doubted
+        verdict = yield from self.reconcile(record.with_(attempts=self.attempts), quiet)
         if verdict is None or verdict.happened is None:
+            self.unsure = verdict.reason if verdict is not None else None
             return False
         if verdict.happened:
             answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
@@ -755,10 +824,11 @@ class _Run:
             else "the tool has not shown that it honours Idempotency-Key (no replay marker, "
             f"no {PROTECTED_HEADER} header, no key problem answer)"
         )
+        asked = f" The verify= hook could not tell ({self.unsure})." if self.unsure else ""
         error = ctx.error(
             OutcomeUnknown,
             f"{_where(call)} may have run: {decision.reason} after the request was sent, and "
-            f"{why}, so agentkey did not send it again (a second send could run it twice). "
+            f"{why}, so agentkey did not send it again (a second send could run it twice).{asked} "
             "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
             "or give the invoker a verify= hook; if the tool does honour the key, say so with "
             "honours_keys=True",
@@ -885,10 +955,16 @@ class _Sending(Exchange["Decision | Finished"]):
         run.attempts += 1
         not_sent = isinstance(reply, Failure) and reply.kind is FailureKind.NOT_SENT
         self.unreachable = self.unreachable + 1 if not_sent else 0
-        run.reached = run.reached or not not_sent
         if isinstance(reply, Answer):
             yield from run.learn(reply)
         decision = classify(reply, run.ctx(), s.protocol)
+        if decision.not_run and isinstance(reply, Answer):
+            run.refused += 1
+            body = scrub_json(parse_json(reply.content), reply.sent_secrets)
+            run.refusal = short_reason(body, call.key)
+        run.reached = run.reached or not (not_sent or decision.not_run)
+        if decision.ambiguous:
+            run.doubted = s.clock()
         self.reply = reply
         if self.held is not None and isinstance(reply, Failure) and s.clock() >= run.deadline:
             # A question about the key in flight was cut by the deadline: the holder's
@@ -910,6 +986,7 @@ class _Sending(Exchange["Decision | Finished"]):
                 raise (yield from run.stop_in_doubt(decision))
         if decision.action is Action.FOLLOW and decision.url:
             self.url = decision.url
+            run.follow(decision.url)
         if decision.in_flight:
             self.waited += 1
             wait = run.wait_in_flight(self.waited, decision.retry_after)
@@ -991,6 +1068,8 @@ class _Beginning(Exchange["Finished | None"]):
             return None
         if earlier.route != record.route and earlier.state is not CallState.NOT_SENT:
             raise _other_route(run.call, earlier)  # (one never sent may go elsewhere)
+        if _other_args(earlier, record):
+            raise _mismatch(run.call, earlier)  # never another call's answer
         if earlier.state is CallState.PENDING and not begun.live and not self.reread:
             # The record was read before its sender was seen gone: a sender that finished
             # in between (another task of this process, a process that just exited) wrote
@@ -1004,15 +1083,7 @@ class _Beginning(Exchange["Finished | None"]):
         self.waited += 1
         wait = run.wait_in_flight(self.waited, None)
         if wait is None:
-            call = run.call
-            raise StepInProgress(
-                f"{_where(call)} was being sent by {_owner(earlier)} for the whole deadline "
-                f"(since {_ago(run.s.wall(), earlier.created_at)}), and the tool is not "
-                "known to honour Idempotency-Key, so it was not sent a second time. Call "
-                "again later: its answer goes into the journal",
-                idempotency_key=call.key,
-                step=call.label,
-            )
+            raise _still_pending(run.call, earlier, run.s.wall())
         return Again(wait)
 
 
@@ -1160,13 +1231,31 @@ def _state_after(error: InvokeError, reached: bool) -> CallState:
     return CallState.FAILED
 
 
-def _already_ran(call: Call, record: CallRecord) -> StepRepeated:
-    size = f"{record.body_size} bytes" if record.body_size is not None else "its answer"
+def _already_ran(call: Call, record: CallRecord, max_body: int) -> StepRepeated:
+    """A call that ran, whose answer the journal does not hold: why not, truthfully."""
+    if record.body_size is not None and record.body_size > max_body:
+        what = (
+            f"already ran (answered {record.status_code}), and its answer "
+            f"({record.body_size} bytes) is larger than the journal keeps"
+        )
+        advice = (
+            "Use the first answer, raise the journal's max_body_bytes, or make a new step "
+            "if a second run is meant"
+        )
+    else:
+        said = f" ({record.reason})" if record.reason else ""
+        who = "an operator settled it as run" if record.source == "operator" else "it ran"
+        what = (
+            f"ran: {who}{said}, but no answer of it was ever received, so the journal "
+            "has none to give"
+        )
+        advice = (
+            "Treat the call as done without its answer (tell the model it already ran), or "
+            "ask the tool for its outcome; make a new step only if a second run is meant"
+        )
     return StepRepeated(
-        f"{_where(call)} already ran (answered {record.status_code}), and its answer "
-        f"({size}) is larger than the journal keeps, while the tool is not known to honour "
-        "Idempotency-Key: sending it again could run it twice. Use the first answer, raise "
-        "the journal's max_body_bytes, or make a new step if a second run is meant",
+        f"{_where(call)} {what}. The tool is not known to honour Idempotency-Key, so it was "
+        f"not sent again: a second send could run it twice. {advice}",
         tool=call.tool or "",
         previous_step=record.step or (call.label or ""),
         idempotency_key=call.key,
@@ -1184,9 +1273,47 @@ def _other_route(call: Call, record: CallRecord) -> KeyReused:
     )
 
 
+def _other_args(earlier: CallRecord, record: CallRecord) -> bool:
+    """Whether ``record`` sends other arguments under the key of ``earlier`` (one never
+    sent ran nowhere: its key may go with other arguments)."""
+    return (
+        earlier.state is not CallState.NOT_SENT
+        and earlier.args_hash is not None
+        and record.args_hash is not None
+        and earlier.args_hash != record.args_hash
+    )
+
+
+def _mismatch(call: Call, record: CallRecord) -> PayloadMismatch:
+    when = f" (sent by {record.step})" if record.step and record.step != call.label else ""
+    return PayloadMismatch(
+        f"{_where(call)} is in the journal with other arguments{when}: the key names that "
+        "call, so its answer is not this call's, and this call was not sent. Use a key with "
+        "the arguments it was made for (the step's own key), or make a new step for these "
+        "arguments",
+        idempotency_key=call.key,
+        step=call.label,
+    )
+
+
 def _route_shown(route: str) -> str:
     method, _, url = route.partition(" ")
     return f"{method} {redact_url(url)}"
+
+
+def _still_pending(call: Call, record: CallRecord, now: float) -> StepInProgress:
+    """A call pending in the journal under a sender that is still alive, all deadline long."""
+    return StepInProgress(
+        f"{_where(call)} has been pending in the journal since "
+        f"{_ago(now, record.created_at)}, recorded by {_owner(record)}, which is still "
+        "running: that process is sending it, or sent it and could not record how it ended "
+        "(a journal failure at its finish). The tool is not known to honour "
+        "Idempotency-Key, so it was not sent a second time. Call again later (an answer that "
+        "process records ends the wait), or, once you know that process is done with it, "
+        "find out whether it ran and settle it (agentkey journal settle)",
+        idempotency_key=call.key,
+        step=call.label,
+    )
 
 
 def _already_failed(call: Call, record: CallRecord) -> ToolError:
@@ -1225,6 +1352,20 @@ def _in_doubt(
 
 def _unreachable(call: Call, run: _Run, reply: Received) -> ToolUnreachable:
     origin = run.s.protocol.base_origin
+    if run.refused:
+        said = f": {run.refusal}" if run.refusal else ""
+        unsent = run.attempts - run.refused
+        also = f", {unsent} more never reached it" if unsent else ""
+        return ToolUnreachable(
+            f"the tool's server refused {_where(call)} before running it, {run.refused} "
+            f"time(s) (503 not run{said}){also}; {run.attempts} attempt(s) in all, and none "
+            "ran the step, so it did not run. It is safe to call it again later with the "
+            "same key",
+            idempotency_key=call.key,
+            step=call.label,
+            attempts=run.attempts,
+            status_code=reply.status_code if isinstance(reply, Answer) else None,
+        )
     what = reply.description if isinstance(reply, Failure) else "no answer"
     return ToolUnreachable(
         f"the tool at {origin.host}:{origin.port} could not be reached for {_where(call)} "

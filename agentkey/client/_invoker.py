@@ -448,7 +448,7 @@ class _InvokerBase:
             step.body,
             step.tool,
             key.plan_session_id,
-            key.args_hash,
+            step.key.args_hash,  # what is sent: the journal refuses other args under a key
             call_id,
             context,
             current_owner(),

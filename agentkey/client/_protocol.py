@@ -36,6 +36,7 @@ from .._exceptions import (
     TokenRejected,
     ToolError,
     ToolRejected,
+    ToolUnreachable,
     UnsafeRedirect,
 )
 from .._keys import shown_key, uuid_key
@@ -64,6 +65,7 @@ __all__ = [
     "StatusUrlStrategy",
     "budget_exhausted",
     "classify",
+    "dialect_marker",
     "find_status_url",
     "interpret_poll",
     "parse_json",
@@ -165,6 +167,8 @@ class Decision:
     replayed: bool = False
     status_code: int | None = None
     in_flight: bool = False  # the answer said the same key is in flight (409/423)
+    #: agentkey's server refused the request before anything ran (503 ``not_run``).
+    not_run: bool = False
 
     @property
     def retry(self) -> bool:
@@ -282,6 +286,30 @@ PROBLEM_CODES: Mapping[str, Meaning] = {
     "idempotency_key_reuse": Meaning.MISMATCH,
     "idempotency_request_in_progress": Meaning.IN_FLIGHT,
 }
+
+#: The namespace of agentkey's own problem types (``urn:agentkey:problem:<code>``).
+AGENTKEY_PROBLEM = "urn:agentkey:problem:"
+#: agentkey's codes that say nothing ran: the server refused the request before its
+#: handler (``not_run``; ``store_unavailable`` is what servers before 1.x sent).
+NOT_RUN_CODES = frozenset({"not_run", "store_unavailable"})
+#: agentkey's code for a key whose earlier request may have started its side effect and
+#: did not finish: nothing runs under it until the server settles it. Final for a client.
+IN_DOUBT_CODE = "in_doubt"
+#: Problem ``type`` URI namespaces of the idempotency layers that send one (agentkey's,
+#: idemkit's ``urn:idemkit:<code>``): a code in :data:`PROBLEM_CODES` under one of them
+#: is an explicit marker that the route honours keys.
+DIALECT_NAMESPACES: tuple[str, ...] = (AGENTKEY_PROBLEM, "urn:idemkit:")
+
+
+def agentkey_problem(body: object) -> str | None:
+    """The code of an answer whose problem ``type`` is agentkey's own, else None."""
+    if not isinstance(body, dict):
+        return None
+    kind = body.get("type")
+    if not isinstance(kind, str) or not kind.startswith(AGENTKEY_PROBLEM):
+        return None
+    return _code_of(kind)
+
 
 #: Servers that send only a sentence (``{"detail": "..."}``) are read by its words, once
 #: the sentence is about idempotency ("idempotency", "fingerprint"), in this order: a
@@ -537,6 +565,9 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
             ),
         )
     _code, meaning = problem_code(body)
+    own = agentkey_problem(body)
+    if own == IN_DOUBT_CODE:
+        return _in_doubt_answer(status, body, ctx, reason, replayed)
     if replayed:
         cls = _final_class(status, meaning, reason, body)
         cls = cls if issubclass(cls, ToolError) else ToolError  # stored: never "resend later"
@@ -569,10 +600,15 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
         )
     in_flight = status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT)
     if status in cfg.retry_statuses and (in_flight or status not in IN_FLIGHT_STATUSES):
+        not_run = status == 503 and own in NOT_RUN_CODES
         if in_flight:
             label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply, ctx)
+        elif not_run:
+            label, ambiguous, hint = "refused, not run (503)", False, _retry_after(reply, ctx)
         elif status in (429, 503):
-            label, ambiguous, hint = f"overloaded ({status})", False, _retry_after(reply, ctx)
+            # Sent and answered: a gateway answers 503 when the tool failed after it got
+            # the request, and a tool may answer 429 after its side effect. May have run.
+            label, ambiguous, hint = f"overloaded ({status})", True, _retry_after(reply, ctx)
         elif status >= 500:
             label, ambiguous, hint = f"server error {status}", True, None
         else:
@@ -584,12 +620,53 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
             ambiguous=ambiguous,
             status_code=status,
             in_flight=in_flight,
+            not_run=not_run,
+        )
+    if status == 503 and own in NOT_RUN_CODES:  # refused, and 503 is not retried here
+        return Decision(
+            Action.RAISE,
+            "refused, not run (503)",
+            status_code=status,
+            not_run=True,
+            error=ctx.error(
+                ToolUnreachable,
+                f"the tool's server refused {ctx.where()} before running it (503){said}; "
+                "the step did not run, and 503 is not in retry_statuses. It is safe to call "
+                "it again later with the same key",
+                status_code=status,
+                body=body,
+                reason=reason,
+            ),
         )
     return Decision(
         Action.RAISE,
         f"status {status}",
         status_code=status,
         error=_final(reply, body, ctx, reason, meaning),
+    )
+
+
+def _in_doubt_answer(
+    status: int, body: object, ctx: CallContext, reason: str | None, replayed: bool
+) -> Decision:
+    """agentkey's server says the key is in doubt: final, at once (no resend, no wait)."""
+    said = f" ({reason})" if reason else ""
+    return Decision(
+        Action.RAISE,
+        f"in doubt ({status})",
+        status_code=status,
+        replayed=replayed,
+        error=ctx.error(
+            OutcomeUnknown,
+            f"the tool's server answered {status} for {ctx.where()}: an earlier request with "
+            f"this key may have started its side effect and did not finish{said}. Nothing "
+            "runs under this key until the server settles it (its reconcile hook, or an "
+            "operator), so agentkey did not send it again. Find out whether it ran; do not "
+            "send it as a new step",
+            status_code=status,
+            body=body,
+            reason=reason,
+        ),
     )
 
 
@@ -721,7 +798,12 @@ def budget_exhausted(
             "same key later to get its outcome",
             status_code=last.status_code,
         )
-    if saw_ambiguous:
+    if saw_ambiguous and saw_in_flight:
+        what = (
+            "the step may have run; an earlier answer also said another request with this "
+            "key was in flight"
+        )
+    elif saw_ambiguous:
         what = "the step may have run"
     elif saw_in_flight:
         what = (
@@ -962,9 +1044,11 @@ PROTECTED_HEADER = "Idempotency-Protected"
 def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
     """What in ``answer`` shows the tool honours Idempotency-Key, or None.
 
-    A protection header, a replay marker, or a problem answer about the key
-    (in flight, another body, another route, a malformed key). A bare 409 says
-    nothing: plenty of tools answer "conflict" for reasons of their own.
+    Only explicit markers count (docs/journal.md has the table): the protection
+    header, a configured replay marker, or a problem answer of a known idempotency
+    dialect (:func:`dialect_marker`). Sentences never count, nor do generic codes
+    (``{"error": "missing_key"}`` is as likely a missing JSON field, and
+    ``{"code": "in_progress"}`` a tool's own state), nor a bare 409.
     """
     said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
     if any(part.strip() in ("true", "?1", "1") for part in said):
@@ -972,7 +1056,35 @@ def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
     if replay_header(answer, cfg.replay_headers) is not None:
         return "replay marker"
     if answer.status_code >= 400 and answer.status_code != 401:
-        _code, meaning = problem_code(parse_json(answer.content))
-        if meaning is not None:
-            return f"key problem answer ({meaning.value})"
+        code = dialect_marker(parse_json(answer.content))
+        if code is not None:
+            return f"key problem answer ({code})"
+    return None
+
+
+def dialect_marker(body: object) -> str | None:
+    """The code of a problem answer that only an idempotency layer sends, or None.
+
+    Either the RFC 9457 ``type`` is a URI of a known dialect's namespace
+    (:data:`DIALECT_NAMESPACES`) whose code is known (:data:`PROBLEM_CODES`, or
+    agentkey's own ``in_doubt``/``not_run``), or a code in any of the places
+    :func:`problem_code` reads names idempotency itself and is listed
+    (Stripe's ``idempotency_error``, idemgate's ``idempotency_key_reused``, ...).
+    """
+    if not isinstance(body, dict):
+        return None
+    kind = body.get("type")
+    if isinstance(kind, str) and kind.strip().startswith(DIALECT_NAMESPACES):
+        code = _code_of(kind)
+        known = code in PROBLEM_CODES or code == IN_DOUBT_CODE or code in NOT_RUN_CODES
+        if code is not None and known:
+            return code
+    error = body.get("error")
+    candidates = [kind, error, body.get("code")]
+    if isinstance(error, dict):
+        candidates += [error.get("code"), error.get("type")]
+    for candidate in candidates:
+        code = _code_of(candidate)
+        if code is not None and "idempot" in code and code in PROBLEM_CODES:
+            return code
     return None

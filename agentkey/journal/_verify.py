@@ -31,6 +31,8 @@ from ..client._effects import Answer, Failure
 __all__ = ["HttpLookup", "InDoubt", "Verdict"]
 
 _PLACEHOLDERS = ("key", "plan", "step", "tool", "args_hash")
+#: How long after a call's last request left an HttpLookup believes a 404 (seconds).
+NOT_RUN_AFTER = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +108,25 @@ class HttpLookup:
     ``"/operations?idempotency_key={key}"``. The invoker sends a GET there, with
     its credentials and the call's headers, and reads the answer:
 
-    - 404 or 410: it did not run;
+    - 404 or 410: it did not run, once ``not_run_after`` seconds (60 by default) have
+      passed since the call's last request may have left: before that, a request held
+      in the network or still inside the tool could yet arrive, so the answer is
+      "cannot tell yet" (the call stays in doubt; a later call asks again);
     - 2xx: it ran, and the body is its answer; unless ``ran`` is given: a
       function of the parsed JSON body that returns True (ran), False (did not
       run) or None (cannot tell), for lookups that answer 200 with an empty list;
     - anything else, or no answer: cannot tell.
     """
 
-    __slots__ = ("_ran", "path")
+    __slots__ = ("_ran", "not_run_after", "path")
 
-    def __init__(self, path: str, *, ran: Callable[[Any], bool | None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        ran: Callable[[Any], bool | None] | None = None,
+        not_run_after: float = NOT_RUN_AFTER,
+    ) -> None:
         if (
             not isinstance(path, str)
             or not path.startswith("/")
@@ -135,6 +146,16 @@ class HttpLookup:
             ) from None
         if ran is not None and not callable(ran):
             raise ConfigurationError(f"ran must be a function of the JSON body, got {ran!r}")
+        if (
+            isinstance(not_run_after, bool)
+            or not isinstance(not_run_after, (int, float))
+            or not 0 <= not_run_after < float("inf")
+        ):
+            raise ConfigurationError(
+                "not_run_after must be a number of seconds >= 0 (how long after a request "
+                f"left a 404 is believed), got {not_run_after!r}"
+            )
+        self.not_run_after = float(not_run_after)
         self.path = path
         self._ran = ran
 
@@ -154,8 +175,23 @@ class HttpLookup:
         parts = urlsplit(tool_url)
         return urljoin(f"{parts.scheme}://{parts.netloc}/", path.lstrip("/"))
 
-    def verdict(self, reply: Answer | Failure) -> Verdict:
-        """What the lookup's answer says about the call."""
+    def verdict(self, reply: Answer | Failure, quiet: float | None = None) -> Verdict:
+        """What the lookup's answer says about the call.
+
+        ``quiet``: the seconds since the call's last request may have left (None:
+        long enough). "Not run" is believed only once it is at least ``not_run_after``.
+        """
+        found = self._read(reply)
+        if found.happened is False and quiet is not None and quiet < self.not_run_after:
+            return Verdict.unknown(
+                f"the lookup found no such call, but a request of it left {quiet:.1f} s ago "
+                "and could still arrive (HttpLookup believes 'not run' "
+                f"{self.not_run_after:g} s after the last request, not_run_after=); call "
+                "again later"
+            )
+        return found
+
+    def _read(self, reply: Answer | Failure) -> Verdict:
         if isinstance(reply, Failure):
             return Verdict.unknown(f"the lookup failed ({reply.description})")
         status = reply.status_code

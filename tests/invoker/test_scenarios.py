@@ -472,10 +472,20 @@ ROWS = [
         options={"honours_keys": None},
     ),
     Row(
-        "unknown-tool-503-resends",
-        [status(503, "0"), ok()],
-        posts=2,
+        "unknown-tool-503-stops",  # a gateway's 503 after the tool got it (issue 34)
+        [status(503, "0"), status(405)],
+        error=OutcomeUnknown,
+        probes=1,
         options={"honours_keys": None},
+        check=says_not_resent,
+    ),
+    Row(
+        "unknown-tool-429-stops",
+        [status(429, "0"), status(405)],
+        error=OutcomeUnknown,
+        probes=1,
+        options={"honours_keys": None},
+        check=says_not_resent,
     ),
     # -- hostile Retry-After values: capped, never OverflowError or ValueError --
     Row("retry-after-400-digits", [status(409, "9" * 400), ok()], posts=2, check=in_flight_capped),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import time
 from collections.abc import (
     AsyncIterator,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast
 from urllib.parse import quote
+from weakref import WeakKeyDictionary
 
 import anyio
 import anyio.abc
@@ -50,6 +52,7 @@ from ...client._policies import PollPolicy, RetryPolicy
 from ...client._protocol import DEFAULT_REPLAY_HEADERS, PROTECTED_HEADER, ProtocolConfig
 from ...journal._base import current_owner, in_flight
 from ...journal._default import resolve_journal
+from ...journal._records import route_of
 from .._adapter import code
 from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, refusal_of
 
@@ -74,7 +77,8 @@ _METHOD = "CALL"  # the method of a tools/call in the flow (its "url" names serv
 #: What an agentkey refusal becomes for the flow: (status, problem code).
 _REFUSALS: dict[str, tuple[int, str]] = {
     "in-progress": (409, "in_progress"),
-    "unavailable": (503, "unavailable"),
+    "unavailable": (503, "not_run"),  # nothing ran: resent with the same key, any tool
+    "in-doubt": (409, "in_doubt"),  # may have run, unsettled: OutcomeUnknown at once
     "payload-mismatch": (422, "payload_mismatch"),
     "key-reused": (422, "key_reused"),
     "invalid-key": (400, "idempotency_key_invalid"),
@@ -112,6 +116,13 @@ class MCPToolResult:
 #: (see :func:`connect`) sees it; the SDK turns any HTTP error into one JSON-RPC error,
 #: and this tells a refused token (401 after the provider's one refresh) from the rest.
 _STATUSES: ContextVar[list[int] | None] = ContextVar("agentkey_mcp_statuses", default=None)
+
+
+#: The URL each session opened by :func:`connect` talks to: the scope of its calls in the
+#: journal (what the client chose, never the name a server reports about itself).
+_URLS: WeakKeyDictionary[ClientSession, str] = WeakKeyDictionary()
+#: A scope of its own for each session known by neither a URL nor a name given by the user.
+_SCOPES: WeakKeyDictionary[ClientSession, str] = WeakKeyDictionary()
 
 
 async def _record_status(response: Any) -> None:
@@ -153,6 +164,7 @@ async def connect(
         ClientSession(read, write, **session_options) as session,
     ):
         await session.initialize()
+        _URLS[session] = route_of("CALL", url).partition(" ")[2]  # no query: tokens go there
         yield session
 
 
@@ -241,10 +253,12 @@ class IdempotentSession:
     the object as ``async with IdempotentSession(factory, plan) as tools:``, and a
     session that its transport ended is replaced by a new one before the resend.
     ``server`` names the server (its URL, say): the journal keeps each call, and
-    what agentkey learns about which tools honour keys, under it; by default it is
-    the name the server reports when the session opens. A key the journal holds
-    for another server is refused (:class:`~agentkey.KeyReused`), never answered
-    with the other server's result.
+    what agentkey learns about which tools honour keys, under it. By default it is
+    the URL :func:`connect` opened, else this session alone; never the name the
+    server reports (every unnamed ``MCPServer()`` reports ``mcp-server``, and a
+    hostile server can claim any name). Name it to let a restarted process find
+    its calls again. A key the journal holds for another server is refused
+    (:class:`~agentkey.KeyReused`), never answered with the other server's result.
 
     ``step`` defaults to ``(tool, n)``: the n-th call of this session with the same
     tool and arguments. A restarted process whose session makes other calls first
@@ -314,7 +328,8 @@ class IdempotentSession:
             **shared_handlers(self._hooks, self._journal, asynchronous=True),
             Sleep: lambda effect: sleep(effect.seconds),
         }
-        self._server = server  # else the name the server reports, read on the first call
+        self._server = server  # else connect()'s URL, or a scope of this session alone
+        self._own_scope = f"session-{secrets.token_hex(8)}"  # a factory's sessions share it
         self._seen: dict[tuple[str, str], int] = {}  # (tool, args hash) -> calls so far
         config = ProtocolConfig(
             base_origin=Origin("mcp", "the MCP server", 0),
@@ -371,16 +386,24 @@ class IdempotentSession:
         return self._plan
 
     async def _where(self) -> str:
-        """``mcp://<server>``: the scope of this session's calls in the journal."""
+        """``mcp://<server>``: the scope of this session's calls in the journal.
+
+        What the client controls: the name given as ``server=``, the URL ``connect()``
+        opened, else a scope of this session alone (a session given as is: that session
+        object's; a factory: this object's). Never the name the server reports.
+        """
         if self._server is None:
             try:
-                info = (await self.session()).server_info
-            except _NotConnected:
-                info = None
-            name = getattr(info, "name", None)
-            if not isinstance(name, str) or not name:
-                return "mcp://unnamed"
-            self._server = name
+                session = await self.session()
+            except _NotConnected:  # not sent anyway; the scope is decided on a later call
+                return f"mcp://{self._own_scope}"
+            url = _URLS.get(session)
+            if url is not None:
+                self._server = url
+            elif self._fixed is not None:
+                self._server = _SCOPES.setdefault(session, f"session-{secrets.token_hex(8)}")
+            else:
+                self._server = self._own_scope
         return f"mcp://{quote(self._server, safe='')}"
 
     def step_for(
