@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
@@ -41,7 +41,9 @@ class SyncJournal(ABC):
     supports_async = True
 
     @abstractmethod
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun: ...
 
     @abstractmethod
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
@@ -68,8 +70,10 @@ class SyncJournal(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
-        return self.begin(record, repeats=repeats)
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
+        return self.begin(record, repeats=repeats, known=known)
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         return self.take_over(record, previous)
@@ -125,9 +129,12 @@ class MemoryJournal(SyncJournal):
             return None
         return found[0]
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         with self._lock:
-            if repeats and (earlier := repeats_among(record, self._records.values())):
+            found = self._records.values()
+            if repeats and (earlier := repeats_among(record, found, known=known)):
                 return Begun(None, self._evidence_of(record.route), False, earlier)
             existing = self._records.get(record.key)
             if existing is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .._exceptions import ConfigurationError, MissingExtra
@@ -54,11 +54,16 @@ __all__ = ["RedisJournal"]
 #: with its arguments (a table of their keys; then nothing is written).
 _BEGIN = """
 if ARGV[5] == '1' then
-  local others = {}
+  local known = {}
+  for i = 6, #ARGV do known[ARGV[i]] = true end
+  local others, new = {}, false
   for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    if key ~= ARGV[4] then others[#others + 1] = key end
+    if key ~= ARGV[4] then
+      others[#others + 1] = key
+      if not known[key] then new = true end
+    end
   end
-  if #others > 0 then return others end
+  if new then return others end
 end
 local existing = redis.call('GET', KEYS[1])
 if existing then return existing end
@@ -186,7 +191,9 @@ class RedisJournal:
     def _ttl_ms(self) -> int:
         return int(self.retention * 1000)
 
-    def _begin_args(self, record: CallRecord, repeats: bool) -> tuple[list[str], list[Any]]:
+    def _begin_args(
+        self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
+    ) -> tuple[list[str], list[Any]]:
         keys = [
             self._record_key(record.plan, record.key),
             self._plan_key(record.plan),
@@ -194,7 +201,7 @@ class RedisJournal:
         ]
         look = "1" if repeats and record.args_hash is not None else "0"
         args = [_encode(record), self._ttl_ms(), record.created_at, record.key, look]
-        return keys, args
+        return keys, [*args, *(known or ())]
 
     def _swap_args(
         self, record: CallRecord, previous: CallRecord | None
@@ -236,8 +243,10 @@ class RedisJournal:
 
     # --- synchronous ---------------------------------------------------------------------
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
-        keys, args = self._begin_args(record, repeats)
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
+        keys, args = self._begin_args(record, repeats, known)
         client = self._client()
         try:
             with client.pipeline(transaction=False) as pipe:
@@ -254,7 +263,9 @@ class RedisJournal:
                 raws, _ = pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        earlier = _repeats(record, raws)
+        earlier = _repeats(record, raws, known)
+        if not earlier and known is not None:  # other tools' calls: look again past them
+            return self.begin(record, repeats=True, known={*known, *map(_text, raw)})
         if not earlier:  # another tool with the same arguments, or runtime calls
             return self.begin(record)
         return Begun(None, self._evidence_of(evidence), False, earlier)
@@ -337,9 +348,11 @@ class RedisJournal:
 
     # --- asyncio -------------------------------------------------------------------------
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         client = self._aclient()
-        keys, args = self._begin_args(record, repeats)
+        keys, args = self._begin_args(record, repeats, known)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
@@ -354,7 +367,9 @@ class RedisJournal:
                 raws, _ = await pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        earlier = _repeats(record, raws)
+        earlier = _repeats(record, raws, known)
+        if not earlier and known is not None:
+            return await self.abegin(record, repeats=True, known={*known, *map(_text, raw)})
         if not earlier:
             return await self.abegin(record)
         return Begun(None, self._evidence_of(evidence), False, earlier)
@@ -398,8 +413,11 @@ class RedisJournal:
             self._async = None
 
 
-def _repeats(record: CallRecord, raws: Sequence[Any]) -> tuple[CallRecord, ...]:
-    return repeats_among(record, (_decode(raw) for raw in raws if raw is not None))
+def _repeats(
+    record: CallRecord, raws: Sequence[Any], known: Collection[str] | None = None
+) -> tuple[CallRecord, ...]:
+    found = (_decode(raw) for raw in raws if raw is not None)
+    return repeats_among(record, found, known=known)
 
 
 def _text(value: Any) -> str:

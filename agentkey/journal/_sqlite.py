@@ -15,7 +15,7 @@ import stat
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,8 @@ _TAKE_OVER = (
 )
 _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
 _REPEATS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ? AND call_id IS NULL"
+#: The same, whatever the runtime's call id (a begin with ``known=``).
+_SAME_CALLS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ?"
 
 
 def row_of_record(record: CallRecord) -> tuple[Any, ...]:
@@ -241,7 +243,9 @@ class SQLiteJournal(SyncJournal):
         self._evidence_cache[route] = (found, now)
         return found
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         with self._lock:
             conn = self._connection()
             if self.clock() - self._pruned > _PRUNE_EVERY:
@@ -252,8 +256,9 @@ class SQLiteJournal(SyncJournal):
             # call at another step then finds this one, or this one finds it.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                rows = conn.execute(_REPEATS, (record.plan, record.args_hash, record.key))
-                earlier = repeats_among(record, map(record_of_row, rows))
+                query = _REPEATS if known is None else _SAME_CALLS
+                rows = conn.execute(query, (record.plan, record.args_hash, record.key))
+                earlier = repeats_among(record, map(record_of_row, rows), known=known)
                 begun = (
                     Begun(None, self._evidence(conn, record.route), False, earlier)
                     if earlier
