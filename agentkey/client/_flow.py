@@ -39,7 +39,7 @@ Three rules carry the weight:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
@@ -106,9 +106,12 @@ __all__ = [
     "Exchange",
     "Finished",
     "Flow",
+    "Identity",
+    "Pick",
     "Settings",
     "attempts",
     "check_headers",
+    "identified",
     "invoke",
     "resume",
 ]
@@ -162,6 +165,31 @@ class Call:
     verify: Verifier | None = None  # the reconcile hook of this call's tool
     on_repeat: str = "replay"  # the step's policy for a repeat the journal finds
     key_style: str = "raw"  # how the key's header value is written (for a repeat's key)
+    #: An agent runtime's rule for this call's key (:func:`identified`); None: the key above.
+    identity: Identity | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What a runtime's identity rule chose for a call: send it under ``key``
+    (``repeat_of``: the label of the earlier call whose key it is), or answer it with
+    ``answer`` (the rule's own value, returned as is) and send nothing."""
+
+    key: str | None = None
+    repeat_of: str | None = None
+    answer: Any = None
+
+
+class Identity(Protocol):
+    """An agent runtime's rule for which key a call gets (``agentkey.integrations._identity``).
+
+    ``choose`` is given the plan's calls with the same tool and arguments that the
+    journal holds: all of them when ``looked`` is true, none read yet otherwise (a key
+    chosen then is checked against the journal in the same step that records it). It
+    is asked again whenever the journal shows an identical call it did not see.
+    """
+
+    def choose(self, earlier: Sequence[CallRecord], looked: bool) -> Pick: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +306,19 @@ def invoke(call: Call, settings: Settings) -> Flow:
     return run.observed(run.step())
 
 
+def identified(call: Call, settings: Settings) -> Generator[Effect, Any, Finished | Pick]:
+    """The flow of one agent runtime's call: its identity rule (``call.identity``) decides
+    its key in one journal step, then the step's flow runs under that key, never another.
+
+    Returns the rule's :class:`Pick` when it answers the call without sending it.
+    """
+    run = _Run(call, settings)
+    pick = yield from run.identify()
+    if pick is not None:
+        return pick
+    return (yield from run.observed(run.step()))
+
+
 def resume(call: Call, settings: Settings) -> Flow:
     """The flow that finishes polling ``call.url`` after a PollTimeout, sending no step."""
     run = _Run(call, settings)
@@ -334,6 +375,8 @@ class _Run:
         self.evidence: str | None = None  # how the route showed it honours keys
         self.probed = False
         self.asked_last = False  # the last question before the deadline about a key in flight
+        #: The identity rule's begin (its record and what the journal said), for begin().
+        self.begun: tuple[CallRecord, Begun] | None = None
 
     def ctx(self) -> CallContext:
         return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
@@ -531,6 +574,7 @@ class _Run:
         call = self.call
         return (
             self.s.journal
+            and call.identity is None  # a runtime's call: its identity rule looked already
             and call.repeat_of is None
             and call.call_id is None
             and call.args_hash is not None
@@ -569,7 +613,88 @@ class _Run:
         waited for, within the deadline, when the tool is not known to honour keys: its
         answer then comes from the journal.
         """
-        return (yield from attempts(_Beginning(self)))
+        beginning = _Beginning(self)
+        if self.begun is not None:  # the identity rule's begin, made already: judge it first
+            beginning.record, first = self.begun
+            self.begun = None
+            verdict = yield from beginning.judge(first)
+            if not isinstance(verdict, Again):
+                return verdict
+            if verdict.event is not None:
+                yield Emit(verdict.event)
+            if verdict.wait is not None:
+                yield Sleep(verdict.wait)
+        return (yield from attempts(beginning))
+
+    # --- the identity of a runtime's call ---------------------------------------------------
+
+    def identify(self) -> Generator[Effect, Any, Pick | None]:
+        """Decide the call's key by its identity rule, and record it, in one journal step.
+
+        The rule chooses from the plan's identical calls it has seen; the journal records
+        the call under the chosen key only if no identical call beyond those appeared
+        (``begin(..., known=...)``), else the rule chooses again with all of them. So two
+        copies of one job racing (tasks, threads, processes on one journal) never both
+        record a new key for one call: the second finds the first and takes its key.
+        Returns the rule's :class:`Pick` when it answers without sending; None when the
+        call is to go on under ``self.call.key`` (recorded: ``self.begun``).
+        """
+        identity = self.call.identity
+        assert identity is not None
+        journal = self.s.journal
+        earlier: tuple[CallRecord, ...] = ()
+        looked = not journal  # without a journal, the runtime's history alone decides
+        while True:
+            pick = identity.choose(earlier, looked)
+            if pick.answer is not None:
+                if looked:
+                    return pick
+                earlier, looked = (yield from self.identical()), True
+                continue
+            self.rekey(pick)
+            if not journal:
+                return None
+            record = self.new_record()
+            known = tuple(r.key for r in earlier)
+            begun: Begun = yield Journaled("begin", (record,), {"repeats": True, "known": known})
+            if begun.earlier:  # an identical call it has not seen: choose again, seeing all
+                earlier, looked = (yield from self.identical()), True
+                continue
+            if not looked and begun.existing is not None:
+                # The only identical call is the one under this key: choose again with it.
+                earlier, looked = (begun.existing,), True
+                again = identity.choose(earlier, True)
+                if again.answer is not None or again.key != self.call.key:
+                    continue
+                self.rekey(again)
+            self.begun = (record, begun)
+            return None
+
+    def identical(self) -> Generator[Effect, Any, tuple[CallRecord, ...]]:
+        """The plan's calls with this call's tool and arguments, from the journal."""
+        call = self.call
+        options = {"tool": call.tool, "args_hash": call.args_hash}
+        found = yield Journaled("find", (call.plan,), options)
+        return tuple(found)
+
+    def rekey(self, pick: Pick) -> None:
+        """Make ``pick``'s key (an identity rule's choice) this call's."""
+        call = self.call
+        if pick.key == call.key and pick.repeat_of == call.repeat_of:
+            return
+        key = StepKey.parse(pick.key or "")
+        if key.plan_session_id != call.plan or key.args_hash != call.args_hash:
+            raise ConfigurationError(  # a rule that chose another call's key: a bug
+                f"the identity rule of tool {call.tool!r} chose the key {shown_key(key.format())} "
+                f"of another plan or other arguments for {_where(call)}; nothing was sent"
+            )
+        self.call = replace(
+            call,
+            key=key.format(),
+            label=key.label,
+            key_value=key.header_value(call.key_style),  # type: ignore[arg-type]
+            repeat_of=pick.repeat_of,
+        )
 
     def settle_earlier(
         self, earlier: CallRecord, live: bool
