@@ -93,12 +93,15 @@ class Gate(PassThrough):
 
 
 @contextmanager
-def tool_server() -> Iterator[tuple[str, PlainTool]]:
-    """The counting tool behind agentkey's middleware, on loopback."""
+def tool_server(*, middleware: bool = True) -> Iterator[tuple[str, PlainTool]]:
+    """The counting tool behind agentkey's middleware (or bare: a tool that does not honour
+    keys), on loopback."""
     tool = PlainTool()
-    app = IdempotencyMiddleware(
-        tool, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True
-    )
+    app: Any = tool
+    if middleware:
+        app = IdempotencyMiddleware(
+            tool, store=MemoryStore(), routes=["/tools/*"], shared_key_space=True
+        )
     with serve(app) as url:
         yield url, tool
 

@@ -24,6 +24,7 @@ import pytest
 
 from agentkey import PlanSession
 from agentkey.journal import SQLiteJournal
+from tests._loopback import RedisServer
 from tests.integrations import _race
 from tests.integrations._race import Gate, tool_server
 
@@ -55,20 +56,44 @@ def _in_threads(copy: Callable[..., list[dict[str, Any]]], *args: Any) -> list[d
         return [r for f in futures for r in f.result()]
 
 
-async def test_openai_agents_copies_with_one_trace_id_charge_once(journal: SQLiteJournal) -> None:
+@pytest.fixture(params=["sqlite", "redis"])
+def any_journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A SQLite journal file (one machine), or a Redis journal (a fleet)."""
+    journal: Any
+    if request.param == "sqlite":
+        journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    else:
+        from agentkey.journal import RedisJournal
+
+        server: RedisServer = request.getfixturevalue("redis_proc")
+        journal = RedisJournal(server.url, prefix=f"race{uuid.uuid4().hex[:10]}")
+    yield journal
+    journal.close()
+
+
+@pytest.mark.parametrize("middleware", [True, False], ids=["honoured", "plain"])
+async def test_openai_agents_copies_with_one_trace_id_charge_once(
+    any_journal: Any, middleware: bool
+) -> None:
     """OpenAI Agents SDK, one job's trace_id run twice at once (two tasks), each model naming
-    its call anew: 10 trials, one charge each (6 of 6 ran twice before)."""
+    its call anew: 10 trials, one charge each, on a tool behind the middleware (the second
+    copy's send is replayed) or a plain one (the second copy waits, and the journal answers).
+    Before, 8 to 10 of 10 trials charged twice."""
+    journal = any_journal
     runs: list[int] = []
     answers: list[list[dict[str, Any]]] = []
-    with tool_server() as (url, tool):
-        for _ in range(TRIALS):
-            before, trace_id = tool.executions["charge"], f"trace_{uuid.uuid4().hex}"
-            meeting = threading.Barrier(2)
-            both = await asyncio.gather(
-                *(_race.agents_copy(url, Gate(journal, meeting), trace_id) for _ in range(2))
-            )
-            runs.append(tool.executions["charge"] - before)
-            answers.append([r for copy in both for r in copy])
+    with tool_server(middleware=middleware) as (url, tool):
+        try:
+            for _ in range(TRIALS):
+                before, trace_id = tool.executions["charge"], f"trace_{uuid.uuid4().hex}"
+                meeting = threading.Barrier(2)
+                both = await asyncio.gather(
+                    *(_race.agents_copy(url, Gate(journal, meeting), trace_id) for _ in range(2))
+                )
+                runs.append(tool.executions["charge"] - before)
+                answers.append([r for copy in both for r in copy])
+        finally:
+            await journal.aclose()  # its asyncio client belongs to this test's loop
     assert runs == [1] * TRIALS
     for records in answers:
         _one_call(records)
