@@ -122,6 +122,8 @@ MAX_POLL_REDIRECTS = 10
 MAX_UNREACHABLE = 3
 #: The longest wait between two questions about a request of the same key in flight.
 IN_FLIGHT_CAP = 2.0
+#: How often a runtime's call chooses its key again because an identical call appeared.
+MAX_CHOICES = 32
 #: Slack on a pending record's lease beyond the call's deadline (seconds).
 LEASE_SLACK = 30.0
 #: Header names agentkey sets itself; an AttemptEvent hook may add any other (``traceparent``).
@@ -644,7 +646,7 @@ class _Run:
         journal = self.s.journal
         earlier: tuple[CallRecord, ...] = ()
         looked = not journal  # without a journal, the runtime's history alone decides
-        while True:
+        for _ in range(MAX_CHOICES):
             pick = identity.choose(earlier, looked)
             if pick.answer is not None:
                 if looked:
@@ -669,6 +671,15 @@ class _Run:
                 self.rekey(again)
             self.begun = (record, begun)
             return None
+        call = self.call
+        raise StepInProgress(
+            f"{_where(call)}: the journal showed a new identical call (same tool, same "
+            f"arguments) each of the {MAX_CHOICES} times this call chose its key, so it was "
+            "not recorded and nothing was sent. Call again once the other senders of this "
+            "plan have recorded their calls",
+            idempotency_key=call.key,
+            step=call.label,
+        )
 
     def identical(self) -> Generator[Effect, Any, tuple[CallRecord, ...]]:
         """The plan's calls with this call's tool and arguments, from the journal."""
