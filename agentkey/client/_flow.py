@@ -13,6 +13,7 @@ again): the step, its polls and the token endpoint (``auth._endpoint``) each
 give it an :class:`Exchange`, their request and their classifier.
 
 ```
+(an agent runtime's call: identity rule ⇄ journal: begin(known=) until it records)
 CallStart ─▶ journal: begin ─▶ (earlier record? settle it first)
           ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
           ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd

@@ -31,6 +31,10 @@ from tests.integrations._race import Gate, tool_server
 pytestmark = pytest.mark.timeout(120)
 
 TRIALS = 10
+#: 10 trials in the default suite; 200 more behind the long marker.
+MANY = pytest.mark.parametrize(
+    "trials", [TRIALS, pytest.param(200, marks=[pytest.mark.long, pytest.mark.timeout(900)])]
+)
 
 
 @pytest.fixture
@@ -71,9 +75,10 @@ def any_journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]
     journal.close()
 
 
+@MANY
 @pytest.mark.parametrize("middleware", [True, False], ids=["honoured", "plain"])
 async def test_openai_agents_copies_with_one_trace_id_charge_once(
-    any_journal: Any, middleware: bool
+    any_journal: Any, middleware: bool, trials: int
 ) -> None:
     """OpenAI Agents SDK, one job's trace_id run twice at once (two tasks), each model naming
     its call anew: 10 trials, one charge each, on a tool behind the middleware (the second
@@ -84,7 +89,7 @@ async def test_openai_agents_copies_with_one_trace_id_charge_once(
     answers: list[list[dict[str, Any]]] = []
     with tool_server(middleware=middleware) as (url, tool):
         try:
-            for _ in range(TRIALS):
+            for _ in range(trials):
                 before, trace_id = tool.executions["charge"], f"trace_{uuid.uuid4().hex}"
                 meeting = threading.Barrier(2)
                 both = await asyncio.gather(
@@ -94,7 +99,7 @@ async def test_openai_agents_copies_with_one_trace_id_charge_once(
                 answers.append([r for copy in both for r in copy])
         finally:
             await journal.aclose()  # its asyncio client belongs to this test's loop
-    assert runs == [1] * TRIALS
+    assert runs == [1] * trials
     for records in answers:
         _one_call(records)
 
@@ -198,14 +203,17 @@ async def test_mcp_client_copies_of_one_plan_create_once(journal: SQLiteJournal)
         assert sorted(r.replayed for r in results) == [False, True]
 
 
+@MANY
 @pytest.mark.realtime
-def test_openai_agents_copies_in_two_processes_on_one_journal_charge_once(tmp_path: Path) -> None:
+def test_openai_agents_copies_in_two_processes_on_one_journal_charge_once(
+    tmp_path: Path, trials: int
+) -> None:
     """Two processes on one SQLite journal, each running one copy of the same 10 jobs (same
     trace_id each), a copy of each job in each process at once: 10 charges in all, none
     doubled (each of the 10 ran twice before)."""
     context = multiprocessing.get_context("spawn")
     meeting = context.Barrier(2)
-    trace_ids = [f"trace_{uuid.uuid4().hex}" for _ in range(TRIALS)]
+    trace_ids = [f"trace_{uuid.uuid4().hex}" for _ in range(trials)]
     path = str(tmp_path / "shared.sqlite3")
     with tool_server() as (url, tool):
         processes = [
@@ -217,7 +225,7 @@ def test_openai_agents_copies_in_two_processes_on_one_journal_charge_once(tmp_pa
         for process in processes:
             process.start()
         for process in processes:
-            process.join(100)
+            process.join(100 + 2 * trials)
         assert [p.exitcode for p in processes] == [0, 0]
-        assert tool.executions["charge"] == TRIALS
-        assert len(tool.answers) == TRIALS  # one key per job
+        assert tool.executions["charge"] == trials
+        assert len(tool.answers) == trials  # one key per job
