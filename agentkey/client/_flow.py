@@ -13,8 +13,8 @@ again): the step, its polls and the token endpoint (``auth._endpoint``) each
 give it an :class:`Exchange`, their request and their classifier.
 
 ```
-(an agent runtime's call: identity rule ⇄ journal: begin(known=) until it records)
-CallStart ─▶ journal: begin ─▶ (earlier record? settle it first)
+(identity rule ⇄ journal: begin(repeats=True, known=) until it records: the key, once)
+CallStart ─▶ (journal: begin ─▶ earlier record of the key? settle it first)
           ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
           ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd
 ```
@@ -304,8 +304,15 @@ def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
 
 
 def invoke(call: Call, settings: Settings) -> Flow:
-    """The flow of one step: send it (same key on every resend), then poll a 202 to its end."""
+    """The flow of one step: send it (same key on every resend), then poll a 202 to its end.
+
+    With a journal, a call that may repeat an earlier step of its plan is identified
+    first, by the plan's rule (:class:`_PlanRepeats`), in the same journal step that
+    records it.
+    """
     run = _Run(call, settings)
+    if run.looks_for_repeats():
+        return run.repeats_first()
     return run.observed(run.step())
 
 
@@ -316,10 +323,39 @@ def identified(call: Call, settings: Settings) -> Generator[Effect, Any, Finishe
     Returns the rule's :class:`Pick` when it answers the call without sending it.
     """
     run = _Run(call, settings)
-    pick = yield from run.identify()
+    assert call.identity is not None
+    pick = yield from run.identify(call.identity)
     if pick is not None:
         return pick
     return (yield from run.observed(run.step()))
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanRepeats:
+    """Your own loop's identity rule, for a call without a runtime call id: an identical call
+    (same tool and arguments) of the plan at another step, made without a runtime call id,
+    gives its key, the oldest first (``on_repeat="raise"``: :class:`~agentkey.StepRepeated`);
+    otherwise the call keeps the key of its step."""
+
+    call: Call
+
+    def choose(self, earlier: Sequence[CallRecord], looked: bool) -> Pick:
+        call = self.call
+        same = [r for r in earlier if r.key != call.key and r.call_id is None]
+        if not same:
+            return Pick(key=call.key, repeat_of=call.repeat_of)
+        first = StepKey.parse(min(same, key=lambda r: (r.created_at, r.key)).key)
+        if call.on_repeat == "raise":
+            raise StepRepeated(
+                f"tool {call.tool!r} was already called with these arguments at {first.label} "
+                f"of plan {call.plan!r} (the journal shows it); {call.label} would run it a "
+                "second time. If the model asked again by mistake, tell it the call is done; "
+                "if it really is a new operation, change an argument or use on_repeat='allow'",
+                tool=call.tool or "",
+                previous_step=first.label,
+                idempotency_key=first.format(),
+            )
+        return Pick(key=first.format(), repeat_of=first.label)
 
 
 def resume(call: Call, settings: Settings) -> Flow:
@@ -567,7 +603,7 @@ class _Run:
         yield Journaled("finish", (record.with_(**fields),))
 
     def looks_for_repeats(self) -> bool:
-        """Whether ``begin`` asks the journal for this call at another step of the plan.
+        """Whether the journal is asked for this call at another step of the plan.
 
         The plan itself catches a repeat among the steps it handed out (``repeat_of``);
         the journal catches one whatever the plan remembered (a plan saved before the
@@ -577,37 +613,18 @@ class _Run:
         call = self.call
         return (
             self.s.journal
-            and call.identity is None  # a runtime's call: its identity rule looked already
+            and call.identity is None  # a runtime's call: its own rule looks
             and call.repeat_of is None
             and call.call_id is None
             and call.args_hash is not None
             and call.on_repeat != "allow"
         )
 
-    def take_repeat(self, earlier: tuple[CallRecord, ...]) -> Generator[Effect, Any, None]:
-        """Send this call under the key of the first of ``earlier`` (the journal's record of
-        the same tool and arguments at another step), or refuse it (``on_repeat="raise"``)."""
-        call = self.call
-        first = StepKey.parse(earlier[0].key)
-        if call.on_repeat == "raise":
-            raise StepRepeated(
-                f"tool {call.tool!r} was already called with these arguments at {first.label} "
-                f"of plan {call.plan!r} (the journal shows it); {call.label} would run it a "
-                "second time. If the model asked again by mistake, tell it the call is done; "
-                "if it really is a new operation, change an argument or use on_repeat='allow'",
-                tool=call.tool or "",
-                previous_step=first.label,
-                idempotency_key=first.format(),
-            )
-        self.call = call = replace(
-            call,
-            key=first.format(),
-            label=first.label,
-            key_value=first.header_value(call.key_style),  # type: ignore[arg-type]
-            repeat_of=first.label,
-        )
-        if RepeatEvent in self.s.events:
-            yield Emit(RepeatEvent(call.key, call.label, first.label, call.tool))
+    def repeats_first(self) -> Flow:
+        """The step's flow, after the plan's rule found whether it repeats an earlier step."""
+        pick = yield from self.identify(_PlanRepeats(self.call))
+        assert pick is None  # the plan's rule never answers without sending
+        return (yield from self.observed(self.step()))
 
     def begin(self) -> Generator[Effect, Any, Finished | None]:
         """Record the call in the journal, or settle the record of an earlier send of it.
@@ -631,8 +648,9 @@ class _Run:
 
     # --- the identity of a runtime's call ---------------------------------------------------
 
-    def identify(self) -> Generator[Effect, Any, Pick | None]:
-        """Decide the call's key by its identity rule, and record it, in one journal step.
+    def identify(self, identity: Identity) -> Generator[Effect, Any, Pick | None]:
+        """Decide the call's key by ``identity`` (a runtime's rule, or the plan's own for your
+        loop: :class:`_PlanRepeats`), and record it, in one journal step.
 
         The rule chooses from the plan's identical calls it has seen; the journal records
         the call under the chosen key only if no identical call beyond those appeared
@@ -642,8 +660,6 @@ class _Run:
         Returns the rule's :class:`Pick` when it answers without sending; None when the
         call is to go on under ``self.call.key`` (recorded: ``self.begun``).
         """
-        identity = self.call.identity
-        assert identity is not None
         journal = self.s.journal
         earlier: tuple[CallRecord, ...] = ()
         looked = not journal  # without a journal, the runtime's history alone decides
@@ -1089,31 +1105,23 @@ class _Beginning(Exchange["Finished | None"]):
     call's answer when the journal settles it, or :class:`Again`.
     """
 
-    __slots__ = ("record", "repeats", "reread", "run", "waited")
+    __slots__ = ("record", "reread", "run", "waited")
 
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.record: CallRecord | None = None  # the record this flow asks to begin
         self.waited = 0  # waits for the send in flight elsewhere
         self.reread = False  # a pending record whose sender looked gone was read again
-        self.repeats = run.looks_for_repeats()  # ask for the call at another step first
 
     def request(self) -> Generator[Effect, Any, Effect]:
         self.record = self.run.new_record()
         yield from ()
-        if self.repeats:
-            return Journaled("begin", (self.record,), {"repeats": True})
         return Journaled("begin", (self.record,))
 
     def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
         run, record = self.run, self.record
         assert record is not None
         run.evidence = run.evidence or begun.evidence
-        if self.repeats:
-            self.repeats = False
-            if begun.earlier:  # nothing was written: begin again under the first one's key
-                yield from run.take_repeat(begun.earlier)
-                return Again()
         earlier = begun.existing
         if earlier is None:
             run.record = record
