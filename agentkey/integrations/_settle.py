@@ -46,6 +46,8 @@ _NOT_ANSWERED = frozenset({CallState.FAILED, CallState.NOT_SENT})
 
 #: A chooser's answer (``sent_only``) for a call the journal never saw sent.
 NOT_SENT = "not sent"
+#: A chooser's answer before it saw the journal, when the history alone would refuse the call.
+_LOOK_FIRST = "look first"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +124,14 @@ class Chooser:
         site = self.site
         if self.sent_only and not any(r.call_id == site.call_id for r in earlier):
             return Pick(answer=NOT_SENT)
-        found = self.decided(earlier)
+        try:
+            found = self.decided(earlier)
+        except StepRepeated:
+            if looked:
+                raise
+            # The history alone says it repeats: the journal may say otherwise (a refusal is
+            # no answer), so the flow looks there first and asks again.
+            return Pick(answer=_LOOK_FIRST)
         if isinstance(found, Repeat):
             return Pick(answer=found)
         return Pick(key=found.step.idempotency_key, repeat_of=found.step.repeat_of)
