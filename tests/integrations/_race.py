@@ -36,9 +36,9 @@ __all__ = [
     "ARGS",
     "Charge",
     "Gate",
-    "agents_copies_in_a_process",
     "agents_copy",
     "chain_copy",
+    "copies_in_a_process",
     "graph_copy",
     "loop_copy",
     "pydantic_copy",
@@ -227,14 +227,21 @@ def loop_copy(url: str, journal: Any, saved_plan: str) -> list[dict[str, Any]]:
     return [result.model_dump(mode="json", exclude={"headers", "body"})]
 
 
-def agents_copies_in_a_process(
-    url: str, journal_path: str, meeting: Meeting, trace_ids: list[str]
+def copies_in_a_process(
+    framework: str, url: str, journal_path: str, meeting: Meeting, job_ids: list[str]
 ) -> None:
-    """A process running one copy of each job in ``trace_ids``, one after the other; the
-    other process runs the other copies (``multiprocessing`` target)."""
-    for trace_id in trace_ids:
+    """A process running one copy of each job in ``job_ids`` (its trace id, run id, or thread
+    and message id), one after the other; the other process runs the other copies
+    (``multiprocessing`` target). Each copy opens the shared SQLite journal file itself."""
+    for job_id in job_ids:
         journal = SQLiteJournal(Path(journal_path))
+        gate = Gate(journal, meeting)
         try:
-            asyncio.run(agents_copy(url, Gate(journal, meeting), trace_id))
+            if framework == "openai-agents":
+                asyncio.run(agents_copy(url, gate, f"trace_{job_id.replace('-', '')}"))
+            elif framework == "pydantic-ai":
+                asyncio.run(pydantic_copy(url, gate, job_id))
+            else:
+                graph_copy(url, gate, f"thread-{job_id}", job_id)
         finally:
             journal.close()

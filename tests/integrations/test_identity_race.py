@@ -205,20 +205,24 @@ async def test_mcp_client_copies_of_one_plan_create_once(journal: SQLiteJournal)
 
 @MANY
 @pytest.mark.realtime
-def test_openai_agents_copies_in_two_processes_on_one_journal_charge_once(
-    tmp_path: Path, trials: int
+@pytest.mark.parametrize("framework", ["openai-agents", "pydantic-ai", "langgraph"])
+def test_copies_in_two_processes_on_one_journal_charge_once(
+    tmp_path: Path, framework: str, trials: int
 ) -> None:
-    """Two processes on one SQLite journal, each running one copy of the same 10 jobs (same
-    trace_id each), a copy of each job in each process at once: 10 charges in all, none
-    doubled (each of the 10 ran twice before)."""
+    """Two processes on one SQLite journal file, each running one copy of the same 10 jobs
+    (same trace id, run id, or thread and message id), the two copies of each job at once:
+    10 charges in all, none doubled (before, 8 to 10 of the 10 OpenAI Agents jobs charged
+    twice)."""
+    if framework == "pydantic-ai":
+        pytest.importorskip("pydantic_ai", reason="PydanticAI needs Python 3.11+")
     context = multiprocessing.get_context("spawn")
     meeting = context.Barrier(2)
-    trace_ids = [f"trace_{uuid.uuid4().hex}" for _ in range(trials)]
+    job_ids = [str(uuid.uuid4()) for _ in range(trials)]
     path = str(tmp_path / "shared.sqlite3")
     with tool_server() as (url, tool):
         processes = [
             context.Process(
-                target=_race.agents_copies_in_a_process, args=(url, path, meeting, trace_ids)
+                target=_race.copies_in_a_process, args=(framework, url, path, meeting, job_ids)
             )
             for _ in range(2)
         ]
