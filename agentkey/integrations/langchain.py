@@ -583,8 +583,9 @@ def _for_model(
         callbacks,
         {
             "tool": tool,
+            # The error's own key and step: a runtime's call got them in the flow.
             "idempotency_key": exc.idempotency_key or step.idempotency_key,
-            "step": step.label,
+            "step": exc.step or step.label,
             "outcome": "error",
             "status_code": exc.status_code,
             "reason": reason,
