@@ -13,7 +13,8 @@ again): the step, its polls and the token endpoint (``auth._endpoint``) each
 give it an :class:`Exchange`, their request and their classifier.
 
 ```
-CallStart ─▶ journal: begin ─▶ (earlier record? settle it first)
+(identity rule ⇄ journal: begin(repeats=True, known=) until it records: the key, once)
+CallStart ─▶ (journal: begin ─▶ earlier record of the key? settle it first)
           ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
           ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd
 ```
@@ -39,7 +40,7 @@ Three rules carry the weight:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
@@ -109,9 +110,12 @@ __all__ = [
     "Exchange",
     "Finished",
     "Flow",
+    "Identity",
+    "Pick",
     "Settings",
     "attempts",
     "check_headers",
+    "identified",
     "invoke",
     "resume",
 ]
@@ -124,6 +128,8 @@ MAX_POLL_REDIRECTS = 10
 MAX_UNREACHABLE = 3
 #: The longest wait between two questions about a request of the same key in flight.
 IN_FLIGHT_CAP = 2.0
+#: How often a runtime's call chooses its key again because an identical call appeared.
+MAX_CHOICES = 32
 #: Slack on a pending record's lease beyond the call's deadline (seconds).
 LEASE_SLACK = 30.0
 #: Header names agentkey sets itself; an AttemptEvent hook may add any other (``traceparent``).
@@ -167,6 +173,31 @@ class Call:
     verify: Verifier | None = None  # the reconcile hook of this call's tool
     on_repeat: str = "replay"  # the step's policy for a repeat the journal finds
     key_style: str = "raw"  # how the key's header value is written (for a repeat's key)
+    #: An agent runtime's rule for this call's key (:func:`identified`); None: the key above.
+    identity: Identity | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What a runtime's identity rule chose for a call: send it under ``key``
+    (``repeat_of``: the label of the earlier call whose key it is), or answer it with
+    ``answer`` (the rule's own value, returned as is) and send nothing."""
+
+    key: str | None = None
+    repeat_of: str | None = None
+    answer: Any = None
+
+
+class Identity(Protocol):
+    """An agent runtime's rule for which key a call gets (``agentkey.integrations._identity``).
+
+    ``choose`` is given the plan's calls with the same tool and arguments that the
+    journal holds: all of them when ``looked`` is true, none read yet otherwise (a key
+    chosen then is checked against the journal in the same step that records it). It
+    is asked again whenever the journal shows an identical call it did not see.
+    """
+
+    def choose(self, earlier: Sequence[CallRecord], looked: bool) -> Pick: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,9 +311,58 @@ def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
 
 
 def invoke(call: Call, settings: Settings) -> Flow:
-    """The flow of one step: send it (same key on every resend), then poll a 202 to its end."""
+    """The flow of one step: send it (same key on every resend), then poll a 202 to its end.
+
+    With a journal, a call that may repeat an earlier step of its plan is identified
+    first, by the plan's rule (:class:`_PlanRepeats`), in the same journal step that
+    records it.
+    """
     run = _Run(call, settings)
+    if run.looks_for_repeats():
+        return run.repeats_first()
     return run.observed(run.step())
+
+
+def identified(call: Call, settings: Settings) -> Generator[Effect, Any, Finished | Pick]:
+    """The flow of one agent runtime's call: its identity rule (``call.identity``) decides
+    its key in one journal step, then the step's flow runs under that key, never another.
+
+    Returns the rule's :class:`Pick` when it answers the call without sending it.
+    """
+    run = _Run(call, settings)
+    assert call.identity is not None
+    pick = yield from run.identify(call.identity)
+    if pick is not None:
+        return pick
+    return (yield from run.observed(run.step()))
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanRepeats:
+    """Your own loop's identity rule, for a call without a runtime call id: an identical call
+    (same tool and arguments) of the plan at another step, made without a runtime call id,
+    gives its key, the oldest first (``on_repeat="raise"``: :class:`~agentkey.StepRepeated`);
+    otherwise the call keeps the key of its step."""
+
+    call: Call
+
+    def choose(self, earlier: Sequence[CallRecord], looked: bool) -> Pick:
+        call = self.call
+        same = [r for r in earlier if r.key != call.key and r.call_id is None]
+        if not same:
+            return Pick(key=call.key, repeat_of=call.repeat_of)
+        first = StepKey.parse(min(same, key=lambda r: (r.created_at, r.key)).key)
+        if call.on_repeat == "raise":
+            raise StepRepeated(
+                f"tool {call.tool!r} was already called with these arguments at {first.label} "
+                f"of plan {call.plan!r} (the journal shows it); {call.label} would run it a "
+                "second time. If the model asked again by mistake, tell it the call is done; "
+                "if it really is a new operation, change an argument or use on_repeat='allow'",
+                tool=call.tool or "",
+                previous_step=first.label,
+                idempotency_key=first.format(),
+            )
+        return Pick(key=first.format(), repeat_of=first.label)
 
 
 def resume(call: Call, settings: Settings) -> Flow:
@@ -347,6 +427,8 @@ class _Run:
         self.unsure: str | None = None  # why the reconcile hook could not tell
         self.recall()
         self.asked_last = False  # the last question before the deadline about a key in flight
+        #: The identity rule's begin (its record and what the journal said), for begin().
+        self.begun: tuple[CallRecord, Begun] | None = None
 
     def ctx(self) -> CallContext:
         return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
@@ -555,7 +637,7 @@ class _Run:
         yield Journaled("finish", (record.with_(**fields),))
 
     def looks_for_repeats(self) -> bool:
-        """Whether ``begin`` asks the journal for this call at another step of the plan.
+        """Whether the journal is asked for this call at another step of the plan.
 
         The plan itself catches a repeat among the steps it handed out (``repeat_of``);
         the journal catches one whatever the plan remembered (a plan saved before the
@@ -565,36 +647,18 @@ class _Run:
         call = self.call
         return (
             self.s.journal
+            and call.identity is None  # a runtime's call: its own rule looks
             and call.repeat_of is None
             and call.call_id is None
             and call.args_hash is not None
             and call.on_repeat != "allow"
         )
 
-    def take_repeat(self, earlier: tuple[CallRecord, ...]) -> Generator[Effect, Any, None]:
-        """Send this call under the key of the first of ``earlier`` (the journal's record of
-        the same tool and arguments at another step), or refuse it (``on_repeat="raise"``)."""
-        call = self.call
-        first = StepKey.parse(earlier[0].key)
-        if call.on_repeat == "raise":
-            raise StepRepeated(
-                f"tool {call.tool!r} was already called with these arguments at {first.label} "
-                f"of plan {call.plan!r} (the journal shows it); {call.label} would run it a "
-                "second time. If the model asked again by mistake, tell it the call is done; "
-                "if it really is a new operation, change an argument or use on_repeat='allow'",
-                tool=call.tool or "",
-                previous_step=first.label,
-                idempotency_key=first.format(),
-            )
-        self.call = call = replace(
-            call,
-            key=first.format(),
-            label=first.label,
-            key_value=first.header_value(call.key_style),  # type: ignore[arg-type]
-            repeat_of=first.label,
-        )
-        if RepeatEvent in self.s.events:
-            yield Emit(RepeatEvent(call.key, call.label, first.label, call.tool))
+    def repeats_first(self) -> Flow:
+        """The step's flow, after the plan's rule found whether it repeats an earlier step."""
+        pick = yield from self.identify(_PlanRepeats(self.call))
+        assert pick is None  # the plan's rule never answers without sending
+        return (yield from self.observed(self.step()))
 
     def begin(self) -> Generator[Effect, Any, Finished | None]:
         """Record the call in the journal, or settle the record of an earlier send of it.
@@ -603,7 +667,96 @@ class _Run:
         waited for, within the deadline, when the tool is not known to honour keys: its
         answer then comes from the journal.
         """
-        return (yield from attempts(_Beginning(self)))
+        beginning = _Beginning(self)
+        if self.begun is not None:  # the identity rule's begin, made already: judge it first
+            beginning.record, first = self.begun
+            self.begun = None
+            verdict = yield from beginning.judge(first)
+            if not isinstance(verdict, Again):
+                return verdict
+            if verdict.event is not None:
+                yield Emit(verdict.event)
+            if verdict.wait is not None:
+                yield Sleep(verdict.wait)
+        return (yield from attempts(beginning))
+
+    # --- the identity of a runtime's call ---------------------------------------------------
+
+    def identify(self, identity: Identity) -> Generator[Effect, Any, Pick | None]:
+        """Decide the call's key by ``identity`` (a runtime's rule, or the plan's own for your
+        loop: :class:`_PlanRepeats`), and record it, in one journal step.
+
+        The rule chooses from the plan's identical calls it has seen; the journal records
+        the call under the chosen key only if no identical call beyond those appeared
+        (``begin(..., known=...)``), else the rule chooses again with all of them. So two
+        copies of one job racing (tasks, threads, processes on one journal) never both
+        record a new key for one call: the second finds the first and takes its key.
+        Returns the rule's :class:`Pick` when it answers without sending; None when the
+        call is to go on under ``self.call.key`` (recorded: ``self.begun``).
+        """
+        journal = self.s.journal
+        earlier: tuple[CallRecord, ...] = ()
+        looked = not journal  # without a journal, the runtime's history alone decides
+        for _ in range(MAX_CHOICES):
+            pick = identity.choose(earlier, looked)
+            if pick.answer is not None:
+                if looked:
+                    return pick
+                earlier, looked = (yield from self.identical()), True
+                continue
+            self.rekey(pick)
+            if not journal:
+                return None
+            record = self.new_record()
+            known = tuple(r.key for r in earlier)
+            begun: Begun = yield Journaled("begin", (record,), {"repeats": True, "known": known})
+            if begun.earlier:  # an identical call it has not seen: choose again, seeing all
+                earlier, looked = (yield from self.identical()), True
+                continue
+            if not looked and begun.existing is not None:
+                # The only identical call is the one under this key: choose again with it.
+                earlier, looked = (begun.existing,), True
+                again = identity.choose(earlier, True)
+                if again.answer is not None or again.key != self.call.key:
+                    continue
+                self.rekey(again)
+            self.begun = (record, begun)
+            return None
+        call = self.call
+        raise StepInProgress(
+            f"{_where(call)}: the journal showed a new identical call (same tool, same "
+            f"arguments) each of the {MAX_CHOICES} times this call chose its key, so it was "
+            "not recorded and nothing was sent. Call again once the other senders of this "
+            "plan have recorded their calls",
+            idempotency_key=call.key,
+            step=call.label,
+        )
+
+    def identical(self) -> Generator[Effect, Any, tuple[CallRecord, ...]]:
+        """The plan's calls with this call's tool and arguments, from the journal."""
+        call = self.call
+        options = {"tool": call.tool, "args_hash": call.args_hash}
+        found = yield Journaled("find", (call.plan,), options)
+        return tuple(found)
+
+    def rekey(self, pick: Pick) -> None:
+        """Make ``pick``'s key (an identity rule's choice) this call's."""
+        call = self.call
+        if pick.key == call.key and pick.repeat_of == call.repeat_of:
+            return
+        key = StepKey.parse(pick.key or "")
+        if key.plan_session_id != call.plan or key.args_hash != call.args_hash:
+            raise ConfigurationError(  # a rule that chose another call's key: a bug
+                f"the identity rule of tool {call.tool!r} chose the key {shown_key(key.format())} "
+                f"of another plan or other arguments for {_where(call)}; nothing was sent"
+            )
+        self.call = replace(
+            call,
+            key=key.format(),
+            label=key.label,
+            key_value=key.header_value(call.key_style),  # type: ignore[arg-type]
+            repeat_of=pick.repeat_of,
+        )
 
     def settle_earlier(
         self, earlier: CallRecord, live: bool
@@ -1037,31 +1190,23 @@ class _Beginning(Exchange["Finished | None"]):
     call's answer when the journal settles it, or :class:`Again`.
     """
 
-    __slots__ = ("record", "repeats", "reread", "run", "waited")
+    __slots__ = ("record", "reread", "run", "waited")
 
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.record: CallRecord | None = None  # the record this flow asks to begin
         self.waited = 0  # waits for the send in flight elsewhere
         self.reread = False  # a pending record whose sender looked gone was read again
-        self.repeats = run.looks_for_repeats()  # ask for the call at another step first
 
     def request(self) -> Generator[Effect, Any, Effect]:
         self.record = self.run.new_record()
         yield from ()
-        if self.repeats:
-            return Journaled("begin", (self.record,), {"repeats": True})
         return Journaled("begin", (self.record,))
 
     def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
         run, record = self.run, self.record
         assert record is not None
         run.evidence = run.evidence or begun.evidence
-        if self.repeats:
-            self.repeats = False
-            if begun.earlier:  # nothing was written: begin again under the first one's key
-                yield from run.take_repeat(begun.earlier)
-                return Again()
         earlier = begun.existing
         if earlier is None:
             run.record = record

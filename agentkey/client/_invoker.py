@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
     from ._clients import make_async_client, make_client, make_max_response_bytes, make_timeout
     from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
     from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
-    from ._flow import Call, Finished, Flow, Settings, Verifier, check_headers
+    from ._flow import Call, Finished, Flow, Identity, Pick, Settings, Verifier, check_headers
     from ._hooks import InvokeHook, LoggingHook, listened
     from ._http import Auth, Timeout, send_async, send_sync
     from ._httpx2 import AsyncClient, Client
@@ -696,6 +696,20 @@ class ToolInvoker(_InvokerBase):
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
         return self._drive(_flow.invoke(call, self._settings_now()), call.owner)
 
+    def _invoke_identified(
+        self, step: Step, identity: Identity, *, path: str | None = None,
+        method: str = "POST", headers: Mapping[str, str] | None = None,
+        call_id: str | None = None, context: str | None = None,
+    ) -> ToolResult | Pick:  # fmt: skip
+        """An agent runtime's call: ``identity`` decides its key (``step`` gives the rest)
+        in the flow, in one journal step with the record; its :class:`Pick` when it
+        answers without sending (the integrations' entry, ``_flow.identified``)."""
+        call = self._prepare(step, path, method, headers, None, call_id, context)
+        call = replace(call, identity=identity)
+        with in_flight(call.owner):
+            done = run_sync(_flow.identified(call, self._settings_now()), self._carry)
+        return done if isinstance(done, _flow.Pick) else self._result(done)
+
     def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None
     ) -> ToolResult:
@@ -793,6 +807,18 @@ class AsyncToolInvoker(_InvokerBase):
         """
         call = self._prepare(step, path, method, headers, idempotency_key, call_id, context)
         return await self._drive(_flow.invoke(call, self._settings_now()), call.owner)
+
+    async def _invoke_identified(
+        self, step: Step, identity: Identity, *, path: str | None = None,
+        method: str = "POST", headers: Mapping[str, str] | None = None,
+        call_id: str | None = None, context: str | None = None,
+    ) -> ToolResult | Pick:  # fmt: skip
+        """:meth:`ToolInvoker._invoke_identified`, awaited."""
+        call = self._prepare(step, path, method, headers, None, call_id, context)
+        call = replace(call, identity=identity)
+        with in_flight(call.owner):
+            done = await run_async(_flow.identified(call, self._settings_now()), self._carry)
+        return done if isinstance(done, _flow.Pick) else self._result(done)
 
     async def resume_poll(
         self, status_url: str, key: str, *, headers: Mapping[str, str] | None = None

@@ -135,7 +135,8 @@ def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[s
     record = result.model_dump(mode="json", exclude=exclude)
     # The record names the label "step", as the invoker's events and repeat_record do.
     record = {("step" if name == "label" else name): value for name, value in record.items()}
-    return {"tool": step.tool, **record, "repeat_of": step.repeat_of}
+    # The result's repeat_of: the flow may have found the call to repeat an earlier one.
+    return {"tool": step.tool, **record}
 
 
 def server_reason(exc: ToolError) -> str | None:

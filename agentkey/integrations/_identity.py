@@ -28,6 +28,16 @@ to earlier ones in order (the second of this response to the second unseen
 one), so a re-asked model that repeats two charges gets both keys back.
 Without a journal (``journal=False``) the earlier calls come from the history
 alone: repeats of answered calls are still caught, calls asked again are not.
+
+Where it runs: inside the invoker's call, never in an adapter. The adapter hands
+the invoker a :class:`~._settle.Chooser` holding this rule and its
+:class:`CallSite`; the flow (``agentkey.client._flow.identified``) asks it for a
+key with the plan's identical calls the journal holds, and records the call
+under that key in the same journal step that looks for them
+(``Journal.begin(record, repeats=True, known=...)``). When an identical call the
+rule did not see is there (a copy of the same job, racing), nothing is written
+and the rule decides again, seeing it: two copies never both take a new key for
+one call. The key decided then is the one sent, and it never changes.
 """
 
 from __future__ import annotations

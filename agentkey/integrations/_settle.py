@@ -1,10 +1,17 @@
-"""From a runtime's view of a call to what is sent: what the PydanticAI and Agents SDK tools share.
+"""From a runtime's view of a call to what is sent: the one identity rule every integration runs.
 
-Each of those integrations builds a :class:`~._identity.CallSite` from what its
-runtime shows (PydanticAI's ``ctx.messages``; the Agents SDK's ``turn_input``
-and the run's own calls in this process), reads the plan's earlier identical
-calls from the invoker's journal, and then calls :func:`settle`, which asks
-``_identity.decide`` and adds two rules of its own:
+Each integration builds a :class:`~._identity.CallSite` from what its runtime
+shows (PydanticAI's ``ctx.messages``; the Agents SDK's ``turn_input`` and the
+run's own calls in this process; LangGraph's state) and hands a
+:class:`Chooser` to the invoker (``invoker._invoke_identified``). The flow asks
+the chooser for a key with the plan's identical calls that the journal holds,
+and records the call under that key in the same journal step that looks for
+them (``Journal.begin(..., repeats=True, known=...)``): when an identical call
+it has not seen appeared meanwhile (a copy of the same job, racing), nothing is
+written and the chooser decides again, seeing it. So an adapter never reads the
+journal, the key is decided once, and it never changes after that step.
+
+The chooser asks ``_identity.decide`` and adds two rules of its own:
 
 - a call whose journal record is a refusal (or was never sent) was not
   answered, whatever text the model read for it: asking again is a new call;
@@ -25,17 +32,22 @@ from typing import Any
 from .._exceptions import StepRepeated
 from .._keys import StepKey
 from .._plan import OnRepeat, Step
-from ..client._invoker import AsyncToolInvoker, ToolInvoker
+from ..client._flow import Pick
 from ..journal._records import CallRecord, CallState
 from ._adapter import repeat_note, repeat_record
 from ._identity import CallSite, Earlier, Seen, Verdict, decide, earlier_of, step_of
 
-__all__ = ["Repeat", "Send", "aearlier", "earlier", "settle"]
+__all__ = ["NOT_SENT", "Chooser", "Repeat", "Send", "settle"]
 
 _logger = logging.getLogger("agentkey")
 
 #: Journal states of a call whose answer, if the model read one, was not the tool's result.
 _NOT_ANSWERED = frozenset({CallState.FAILED, CallState.NOT_SENT})
+
+#: A chooser's answer (``sent_only``) for a call the journal never saw sent.
+NOT_SENT = "not sent"
+#: A chooser's answer before it saw the journal, when the history alone would refuse the call.
+_LOOK_FIRST = "look first"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +67,84 @@ class Repeat:
     record: dict[str, Any]
 
 
-def earlier(
-    invoker: ToolInvoker | AsyncToolInvoker, plan: str, tool: str, args_hash: str
-) -> list[CallRecord]:
-    """The plan's calls with this tool and arguments, oldest first, from the invoker's journal."""
-    journal = invoker.journal
-    return [] if journal is None else journal.find(plan, tool=tool, args_hash=args_hash)
+class Chooser:
+    """One runtime call's identity rule, asked by the flow (``agentkey.client._flow.Identity``).
 
+    ``site`` gives the call as the runtime shows it (a callable is read again at each
+    choice: siblings that arrived meanwhile count too); the rest is :func:`settle`'s.
+    ``unread`` names what the application passes (``"run_id"``) when the rule of an
+    answer this model never read applies (None: it does not). ``sent_only``: answer
+    :data:`NOT_SENT` unless the journal holds this very call (a call a crash left
+    unanswered, sent again only if it was sent before).
+    """
 
-async def aearlier(
-    invoker: ToolInvoker | AsyncToolInvoker, plan: str, tool: str, args_hash: str
-) -> list[CallRecord]:
-    """:func:`earlier`, on the journal's asyncio client."""
-    journal = invoker.journal
-    return [] if journal is None else await journal.afind(plan, tool=tool, args_hash=args_hash)
+    __slots__ = (
+        "_site",
+        "args_hash",
+        "args_model",
+        "derive",
+        "elsewhere",
+        "on_repeat",
+        "sent_only",
+        "unread",
+        "warned",
+    )
+
+    def __init__(
+        self,
+        site: CallSite | Callable[[], CallSite],
+        *,
+        args_hash: str,
+        on_repeat: OnRepeat,
+        derive: Callable[[], int | Sequence[int]],
+        args_model: Any,
+        unread: str | None = None,
+        elsewhere: Callable[[], tuple[str, str] | None] | None = None,
+        sent_only: bool = False,
+    ) -> None:
+        self._site = site
+        self.args_hash, self.on_repeat, self.derive = args_hash, on_repeat, derive
+        self.args_model, self.unread, self.elsewhere = args_model, unread, elsewhere
+        self.sent_only = sent_only
+        self.warned: set[str] = set()  # keys whose unread answer was warned about
+
+    @property
+    def site(self) -> CallSite:
+        return self._site() if callable(self._site) else self._site
+
+    def decided(self, earlier: Sequence[CallRecord]) -> Send | Repeat:
+        """The step to send, or the answer without sending, given the journal's ``earlier``."""
+        return settle(
+            self.site, earlier, args_hash=self.args_hash, on_repeat=self.on_repeat,
+            derive=self.derive, args_model=self.args_model, run_id_name=self.unread,
+            elsewhere=self.elsewhere, warned=self.warned,
+        )  # fmt: skip
+
+    def choose(self, earlier: Sequence[CallRecord], looked: bool) -> Pick:
+        site = self.site
+        if self.sent_only and not any(r.call_id == site.call_id for r in earlier):
+            return Pick(answer=NOT_SENT)
+        try:
+            found = self.decided(earlier)
+        except StepRepeated:
+            if looked:
+                raise
+            # The history alone says it repeats: the journal may say otherwise (a refusal is
+            # no answer), so the flow looks there first and asks again.
+            return Pick(answer=_LOOK_FIRST)
+        if isinstance(found, Repeat):
+            return Pick(answer=found)
+        return Pick(key=found.step.idempotency_key, repeat_of=found.step.repeat_of)
+
+    def template(self) -> Step:
+        """A step of this call (its plan, tool and arguments) for the invoker to prepare;
+        the flow gives it its key."""
+        site, model = self.site, self.args_model
+        args = model.model_validate(site.values) if model is not None else site.values
+        return Step(
+            plan_session_id=site.plan.id, index=0, tool=site.tool, args=args,
+            profile=site.plan.profile,
+        )  # fmt: skip
 
 
 def settle(
@@ -79,18 +155,21 @@ def settle(
     on_repeat: OnRepeat,
     derive: Callable[[], int | Sequence[int]],
     args_model: Any,
-    run_id_name: str,
+    run_id_name: str | None,
     elsewhere: Callable[[], tuple[str, str] | None] | None = None,
+    warned: set[str] | None = None,
 ) -> Send | Repeat:
     """The step to send for ``site``, or the answer to a repeat of a call the model read.
 
-    ``records`` are the journal's earlier calls (:func:`earlier`); ``derive`` gives
-    a new call's step index; ``run_id_name`` names what the application passes
-    (``"run_id"``) in the warning of an unread answer. ``elsewhere`` finds, for a
-    new call, an identical answered call of another plan that the model read
-    (``(content, key)``): it then follows ``on_repeat`` too.
+    ``records`` are the journal's calls of the plan with this tool and arguments;
+    ``derive`` gives a new call's step index; ``run_id_name`` names what the
+    application passes (``"run_id"``) in the warning of an unread answer (None: no
+    such rule, nor the rule of refused calls). ``elsewhere`` finds, for a new call,
+    an identical answered call of another plan that the model read (``(content,
+    key)``): it then follows ``on_repeat`` too. ``warned``: keys already warned about.
     """
-    site = _without_refusals(site, records)
+    if run_id_name is not None:
+        site = _without_refusals(site, records)
     verdict = decide(site, earlier_of(records), on_repeat, args_hash)
     if verdict.content is not None and verdict.earlier is not None and on_repeat == "replay":
         found = verdict.earlier
@@ -98,7 +177,8 @@ def settle(
             repeat_note(found.label, replayed=True) + verdict.content,
             repeat_record(site.tool, found.key, found.label),
         )
-    verdict = _unread_answer(site, verdict, records, run_id_name)
+    if run_id_name is not None:
+        verdict = _unread_answer(site, verdict, records, run_id_name, warned)
     step = step_of(site, verdict, derive, args_model, on_repeat)
     if verdict.key is None and verdict.content is None and elsewhere is not None:
         other = elsewhere() if on_repeat != "allow" else None
@@ -138,7 +218,11 @@ def _without_refusals(site: CallSite, records: Sequence[CallRecord]) -> CallSite
 
 
 def _unread_answer(
-    site: CallSite, verdict: Verdict, records: Sequence[CallRecord], run_id_name: str
+    site: CallSite,
+    verdict: Verdict,
+    records: Sequence[CallRecord],
+    run_id_name: str,
+    warned: set[str] | None,
 ) -> Verdict:
     """Label, and warn about, a key whose call was answered where this model never read it."""
     if verdict.key is None:
@@ -149,6 +233,10 @@ def _unread_answer(
     if site.seen is not None and record.call_id in site.seen.answered:
         return verdict
     found = verdict.earlier or Earlier(record.key, record.call_id, record.context)
+    if warned is not None and record.key in warned:
+        return dataclasses.replace(verdict, repeat_of=found.label, earlier=found)
+    if warned is not None:
+        warned.add(record.key)
     _logger.warning(
         "agentkey: tool %r was asked for a call this run (same %s, same plan) already made "
         "and got answered at %s, in an earlier execution whose answer the model of this one "

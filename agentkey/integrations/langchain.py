@@ -52,6 +52,7 @@ from pydantic import BaseModel, Field, ValidationError
 from .._canonical import args_hash, to_jsonable
 from .._exceptions import ConfigurationError, InvalidArguments, ToolError
 from .._plan import OnRepeat, PlanSession, Step
+from ..client._flow import Pick
 from ..client._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from ..client._net import redact_url
@@ -65,10 +66,10 @@ from ._adapter import (
     missing_extra,
     refusal,
     repeat_note,
-    repeat_record,
     server_reason,
 )
-from ._identity import CallSite, Verdict, decide, earlier_of, lost_turns, step_of
+from ._identity import CallSite, lost_turns
+from ._settle import NOT_SENT, Chooser, Repeat
 
 try:
     from langchain_core.callbacks import AsyncCallbackManager
@@ -240,18 +241,20 @@ def build_tool(
             **kwargs: Any,
         ) -> tuple[str, dict[str, Any]]:
             prepared = call.prepare(args, kwargs, config, runtime)
-            if not isinstance(prepared, _Pending):
-                step = call.settle(prepared, None)
-            else:
-                step = call.settle(prepared, call.earlier(prepared))
-            if isinstance(step, _Repeat):
-                return _traced(callbacks, step.content, step.artifact)
+            step = call.step_of(prepared)
             try:
                 with _in_tool_run(callbacks):
-                    result = sync_invoker.invoke(step.step, **options, **step.identity)
+                    result: ToolResult | Repeat | None
+                    if isinstance(prepared, _Pending):
+                        result = call.send_sync(prepared, step)
+                    else:
+                        result = sync_invoker.invoke(step, **options)
             except ToolError as exc:
-                raise _for_model(name, step.step, exc, callbacks, errors_to_model) from exc
-            return _traced(callbacks, *_answer(result, step.step))
+                raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
+            if isinstance(result, Repeat):
+                return _traced(callbacks, result.content, result.record)
+            assert result is not None  # (None only for sent_only)
+            return _traced(callbacks, *_answer(result, step))
 
         return _KeyedTool(func=run, agentkey_call=call, **common)
 
@@ -277,21 +280,23 @@ def build_tool(
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
         prepared = call.prepare(args, kwargs, config, runtime)
-        if not isinstance(prepared, _Pending):
-            step = call.settle(prepared, None)
-        else:
-            step = call.settle(prepared, await call.aearlier(prepared))
-        if isinstance(step, _Repeat):
-            return _traced(callbacks, step.content, step.artifact)
+        step = call.step_of(prepared)
         try:
             with _in_tool_run(callbacks) as run:
                 try:
-                    result = await async_invoker.invoke(step.step, **options, **step.identity)
+                    result: ToolResult | Repeat | None
+                    if isinstance(prepared, _Pending):
+                        result = await call.send_async(prepared, step)
+                    else:
+                        result = await async_invoker.invoke(step, **options)
                 finally:
                     await run.flush()
         except ToolError as exc:
-            raise _for_model(name, step.step, exc, callbacks, errors_to_model) from exc
-        return _traced(callbacks, *_answer(result, step.step))
+            raise _for_model(name, step, exc, callbacks, errors_to_model) from exc
+        if isinstance(result, Repeat):
+            return _traced(callbacks, result.content, result.record)
+        assert result is not None  # (None only for sent_only)
+        return _traced(callbacks, *_answer(result, step))
 
     return _KeyedTool(func=refuse, coroutine=arun, agentkey_call=call, **common)
 
@@ -329,22 +334,6 @@ class _KeyedTool(StructuredTool):
 
 #: The id of the tool call the current ``_KeyedTool.run``/``arun`` serves.
 _TOOL_CALL_ID: ContextVar[str | None] = ContextVar("agentkey_tool_call_id", default=None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Repeat:
-    """The answer to a repeated call, as the model read it before: nothing is sent."""
-
-    content: str
-    artifact: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class _Send:
-    """The step to send, and what the journal keeps beside it (``call_id``, ``context``)."""
-
-    step: Step
-    identity: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,42 +436,81 @@ class _Call:
         site = self._identity(ctx)
         return _Pending(ctx, site, args_hash(ctx.args, profile=site.plan.profile))
 
-    def sent_before(self, pending: _Pending, earlier: list[Any]) -> bool:
-        """Whether the journal (or the history) holds this very call."""
-        return any(e.call_id == pending.site.call_id for e in earlier)
+    def rule(self, pending: _Pending, *, sent_only: bool = False) -> Chooser:
+        """The call's identity rule, for the flow to decide its key against the journal."""
+        ctx, site = pending.ctx, pending.site
 
-    def message(self, pending: _Pending, earlier: list[Any]) -> ToolMessage:
-        """Send a call made outside LangChain's run (the pending-calls hook), synchronously."""
-        send = self.settle(pending, earlier)
-        if isinstance(send, _Repeat):
-            return self._tool_message(pending, send.content, send.artifact)
+        def derive() -> Any:
+            return self._step_index(ctx) if callable(self._step_index) else self._step_index
+
+        return Chooser(
+            site,
+            args_hash=pending.args_hash,
+            on_repeat=self._on_repeat,
+            derive=derive,
+            args_model=self._schema,
+            sent_only=sent_only,
+        )
+
+    def identity(self, pending: _Pending) -> dict[str, Any]:
+        """What the journal keeps beside the call (``call_id``, ``context``), and the options."""
+        site = pending.site
+        found = {"call_id": site.call_id, "context": site.context}
+        return {**self._options, **{k: v for k, v in found.items() if v is not None}}
+
+    def send_sync(self, pending: _Pending, step: Step, **rule: Any) -> ToolResult | Repeat | None:
+        """Send a runtime's call on a ToolInvoker, its key decided in the flow (``_settle``);
+        the answer to a repeat sent nowhere; None: ``sent_only`` and never sent before."""
         invoker = self._invoker
         if not isinstance(invoker, ToolInvoker):
             raise ConfigurationError(
                 f"tool {self._name!r} has an AsyncToolInvoker: run the graph with ainvoke"
             )
-        try:
-            result = invoker.invoke(send.step, **self._options, **send.identity)
-        except ToolError as exc:
-            return self._refused(pending, exc)
-        return self._tool_message(pending, *_answer(result, send.step))
+        self._warn_lost_turn(pending)
+        chooser = self.rule(pending, **rule)
+        done = invoker._invoke_identified(step, chooser, **self.identity(pending))
+        return _picked(done)
 
-    async def amessage(self, pending: _Pending, earlier: list[Any]) -> ToolMessage:
-        """:meth:`message` on either invoker, awaited."""
-        send = self.settle(pending, earlier)
-        if isinstance(send, _Repeat):
-            return self._tool_message(pending, send.content, send.artifact)
-        invoker = self._invoker
+    async def send_async(
+        self, pending: _Pending, step: Step, **rule: Any
+    ) -> ToolResult | Repeat | None:
+        """:meth:`send_sync` on either invoker, awaited."""
+        invoker, options = self._invoker, self.identity(pending)
+        self._warn_lost_turn(pending)
+        chooser = self.rule(pending, **rule)
+        if isinstance(invoker, AsyncToolInvoker):
+            done = await invoker._invoke_identified(step, chooser, **options)
+        else:
+            done = await asyncio.to_thread(invoker._invoke_identified, step, chooser, **options)
+        return _picked(done)
+
+    def message(self, pending: _Pending) -> ToolMessage | None:
+        """Send a call made outside LangChain's run (the pending-calls hook), synchronously,
+        if the journal shows it was sent before (None: it never was)."""
+        step = self.step_of(pending)
         try:
-            if isinstance(invoker, AsyncToolInvoker):
-                result = await invoker.invoke(send.step, **self._options, **send.identity)
-            else:
-                result = await asyncio.to_thread(
-                    invoker.invoke, send.step, **self._options, **send.identity
-                )
+            result = self.send_sync(pending, step, sent_only=True)
         except ToolError as exc:
             return self._refused(pending, exc)
-        return self._tool_message(pending, *_answer(result, send.step))
+        return self._message_of(pending, step, result)
+
+    async def amessage(self, pending: _Pending) -> ToolMessage | None:
+        """:meth:`message` on either invoker, awaited."""
+        step = self.step_of(pending)
+        try:
+            result = await self.send_async(pending, step, sent_only=True)
+        except ToolError as exc:
+            return self._refused(pending, exc)
+        return self._message_of(pending, step, result)
+
+    def _message_of(
+        self, pending: _Pending, step: Step, result: ToolResult | Repeat | None
+    ) -> ToolMessage | None:
+        if result is None:
+            return None
+        if isinstance(result, Repeat):
+            return self._tool_message(pending, result.content, result.record)
+        return self._tool_message(pending, *_answer(result, step))
 
     def _tool_message(
         self, pending: _Pending, content: str, artifact: dict[str, Any]
@@ -494,25 +522,6 @@ class _Call:
         text = refusal(self._name, exc, self.errors_to_model, _reason(exc))
         call_id = pending.site.call_id or ""
         return ToolMessage(text, tool_call_id=call_id, name=self._name, status="error")
-
-    def earlier(self, pending: _Pending) -> list[Any]:
-        """The plan's earlier calls with this tool and arguments, from the journal."""
-        journal = self._invoker.journal
-        if journal is None:
-            return []
-        found = journal.find(pending.site.plan.id, tool=self._name, args_hash=pending.args_hash)
-        self._warn_lost_turn(pending)
-        return earlier_of(found)
-
-    async def aearlier(self, pending: _Pending) -> list[Any]:
-        """:meth:`earlier`, on the journal's asyncio client."""
-        journal = self._invoker.journal
-        if journal is None:
-            return []
-        site = pending.site
-        found = await journal.afind(site.plan.id, tool=self._name, args_hash=pending.args_hash)
-        self._warn_lost_turn(pending)
-        return earlier_of(found)
 
     def _warn_lost_turn(self, pending: _Pending) -> None:
         """Warn when the first turn of a conversation repeats a call another conversation on
@@ -538,41 +547,30 @@ class _Call:
                 ", ".join(lost[:3]),
             )
 
-    def settle(
-        self, prepared: ToolCallContext | _Pending, earlier: list[Any] | None
-    ) -> _Send | _Repeat:
-        """The step to send, or the answer to a repeat; the runtime's identity decides."""
-        if not isinstance(prepared, _Pending):
-            ctx = prepared
-            index = self._step_index(ctx) if callable(self._step_index) else self._step_index
-            step = make_step(
-                self._plan, ctx, index, self._name, ctx.args, self._schema, self._on_repeat
-            )
-            return _Send(step, {})
-        ctx, site = prepared.ctx, prepared.site
-        verdict: Verdict = decide(site, earlier or [], self._on_repeat, prepared.args_hash)
-        if (
-            verdict.content is not None
-            and verdict.earlier is not None
-            and self._on_repeat == "replay"
-        ):
-            label = verdict.earlier.label
-            artifact = repeat_record(self._name, verdict.earlier.key, label)
-            return _Repeat(repeat_note(label, replayed=True) + verdict.content, artifact)
+    def step_of(self, prepared: ToolCallContext | _Pending) -> Step:
+        """The step to send a plain call as; for a runtime's call, a step of its plan, tool
+        and arguments, whose key the flow decides (``_settle.Chooser``)."""
+        if isinstance(prepared, _Pending):
+            return self.rule(prepared).template()
+        ctx = prepared
+        index = self._step_index(ctx) if callable(self._step_index) else self._step_index
+        args, schema = ctx.args, self._schema
+        return make_step(self._plan, ctx, index, self._name, args, schema, self._on_repeat)
 
-        def derive() -> Any:
-            return self._step_index(ctx) if callable(self._step_index) else self._step_index
 
-        step = step_of(site, verdict, derive, self._schema, self._on_repeat)
-        identity = {"call_id": site.call_id, "context": site.context}
-        return _Send(step, {k: v for k, v in identity.items() if v is not None})
+def _picked(done: ToolResult | Pick) -> ToolResult | Repeat | None:
+    """What the flow gave: the tool's result, the answer to a repeat, or None (never sent)."""
+    if not isinstance(done, Pick):
+        return done
+    answer: Repeat | None = None if done.answer == NOT_SENT else done.answer
+    return answer
 
 
 def _answer(result: ToolResult, step: Step) -> tuple[str, dict[str, Any]]:
     """The model reads the tool's JSON body; the artifact records how agentkey got it."""
     content = json.dumps(result.body, ensure_ascii=False)
-    if step.repeat_of is not None:
-        content = repeat_note(step.repeat_of, replayed=result.replayed) + content
+    if result.repeat_of is not None:
+        content = repeat_note(result.repeat_of, replayed=result.replayed) + content
     return content, call_record(result, step, body=True)
 
 
@@ -585,8 +583,9 @@ def _for_model(
         callbacks,
         {
             "tool": tool,
+            # The error's own key and step: a runtime's call got them in the flow.
             "idempotency_key": exc.idempotency_key or step.idempotency_key,
-            "step": step.label,
+            "step": exc.step or step.label,
             "outcome": "error",
             "status_code": exc.status_code,
             "reason": reason,

@@ -476,11 +476,8 @@ def _answer_sync(
     if maker is None:
         return _unknown(call, _UNKNOWN)
     pending = maker.context_of(call.get("args") or {}, config, str(call.get("id")), state)
-    earlier = maker.earlier(pending)
-    if not maker.sent_before(pending, earlier):
-        return _unknown(call, _NOT_MADE)
-    message: ToolMessage = maker.message(pending, earlier)
-    return message
+    message: ToolMessage | None = maker.message(pending)
+    return _unknown(call, _NOT_MADE) if message is None else message
 
 
 async def _answer_async(
@@ -490,8 +487,5 @@ async def _answer_async(
     if maker is None:
         return _unknown(call, _UNKNOWN)
     pending = maker.context_of(call.get("args") or {}, config, str(call.get("id")), state)
-    earlier = await maker.aearlier(pending)
-    if not maker.sent_before(pending, earlier):
-        return _unknown(call, _NOT_MADE)
-    message: ToolMessage = await maker.amessage(pending, earlier)
-    return message
+    message: ToolMessage | None = await maker.amessage(pending)
+    return _unknown(call, _NOT_MADE) if message is None else message

@@ -49,9 +49,9 @@ from pydantic import BaseModel, ValidationError
 
 from .._canonical import args_hash, encode_jsonable, to_jsonable
 from .._exceptions import ConfigurationError, ToolError
-from .._plan import OnRepeat, PlanSession, Step
+from .._plan import OnRepeat, PlanSession
+from ..client._flow import Pick
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
-from ..journal._records import CallRecord
 from ._adapter import (
     call_record,
     check_sources,
@@ -63,7 +63,7 @@ from ._adapter import (
     repeat_note,
 )
 from ._identity import CallSite, Seen
-from ._settle import Repeat, Send, aearlier, earlier, settle
+from ._settle import Chooser, Repeat
 
 try:
     from agents import FunctionTool
@@ -152,33 +152,25 @@ def remote_tool(
     options: dict[str, Any] = {"path": path, "method": method, "headers": headers}
     records: dict[str, dict[str, Any]] = {}  # call id -> record, until the SDK picks it up
 
-    async def settled(
-        ctx: ToolContext[Any], values: Mapping[str, Any], call: _Call
-    ) -> Send | Repeat:
+    def chooser(ctx: ToolContext[Any], values: Mapping[str, Any], call: _Call) -> Chooser:
         session = plan_source(ctx) if callable(plan_source) else plan_source
         if not isinstance(session, PlanSession):
             raise ConfigurationError(
                 f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
             )
-        digest = args_hash(values, profile=session.profile)
-        found: list[CallRecord]
-        if isinstance(invoker, AsyncToolInvoker):
-            found = await aearlier(invoker, session.id, name, digest)
-        else:
-            found = await asyncio.to_thread(earlier, invoker, session.id, name, digest)
 
         def derive() -> int | Sequence[int]:
             return step_source(ctx, values) if callable(step_source) else step_source
 
-        # The site is read after the journal: siblings that arrived meanwhile count too.
-        return settle(
-            _site(ctx, session, call, values),
-            found,
-            args_hash=digest,
+        # The site is read at each choice, inside the flow: siblings that arrived meanwhile
+        # count too.
+        return Chooser(
+            lambda: _site(ctx, session, call, values),
+            args_hash=args_hash(values, profile=session.profile),
             on_repeat=policy,
             derive=derive,
             args_model=args_schema,
-            run_id_name="trace_id",
+            unread="trace_id",
         )
 
     async def on_invoke(ctx: ToolContext[Any], raw: str) -> str:
@@ -190,25 +182,29 @@ def remote_tool(
                 f"{args_schema.__name__} ({first_error(exc)}). Correct them and call again."
             )
         call = _register(ctx, name, values)
-        send = await settled(ctx, values, call)
-        if isinstance(send, Repeat):
-            call.answered(send.content, send.record.get("idempotency_key"))
-            _keep(records, ctx.tool_call_id, send.record)
-            return send.content
+        rule = chooser(ctx, values, call)
+        template = rule.template()
+        identity: dict[str, Any] = {**options, "call_id": ctx.tool_call_id or None}
+        identity["context"] = _context(ctx)
         try:
             if isinstance(invoker, AsyncToolInvoker):
-                result = await invoker.invoke(
-                    send.step, **options, call_id=send.call_id, context=send.context
-                )
+                result = await invoker._invoke_identified(template, rule, **identity)
             else:
-                result = await asyncio.to_thread(_invoke, invoker, send, options)
+                result = await asyncio.to_thread(
+                    invoker._invoke_identified, template, rule, **identity
+                )
         except ToolError as exc:
             text = refusal(name, exc, errors_to_model)
             call.answered(None, None)
             return text
-        text = _text(result, send.step)
-        call.answered(text, send.step.idempotency_key)
-        _keep(records, ctx.tool_call_id, call_record(result, send.step))
+        if isinstance(result, Pick):
+            send: Repeat = result.answer
+            call.answered(send.content, send.record.get("idempotency_key"))
+            _keep(records, ctx.tool_call_id, send.record)
+            return send.content
+        text = _text(result)
+        call.answered(text, result.idempotency_key)
+        _keep(records, ctx.tool_call_id, call_record(result, template))
         return text
 
     def custom_data(data: FunctionToolCustomDataContext) -> Mapping[str, Any] | None:
@@ -224,16 +220,12 @@ def remote_tool(
     )
 
 
-def _invoke(invoker: ToolInvoker, send: Send, options: Mapping[str, Any]) -> ToolResult:
-    return invoker.invoke(send.step, **options, call_id=send.call_id, context=send.context)
-
-
-def _text(result: ToolResult, step: Step) -> str:
+def _text(result: ToolResult) -> str:
     """What the model reads: the tool's JSON body, after the repeat note of a marked repeat."""
     text = json.dumps(result.body, ensure_ascii=False)
-    if step.repeat_of is None:
+    if result.repeat_of is None:
         return text
-    return repeat_note(step.repeat_of, replayed=result.replayed) + text
+    return repeat_note(result.repeat_of, replayed=result.replayed) + text
 
 
 def _keep(records: dict[str, dict[str, Any]], call_id: str, record: dict[str, Any]) -> None:
@@ -315,12 +307,19 @@ def _trace_id(ctx: ToolContext[Any]) -> str | None:
     return trace_id or None
 
 
+def _context(ctx: ToolContext[Any]) -> str | None:
+    """The journal's ``context`` of a call: the run (its trace) it was asked for in."""
+    trace_id = _trace_id(ctx)
+    return f"openai-agents trace {trace_id}" if trace_id else None
+
+
 def _site(
     ctx: ToolContext[Any], plan: PlanSession, call: _Call, values: Mapping[str, Any]
 ) -> CallSite:
     """The call as the run's input and this process's memory of the run show it."""
     calls = _run_of(ctx.usage).calls
-    same = [c for c in calls.values() if c.tool == call.tool and c.args == call.args]
+    # A copy first: a ToolInvoker's flow reads this in a worker thread while the loop adds.
+    same = [c for c in list(calls.values()) if c.tool == call.tool and c.args == call.args]
     siblings = tuple(c.call_id for c in same if c is call or _together(c, call))
     answered: dict[str, str | None] = {}
     for item in ctx.turn_input:
@@ -334,8 +333,7 @@ def _site(
             answered[other.call_id] = other.text
             if other.text is not None and other.key is not None:
                 known[other.call_id] = other.key
-    trace_id = _trace_id(ctx)
-    context = f"openai-agents trace {trace_id}" if trace_id else None
+    context = _context(ctx)
     return CallSite(
         plan=plan,
         tool=call.tool,

@@ -46,6 +46,7 @@ from .._canonical import args_hash, encode_jsonable, to_jsonable
 from .._exceptions import AgentKeyError, ConfigurationError, ToolError
 from .._keys import StepKey
 from .._plan import OnRepeat, PlanSession, Step
+from ..client._flow import Pick
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from ._adapter import (
     call_record,
@@ -58,7 +59,7 @@ from ._adapter import (
     repeat_note,
 )
 from ._identity import CallSite, Seen
-from ._settle import Repeat, Send, aearlier, earlier, settle
+from ._settle import Chooser, Repeat
 
 try:
     from pydantic_ai import ModelRetry, RunContext, Tool, ToolFailed, ToolReturn
@@ -185,7 +186,7 @@ def remote_tool(
     policy = check_sources(name, plan_source, step_source, on_repeat, "the RunContext")
     options: dict[str, Any] = {"path": path, "method": method, "headers": headers}
 
-    def prepare(ctx: RunContext[Any], raw: dict[str, Any]) -> tuple[CallSite, str]:
+    def prepare(ctx: RunContext[Any], raw: dict[str, Any]) -> Chooser:
         try:
             values = to_jsonable(args_schema.model_validate(raw))
         except ValidationError as exc:
@@ -200,26 +201,26 @@ def remote_tool(
                 f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
             )
         site = _site(ctx, session, name, values, args_schema)
-        return site, args_hash(values, profile=session.profile)
+        digest = args_hash(values, profile=session.profile)
 
-    def decided(
-        ctx: RunContext[Any], site: CallSite, digest: str, records: Sequence[Any]
-    ) -> Send | Repeat:
         def derive() -> int | Sequence[int]:
             if callable(step_source):
                 return step_source(ctx, name, site.values)
             return step_source
 
-        return settle(
+        return Chooser(
             site,
-            records,
             args_hash=digest,
             on_repeat=policy,
             derive=derive,
             args_model=args_schema,
-            run_id_name="run_id",
+            unread="run_id",
             elsewhere=lambda: _elsewhere(ctx.messages, name, digest, site.plan.id),
         )
+
+    def identity(rule: Chooser) -> dict[str, Any]:
+        site = rule.site
+        return {**options, "call_id": site.call_id, "context": site.context}
 
     def for_model(exc: ToolError) -> ToolFailed:
         """A tool's own refusal as ToolFailed for the model; anything else re-raised."""
@@ -230,17 +231,13 @@ def remote_tool(
         sync_invoker = invoker
 
         def run(ctx: RunContext[Any], **raw: Any) -> ToolReturn:
-            site, digest = prepare(ctx, raw)
-            send = decided(ctx, site, digest, earlier(sync_invoker, site.plan.id, name, digest))
-            if isinstance(send, Repeat):
-                return ToolReturn(return_value=send.content, metadata=send.record)
+            rule = prepare(ctx, raw)
+            template = rule.template()
             try:
-                result = sync_invoker.invoke(
-                    send.step, **options, call_id=send.call_id, context=send.context
-                )
+                result = sync_invoker._invoke_identified(template, rule, **identity(rule))
             except ToolError as exc:
                 raise for_model(exc) from exc
-            return _answer(result, send.step)
+            return _answer(result, template)
 
         tool: Tool[Any] = Tool.from_schema(run, name, description, schema, takes_ctx=True)
         return tool
@@ -248,27 +245,26 @@ def remote_tool(
     async_invoker = invoker
 
     async def arun(ctx: RunContext[Any], **raw: Any) -> ToolReturn:
-        site, digest = prepare(ctx, raw)
-        send = decided(ctx, site, digest, await aearlier(async_invoker, site.plan.id, name, digest))
-        if isinstance(send, Repeat):
-            return ToolReturn(return_value=send.content, metadata=send.record)
+        rule = prepare(ctx, raw)
+        template = rule.template()
         try:
-            result = await async_invoker.invoke(
-                send.step, **options, call_id=send.call_id, context=send.context
-            )
+            result = await async_invoker._invoke_identified(template, rule, **identity(rule))
         except ToolError as exc:
             raise for_model(exc) from exc
-        return _answer(result, send.step)
+        return _answer(result, template)
 
     atool: Tool[Any] = Tool.from_schema(arun, name, description, schema, takes_ctx=True)
     return atool
 
 
-def _answer(result: ToolResult, step: Step) -> ToolReturn:
+def _answer(result: ToolResult | Pick, step: Step) -> ToolReturn:
     """The model reads the tool's JSON body; the metadata records how agentkey got it."""
+    if isinstance(result, Pick):  # a repeat of a call the model read: answered, not sent
+        repeat: Repeat = result.answer
+        return ToolReturn(return_value=repeat.content, metadata=repeat.record)
     body: Any = result.body
-    if step.repeat_of is not None:
-        note = repeat_note(step.repeat_of, replayed=result.replayed)
+    if result.repeat_of is not None:
+        note = repeat_note(result.repeat_of, replayed=result.replayed)
         body = note + json.dumps(body, ensure_ascii=False)
     return ToolReturn(return_value=body, metadata=call_record(result, step))
 

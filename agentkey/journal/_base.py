@@ -8,7 +8,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol, runtime_checkable
 
 from .._exceptions import ConfigurationError, JournalError
@@ -61,12 +61,17 @@ class Journal(Protocol):
     supports_sync: bool
     supports_async: bool
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         """Write ``record`` unless a record of its key exists; return what was there.
 
         ``repeats=True``: first look for the plan's records of the same tool and
         arguments under another key (:func:`repeats_among`); when there are any, write
-        nothing and return them as ``Begun.earlier``.
+        nothing and return them as ``Begun.earlier``. With ``known`` (the keys of the
+        identical calls an agent runtime's call was decided against), those records
+        include calls with a runtime call id, and are returned (nothing written) only
+        when one of them is not in ``known``: the look and the write are one step.
         """
         ...
 
@@ -129,7 +134,9 @@ class Journal(Protocol):
 
     def close(self) -> None: ...
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun: ...
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
@@ -46,7 +46,9 @@ class SyncJournal(ABC):
     clock: Callable[[], float]
 
     @abstractmethod
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun: ...
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun: ...
 
     @abstractmethod
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
@@ -84,8 +86,10 @@ class SyncJournal(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
-        return self.begin(record, repeats=repeats)
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
+        return self.begin(record, repeats=repeats, known=known)
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         return self.take_over(record, previous)
@@ -141,9 +145,12 @@ class MemoryJournal(SyncJournal):
             return None
         return found.marker
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         with self._lock:
-            if repeats and (earlier := repeats_among(record, self._records.values())):
+            found = self._records.values()
+            if repeats and (earlier := repeats_among(record, found, known=known)):
                 return Begun(None, self._evidence_of(record.route), False, earlier)
             existing = self._records.get(record.key)
             if existing is None:

@@ -12,7 +12,7 @@ Needs psycopg 3 and its pool (``pip install 'agentkey-idempotency[postgres]'``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .._exceptions import ConfigurationError, JournalError, MissingExtra
@@ -231,10 +231,12 @@ class PostgresJournal:
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         if repeats and record.args_hash is not None:
             found = self.find(record.plan, tool=record.tool, args_hash=record.args_hash)
-            if earlier := repeats_among(record, found):
+            if earlier := repeats_among(record, found, known=known):
                 return Begun(None, None, False, earlier)  # the begin under their key says more
         (row,) = self._run(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
@@ -352,10 +354,12 @@ class PostgresJournal:
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         if repeats and record.args_hash is not None:
             found = await self.afind(record.plan, tool=record.tool, args_hash=record.args_hash)
-            if earlier := repeats_among(record, found):
+            if earlier := repeats_among(record, found, known=known):
                 return Begun(None, None, False, earlier)
         (row,) = await self._arun(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot

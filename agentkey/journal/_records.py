@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +131,8 @@ class Begun:
 
     ``earlier``: when ``begin`` was asked to look for repeats, the plan's records of
     the same tool and arguments under other keys (oldest first); when there are any,
-    nothing was written."""
+    nothing was written. With ``known``, every such record, whatever its call id, once
+    one of them is not among the ``known`` keys."""
 
     existing: CallRecord | None
     evidence: str | None
@@ -167,18 +168,26 @@ class Evidence:
         }
 
 
-def repeats_among(record: CallRecord, found: Iterable[CallRecord]) -> tuple[CallRecord, ...]:
+def repeats_among(
+    record: CallRecord, found: Iterable[CallRecord], *, known: Collection[str] | None = None
+) -> tuple[CallRecord, ...]:
     """The records of ``found`` that repeat ``record``: its plan, tool and arguments under
-    another key, made without a runtime's call id; oldest first."""
+    another key, made without a runtime's call id; oldest first.
+
+    With ``known`` (the keys of the identical calls the caller decided on, for an agent
+    runtime's call): every identical record under another key, whatever its call id, when
+    one of them is not in ``known`` (the caller then decides again); else none."""
     same = [
         r
         for r in found
         if r.key != record.key
-        and r.call_id is None
+        and (known is not None or r.call_id is None)
         and r.plan == record.plan
         and r.tool == record.tool
         and r.args_hash == record.args_hash
     ]
+    if known is not None and all(r.key in known for r in same):
+        return ()
     return tuple(sorted(same, key=lambda r: (r.created_at, r.key)))
 
 

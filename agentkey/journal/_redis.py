@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .._exceptions import ConfigurationError, JournalError, MissingExtra
@@ -61,15 +61,21 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 __all__ = ["RedisJournal"]
 
 #: Set the record unless its key exists (then return it), and index it under its plan
-#: (KEYS[2]) and its arguments (KEYS[3]). With ARGV[5] = '1', first list the other calls
-#: with its arguments (a table of their keys; then nothing is written).
+#: (KEYS[2]) and its arguments (KEYS[3]); the record expires after ARGV[6] ms ('0': never).
+#: With ARGV[5] = '1', first list the other calls with its arguments (a table of their keys;
+#: then nothing is written) when one of them is not among the known keys, ARGV[7...].
 _BEGIN = """
 if ARGV[5] == '1' then
-  local others = {}
+  local known = {}
+  for i = 7, #ARGV do known[ARGV[i]] = true end
+  local others, new = {}, false
   for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    if key ~= ARGV[4] then others[#others + 1] = key end
+    if key ~= ARGV[4] then
+      others[#others + 1] = key
+      if not known[key] then new = true end
+    end
   end
-  if #others > 0 then return others end
+  if new then return others end
 end
 local existing = redis.call('GET', KEYS[1])
 if existing then return existing end
@@ -280,7 +286,9 @@ class RedisJournal:
             self._index_key(record.plan, record.args_hash),  # the plan's again when None
         ]
 
-    def _begin_args(self, record: CallRecord, repeats: bool) -> tuple[list[str], list[Any]]:
+    def _begin_args(
+        self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
+    ) -> tuple[list[str], list[Any]]:
         look = "1" if repeats and record.args_hash is not None else "0"
         args = [
             _encode(record),
@@ -290,7 +298,7 @@ class RedisJournal:
             look,
             self._record_ttl_ms(record),
         ]
-        return self._keys_of(record), args
+        return self._keys_of(record), [*args, *(known or ())]
 
     def _swap_args(
         self, record: CallRecord, previous: CallRecord | None
@@ -351,8 +359,10 @@ class RedisJournal:
 
     # --- synchronous ---------------------------------------------------------------------
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
-        keys, args = self._begin_args(record, repeats)
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
+        keys, args = self._begin_args(record, repeats, known)
         client = self._client()
         try:
             with client.pipeline(transaction=False) as pipe:
@@ -369,7 +379,9 @@ class RedisJournal:
                 raws, _ = pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        earlier = _repeats(record, raws)
+        earlier = _repeats(record, raws, known)
+        if not earlier and known is not None:  # other tools' calls: look again past them
+            return self.begin(record, repeats=True, known={*known, *map(_text, raw)})
         if not earlier:  # another tool with the same arguments, or runtime calls
             return self.begin(record)
         return Begun(None, self._evidence_of(evidence), False, earlier)
@@ -494,9 +506,11 @@ class RedisJournal:
 
     # --- asyncio -------------------------------------------------------------------------
 
-    async def abegin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    async def abegin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         client = self._aclient()
-        keys, args = self._begin_args(record, repeats)
+        keys, args = self._begin_args(record, repeats, known)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.eval(_BEGIN, len(keys), *keys, *args)
@@ -511,7 +525,9 @@ class RedisJournal:
                 raws, _ = await pipe.execute()
         except RedisError as exc:
             raise self._wrap(exc) from None
-        earlier = _repeats(record, raws)
+        earlier = _repeats(record, raws, known)
+        if not earlier and known is not None:
+            return await self.abegin(record, repeats=True, known={*known, *map(_text, raw)})
         if not earlier:
             return await self.abegin(record)
         return Begun(None, self._evidence_of(evidence), False, earlier)
@@ -565,8 +581,10 @@ class RedisJournal:
             self._async = None
 
 
-def _repeats(record: CallRecord, raws: Sequence[Any]) -> tuple[CallRecord, ...]:
-    return repeats_among(record, _decoded(raws, "the Redis journal"))
+def _repeats(
+    record: CallRecord, raws: Sequence[Any], known: Collection[str] | None = None
+) -> tuple[CallRecord, ...]:
+    return repeats_among(record, _decoded(raws, "the Redis journal"), known=known)
 
 
 def _text(value: Any) -> str:

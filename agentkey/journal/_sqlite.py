@@ -22,7 +22,7 @@ import stat
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,8 @@ _TAKE_OVER = (
 )
 _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
 _REPEATS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ? AND call_id IS NULL"
+#: The same, whatever the runtime's call id (a begin with ``known=``).
+_SAME_CALLS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ?"
 
 
 def row_of_record(record: CallRecord) -> tuple[Any, ...]:
@@ -397,7 +399,9 @@ class SQLiteJournal(SyncJournal):
         self._evidence_cache[route] = (found, now)
         return found
 
-    def begin(self, record: CallRecord, *, repeats: bool = False) -> Begun:
+    def begin(
+        self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
+    ) -> Begun:
         with self._lock:
             conn = self._connection()
             if self._create and self.clock() - self._pruned > _PRUNE_EVERY:
@@ -408,8 +412,11 @@ class SQLiteJournal(SyncJournal):
             # call at another step then finds this one, or this one finds it.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                rows = conn.execute(_REPEATS, (record.plan, record.args_hash, record.key))
-                earlier = repeats_among(record, records_of_rows(rows, repr(self)))
+                query = _REPEATS if known is None else _SAME_CALLS
+                rows = conn.execute(query, (record.plan, record.args_hash, record.key))
+                earlier = repeats_among(
+                    record, records_of_rows(rows, repr(self)), known=known
+                )
                 begun = (
                     Begun(None, self._evidence(conn, record.route), False, earlier)
                     if earlier

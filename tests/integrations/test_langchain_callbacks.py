@@ -20,7 +20,10 @@ from agentkey import (
     RetryPolicy,
     ToolInvoker,
 )
+from agentkey.integrations._adapter import code
 from agentkey.integrations.langchain import LangChainHook, remote_tool
+from agentkey.integrations.langgraph import call_step
+from agentkey.integrations.langgraph import remote_tool as graph_tool
 from tests._loopback import serve
 from tests.invoker._toolapp import Faults, ToolApp
 
@@ -110,3 +113,31 @@ def test_outside_a_langchain_run_the_hook_does_nothing(server: tuple[str, ToolAp
     with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST,
                      hooks=[LangChainHook()]) as invoker:  # fmt: skip
         assert invoker.invoke(step).attempts == 2
+
+
+def test_a_refused_runtime_call_is_traced_under_the_step_the_flow_decided(
+    server: tuple[str, ToolApp],
+) -> None:
+    """A LangGraph-keyed tool refused by the tool (403): the tool run's metadata names the key
+    and step the flow decided for the call, never the placeholder step it was prepared with."""
+    url, tools = server
+    tools.faults["build"] = Faults(prelude=[(403, {})])
+    collector = RunCollectorCallbackHandler()
+    plan = PlanSession.new()
+    with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
+        tool = graph_tool(
+            name="build",
+            description="Build an image.",
+            args_schema=Build,
+            invoker=invoker,
+            plan=plan,
+            step_index=call_step,
+        )
+        call = {"name": "build", "args": {"image": "api"}, "id": "call-1", "type": "tool_call"}
+        message = tool.invoke(call, config={"callbacks": [collector]})
+    assert message.status == "error"
+    (run,) = collector.traced_runs
+    metadata = run.extra["metadata"]
+    step = PlanSession(id=plan.id).step((code("build"), code("call-1")), "build", {"image": "api"})
+    assert metadata["agentkey_step"] == step.label != "step_000"
+    assert metadata["agentkey_idempotency_key"] == step.idempotency_key

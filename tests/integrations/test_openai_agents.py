@@ -42,9 +42,15 @@ def _config(trace_id: str | None) -> RunConfig:
     return RunConfig(trace_id=trace_id, tracing_disabled=True)
 
 
-def _agent(invoker: ToolInvoker | AsyncToolInvoker, *steps: Any) -> Agent[Any]:
+def _agent(
+    invoker: ToolInvoker | AsyncToolInvoker, *steps: Any, on_repeat: Any = "replay"
+) -> Agent[Any]:
     tool = remote_tool(
-        name="charge", description="Charge a card.", args_schema=Charge, invoker=invoker
+        name="charge",
+        description="Charge a card.",
+        args_schema=Charge,
+        invoker=invoker,
+        on_repeat=on_repeat,
     )
     return Agent(name="shop", model=ScriptedModel(list(steps)), tools=[tool])
 
@@ -283,22 +289,26 @@ async def test_a_call_read_in_the_runs_input_is_a_repeat(server: tuple[str, Tool
     assert len(tools.seen) == 1
 
 
+@pytest.mark.parametrize("policy", ["replay", "raise"])
 @pytest.mark.parametrize("where", ["in the run", "in the run's input"])
 async def test_a_refused_call_asked_again_is_a_new_call(
-    where: str, server: tuple[str, ToolApp]
+    where: str, policy: str, server: tuple[str, ToolApp]
 ) -> None:
     """The model read a refusal (the tool said 403), not a result: asking again sends a new
-    call, which runs, whether the refusal is in this run or in the input it was given."""
+    call, which runs, whether the refusal is in this run or in the input it was given, and
+    whatever on_repeat says (the journal, not the text the model read, says it was refused)."""
     url, tools = server
     tools.faults["charge"] = Faults(prelude=[(403, {})])
     with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
         if where == "in the run":
-            agent = _agent(invoker, _twins("a"), _twins("b"), [assistant_message("paid")])
+            agent = _agent(
+                invoker, _twins("a"), _twins("b"), [assistant_message("paid")], on_repeat=policy
+            )
             result = await Runner.run(agent, "pay", run_config=_config("refused"))
         else:
             agent = _agent(invoker, _twins("a"), [assistant_message("refused")])
             first = await Runner.run(agent, "pay", run_config=_config("refused"))
-            again = _agent(invoker, _twins("b"), [assistant_message("paid")])
+            again = _agent(invoker, _twins("b"), [assistant_message("paid")], on_repeat=policy)
             history = [*first.to_input_list(), {"role": "user", "content": "try again"}]
             result = await Runner.run(again, history, run_config=_config("refused"))  # type: ignore[arg-type]
     answer = _outputs(result)[-1]
