@@ -22,7 +22,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -70,14 +70,10 @@ class _Server:
             cwd=ROOT, env={**self.env, **extra}, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                assert self.proc.poll() is None, "the tool server did not start"
-                assert time.monotonic() < deadline, "the tool server did not start in 30 s"
-                time.sleep(0.05)
+        while not _listening(self.port):
+            assert self.proc.poll() is None, "the tool server did not start"
+            assert time.monotonic() < deadline, "the tool server did not start in 30 s"
+            time.sleep(0.05)
 
     def dead(self) -> bool:
         """Whether the process died (waiting a moment for a kill that is on its way)."""
@@ -97,6 +93,14 @@ class _Server:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _answer(url: str, step: Step) -> str:
@@ -179,11 +183,11 @@ def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresSer
                 steps[step.idempotency_key] = step
                 point = rng.choice(TX_POINTS if mode == "transactional" else PLAIN_POINTS)
                 (points_dir / str(i)).write_text(point)
-                with ToolInvoker(server.url, retry=FIRST, route_template="/tools/{tool}") as inv:
-                    try:
-                        inv.invoke(step)
-                    except AgentKeyError:
-                        pass
+                with (
+                    ToolInvoker(server.url, retry=FIRST, route_template="/tools/{tool}") as inv,
+                    suppress(AgentKeyError),  # it dies under the call: OutcomeUnknown
+                ):
+                    inv.invoke(step)
                 assert server.dead(), f"step {i}: the server was not killed at {point}"
                 server.start()
                 outcome[step.idempotency_key] = _answer(server.url, step)
