@@ -445,8 +445,8 @@ class IdempotencyMiddleware:
         a digest of the body). ``"agentkey"``: only agentkey keys.
     ``lock_ttl``
         Seconds a claim's lease lasts (15 s). It is renewed every third of that
-        while the handler runs, so a claim whose server died clears within one
-        lease.
+        while the handler runs, so a claim whose server died is known within one
+        lease: in doubt when its side effect may have started, else free.
     ``auto_renew``
         False turns the automatic renewal off: the claim then lives ``lock_ttl``
         unless the handler calls ``claim.renew()`` or ``claim.keep_alive()``
