@@ -2,7 +2,8 @@
 
 A uvicorn tool server process (``tests.server._kill_app``) on Redis (AOF, ``appendfsync
 always``) or PostgreSQL (a plain side effect, or one committed by the store's
-transaction) kills itself once per step at a random point, mostly after its side effect.
+transaction), over HTTP, or over MCP on Redis, kills itself once per step at a random
+point, mostly after its side effect.
 The agent, a real ``ToolInvoker``, calls the step; the server is started again and the
 agent calls the step again with the same key until the answer is final: a replay, a
 fresh run (nothing had run), or the typed in-doubt answer (409 ``in_doubt``). A second
@@ -13,6 +14,7 @@ or the charges table): at most one per key, always.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -24,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import cast
 
 import httpx
 import psycopg
@@ -63,8 +66,9 @@ class _Server:
 
     def start(self, **extra: str) -> None:
         self.stop()
+        factory = "mcp_app" if self.env["AK_KILL_MODE"] == "mcp" else "app"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "tests.server._kill_app:app",
+            [sys.executable, "-m", "uvicorn", "--factory", f"tests.server._kill_app:{factory}",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
              "--no-access-log"],
             cwd=ROOT, env={**self.env, **extra}, stdout=self.log, stderr=subprocess.STDOUT,
@@ -132,6 +136,47 @@ def _answer(url: str, step: Step) -> str:
             time.sleep(0.2)
 
 
+async def _mcp_call(url: str, plan: PlanSession, i: int) -> None:
+    """The agent's call through agentkey's MCP client (IdempotentSession); the server may
+    die under it, so any failure is the agent's to retry."""
+    from agentkey.integrations.mcp import IdempotentSession, connect
+
+    policy = RetryPolicy(max_attempts=2, deadline=3.0, initial_backoff=0.05, max_backoff=0.1)
+    with suppress(Exception):
+        async with connect(url + "/mcp") as s:
+            await IdempotentSession(s, plan, policy=policy, attempt_timeout=3.0).call_tool(
+                "charge", {"n": i}, step=i
+            )
+
+
+async def _mcp_answer(url: str, step: Step) -> str:
+    """Call until the answer is final, the key in ``_meta`` (the SDK's own client): a result
+    (``executed`` or ``replayed``), or the typed ``in-doubt`` refusal."""
+    import anyio
+    from mcp.shared.exceptions import MCPError
+    from mcp_types import RequestParamsMeta
+
+    from agentkey.integrations.mcp import KEY_FIELD, REPLAYED_FIELD, connect
+
+    deadline = time.monotonic() + 60
+    while True:
+        async with connect(url + "/mcp") as s:
+            try:
+                meta = cast(RequestParamsMeta, {KEY_FIELD: step.idempotency_key})
+                got = await s.call_tool("charge", dict(step.args), meta=meta)
+            except MCPError as exc:  # caught inside: the session's task group would wrap it
+                kind = (exc.error.data or {}).get("type")
+                if kind == "io.agentkey/in-doubt":
+                    return "in_doubt"
+                refusal = exc.error
+            else:
+                assert not got.is_error, got
+                return "replayed" if (got.meta or {}).get(REPLAYED_FIELD) else "executed"
+        assert kind == "io.agentkey/in-progress", refusal
+        assert time.monotonic() < deadline, f"{step.label} never settled"
+        await anyio.sleep(0.2)
+
+
 def _executions(kind: str, dsn: str, ledger: Path) -> Counter[str]:
     if kind == "transactional":
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -158,11 +203,12 @@ def _store(kind: str, postgres: PostgresServer | None) -> Iterator[str]:
 
 def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresServer | None) -> None:
     rng = random.Random(seed)
-    mode = "transactional" if kind == "transactional" else "plain"
+    mode = {"transactional": "transactional", "mcp": "mcp"}.get(kind, "plain")
+    answer = (lambda url, step: asyncio.run(_mcp_answer(url, step))) if kind == "mcp" else _answer
     points_dir = tmp_path / "kills"
     points_dir.mkdir()
     ledger = tmp_path / "ledger.txt"
-    with _store("redis" if kind == "redis" else "postgres", postgres) as url:
+    with _store("redis" if kind in ("redis", "mcp") else "postgres", postgres) as url:
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -183,19 +229,22 @@ def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresSer
                 steps[step.idempotency_key] = step
                 point = rng.choice(TX_POINTS if mode == "transactional" else PLAIN_POINTS)
                 (points_dir / str(i)).write_text(point)
-                with (
-                    ToolInvoker(server.url, retry=FIRST, route_template="/tools/{tool}") as inv,
-                    suppress(AgentKeyError),  # it dies under the call: OutcomeUnknown
-                ):
-                    inv.invoke(step)
+                if kind == "mcp":
+                    asyncio.run(_mcp_call(server.url, plan, i))
+                else:
+                    with (
+                        ToolInvoker(server.url, retry=FIRST, route_template="/tools/{tool}") as inv,
+                        suppress(AgentKeyError),  # it dies under the call: OutcomeUnknown
+                    ):
+                        inv.invoke(step)
                 assert server.dead(), f"step {i}: the server was not killed at {point}"
                 server.start()
-                outcome[step.idempotency_key] = _answer(server.url, step)
+                outcome[step.idempotency_key] = answer(server.url, step)
             doubted = [k for k, v in outcome.items() if v == "in_doubt"]
             # The second run: reconcile= settles every key in doubt from the tool's ledger.
             server.start(AK_KILL_RECONCILE="1")
-            settled = {k: _answer(server.url, steps[k]) for k in doubted}
-            replays = {k: _answer(server.url, steps[k]) for k in outcome}
+            settled = {k: answer(server.url, steps[k]) for k in doubted}
+            replays = {k: answer(server.url, steps[k]) for k in outcome}
         finally:
             server.stop()
             server.log.close()
@@ -210,7 +259,7 @@ def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresSer
 
 
 @pytest.mark.realtime
-@pytest.mark.parametrize("kind", ["redis", "plain", "transactional"])
+@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp"])
 def test_a_few_kills_after_the_side_effect_run_nothing_twice(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -222,7 +271,7 @@ def test_a_few_kills_after_the_side_effect_run_nothing_twice(
 
 @pytest.mark.long
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kind", ["redis", "plain", "transactional"])
+@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp"])
 def test_a_hundred_kills_after_the_side_effect_run_nothing_twice(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -151,3 +151,56 @@ def app() -> Starlette:
             )
         ],
     )
+
+
+def mcp_app() -> Any:
+    """The same tool over MCP (``charge(n)``) behind IdempotentToolsMiddleware on Redis."""
+    from mcp.server.mcpserver import MCPServer
+
+    from agentkey.integrations.mcp import IdempotentToolsMiddleware
+
+    points = Path(os.environ["AK_KILL_POINTS"])
+    ledger = Path(os.environ["AK_KILL_LEDGER"])
+    store = RedisStore(os.environ["AK_KILL_STORE"], prefix="mcpkills")
+
+    async def reconcile(context: ReconcileContext) -> Reconciled:
+        run = _ledger_entry(ledger, context.idempotency_key)
+        if run is None:
+            return Reconciled.not_run()
+        return Reconciled.ran(
+            {"content": [{"type": "text", "text": run}], "structuredContent": {"result": run}}
+        )
+
+    options: dict[str, Any] = {}
+    if os.environ.get("AK_KILL_RECONCILE") == "1":
+        options["reconcile"] = reconcile
+    middleware = IdempotentToolsMiddleware(
+        store,
+        shared_key_space=True,
+        lock_ttl=float(os.environ.get("AK_KILL_LEASE", "1.0")),
+        **options,
+    )
+    server: MCPServer[Any] = MCPServer("kills", middleware=[middleware])
+
+    @server.tool()
+    async def charge(n: int) -> str:
+        """Charges once per key; its process dies where the kill file says."""
+        claim = current_claim()
+        point = _take(points, n)
+        if point == "before_effect":
+            _die()
+        run = uuid.uuid4().hex[:12]
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{claim.idempotency_key} {run}\n".encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if point == "after_effect":
+            _die()
+        await asyncio.sleep(0.05)
+        if point == "after_effect_later":
+            _die()
+        return run
+
+    return server.streamable_http_app()
