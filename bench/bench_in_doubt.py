@@ -34,14 +34,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests._loopback
 
-import httpx  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, Response  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from agentkey import PlanSession  # noqa: E402
-from agentkey.server import IdempotencyMiddleware, current_claim  # noqa: E402
+from agentkey import PlanSession
+from agentkey.server import IdempotencyMiddleware, current_claim
 
 _HAS_MODES = "mutation_starts" in inspect.signature(IdempotencyMiddleware).parameters
 
@@ -86,7 +86,7 @@ def _app(store: Counting, pg: Any, **options: Any) -> Any:
     async def ok(request: Request) -> Response:
         await request.json()
         if options.get("mutation_starts") == "on_mark":
-            await current_claim().begin_mutation()  # type: ignore[misc]
+            await current_claim().begin_mutation()
         return JSONResponse({"ok": True}, status_code=201)
 
     async def fail(request: Request) -> Response:
