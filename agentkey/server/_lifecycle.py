@@ -332,7 +332,11 @@ class Lifecycle:
                 if isinstance(result, Conflict):
                     decision = result
                     continue
-                if polling and held.finished == seen and isinstance(result, (Replay, Reject)):
+                if (
+                    polling
+                    and held.finished == seen
+                    and isinstance(result, (Replay, Reject, InDoubt))
+                ):
                     self._wake(claim.record_key)  # it finished elsewhere: the others ask now
                 return result
         finally:

@@ -392,3 +392,74 @@ def test_an_in_doubt_record_round_trips_and_is_fenced_by_its_owner() -> None:
     assert record.phase == "in_doubt"
     assert record.operation == "POST /a:b"
     assert record.in_doubt(0)
+
+
+def test_a_held_duplicate_of_a_request_that_fails_after_it_started_gets_in_doubt() -> None:
+    """hold_in_flight: a duplicate held while the first request charges and answers 500 is
+    woken with in_doubt, never run (the old code released the key and ran it again)."""
+    import concurrent.futures
+    import threading
+
+    import anyio.to_thread
+
+    charges: Counter[str] = Counter()
+    entered, gate = threading.Event(), threading.Event()
+
+    async def charge(request: Request) -> Response:
+        await request.json()
+        charges["charge"] += 1
+        entered.set()
+        await anyio.to_thread.run_sync(gate.wait, 30)
+        return JSONResponse({"error": "downstream timeout"}, 500)
+
+    store = MemoryStore()
+    middleware = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=store,
+        shared_key_space=True,
+        hold_in_flight=30,
+    )
+    headers, body = request_for({"amount": 5})
+    with (
+        serve_closing(middleware, store) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        first = pool.submit(_post, client, headers, body)
+        assert entered.wait(30)
+        second = pool.submit(_post, client, headers, body)
+        deadline = time.monotonic() + 30
+        while middleware._life._holding == 0:  # the duplicate is held
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        gate.set()
+        assert first.result(30).status_code == 500
+        _assert_in_doubt(second.result(30))
+    assert charges["charge"] == 1
+
+
+def test_a_plain_function_is_a_reconcile_hook_too() -> None:
+    """A sync reconcile hook is called as it is (the convention of principal=)."""
+    store = MemoryStore()
+    app = charging_app(store, reconcile=lambda context: Reconciled.not_run())
+    headers, body = request_for({"amount": 5, "answer": "500", "once": True})
+    with serve_closing(app, store) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert _post(client, headers, body).status_code == 500
+        assert _post(client, headers, body).status_code == 201
+    assert app.state.charges["charge"] == 2  # settled "not run" by the hook: it ran now
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mutation_starts": "sometimes"}, "mutation_starts"),
+        ({"reconcile": "yes"}, "reconcile"),
+        ({"reconcile_timeout": 0}, "reconcile_timeout"),
+    ],
+)
+def test_bad_options_are_refused_at_construction(options: dict[str, Any], message: str) -> None:
+    """A misspelt mode, a hook that is not callable, a timeout of 0: ConfigurationError."""
+    from agentkey import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), shared_key_space=True, **options)
