@@ -19,7 +19,7 @@ from agentkey.server import PostgresStore, RedisStore, Store
 from tests._loopback import RedisServer
 from tests._postgres import PostgresServer
 from tests.server._util import request_for, serve_closing
-from tests.server.test_in_doubt import charging_app
+from tests.server.test_in_doubt import _plant, charging_app
 
 
 @pytest.fixture(params=["redis", "postgres"])
@@ -116,3 +116,40 @@ def test_a_store_url_it_cannot_use_is_a_usage_error(capsys: pytest.CaptureFixtur
     """An unknown URL scheme: exit 2 and a message naming the schemes."""
     assert main(["server", "doubt", "--store", "mysql://x"]) == 2
     assert "redis://" in capsys.readouterr().err
+
+
+def test_a_lapsed_lease_is_listed_as_in_doubt(
+    backend: tuple[Callable[[], Store], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The record a dead process left (may have started, lease lapsed) is listed as in
+    doubt, "lease lapsed", since its lease's end; one whose lease runs is not listed."""
+    import time
+
+    make, where = backend
+    lapsed, _ = request_for({"amount": 1})
+    running, _ = request_for({"amount": 2})
+    now = int(time.time() * 1000)
+
+    async def plant() -> None:
+        store = make()
+        try:
+            for headers, lease_end in ((lapsed, now - 1000), (running, now + 60_000)):
+                body = request_for({"amount": 1 if headers is lapsed else 2})[1]
+                await _plant(
+                    store,
+                    headers["idempotency-key"],
+                    body,
+                    phase="started",
+                    lease_end_ms=lease_end,
+                    ttl_ms=3_600_000,
+                )
+        finally:
+            await store.aclose()
+
+    asyncio.run(plant())
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    assert code == 0
+    (row,) = rows
+    assert row["why"] == "lease lapsed"
+    assert row["since"] == pytest.approx((now - 1000) / 1000)
+    assert str(row["key"]).split("#")[0] in lapsed["idempotency-key"]
