@@ -496,9 +496,12 @@ class Lifecycle:
         _logger.error(
             "settling %s did not finish within %s s (the store is unreachable or slow) "
             "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
-            "and a retry after that runs the step again",
+            "and after that %s",
             shown_key(claim.idempotency_key),
             SETTLE_SECONDS,
+            "it is in doubt (409 in_doubt until settled)"
+            if claim.phase == "started"
+            else "a retry runs the step again",
         )
 
     async def _write(
