@@ -2,7 +2,7 @@
 
 A uvicorn tool server process (``tests.server._kill_app``) on Redis (AOF, ``appendfsync
 always``) or PostgreSQL (a plain side effect, or one committed by the store's
-transaction), over HTTP, or over MCP on Redis, kills itself once per step at a random
+transaction), over HTTP or over MCP, kills itself once per step at a random
 point, mostly after its side effect.
 The agent, a real ``ToolInvoker``, calls the step; the server is started again and the
 agent calls the step again with the same key until the answer is final: a replay, a
@@ -203,8 +203,11 @@ def _store(kind: str, postgres: PostgresServer | None) -> Iterator[str]:
 
 def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresServer | None) -> None:
     rng = random.Random(seed)
-    mode = {"transactional": "transactional", "mcp": "mcp"}.get(kind, "plain")
-    answer = (lambda url, step: asyncio.run(_mcp_answer(url, step))) if kind == "mcp" else _answer
+    mode = {"transactional": "transactional", "mcp": "mcp", "mcp-postgres": "mcp"}.get(
+        kind, "plain"
+    )
+    mcp = mode == "mcp"
+    answer = (lambda url, step: asyncio.run(_mcp_answer(url, step))) if mcp else _answer
     points_dir = tmp_path / "kills"
     points_dir.mkdir()
     ledger = tmp_path / "ledger.txt"
@@ -229,7 +232,7 @@ def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresSer
                 steps[step.idempotency_key] = step
                 point = rng.choice(TX_POINTS if mode == "transactional" else PLAIN_POINTS)
                 (points_dir / str(i)).write_text(point)
-                if kind == "mcp":
+                if mcp:
                     asyncio.run(_mcp_call(server.url, plan, i))
                 else:
                     with (
@@ -259,22 +262,22 @@ def _run(kind: str, kills: int, seed: int, tmp_path: Path, postgres: PostgresSer
 
 
 @pytest.mark.realtime
-@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp"])
+@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp", "mcp-postgres"])
 def test_a_few_kills_after_the_side_effect_run_nothing_twice(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """3 SIGKILLs of the tool server per store: no step runs twice, every key in doubt is
     answered 409 in_doubt, and reconcile= settles each (the old code ran them again)."""
-    postgres = None if kind == "redis" else request.getfixturevalue("postgres_proc")
+    postgres = None if kind in ("redis", "mcp") else request.getfixturevalue("postgres_proc")
     _run(kind, 3, seed=35, tmp_path=tmp_path, postgres=postgres)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp"])
+@pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp", "mcp-postgres"])
 def test_a_hundred_kills_after_the_side_effect_run_nothing_twice(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """100 SIGKILLs of the tool server per store: executions per key <= 1, all settled."""
-    postgres = None if kind == "redis" else request.getfixturevalue("postgres_proc")
+    postgres = None if kind in ("redis", "mcp") else request.getfixturevalue("postgres_proc")
     _run(kind, 100, seed=3500, tmp_path=tmp_path, postgres=postgres)

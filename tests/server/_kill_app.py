@@ -154,14 +154,20 @@ def app() -> Starlette:
 
 
 def mcp_app() -> Any:
-    """The same tool over MCP (``charge(n)``) behind IdempotentToolsMiddleware on Redis."""
+    """The same tool over MCP (``charge(n)``) behind IdempotentToolsMiddleware (Redis or
+    PostgreSQL, by the URL)."""
     from mcp.server.mcpserver import MCPServer
 
     from agentkey.integrations.mcp import IdempotentToolsMiddleware
 
     points = Path(os.environ["AK_KILL_POINTS"])
     ledger = Path(os.environ["AK_KILL_LEDGER"])
-    store = RedisStore(os.environ["AK_KILL_STORE"], prefix="mcpkills")
+    url = os.environ["AK_KILL_STORE"]
+    store: Store = (
+        RedisStore(url, prefix="mcpkills")
+        if url.startswith("redis")
+        else PostgresStore(url, table="kill_server_records")
+    )
 
     async def reconcile(context: ReconcileContext) -> Reconciled:
         run = _ledger_entry(ledger, context.idempotency_key)
