@@ -421,12 +421,32 @@ def _parser() -> argparse.ArgumentParser:
     from ._journal_cli import add_parser as add_journal_parser
 
     add_journal_parser(sub)
+    server = sub.add_parser(
+        "server",
+        add_help=False,
+        help="list and settle the keys in doubt in a server's idempotency store "
+        "(agentkey server doubt|settle --help)",
+    )
+    server.add_argument("args", nargs=argparse.REMAINDER)
+    server.set_defaults(func=_cmd_server)
     return parser
+
+
+def _cmd_server(ns: argparse.Namespace) -> int:
+    """``agentkey server ...``: parsed by the server half, which loads only when asked."""
+    try:
+        from .server._cli import main as server_main
+    except ImportError as exc:
+        return _missing_extra("server", exc)
+    return server_main(ns.args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code."""
-    ns = _parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["server"]:  # its own parser, in the server half (its --help too)
+        return _cmd_server(argparse.Namespace(args=args[1:]))
+    ns = _parser().parse_args(args)
     try:
         code: int = ns.func(ns)
     except AgentKeyError as exc:

@@ -20,6 +20,7 @@ from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, current_claim
 from ._decide import DecisionEvent
 from ._middleware import IdempotencyMiddleware, PrincipalFunc, starlette_user_identity
+from ._reconcile import ReconcileContext, Reconciled
 from ._stores import MemoryStore, Store
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ __all__ = [
     "PostgresStore",
     "PostgresTransaction",
     "PrincipalFunc",
+    "ReconcileContext",
+    "Reconciled",
     "RedisStore",
     "Store",
     "current_claim",

@@ -39,6 +39,7 @@ from .._schedule import Backoff
 from ._records import (
     Binding,
     InProgress,
+    Phase,
     StoredOutcome,
     decode_record,
     encode_in_progress,
@@ -73,9 +74,16 @@ def _wall_ms() -> int:
 class Claim:
     """The lease on one ``Idempotency-Key`` held by the running handler.
 
+    - By default (the middleware's ``mutation_starts="on_run"``) the side effect may
+      have started as soon as the handler runs: the claim's own record says so, so a
+      server that dies, or a handler that fails with a 5xx or an exception, leaves
+      the key *in doubt*, never free. :meth:`nothing_started` says otherwise (a
+      failure then releases the key for a retry).
     - :meth:`begin_mutation` says the side effect has started: from then on a
       failure (an exception, a 5xx, a 401...) is recorded as ``FAILED`` and
-      replayed, instead of releasing the key for a blind retry.
+      replayed, instead of releasing the key for a blind retry. With
+      ``mutation_starts="on_mark"`` it is where "may have started" begins: ``await
+      claim.begin_mutation()`` writes it to the store before the side effect.
     - The lease (the middleware's ``lock_ttl``) is renewed every third of it
       while the handler runs, unless the middleware has ``auto_renew=False``;
       then :meth:`renew` extends it once and :meth:`keep_alive` renews it for a
@@ -91,9 +99,13 @@ class Claim:
         "_lease_ms",
         "_lost",
         "_mutation_started",
+        "_nothing_started",
+        "_operation",
         "_owner",
+        "_phase",
         "_renew_ms",
         "_renewed",
+        "_result_ttl_ms",
         "_settled",
         "_started_ms",
         "_stop",
@@ -124,6 +136,9 @@ class Claim:
         clock: Callable[[], int] = _wall_ms,
         body: Sequence[bytes] | None = None,
         parsed: dict[str, Any] | None = None,
+        phase: Phase = "claimed",
+        result_ttl_ms: int | None = None,
+        operation: str = "",
     ) -> None:
         #: The parsed agentkey key; None for an opaque key (a UUID, ``ik_...``).
         self.key = key
@@ -140,6 +155,10 @@ class Claim:
         self._clock = clock
         self._started_ms = clock() if started_ms is None else started_ms
         self._mutation_started = False
+        self._nothing_started = False
+        self._phase: Phase = phase
+        self._result_ttl_ms = lock_ttl_ms if result_ttl_ms is None else result_ttl_ms
+        self._operation = operation
         self._lost = False
         self._settled = False
         self._stop: asyncio.Event | None = None
@@ -172,6 +191,44 @@ class Claim:
     def mutation_started(self) -> bool:
         """True once :meth:`begin_mutation` was called."""
         return self._mutation_started
+
+    @property
+    def may_have_started(self) -> bool:
+        """True when the side effect may have started without the handler saying so: the
+        claim's record says "may have started" and :meth:`nothing_started` was not called.
+        A 5xx or an exception then puts the key in doubt."""
+        return self._phase == "started" and not self._nothing_started
+
+    @property
+    def phase(self) -> Phase:
+        """What the claim's record says: ``claimed`` (nothing started; a lapsed lease frees
+        the key) or ``started`` (it may have; a lapsed lease puts the key in doubt)."""
+        return self._phase
+
+    @property
+    def record_ttl_ms(self) -> int:
+        """How long the store keeps this claim's record: one lease while ``claimed``, as
+        long as a result once the side effect may have started (so a lapsed lease is
+        remembered as in doubt, never forgotten)."""
+        return self._result_ttl_ms if self._phase == "started" else self._lease_ms
+
+    def nothing_started(self) -> None:
+        """Say that this request's side effect has not started and will not: if the
+        handler then fails (an exception, a 5xx), the key is released for a retry
+        instead of being left in doubt.
+
+        Call it on a failure path before anything happened (a validation error, a
+        downstream refusal that charged nothing). It is a promise about this process
+        only: if the server dies afterwards, the key is still in doubt (the store was
+        told the side effect may have started). Raises
+        :class:`~agentkey.ConfigurationError` after :meth:`begin_mutation`.
+        """
+        if self._mutation_started:
+            raise ConfigurationError(
+                f"nothing_started() after begin_mutation() on {shown_key(self.idempotency_key)}: "
+                "the side effect has begun, so the key cannot be released"
+            )
+        self._nothing_started = True
 
     @property
     def lost(self) -> bool:
@@ -212,8 +269,16 @@ class Claim:
             self._json, self._body = value, None
         return value
 
-    def begin_mutation(self) -> None:
+    def begin_mutation(self) -> _Mark:
         """Mark that the side effect has started; later failures are recorded as FAILED.
+
+        With the middleware's default (``mutation_starts="on_run"``) the store already
+        knows the side effect may have started, and this marks the point in the
+        process. With ``mutation_starts="on_mark"``, ``await claim.begin_mutation()``
+        also writes "may have started" to the store (one write, compare-and-set on the
+        owner) before returning: do it before the side effect, so a server that dies
+        after it leaves the key in doubt rather than free. Not awaited, the mark lives
+        in this process only.
 
         Raises :class:`LeaseLost` when a renewal found that another request took
         the key: it may be running this step, so this one must not.
@@ -224,7 +289,52 @@ class Claim:
                 "request's lease expired, so the side effect must not start here; the client "
                 "retries with the same key and gets the other request's answer"
             )
+        if self._nothing_started:
+            raise ConfigurationError(
+                f"begin_mutation() after nothing_started() on "
+                f"{shown_key(self.idempotency_key)}: the handler said nothing would start"
+            )
         self._mutation_started = True
+        return _Mark(self)
+
+    async def _mark_started(self) -> None:
+        """Write "may have started" over this claim's record (``mutation_starts="on_mark"``)."""
+        if self._phase == "started":
+            return
+        self._phase = "started"
+        if self._settled:
+            return
+        try:
+            owned = await self._store.finish(
+                self.record_key, self._owner, self.in_progress_record(), ttl_ms=self.record_ttl_ms
+            )
+        except StoreError as exc:
+            # Nothing started: the handler must not begin its side effect, and the key is
+            # released (503, or the handler's own failure) rather than left in doubt.
+            self._phase, self._mutation_started = "claimed", False
+            if isinstance(exc, StoreUnavailable):
+                raise self._note_unavailable(exc) from None
+            raise
+        if not owned:
+            self._phase, self._mutation_started = "claimed", False
+            self._lost = True
+            raise LeaseLost(
+                f"the lease on {shown_key(self.idempotency_key)} lapsed before the side "
+                "effect began and another request may hold the key, so it must not start "
+                "here; the client retries with the same key"
+            )
+
+    async def _mark_claimed(self) -> None:
+        """Write "claimed" (nothing started) over this claim's record: a handler whose side
+        effects all happen in one database transaction (PostgreSQL's transactional
+        completion), so a crash rolls them back and the key must be free after its lease."""
+        if self._phase == "claimed" or self._mutation_started or self._settled:
+            return
+        self._phase = "claimed"
+        if not await self._store.finish(
+            self.record_key, self._owner, self.in_progress_record(), ttl_ms=self.record_ttl_ms
+        ):
+            self._lost = True
 
     def key_for(self, name: str) -> str:
         """The ``Idempotency-Key`` for the downstream call ``name`` this handler makes.
@@ -270,6 +380,8 @@ class Claim:
             lease_end_ms=now + self._lease_ms,
             renew_ms=self._renew_ms if self.renewing or self.auto_renew else 0,
             binding=self._binding,
+            phase=self._phase,
+            operation=self._operation,
         )
 
     async def renew(self) -> bool:
@@ -284,13 +396,13 @@ class Claim:
             return not self._lost
         value = self.in_progress_record()
         store, key = self._store, self.record_key
-        if await store.finish(key, self._owner, value, ttl_ms=self._lease_ms):
+        if await store.finish(key, self._owner, value, ttl_ms=self.record_ttl_ms):
             return True
         # "Not owned": a write the client library re-sent after it landed, or an
         # expired lease. Only a record of someone else means the key was taken.
         current = await store.get(key)
         if current is None and not self._settled:
-            current = await store.claim(key, value, ttl_ms=self._lease_ms)
+            current = await store.claim(key, value, ttl_ms=self.record_ttl_ms)
             if current is None:
                 _logger.warning(
                     "the lease on %s had expired (nobody claimed the key meanwhile) and was "
@@ -444,6 +556,22 @@ class Claim:
             yield self
         finally:
             await self.stop_renewing()
+
+
+class _Mark:
+    """What :meth:`Claim.begin_mutation` returns: awaiting it makes the mark durable.
+
+    Not a coroutine, so the many handlers that call ``claim.begin_mutation()`` without
+    ``await`` (the default mode needs none) get no "never awaited" warning.
+    """
+
+    __slots__ = ("_claim",)
+
+    def __init__(self, claim: Claim) -> None:
+        self._claim = claim
+
+    def __await__(self) -> Any:
+        return self._claim._mark_started().__await__()
 
 
 class _FirstRenewals:

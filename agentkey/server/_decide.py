@@ -63,7 +63,9 @@ __all__ = [
     "Complete",
     "Conflict",
     "DecisionEvent",
+    "Doubt",
     "Fail",
+    "InDoubt",
     "KeyFormat",
     "OpaqueKey",
     "Problem",
@@ -143,6 +145,8 @@ _TITLES = {
     "key_reused": "Idempotency-Key reused for another operation",
     "in_progress": "A request with this Idempotency-Key is in progress",
     "store_unavailable": "Idempotency store unavailable",
+    "not_run": "The request was refused and did not run",
+    "in_doubt": "An earlier request with this Idempotency-Key may have run and did not finish",
     "step_failed": "The step failed after its side effect began",
     "unauthenticated": "Authentication required",
     "response_too_large": "The answer was too large to record",
@@ -196,6 +200,15 @@ class Unavailable(Problem):
     """503: the store failed; nothing ran. ``cause`` is for the log, never sent."""
 
     cause: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class InDoubt(Problem):
+    """409 ``in_doubt``: an earlier request with the key may have started its side effect
+    and did not finish. Final for the client (no ``Retry-After``): nothing runs under the
+    key until a reconcile hook or an operator settles it. ``record`` is the record met."""
+
+    record: InProgress | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,12 +312,20 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Doubt:
+    """Mark the claim in doubt: the tool failed (a 5xx, an exception) after it may have
+    started its side effect, without saying it had. Every later request gets
+    :func:`in_doubt` until a reconcile hook or an operator settles the key."""
+
+
+@dataclass(frozen=True, slots=True)
 class DecisionEvent:
     """What a front end decided for one request, reported once to each hook.
 
     ``decision``: ``claimed`` (the tool ran and its answer was recorded), ``failed``
     (it ran; FAILED recorded), ``released`` (it ran and failed before its side
-    effect), ``replay``, ``conflict`` (409), ``mismatch`` (422 key_reused or
+    effect), ``in_doubt`` (it ran and failed after it may have started, or a request
+    met a key in doubt: 409), ``replay``, ``conflict`` (409), ``mismatch`` (422 key_reused or
     payload_mismatch), ``rejected`` (400/413/422 before any claim),
     ``unavailable`` (503) or ``passthrough`` (not protected). ``route`` is the
     path as the router matches it (MCP: the tool name). Never a body or a token.
@@ -439,7 +460,23 @@ def unavailable(retry_after: int, cause: str = "", *, reading: bool = False) -> 
         else "the idempotency store is unavailable, so the request was not run; "
         "retry with the same key"
     )
-    return Unavailable(503, "store_unavailable", detail, retry_after, cause=cause)
+    return Unavailable(
+        503, "store_unavailable" if reading else "not_run", detail, retry_after, cause=cause
+    )
+
+
+def in_doubt(record: InProgress | None, where: str = "the step") -> InDoubt:
+    """409 ``in_doubt``, without ``Retry-After``: the same answer to every request with the key."""
+    return InDoubt(
+        409,
+        "in_doubt",
+        f"an earlier request with this Idempotency-Key may have started {where}'s side "
+        "effect and did not finish (its server stopped, or it failed after the effect "
+        "began), so nothing runs under this key until the server's reconcile hook or an "
+        "operator settles it (agentkey server settle); check the target system before "
+        "running the step again under a new key",
+        record=record,
+    )
 
 
 def on_claimed(
@@ -449,8 +486,12 @@ def on_claimed(
     owner: str,
     now_ms: int,
     retry_after: int,
-) -> Run | Conflict | Replay | Unavailable | Reject:
-    """Decide on the store's answer to a claim: None (claimed), the record there, or an error."""
+) -> Run | Conflict | Replay | Unavailable | Reject | InDoubt:
+    """Decide on the store's answer to a claim: None (claimed), the record there, or an error.
+
+    A record whose handler may have started and whose lease lapsed, or one marked in
+    doubt, is :class:`InDoubt`: never free, never run again by itself.
+    """
     if isinstance(existing, StoreError):
         return unavailable(retry_after, str(existing))
     if existing is None:
@@ -468,12 +509,15 @@ def on_claimed(
         # Our own claim, read back: the client library re-sent a SET that had already
         # succeeded (a retry after a timeout). Its lease started at the first send.
         return Run(renew=True)
+    if record.in_doubt(now_ms):
+        return in_doubt(record, checked.where)
     wait, lease_left = in_progress_retry_after(record, now_ms, retry_after=retry_after)
     lease = (
         ""
         if lease_left is None
         else "; if the request holding it stopped (its server may have died), its lease "
-        f"ends within {lease_left} s and a retry then runs the step"
+        f"ends within {lease_left} s and a retry then "
+        + ("learns whether the step is in doubt" if record.phase == "started" else "runs the step")
     )
     return Conflict(
         409,
@@ -497,8 +541,15 @@ def on_finished(
     max_inline_bytes: int,
     max_recorded_bytes: int | None = None,
     size: int | None = None,
-) -> Complete | Fail | Release:
+    may_have_started: bool = False,
+) -> Complete | Fail | Release | Doubt:
     """What to record once the tool answered ``status`` (or raised: ``error``).
+
+    ``mutation_started``: the tool said its side effect began (``begin_mutation()``):
+    a failure is recorded FAILED and replayed. ``may_have_started``: it may have begun
+    without saying so (the default: as soon as the tool runs); a 5xx or an exception
+    then puts the key in doubt (:class:`Doubt`), while an answer about the moment
+    (401, 403, 408, 409, 429, 307, 308) still releases it. Neither: released.
 
     ``size`` is the answer's length when the front end stopped keeping its body
     (default ``len(body)``). An answer above ``max_recorded_bytes`` that would be
@@ -516,6 +567,8 @@ def on_finished(
             StoredOutcome("COMPLETED", status, stored, body, None, now_ms, binding), offload
         )
     if not mutation_started:
+        if may_have_started and (error or status >= 500):
+            return Doubt()
         return Release()
     if error:
         status, stored = 500, (("content-type", PROBLEM_TYPE),)

@@ -26,11 +26,12 @@ import asyncio
 import inspect
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 
@@ -38,12 +39,20 @@ from .._exceptions import ConfigurationError, StoreError
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._blobs import BlobStore
-from ._claim import Claim, record_outcome, record_until_stored, release_until_done
+from ._claim import (
+    SETTLE_BACKOFF,
+    Claim,
+    record_outcome,
+    record_until_stored,
+    release_until_done,
+)
 from ._decide import (
     Checked,
     Complete,
     Conflict,
+    Doubt,
     Fail,
+    InDoubt,
     Problem,
     Reject,
     Release,
@@ -51,15 +60,35 @@ from ._decide import (
     Run,
     Unavailable,
     on_claimed,
+    stored_headers,
     unavailable,
 )
-from ._records import StoredOutcome
+from ._reconcile import ReconcileContext, ReconcileHook, ask
+from ._records import StoredOutcome, encode_in_progress, encode_outcome
 from ._stores import SETTLE_SECONDS, Store
+
+#: ``mutation_starts``: when a handler's side effect may have started. ``on_run`` (the
+#: default): as soon as it runs, carried in the claim's own write. ``on_mark``: when it
+#: calls ``await claim.begin_mutation()`` (one more write), so a failure or a crash
+#: before that frees the key.
+MutationStarts = Literal["on_run", "on_mark"]
+
+
+def check_mutation_starts(value: object) -> MutationStarts:
+    if value not in ("on_run", "on_mark"):
+        raise ConfigurationError(
+            f"mutation_starts must be 'on_run' (the side effect may have started as soon as "
+            f"the handler runs) or 'on_mark' (at await claim.begin_mutation()), got {value!r}"
+        )
+    return value
+
 
 __all__ = [
     "MAX_HELD",
     "SHARED_PRINCIPAL",
     "Lifecycle",
+    "MutationStarts",
+    "check_mutation_starts",
     "check_principal_options",
     "resolve_principal",
 ]
@@ -154,6 +183,7 @@ class Lifecycle:
         "auto_renew",
         "clock",
         "lock_ttl_ms",
+        "mutation_starts",
         "result_ttl_ms",
         "retry_after",
         "store",
@@ -169,8 +199,10 @@ class Lifecycle:
         auto_renew: bool,
         clock: Callable[[], int],
         blob_store: Callable[[], BlobStore] | None = None,
+        mutation_starts: MutationStarts = "on_run",
     ) -> None:
         self.store = store
+        self.mutation_starts = mutation_starts
         self.lock_ttl_ms = lock_ttl_ms
         self.result_ttl_ms = result_ttl_ms
         self.retry_after = retry_after
@@ -185,10 +217,16 @@ class Lifecycle:
     # --- claiming --------------------------------------------------------------------
 
     def new_claim(
-        self, checked: Checked, principal: str, body: Sequence[bytes] | None = None
+        self,
+        checked: Checked,
+        principal: str,
+        body: Sequence[bytes] | None = None,
+        operation: str = "",
     ) -> Claim:
         """The claim of ``checked`` for ``principal``; ``body``: the HTTP request's chunks,
-        which :meth:`Claim.json` parses for the handler when the check did not."""
+        which :meth:`Claim.json` parses for the handler when the check did not.
+        ``operation`` (``"POST /charges"``, ``"tools/call charge"``) is kept in the record
+        for operators who list the keys in doubt."""
         key = checked.key
         return Claim(
             key=key if isinstance(key, StepKey) else None,
@@ -203,11 +241,15 @@ class Lifecycle:
             clock=self.clock,
             body=body,
             parsed=None if body is None else checked.parsed,  # an HTTP body's, for json()
+            phase="started" if self.mutation_starts == "on_run" else "claimed",
+            result_ttl_ms=self.result_ttl_ms,
+            operation=operation,
         )
 
     def claim(
         self, claim: Claim, checked: Checked, *, hold: float = 0.0
     ) -> Coroutine[Any, Any, Problem | Run | Replay]:
+        # (An InDoubt problem carries the record met, for reconcile().)
         """Claim the key; with ``hold`` (seconds), a duplicate waits for the key to finish.
 
         Without ``hold`` it is one coroutine, not two: every request pays for the
@@ -231,7 +273,7 @@ class Lifecycle:
         now = self.clock()  # the lease's start; a 409's Retry-After counts from it
         try:
             existing = await self.store.claim(
-                claim.record_key, claim.in_progress_record(now), ttl_ms=self.lock_ttl_ms
+                claim.record_key, claim.in_progress_record(now), ttl_ms=claim.record_ttl_ms
             )
         except StoreError as exc:
             existing = exc
@@ -290,7 +332,11 @@ class Lifecycle:
                 if isinstance(result, Conflict):
                     decision = result
                     continue
-                if polling and held.finished == seen and isinstance(result, (Replay, Reject)):
+                if (
+                    polling
+                    and held.finished == seen
+                    and isinstance(result, (Replay, Reject, InDoubt))
+                ):
                     self._wake(claim.record_key)  # it finished elsewhere: the others ask now
                 return result
         finally:
@@ -312,12 +358,74 @@ class Lifecycle:
             held.event.set()
             held.event = anyio.Event()
 
+    # --- settling a key in doubt ---------------------------------------------------------
+
+    async def reconcile(
+        self,
+        claim: Claim,
+        checked: Checked,
+        doubt: InDoubt,
+        hook: ReconcileHook,
+        context: ReconcileContext,
+        seconds: float,
+    ) -> Problem | Run | Replay:
+        """Ask ``hook`` about the key in doubt, and act on its answer.
+
+        "Ran": its answer becomes the key's outcome (compare-and-set on the record met)
+        and is replayed. "Not run": this request's claim replaces the record met (the
+        same compare-and-set) and the handler runs. "Still unknown", a hook that fails,
+        or a record that changed meanwhile and is still in doubt: ``doubt``.
+        """
+        record = doubt.record
+        if record is None:
+            return doubt
+        answer = await ask(hook, context, seconds)
+        if answer.outcome == "unknown":
+            return doubt
+        now = self.clock()
+        if answer.outcome == "ran":
+            outcome = StoredOutcome(
+                "COMPLETED",
+                answer.status,
+                stored_headers(answer.headers),
+                answer.body,
+                None,
+                now,
+                checked.binding,
+            )
+            value, ttl = encode_outcome(outcome), self.result_ttl_ms
+        else:
+            value, ttl = claim.in_progress_record(now), claim.record_ttl_ms
+        try:
+            done = await self.store.finish(claim.record_key, record.owner, value, ttl_ms=ttl)
+        except StoreError as exc:
+            _logger.error(
+                "could not record the reconcile hook's answer for %s: %s",
+                shown_key(claim.idempotency_key),
+                exc,
+            )
+            return unavailable(self.retry_after, str(exc))
+        if not done:  # the record changed meanwhile (its handler finished, another settled it)
+            return await self._claim_once(claim, checked)
+        _logger.warning(
+            "the key %s was in doubt; the reconcile hook said it %s",
+            shown_key(claim.idempotency_key),
+            "ran (its answer is recorded and replayed)"
+            if answer.outcome == "ran"
+            else "did not run (it runs now)",
+        )
+        if answer.outcome == "ran":
+            if self._held:
+                self._wake(claim.record_key)
+            return Replay(outcome)
+        return Run()
+
     # --- settling ----------------------------------------------------------------------
 
     async def settle(
         self,
         claim: Claim,
-        decision: Complete | Fail | Release,
+        decision: Complete | Fail | Release | Doubt,
         deliver: Callable[[], Awaitable[None]] | None = None,
     ) -> str:
         """Stop renewing, then record the outcome or release the key; say which.
@@ -335,10 +443,11 @@ class Lifecycle:
         claim's owner), before the cancellation propagates. So the claim still
         records FAILED or frees its key, instead of staying locked until its
         lease ends and letting a retry repeat a side effect that already began.
-        Returns the decision for the hooks: ``claimed``, ``failed`` or ``released``.
+        Returns the decision for the hooks: ``claimed``, ``failed``, ``released`` or
+        ``in_doubt``.
         """
         started = time.monotonic()
-        blob = None if isinstance(decision, Release) or not decision.offload else _Blob()
+        blob = None if isinstance(decision, (Release, Doubt)) or not decision.offload else _Blob()
         try:
             await _stop_lease(claim)
             pending = await self._write(claim, decision, blob)
@@ -364,6 +473,8 @@ class Lifecycle:
                 )
         if isinstance(decision, Release):
             return "released"
+        if isinstance(decision, Doubt):
+            return "in_doubt"
         return "claimed" if isinstance(decision, Complete) else "failed"
 
     async def _shielded(
@@ -385,14 +496,17 @@ class Lifecycle:
         _logger.error(
             "settling %s did not finish within %s s (the store is unreachable or slow) "
             "and was abandoned; the key stays locked until its lease (lock_ttl) ends, "
-            "and a retry after that runs the step again",
+            "and after that %s",
             shown_key(claim.idempotency_key),
             SETTLE_SECONDS,
+            "it is in doubt (409 in_doubt until settled)"
+            if claim.phase == "started"
+            else "a retry runs the step again",
         )
 
     async def _write(
-        self, claim: Claim, decision: Complete | Fail | Release, blob: _Blob | None
-    ) -> StoredOutcome | Release | None:
+        self, claim: Claim, decision: Complete | Fail | Release | Doubt, blob: _Blob | None
+    ) -> StoredOutcome | Release | Doubt | None:
         """Record the outcome (compare-and-set on the owner), or release the claim.
 
         Returns what the store failed to write: the outcome (the handler has run),
@@ -405,6 +519,21 @@ class Lifecycle:
             except StoreError as exc:
                 _logger.warning(
                     "could not release %s (%s); the release is retried for up to %s s",
+                    shown_key(claim.idempotency_key),
+                    exc,
+                    SETTLE_SECONDS,
+                )
+                return decision
+            if self._held:
+                self._wake(claim.record_key)
+            return None
+        if isinstance(decision, Doubt):
+            try:
+                await self._doubt(claim)
+            except StoreError as exc:
+                _logger.warning(
+                    "could not mark %s in doubt (%s); the record already says its side "
+                    "effect may have started, and the write is retried for up to %s s",
                     shown_key(claim.idempotency_key),
                     exc,
                     SETTLE_SECONDS,
@@ -434,6 +563,30 @@ class Lifecycle:
         elif self._held:
             self._wake(claim.record_key)
         return None
+
+    async def _doubt(self, claim: Claim) -> bool:
+        """Write the claim's record as in doubt (compare-and-set on the owner), kept as long
+        as a result; False when another request owns the key now."""
+        now = self.clock()
+        record = encode_in_progress(
+            claim.owner,
+            claim._started_ms,
+            lease_end_ms=now,
+            renew_ms=0,
+            binding=claim.binding,
+            phase="in_doubt",
+            operation=claim._operation,
+        )
+        done = await self.store.finish(
+            claim.record_key, claim.owner, record, ttl_ms=self.result_ttl_ms
+        )
+        _logger.warning(
+            "the handler of %s failed after its side effect may have started; the key is "
+            "in doubt until the reconcile hook or an operator settles it "
+            "(agentkey server doubt / settle)",
+            shown_key(claim.idempotency_key),
+        )
+        return bool(done)
 
     async def _offload(self, claim: Claim, outcome: StoredOutcome, blob: _Blob) -> StoredOutcome:
         """The outcome with its body in the blob store, written once for this claim.
@@ -485,10 +638,12 @@ class Lifecycle:
         except StoreError as exc:
             _logger.warning("could not delete the unused blob of an %s: %s", why, exc)
 
-    async def _until_written(self, claim: Claim, pending: StoredOutcome | Release) -> None:
+    async def _until_written(self, claim: Claim, pending: StoredOutcome | Release | Doubt) -> None:
         """Retry a write the store failed until it answers; the caller's deadline cuts it."""
         if isinstance(pending, Release):
             await release_until_done(self.store, claim)
+        elif isinstance(pending, Doubt):
+            await _until_done(lambda: self._doubt(claim))
         elif not await record_until_stored(self.store, claim, pending, ttl_ms=self.result_ttl_ms):
             await self._lost(claim, pending)
             return
@@ -512,6 +667,19 @@ class Lifecycle:
                     shown_key(claim.idempotency_key),
                     exc,
                 )
+
+
+async def _until_done(write: Callable[[], Awaitable[bool]]) -> None:
+    """Retry ``write`` with backoff until the store answers (the caller's scope bounds it)."""
+    attempt = 0
+    while True:
+        attempt += 1
+        await anyio.sleep(SETTLE_BACKOFF.delay(attempt, rng=random.random))
+        try:
+            await write()
+        except StoreError:
+            continue
+        return
 
 
 async def _stop_lease(claim: Claim) -> None:

@@ -14,13 +14,17 @@ request ─▶ protected method and route? (the path relative to root_path / the
              ├─ IN_PROGRESS ........... 409 + Retry-After (the lease's end if its holder
              │                          stopped renewing), at once or after hold_in_flight
              │                          (a held duplicate replays if the first finishes)
+             ├─ IN_DOUBT .............. (may have started, lease lapsed, or failed after)
+             │                          reconcile hook: ran ─▶ record + replay; not run ─▶
+             │                          claim afresh, run; unknown/none ─▶ 409 in_doubt
              ├─ COMPLETED / FAILED .... replay status, headers, body + Idempotent-Replayed: true
              └─ claimed ─▶ handler, lease renewed every lock_ttl/3 (unless auto_renew=False)
                     ─▶ finish (compare-and-set on the owner token)
                     storable answer (2xx, 3xx but 307/308, request 4xx) .. COMPLETED
                     other answer or exception, mutation begun ......... FAILED
                     answer over max_recorded_bytes (never buffered) ... FAILED, a 500 saying so
-                    other answer or exception, no mutation ............ released (retry is safe)
+                    5xx or exception, may have started (the default) .. IN_DOUBT
+                    other answer or exception, nothing started ........ released (retry is safe)
                     StoreUnavailable raised, no mutation, no answer .... 503, released
 ```
 The final chunk of a response is held back until its record is written, so a
@@ -60,6 +64,7 @@ from ._decide import (
     REPLAY_HEADER,
     Conflict,
     DecisionEvent,
+    InDoubt,
     KeyFormat,
     Problem,
     Reject,
@@ -80,9 +85,12 @@ from ._decide import (
 from ._lifecycle import (
     SHARED_PRINCIPAL,
     Lifecycle,
+    MutationStarts,
+    check_mutation_starts,
     check_principal_options,
     resolve_principal,
 )
+from ._reconcile import ReconcileContext, ReconcileHook, check_reconcile
 from ._stores import MemoryStore, Store
 
 __all__ = [
@@ -110,6 +118,16 @@ _logger = logging.getLogger("agentkey.server")
 
 #: Set on every answer of a protected route: clients learn that it honours the key.
 _PROTECTED = (b"idempotency-protected", b"true")
+#: The method an OPTIONS probe asks about, as a CORS preflight names it.
+_ASKED_METHOD = b"access-control-request-method"
+
+
+def _asked_method(scope: Scope) -> str | None:
+    """The method an OPTIONS request asks about (``Access-Control-Request-Method``)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == _ASKED_METHOD:
+            return bytes(value).decode("latin-1").strip().upper()
+    return None
 
 
 def _advertising(send: Send) -> Send:
@@ -356,6 +374,7 @@ class _Exchange:
                 and self.held is not None
                 and not claim.mutation_started
             ):
+                claim.nothing_started()  # the store's transaction failed: nothing committed
                 self.final = middleware._unavailable_answer(self, claim._unavailable)
             settle = middleware._finish(self, error=False)
             try:
@@ -426,8 +445,8 @@ class IdempotencyMiddleware:
         a digest of the body). ``"agentkey"``: only agentkey keys.
     ``lock_ttl``
         Seconds a claim's lease lasts (15 s). It is renewed every third of that
-        while the handler runs, so a claim whose server died clears within one
-        lease.
+        while the handler runs, so a claim whose server died is known within one
+        lease: in doubt when its side effect may have started, else free.
     ``auto_renew``
         False turns the automatic renewal off: the claim then lives ``lock_ttl``
         unless the handler calls ``claim.renew()`` or ``claim.keep_alive()``
@@ -468,6 +487,21 @@ class IdempotencyMiddleware:
         The header, set to ``true``, that marks a replayed answer (default
         ``Idempotent-Replayed``, as Stripe sends it; some clients expect
         ``Idempotency-Replayed`` or ``X-Idempotent-Replayed``).
+    ``mutation_starts``
+        When a handler's side effect may have started. ``"on_run"`` (default): as
+        soon as it runs (the claim's own write says so, at no extra cost). Then a
+        server that dies, or a handler that answers 5xx or raises, leaves the key
+        *in doubt* (409 ``in_doubt`` to every later request) instead of free, unless
+        the handler called ``claim.nothing_started()``. ``"on_mark"``: only once
+        the handler awaits ``claim.begin_mutation()`` (one more store write);
+        before that a failure or a crash frees the key.
+    ``reconcile``
+        ``(ReconcileContext) -> Reconciled`` (or async): asked when a request meets
+        a key in doubt; it answers ``Reconciled.ran(...)`` (recorded, replayed),
+        ``Reconciled.not_run()`` (the request runs now) or ``Reconciled.unknown()``.
+    ``reconcile_timeout``
+        Seconds an async ``reconcile`` may take (default 5); after that, or when it
+        raises, the key stays in doubt.
     """
 
     def __init__(
@@ -493,8 +527,15 @@ class IdempotencyMiddleware:
         max_body_bytes: int = 1024 * 1024,
         hooks: Sequence[DecisionHook] = (),
         replay_header: str = REPLAY_HEADER,
+        mutation_starts: MutationStarts = "on_run",
+        reconcile: ReconcileHook | None = None,
+        reconcile_timeout: float = 5.0,
     ) -> None:
         self._replay_header = check_replay_header(replay_header)
+        self.mutation_starts = check_mutation_starts(mutation_starts)
+        check_reconcile(reconcile, reconcile_timeout)
+        self._reconcile = reconcile
+        self._reconcile_timeout = float(reconcile_timeout)
         if not isinstance(store, Store):
             raise ConfigurationError(
                 f"store must implement agentkey.server.Store, got {type(store).__name__}"
@@ -587,6 +628,7 @@ class IdempotencyMiddleware:
             auto_renew=self.auto_renew,
             clock=_wall_ms,  # Unix ms; tests inject their own
             blob_store=lambda: self.blob_store,
+            mutation_starts=self.mutation_starts,
         )
 
     @property
@@ -604,8 +646,14 @@ class IdempotencyMiddleware:
             return
         path = route_path(scope)
         if method not in self.methods:
-            if method == "OPTIONS" and self._routes.match(scope, path):
-                send = _advertising(send)  # a client asks whether this route honours keys
+            if (
+                method == "OPTIONS"
+                and _asked_method(scope) in self.methods
+                and self._routes.match(scope, path)
+            ):
+                # A client asks whether this method on this route honours keys: said only
+                # for a method protected here, never for OPTIONS without the question.
+                send = _advertising(send)
             await self._pass(scope, receive, send, method, path)
             return
         values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
@@ -645,16 +693,31 @@ class IdempotencyMiddleware:
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
-        claim = self._life.new_claim(checked, principal, body)
+        claim = self._life.new_claim(checked, principal, body, " ".join(operation))
         decision = await self._life.claim(claim, checked, hold=self.hold_in_flight)
+        if isinstance(decision, InDoubt) and self._reconcile is not None:
+            context = ReconcileContext(
+                claim.idempotency_key,
+                principal,
+                method,
+                path,
+                b"".join(body),
+                decision.record.started_ms if decision.record else 0,
+                decision.record.lease_end_ms if decision.record else 0,
+            )
+            decision = await self._life.reconcile(
+                claim, checked, decision, self._reconcile, context, self._reconcile_timeout
+            )
         if isinstance(decision, Run):
             await self._run(scope, receive, send, body, claim, method, path)
         elif isinstance(decision, Replay):
             await self._replay(send, decision, method, path, claim.idempotency_key)
         else:
-            event = {Conflict: "conflict", Unavailable: "unavailable"}.get(
-                type(decision), "mismatch"
-            )
+            event = {
+                Conflict: "conflict",
+                Unavailable: "unavailable",
+                InDoubt: "in_doubt",
+            }.get(type(decision), "mismatch")
             await self._problem(send, decision, event, method, path, claim.idempotency_key)
 
     def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
@@ -723,7 +786,11 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, exchange.receive, exchange.send)
         except StoreUnavailable as exc:
-            if exchange.started or claim.mutation_started:
+            if (
+                exchange.started
+                or claim.mutation_started
+                or (claim.may_have_started and claim._unavailable is not exc)
+            ):
                 await self._conclude(exchange)
                 if exchange.status == 503 and claim._unavailable is exc:
                     return  # answered 503 already (the app's own 500 was replaced)
@@ -747,6 +814,7 @@ class IdempotencyMiddleware:
     async def _unavailable_inside(self, exchange: _Exchange, exc: StoreUnavailable) -> None:
         """The store failed inside the handler (its transaction) and the app raised it
         before any answer: free the key and answer 503."""
+        exchange.claim.nothing_started()  # the store's own transaction: nothing committed
         exchange.final = self._unavailable_answer(exchange, exc)
         exchange.finished = True
         await self._finish(exchange, error=True)
@@ -842,6 +910,7 @@ class IdempotencyMiddleware:
             bytes(exchange.answer),
             error=error or not exchange.started,
             mutation_started=claim.mutation_started,
+            may_have_started=claim.may_have_started,
             binding=claim.binding,
             now_ms=self._life.clock(),
             max_inline_bytes=self.max_inline_bytes,

@@ -829,6 +829,11 @@ class PostgresStore:
         body_failed = False
         try:
             await self._open()
+            # Everything this step does commits or rolls back with the transaction, so a
+            # crash before the commit runs nothing: the record says "claimed" (a lapsed
+            # lease frees the key), not "may have started" (in doubt). One write, only
+            # when the claim said "may have started" (mutation_starts="on_run").
+            await claim._mark_claimed()
             conn = await self._checkout()
             try:
                 async with conn.transaction():

@@ -1,7 +1,10 @@
 """The stored record: one encoding, decoded in one place.
 
 ```
-P:<owner>:<started_ms>:<lease_end_ms>:<renew_ms>:<binding>  IN_PROGRESS (v2)
+P:<owner>:<started_ms>:<lease_end_ms>:<renew_ms>:<binding>:<phase>:<operation>
+                                           IN_PROGRESS (v3); phase c: claimed, s: may have
+                                           started, d: in doubt (since lease_end_ms)
+P:<owner>:<started_ms>:<lease_end_ms>:<renew_ms>:<binding>  IN_PROGRESS (v2, read as claimed)
 P:<owner>:<started_ms>                                      IN_PROGRESS (v1, still read)
 C:<json>\n<body>                           COMPLETED  status, headers; the body's bytes or
                                                       a blob URI in the JSON (v3)
@@ -13,6 +16,12 @@ C:<json> / F:<json>                        v2, still read: the body base64 in th
   ``P:<owner>:`` and never parses a record.
 - ``lease_end_ms`` is when the claim clears unless renewed (a renewal rewrites the
   record); ``renew_ms`` is how often its holder renews it (0: it does not).
+- ``<phase>``: ``c`` the handler has not begun its side effect (the record lives one
+  lease; when it lapses the key is free), ``s`` it may have begun (the record lives as
+  long as a result; when its lease lapses the key is *in doubt*), ``d`` in doubt: the
+  handler failed after it may have begun, or its lease lapsed and a reconcile hook
+  could not tell. ``<operation>`` is the method and route (MCP: the tool), quoted, for
+  operators who list what is in doubt; the binding's digest is what is compared.
 - ``<binding>`` is what the key is bound to (:class:`Binding`): a digest of the
   method and route path, and for an opaque key a digest of the canonical body.
   The outcome's JSON carries it as ``"fp"``. Records written before bindings
@@ -28,6 +37,7 @@ import re
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Literal
+from urllib.parse import quote, unquote
 
 from .._exceptions import StoreError
 from .._keys import shown_key
@@ -35,6 +45,7 @@ from .._keys import shown_key
 __all__ = [
     "Binding",
     "InProgress",
+    "Phase",
     "StoredOutcome",
     "decode_record",
     "digest",
@@ -74,11 +85,20 @@ class Binding:
         return cls(route, body if dot else None)
 
 
+#: ``claimed``: nothing has started; ``started``: the side effect may have started;
+#: ``in_doubt``: it may have started and did not finish (settled by a reconcile or a person).
+Phase = Literal["claimed", "started", "in_doubt"]
+_PHASE_CHAR: dict[str, str] = {"claimed": "c", "started": "s", "in_doubt": "d"}
+_CHAR_PHASE: dict[str, Phase] = {"c": "claimed", "s": "started", "d": "in_doubt"}
+
+
 @dataclass(frozen=True, slots=True)
 class InProgress:
     """A claim held by ``owner`` since ``started_ms`` (Unix milliseconds).
 
-    ``lease_end_ms`` and ``renew_ms`` are 0 and ``binding`` None in a v1 record.
+    ``lease_end_ms`` and ``renew_ms`` are 0 and ``binding`` None in a v1 record; a v1
+    or v2 record is ``claimed`` (written before phases existed). In doubt,
+    ``lease_end_ms`` is when the key became in doubt.
     """
 
     owner: str
@@ -86,6 +106,15 @@ class InProgress:
     lease_end_ms: int = 0
     renew_ms: int = 0
     binding: Binding | None = None
+    phase: Phase = "claimed"
+    operation: str = ""
+
+    def in_doubt(self, now_ms: int) -> bool:
+        """Whether the key is in doubt at ``now_ms``: marked so, or its handler may have
+        started and its lease lapsed (the process died, or could not renew)."""
+        if self.phase == "in_doubt":
+            return True
+        return self.phase == "started" and 0 < self.lease_end_ms <= now_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +137,18 @@ def encode_in_progress(
     lease_end_ms: int = 0,
     renew_ms: int = 0,
     binding: Binding | None = None,
+    phase: Phase = "claimed",
+    operation: str = "",
 ) -> bytes:
     if not _OWNER.fullmatch(owner):
         raise ValueError("owner tokens are 32 lowercase hex digits")
     if binding is None:
         return f"P:{owner}:{started_ms}".encode("ascii")
-    return f"P:{owner}:{started_ms}:{lease_end_ms}:{renew_ms}:{binding.encode()}".encode("ascii")
+    head = f"P:{owner}:{started_ms}:{lease_end_ms}:{renew_ms}:{binding.encode()}"
+    if phase == "claimed" and not operation:
+        return head.encode("ascii")
+    op = quote(operation, safe=" /")
+    return f"{head}:{_PHASE_CHAR[phase]}:{op}".encode("ascii")
 
 
 def encode_outcome(outcome: StoredOutcome) -> bytes:
@@ -148,9 +183,20 @@ def decode_record(value: bytes, *, key: str) -> InProgress | StoredOutcome:
                 raise ValueError("bad owner")
             if len(fields) == 3:  # v1
                 return InProgress(fields[1], int(fields[2]))
-            _, owner, started, lease_end, renew, binding = fields
+            if len(fields) == 6:  # v2
+                _, owner, started, lease_end, renew, binding = fields
+                return InProgress(
+                    owner, int(started), int(lease_end), int(renew), Binding.decode(binding)
+                )
+            _, owner, started, lease_end, renew, binding, phase = fields[:7]
             return InProgress(
-                owner, int(started), int(lease_end), int(renew), Binding.decode(binding)
+                owner,
+                int(started),
+                int(lease_end),
+                int(renew),
+                Binding.decode(binding),
+                _CHAR_PHASE[phase],
+                unquote(":".join(fields[7:])),
             )
         if value[:2] in (b"C:", b"F:"):
             head, newline, body = value[2:].partition(b"\n")

@@ -27,12 +27,13 @@ _AFTER_FAILURE = {
     "claim": "the request was refused, not run; retry with the same key once the store is back",
     "renew": (
         "the handler is running and its lease was not extended; the renewal is retried, and "
-        "if the store stays away for a whole lock_ttl another request may run this step"
+        "if the store stays away for a whole lock_ttl the key is in doubt (a later request "
+        "gets 409 in_doubt; with mutation_starts='on_mark', before the mark, it runs again)"
     ),
     "finish": (
         "the handler already ran and its outcome may not be recorded; the middleware retries "
         f"the write for up to {SETTLE_SECONDS:g} s, a retry with the same key gets 409 or 503 "
-        "until it lands, and if it never does the key frees when its lease (lock_ttl) ends"
+        "until it lands, and if it never does the key is in doubt once its lease ends"
     ),
     "release": (
         "the handler had not begun its side effect; the key stays locked until its lease "

@@ -11,7 +11,11 @@ Configured by environment:
   line to (``<key> <exec id> <pid> <start> <end>``) with a single ``O_APPEND`` write, so
   executions are counted across worker processes and survive a Redis restart;
 - ``AGENTKEY_CHAOS_IDP``: the loopback identity provider; a bearer token is valid when
-  the provider's ``/tool`` accepts it (checked once a second per token and worker).
+  the provider's ``/tool`` accepts it (checked once a second per token and worker);
+- ``AGENTKEY_CHAOS_DOUBTS``: a file each in-doubt decision appends one line to
+  (``<decision status> <key> <time>``): a handler that failed after it may have started
+  (status 500), or a request answered 409 ``in_doubt`` (a lease that lapsed while Redis
+  was down). The harness counts them as correct outcomes, never as duplicates.
 
 Authentication runs in front of the idempotency middleware, as in a real deployment: a 401
 is never stored as the step's answer.
@@ -32,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
+from agentkey.server import DecisionEvent, IdempotencyMiddleware, RedisStore, current_claim
 
 # A token seen valid is trusted this long before the provider is asked again; tokens live
 # a few seconds and agents use them for half of that, so expiry is still enforced.
@@ -92,7 +96,13 @@ class BearerAuth:
 
 def app() -> Starlette:
     ledger = os.open(os.environ["AGENTKEY_CHAOS_LEDGER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    doubts = os.open(os.environ["AGENTKEY_CHAOS_DOUBTS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     pid = os.getpid()
+
+    def note_doubt(event: DecisionEvent) -> None:
+        if event.decision == "in_doubt":
+            line = f"{event.status_code} {event.idempotency_key} {time.time():.3f}\n"
+            os.write(doubts, line.encode("ascii"))
 
     async def tool(request: Request) -> Response:
         started = time.time()
@@ -126,6 +136,7 @@ def app() -> Starlette:
                 lock_ttl=float(os.environ["AGENTKEY_CHAOS_LEASE"]),
                 auto_renew=os.environ.get("AGENTKEY_CHAOS_AUTO_RENEW", "1") == "1",
                 principal=lambda scope: "chaos-agent",
+                hooks=[note_doubt],
             ),
         ],
     )

@@ -259,7 +259,7 @@ async def test_a_connection_lost_inside_the_handlers_transaction_is_a_503_not_a_
         await store.aclose()
     assert first.status_code == 503, first.text
     assert first.headers["retry-after"] == "1"
-    assert first.json()["error"] == "store_unavailable"
+    assert first.json()["error"] == "not_run"
     assert step.idempotency_key not in caplog.text  # the key is shown redacted
     assert again.status_code == 201
     assert "idempotent-replayed" not in again.headers
@@ -327,6 +327,7 @@ async def test_a_failed_release_is_retried_so_the_key_is_not_blocked_for_the_lea
     async def tool(request: Request) -> JSONResponse:
         runs.append(1)
         if len(runs) == 1:
+            current_claim().nothing_started()
             raise RuntimeError("the tool failed before its side effect (test)")
         return JSONResponse({"ok": True}, status_code=201)
 

@@ -63,7 +63,12 @@ def _app(store: PostgresStore, kill_at: str) -> Any:
         return response
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(app, store=store, lock_ttl=LEASE, shared_key_space=True)
+    # Every side effect of this tool is in the transaction: a crash anywhere before its
+    # commit changed nothing, so the key frees with the lease (on_mark: the claim never
+    # says "may have started"). tests/recovery/test_server_kills.py kills the default.
+    return IdempotencyMiddleware(
+        app, store=store, lock_ttl=LEASE, shared_key_space=True, mutation_starts="on_mark"
+    )
 
 
 async def _attempt(dsn: str, key: str, body: bytes, kill_at: str) -> str:

@@ -28,16 +28,23 @@ from agentkey.server import (
 )
 from agentkey.server import _lifecycle as lifecycle_module
 from agentkey.server._decide import record_key as _record_key
-from agentkey.server._records import StoredOutcome, decode_record
+from agentkey.server._records import InProgress, StoredOutcome, decode_record
 from tests._loopback import serve
 from tests.server._util import request_for
 
 StoreFactory = Callable[[], Store]
 
 
-@pytest.mark.parametrize("mutate", [True, False], ids=["after mutation", "before mutation"])
-async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mutate: bool) -> None:
-    """Cancelled from outside, a claim records FAILED after its mutation, else frees the key."""
+@pytest.mark.parametrize(
+    ("mutate", "starts"),
+    [(True, "on_run"), (False, "on_mark"), (None, "on_run")],
+    ids=["after mutation", "before mutation", "may have started"],
+)
+async def test_cancelled_handler_settles_its_claim(
+    make_store: StoreFactory, mutate: bool | None, starts: str
+) -> None:
+    """Cancelled from outside, a claim records FAILED after its mutation, frees the key
+    before it (on_mark), and by default (it may have started) leaves the key in doubt."""
     store = make_store()
     started = anyio.Event()
 
@@ -48,7 +55,12 @@ async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mut
         started.set()
         await anyio.sleep_forever()
 
-    app = IdempotencyMiddleware(tool, store=store, principal=lambda scope: "alice")
+    app = IdempotencyMiddleware(
+        tool,
+        store=store,
+        principal=lambda scope: "alice",
+        mutation_starts=starts,  # type: ignore[arg-type]
+    )
     headers, body = request_for({"amount": 1})
     scope = {
         "type": "http",
@@ -81,6 +93,11 @@ async def test_cancelled_handler_settles_its_claim(make_store: StoreFactory, mut
             record = decode_record(raw, key="k")
             assert isinstance(record, StoredOutcome)
             assert record.state == "FAILED"
+        elif mutate is None:
+            assert raw is not None
+            doubt = decode_record(raw, key="k")
+            assert isinstance(doubt, InProgress)
+            assert doubt.phase == "in_doubt"
         else:
             assert raw is None  # released at once, not locked until lock_ttl
     finally:
@@ -146,7 +163,11 @@ def _charge(
         entered.set()
         await asyncio.Event().wait()  # until cancelled
 
-    middleware = IdempotencyMiddleware(app, store=store, principal=principal)
+    # on_mark: the request held in the app and cancelled there frees its key with no write
+    # that the tests counting this store's writes would see.
+    middleware = IdempotencyMiddleware(
+        app, store=store, principal=principal, mutation_starts="on_mark"
+    )
     headers, body = request_for({"amount": 1})
     request, sent = _exchange(middleware, headers, body, on_send)
     if crowded:

@@ -49,7 +49,7 @@ async def test_200_concurrent_duplicates_run_once(
     # (AttributeError on a connection closed beneath it); the middleware then fails
     # closed with 503 + Retry-After, which an agent retries with the same key.
     refused = [r for r in responses if r.status_code == 503]
-    assert all(r.json()["error"] == "store_unavailable" for r in refused)
+    assert all(r.json()["error"] == "not_run" for r in refused)
     assert all(r.headers["retry-after"] == "1" for r in refused)
     if store_kind != "cluster":
         assert refused == []

@@ -17,7 +17,8 @@ from tests.server._util import request_for, serve_closing
 
 
 def test_every_decision_reaches_the_hooks() -> None:
-    """Claimed, replay, mismatch, rejected, released, failed and passthrough: each reported once."""
+    """Claimed, replay, mismatch, rejected, in doubt, in_doubt answered, failed and
+    passthrough: each reported once."""
     events: list[DecisionEvent] = []
     store = MemoryStore()
     app = tool_app(store, hooks=[events.append], require_key=True, routes=["/ok", "/fail"])
@@ -36,7 +37,8 @@ def test_every_decision_reaches_the_hooks() -> None:
         post("/ok", {}, body, ("rejected", 400))
         fail_headers, fail_body = request_for({"mutate": False})
         fail_headers["connection"] = "close"  # uvicorn drops a connection whose app raised
-        post("/fail", fail_headers, fail_body, ("released", 500))
+        post("/fail", fail_headers, fail_body, ("in_doubt", 500))  # it may have started
+        post("/fail", fail_headers, fail_body, ("in_doubt", 409))  # the retry is told so
         fail_headers, fail_body = request_for({"mutate": True})
         fail_headers["connection"] = "close"
         post("/fail", fail_headers, fail_body, ("failed", 500))

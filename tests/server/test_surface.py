@@ -43,6 +43,8 @@ def test_public_surface() -> None:
         "PostgresStore",
         "PostgresTransaction",
         "PrincipalFunc",
+        "ReconcileContext",
+        "Reconciled",
         "RedisStore",
         "Store",
         "current_claim",

@@ -28,6 +28,7 @@ from ...server._decide import (
     Checked,
     Conflict,
     DecisionEvent,
+    InDoubt,
     KeyFormat,
     Reject,
     Replay,
@@ -38,9 +39,12 @@ from ...server._decide import (
 from ...server._lifecycle import (
     SHARED_PRINCIPAL,
     Lifecycle,
+    MutationStarts,
+    check_mutation_starts,
     check_principal_options,
     resolve_principal,
 )
+from ...server._reconcile import ReconcileContext, ReconcileHook, check_reconcile
 from ...server._records import StoredOutcome
 from ...server._stores import Store
 from ._wire import (
@@ -78,7 +82,14 @@ _WORDING = (
     ("another request body; send changed arguments", "other arguments; send changed arguments"),
     ("Idempotency-Key", "idempotency key"),
 )
-_STATUS = {"claimed": 200, "replay": 200, "failed": 500, "released": 500, "passthrough": 0}
+_STATUS = {
+    "claimed": 200,
+    "replay": 200,
+    "failed": 500,
+    "released": 500,
+    "in_doubt": 500,
+    "passthrough": 0,
+}
 
 
 def _wall_ms() -> int:
@@ -109,11 +120,19 @@ class IdempotentToolsMiddleware:
       with ``_meta["io.agentkey/replayed"] = true``, to every later call with
       the key; the same key with another tool is refused (``key-reused``),
       with other arguments (``payload-mismatch``);
-    - a result with ``isError`` (MCPServer's answer to a tool that raised), an
-      exception, or an ``input_required`` answer releases the key so the call
-      can be retried, unless the tool called
-      ``agentkey.server.current_claim().begin_mutation()`` first: then the
-      outcome is stored as FAILED and replayed as an ``isError`` result.
+    - a result with ``isError`` (MCPServer's answer to a tool that raised) or an
+      exception leaves the key *in doubt* by default (``mutation_starts="on_run"``:
+      the tool may have begun its side effect as soon as it ran): every later call
+      with the key is refused as ``in-doubt`` until ``reconcile`` or an operator
+      settles it. It releases the key instead when the tool called
+      ``current_claim().nothing_started()``, or with ``mutation_starts="on_mark"``
+      before ``await current_claim().begin_mutation()``. After
+      ``begin_mutation()`` the outcome is stored as FAILED and replayed as an
+      ``isError`` result. An ``input_required`` answer releases the key.
+    - a server that dies while the tool runs leaves the key in doubt too (by
+      default), never free: the claim's record says the tool may have started.
+    - ``reconcile``: ``(ReconcileContext) -> Reconciled`` (or async), asked when a
+      call meets a key in doubt (see :mod:`agentkey.server`).
 
     Records are scoped by the caller: by default the OAuth identity the SDK
     verified, else ``principal(ctx)``. A call with a key and no caller (a
@@ -146,7 +165,14 @@ class IdempotentToolsMiddleware:
         auto_renew: bool = True,
         hooks: Sequence[Callable[[DecisionEvent], None]] = (),
         clock: Callable[[], int] = _wall_ms,
+        mutation_starts: MutationStarts = "on_run",
+        reconcile: ReconcileHook | None = None,
+        reconcile_timeout: float = 5.0,
     ) -> None:
+        self.mutation_starts = check_mutation_starts(mutation_starts)
+        check_reconcile(reconcile, reconcile_timeout)
+        self._reconcile = reconcile
+        self._reconcile_timeout = float(reconcile_timeout)
         for method in ("claim", "finish", "release", "get"):
             if not callable(getattr(store, method, None)):
                 raise ConfigurationError(
@@ -193,6 +219,7 @@ class IdempotentToolsMiddleware:
             retry_after=retry_after,
             auto_renew=auto_renew,
             clock=clock,
+            mutation_starts=self.mutation_starts,
         )
 
     def __repr__(self) -> str:
@@ -228,10 +255,27 @@ class IdempotentToolsMiddleware:
                     "call again with the same key over an authenticated session",
                 )
             principal = found
-        checked = self._check(value, name, params.get("arguments"))
-        claim = self._life.new_claim(checked, principal)
+        checked, body = self._check(value, name, params.get("arguments"))
+        claim = self._life.new_claim(checked, principal, operation=f"{_METHOD} {name}")
         decision = await self._life.claim(claim, checked)
         key = checked.idempotency_key
+        if isinstance(decision, InDoubt) and self._reconcile is not None:
+            record = decision.record
+            context = ReconcileContext(
+                key,
+                principal,
+                _METHOD,
+                name,
+                body,
+                record.started_ms if record else 0,
+                record.lease_end_ms if record else 0,
+            )
+            decision = await self._life.reconcile(
+                claim, checked, decision, self._reconcile, context, self._reconcile_timeout
+            )
+        if isinstance(decision, InDoubt):
+            self._emit("in_doubt", name, key, 409)
+            raise _refusal("in-doubt", _mcp_words(decision.detail))
         if isinstance(decision, Unavailable):
             self._emit("unavailable", name, key, 503)
             raise _refusal("unavailable", decision.detail, retry_after=decision.retry_after)
@@ -259,7 +303,7 @@ class IdempotentToolsMiddleware:
 
     # -- before the claim ------------------------------------------------------------
 
-    def _check(self, value: object, name: str, arguments: object) -> Checked:
+    def _check(self, value: object, name: str, arguments: object) -> tuple[Checked, bytes]:
         if value is not None and not isinstance(value, str):
             self._emit("rejected", name, None, 400)
             raise _refusal("invalid-key", f"{KEY_FIELD} must be a string")
@@ -282,16 +326,13 @@ class IdempotentToolsMiddleware:
         )
         if isinstance(checked, Reject):
             raise self._rejected(checked, name, value)
-        return checked
+        return checked, body
 
     def _rejected(self, reject: Reject, name: str, key: str | None) -> MCPError:
         kind = _REJECT_KINDS.get(reject.code, "payload-mismatch")
         mismatch = kind in ("key-reused", "payload-mismatch")
         self._emit("mismatch" if mismatch else "rejected", name, key, reject.status)
-        detail = reject.detail
-        for http, mcp in _WORDING:
-            detail = detail.replace(http, mcp)
-        return _refusal(kind, detail)
+        return _refusal(kind, _mcp_words(reject.detail))
 
     # -- the run ------------------------------------------------------------------
 
@@ -339,6 +380,7 @@ class IdempotentToolsMiddleware:
             body,
             error=doc is None,
             mutation_started=claim.mutation_started,
+            may_have_started=claim.may_have_started and _complete_or_error(doc),
             binding=claim.binding,
             now_ms=self._clock(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
@@ -352,6 +394,18 @@ class IdempotentToolsMiddleware:
         )
         for hook in self._hooks:
             hook(event)
+
+
+def _mcp_words(detail: str) -> str:
+    """A refusal's detail in MCP's terms (the decision table speaks HTTP)."""
+    for http, mcp in _WORDING:
+        detail = detail.replace(http, mcp)
+    return detail
+
+
+def _complete_or_error(doc: Mapping[str, Any] | None) -> bool:
+    """Not an ``input_required`` round trip (the client answers it; the tool resumes)."""
+    return doc is None or _complete(doc)
 
 
 def _as_dict(result: HandlerResult) -> dict[str, Any] | None:
