@@ -414,9 +414,7 @@ class SQLiteJournal(SyncJournal):
             try:
                 query = _REPEATS if known is None else _SAME_CALLS
                 rows = conn.execute(query, (record.plan, record.args_hash, record.key))
-                earlier = repeats_among(
-                    record, records_of_rows(rows, repr(self)), known=known
-                )
+                earlier = repeats_among(record, records_of_rows(rows, repr(self)), known=known)
                 begun = (
                     Begun(None, self._evidence(conn, record.route), False, earlier)
                     if earlier

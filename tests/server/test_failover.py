@@ -397,7 +397,7 @@ def test_a_sentinel_failover_without_a_duplicate(tmp_path: Path) -> None:
             probe = redis.Redis(port=port)
             until(lambda: _replicas_seen(probe) >= 1,
                   "Sentinel to find the replica")  # fmt: skip
-            watchers = Sentinel([("127.0.0.1", port)], socket_timeout=2)  # type: ignore[no-untyped-call]
+            watchers = Sentinel([("127.0.0.1", port)], socket_timeout=2)  # type: ignore[no-untyped-call,unused-ignore]
             client = watchers.master_for("agentkey")
             store = _SentinelStore(client, prefix=f"s{uuid.uuid4().hex[:10]}")
             store.watchers = watchers
