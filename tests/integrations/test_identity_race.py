@@ -25,6 +25,7 @@ import pytest
 from agentkey import PlanSession
 from agentkey.journal import SQLiteJournal
 from tests._loopback import RedisServer
+from tests._postgres import PostgresServer, postgres_proc  # noqa: F401  (the fixture)
 from tests.integrations import _race
 from tests.integrations._race import Gate, tool_server
 
@@ -60,12 +61,17 @@ def _in_threads(copy: Callable[..., list[dict[str, Any]]], *args: Any) -> list[d
         return [r for f in futures for r in f.result()]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 def any_journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    """A SQLite journal file (one machine), or a Redis journal (a fleet)."""
+    """A SQLite journal file (one machine), or a Redis or PostgreSQL journal (a fleet)."""
     journal: Any
     if request.param == "sqlite":
         journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    elif request.param == "postgres":
+        from agentkey.journal import PostgresJournal
+
+        pg: PostgresServer = request.getfixturevalue("postgres_proc")
+        journal = PostgresJournal(pg.dsn, table=f"race{uuid.uuid4().hex[:10]}")
     else:
         from agentkey.journal import RedisJournal
 

@@ -152,10 +152,8 @@ class SlowToBegin(PassThrough):
 def test_two_concurrent_repeats_of_one_call_run_it_once(journal_factory: Any, driver: str) -> None:
     """Two copies of one saved plan send the same call at different steps at the same time
     (a plain tool): the look-up for the same call and the record are one step of the
-    journal, so one call runs and the other is its labelled repeat. Before, both looked,
-    both found nothing and both ran."""
-    if journal_factory.kind == "postgres":
-        pytest.skip("PostgresJournal looks, then writes, in two statements (docs/journal.md)")
+    journal (PostgreSQL: under an advisory lock, in one transaction), so one call runs and
+    the other is its labelled repeat. Before, both looked, both found nothing and both ran."""
     plain = PlainTool()
     journal = SlowToBegin(journal_factory())
     snapshot = PlanSession.new().to_json()
