@@ -4,13 +4,16 @@ Two tables (created on first use): ``agentkey_calls``, one row per call, and
 ``agentkey_evidence``, what routes showed about honouring keys. Writing a
 call's start is one statement (insert unless present, and return what was
 there and what is known of its route); its end is one compare-and-set on the
-owner. Every statement runs in its own transaction, with a statement timeout.
+owner. Every statement runs in its own transaction (the connections are in autocommit),
+with a statement timeout.
 
 A start that looks for the same call at another step first (``repeats=True``) is one
 transaction instead: it takes a transaction-scoped advisory lock on the call's plan and
 arguments, looks, and inserts (or answers with the earlier calls). Two agents starting
 the same call at once thus meet at the lock, and the second finds the first's record.
-Its statements go out pipelined: two round trips where the other starts take one.
+BEGIN, the lock and the look go out as one message, the insert and COMMIT as another (the
+look gets its own snapshot, taken once the lock is held): two round trips where the other
+starts take one, plus the pool's check of the connection.
 
 Needs psycopg 3 and its pool (``pip install 'agentkey-idempotency[postgres]'``).
 """
@@ -229,8 +232,11 @@ class PostgresJournal:
         self._conninfo = conninfo
         self._options: dict[str, Any] = {
             "autocommit": True,  # one statement, one transaction: no BEGIN and COMMIT turns
+            # A begin's lock is held between two statements; a client stuck there (never
+            # one that died: its lock goes with its connection) is cut after the timeout.
             "options": f"-c statement_timeout={int(statement_timeout * 1000)} "
-            f"-c lock_timeout={int(statement_timeout * 1000)}",
+            f"-c lock_timeout={int(statement_timeout * 1000)} "
+            f"-c idle_in_transaction_session_timeout={int(statement_timeout * 1000)}",
         }
         self.clock = clock
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
