@@ -4,15 +4,27 @@ Two tables (created on first use): ``agentkey_calls``, one row per call, and
 ``agentkey_evidence``, what routes showed about honouring keys. Writing a
 call's start is one statement (insert unless present, and return what was
 there and what is known of its route); its end is one compare-and-set on the
-owner. Every statement runs in its own transaction, with a statement timeout.
+owner. Every statement runs in its own transaction (the connections are in autocommit),
+with a statement timeout.
+
+A start that looks for the same call at another step first (``repeats=True``) is one
+transaction instead: it takes a transaction-scoped advisory lock on the call's plan and
+arguments, looks, and inserts (or answers with the earlier calls). Two agents starting
+the same call at once thus meet at the lock, and the second finds the first's record.
+BEGIN, the lock and the look go out as one message, the insert and COMMIT as another (the
+look gets its own snapshot, taken once the lock is held): two round trips where the other
+starts take one, plus the pool's check of the connection.
 
 Needs psycopg 3 and its pool (``pip install 'agentkey-idempotency[postgres]'``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from .._exceptions import ConfigurationError, JournalError, MissingExtra
@@ -70,6 +82,13 @@ _DEFS = sql.SQL(", ").join(
 )
 
 
+def lock_id(*names: str) -> int:
+    """An advisory lock's id for ``names``: the first 8 bytes of their SHA-256 as a signed
+    bigint (the same in every process, unlike ``hash()``)."""
+    digest = hashlib.sha256("\0".join(names).encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
 class _Sql:
     """The statements of one journal, on its own tables (composed with psycopg's ``sql``)."""
 
@@ -85,12 +104,16 @@ class _Sql:
             "places": _PLACES,
             "set": _SET,
             "defs": _DEFS,
+            "schema_lock": sql.Literal(lock_id("schema", table)),
         }
 
         def q(text: str) -> sql.Composed:
             return sql.SQL(text).format(**names)
 
+        # One transaction (a message of several statements), under an advisory lock on the
+        # table's name: two journals creating the tables at once would otherwise collide.
         self.schema = q(
+            "SELECT pg_advisory_xact_lock({schema_lock}); "
             "CREATE TABLE IF NOT EXISTS {calls} ({defs}); "
             "DROP INDEX IF EXISTS {by_plan}; "
             # What the repeat look-up before every call asks: a plan's calls with these args.
@@ -109,6 +132,18 @@ class _Sql:
             "(SELECT evidence FROM {evidence} WHERE route = %s AND seen_at >= %s), "
             "{qualified} FROM (SELECT 1) AS one LEFT JOIN {calls} c ON c.key = %s"
         )
+        # The begin that looks for the same call at another step: BEGIN, an advisory lock on
+        # the call's plan and arguments held to the end of the transaction, then the look.
+        # The look is a statement of its own, so its snapshot (READ COMMITTED: one per
+        # statement) is taken once the lock is held: it sees the record of the copy that
+        # held the lock before. Then the insert and COMMIT, or ROLLBACK. The same call is
+        # under another key, made without a runtime's call id; or whatever the call id (a
+        # begin with ``known=``). Served by the (plan, args_hash) index.
+        locked = "BEGIN; SELECT pg_advisory_xact_lock(%s); "
+        same = "SELECT {cols} FROM {calls} WHERE plan = %s AND args_hash = %s AND key <> %s"
+        self.locked_repeats = q(f"{locked}{same} AND call_id IS NULL")
+        self.locked_same_calls = q(f"{locked}{same}")
+        self.begin_and_commit = sql.Composed([self.begin, sql.SQL("; COMMIT")])
         self.take_over = q(
             "UPDATE {calls} SET {set} WHERE key = %s AND state = %s "
             "AND owner IS NOT DISTINCT FROM %s AND updated_at = %s"
@@ -193,10 +228,15 @@ class PostgresJournal:
                 f"got {table!r}"
             )
         self._sql = _Sql(table)
+        self._table = table
         self._conninfo = conninfo
-        self._options = {
+        self._options: dict[str, Any] = {
+            "autocommit": True,  # one statement, one transaction: no BEGIN and COMMIT turns
+            # A begin's lock is held between two statements; a client stuck there (never
+            # one that died: its lock goes with its connection) is cut after the timeout.
             "options": f"-c statement_timeout={int(statement_timeout * 1000)} "
-            f"-c lock_timeout={int(statement_timeout * 1000)}"
+            f"-c lock_timeout={int(statement_timeout * 1000)} "
+            f"-c idle_in_transaction_session_timeout={int(statement_timeout * 1000)}",
         }
         self.clock = clock
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
@@ -215,7 +255,9 @@ class PostgresJournal:
 
     # --- synchronous ---------------------------------------------------------------------
 
-    def _run(self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False) -> Any:
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection (one transaction, committed on a clean exit), the tables made."""
         if self._pool is None:
             self._pool = ConnectionPool(
                 self._conninfo, kwargs=self._options, min_size=1, max_size=4, open=True,
@@ -226,19 +268,36 @@ class PostgresJournal:
                 if not self._schema:
                     conn.execute(self._sql.schema)
                     self._schema = True
-                cursor = conn.execute(query, params)
-                return cursor.fetchall() if rows else cursor.rowcount
+                yield conn
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
+
+    def _run(self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False) -> Any:
+        with self._connection() as conn:
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if rows else cursor.rowcount
 
     def begin(
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
         if repeats and record.args_hash is not None:
-            found = self.find(record.plan, tool=record.tool, args_hash=record.args_hash)
-            if earlier := repeats_among(record, found, known=known):
-                return Begun(None, None, False, earlier)  # the begin under their key says more
-        (row,) = self._run(self._sql.begin, self._begin_params(record), rows=True)
+            with self._connection() as conn, psycopg.ClientCursor(conn) as cursor:
+                try:
+                    cursor.execute(*self._locked_look(record, known))
+                    cursor.nextset()  # past BEGIN
+                    cursor.nextset()  # past the lock
+                    found = records_of_rows(cursor.fetchall(), repr(self))
+                    if earlier := repeats_among(record, found, known=known):
+                        conn.rollback()  # nothing written: end the transaction, free the lock
+                        return Begun(None, None, False, earlier)  # their key's begin says more
+                    cursor.execute(self._sql.begin_and_commit, self._begin_params(record))
+                    (row,) = cursor.fetchall()
+                except BaseException:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.rollback()
+                    raise
+        else:
+            (row,) = self._run(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
             return self._begun(
                 (0, row[1], *(self._run(self._sql.by_key, (record.key,), rows=True)[0]))
@@ -334,9 +393,9 @@ class PostgresJournal:
 
     # --- asyncio -------------------------------------------------------------------------
 
-    async def _arun(
-        self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False
-    ) -> Any:
+    @asynccontextmanager
+    async def _aconnection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """:meth:`_connection` for asyncio."""
         if self._apool is None:
             pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
                 self._conninfo, kwargs=self._options, min_size=1, max_size=4, open=False,
@@ -349,19 +408,38 @@ class PostgresJournal:
                 if not self._schema:
                     await conn.execute(self._sql.schema)
                     self._schema = True
-                cursor = await conn.execute(query, params)
-                return await cursor.fetchall() if rows else cursor.rowcount
+                yield conn
         except psycopg.Error as exc:
             raise self._wrap(exc) from None
+
+    async def _arun(
+        self, query: sql.Composed, params: Sequence[Any] = (), *, rows: bool = False
+    ) -> Any:
+        async with self._aconnection() as conn:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchall() if rows else cursor.rowcount
 
     async def abegin(
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
         if repeats and record.args_hash is not None:
-            found = await self.afind(record.plan, tool=record.tool, args_hash=record.args_hash)
-            if earlier := repeats_among(record, found, known=known):
-                return Begun(None, None, False, earlier)
-        (row,) = await self._arun(self._sql.begin, self._begin_params(record), rows=True)
+            async with self._aconnection() as conn, psycopg.AsyncClientCursor(conn) as cursor:
+                try:
+                    await cursor.execute(*self._locked_look(record, known))
+                    cursor.nextset()
+                    cursor.nextset()
+                    found = records_of_rows(await cursor.fetchall(), repr(self))
+                    if earlier := repeats_among(record, found, known=known):
+                        await conn.rollback()
+                        return Begun(None, None, False, earlier)
+                    await cursor.execute(self._sql.begin_and_commit, self._begin_params(record))
+                    (row,) = await cursor.fetchall()
+                except BaseException:
+                    with contextlib.suppress(psycopg.Error):
+                        await conn.rollback()
+                    raise
+        else:
+            (row,) = await self._arun(self._sql.begin, self._begin_params(record), rows=True)
         if not row[0] and row[2] is None:  # another insert won after this statement's snapshot
             (again,) = await self._arun(self._sql.by_key, (record.key,), rows=True)
             return self._begun((0, row[1], *again))
@@ -413,6 +491,17 @@ class PostgresJournal:
     def _learn_params(self, route: str, evidence: str) -> tuple[Any, ...]:
         now = self.clock()
         return (route, evidence, now, now, now - EVIDENCE_TTL)
+
+    def _lock_id(self, record: CallRecord) -> int:
+        """The advisory lock of the record's table, plan and arguments."""
+        return lock_id("call", self._table, record.plan, record.args_hash or "")
+
+    def _locked_look(
+        self, record: CallRecord, known: Collection[str] | None
+    ) -> tuple[sql.Composed, tuple[Any, ...]]:
+        """BEGIN, the lock and the look, sent as one message (bound on the client)."""
+        query = self._sql.locked_repeats if known is None else self._sql.locked_same_calls
+        return query, (self._lock_id(record), record.plan, record.args_hash, record.key)
 
     def _begin_params(self, record: CallRecord) -> tuple[Any, ...]:
         return (*row_of_record(record), record.route, self.clock() - EVIDENCE_TTL, record.key)

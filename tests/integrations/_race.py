@@ -228,19 +228,39 @@ def loop_copy(url: str, journal: Any, saved_plan: str) -> list[dict[str, Any]]:
 
 
 def copies_in_a_process(
-    framework: str, url: str, journal_path: str, meeting: Meeting, job_ids: list[str]
+    framework: str,
+    url: str,
+    journal_path: str,
+    meeting: Meeting,
+    job_ids: list[str],
+    table: str | None = None,
 ) -> None:
     """A process running one copy of each job in ``job_ids`` (its trace id, run id, or thread
     and message id), one after the other; the other process runs the other copies
-    (``multiprocessing`` target). Each copy opens the shared SQLite journal file itself."""
+    (``multiprocessing`` target). Each copy opens the shared SQLite journal file itself, or
+    with ``table``, a PostgresJournal on that table of the database ``journal_path`` names."""
     for job_id in job_ids:
-        journal = SQLiteJournal(Path(journal_path))
+        journal: Any
+        if table is None:
+            journal = SQLiteJournal(Path(journal_path))
+        else:
+            from agentkey.journal import PostgresJournal
+
+            journal = PostgresJournal(journal_path, table=table)
         gate = Gate(journal, meeting)
+
+        async def closing(copy: Any, journal: Any = journal) -> None:
+            try:
+                await copy
+            finally:
+                await journal.aclose()  # its asyncio pool belongs to this loop
+
         try:
             if framework == "openai-agents":
-                asyncio.run(agents_copy(url, gate, f"trace_{job_id.replace('-', '')}"))
+                trace_id = f"trace_{job_id.replace('-', '')}"
+                asyncio.run(closing(agents_copy(url, gate, trace_id)))
             elif framework == "pydantic-ai":
-                asyncio.run(pydantic_copy(url, gate, job_id))
+                asyncio.run(closing(pydantic_copy(url, gate, job_id)))
             else:
                 graph_copy(url, gate, f"thread-{job_id}", job_id)
         finally:

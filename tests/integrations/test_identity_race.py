@@ -25,6 +25,7 @@ import pytest
 from agentkey import PlanSession
 from agentkey.journal import SQLiteJournal
 from tests._loopback import RedisServer
+from tests._postgres import PostgresServer, postgres_proc  # noqa: F401  (the fixture)
 from tests.integrations import _race
 from tests.integrations._race import Gate, tool_server
 
@@ -60,12 +61,17 @@ def _in_threads(copy: Callable[..., list[dict[str, Any]]], *args: Any) -> list[d
         return [r for f in futures for r in f.result()]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 def any_journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
-    """A SQLite journal file (one machine), or a Redis journal (a fleet)."""
+    """A SQLite journal file (one machine), or a Redis or PostgreSQL journal (a fleet)."""
     journal: Any
     if request.param == "sqlite":
         journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    elif request.param == "postgres":
+        from agentkey.journal import PostgresJournal
+
+        pg: PostgresServer = request.getfixturevalue("postgres_proc")
+        journal = PostgresJournal(pg.dsn, table=f"race{uuid.uuid4().hex[:10]}")
     else:
         from agentkey.journal import RedisJournal
 
@@ -205,24 +211,37 @@ async def test_mcp_client_copies_of_one_plan_create_once(journal: SQLiteJournal)
 
 @MANY
 @pytest.mark.realtime
-@pytest.mark.parametrize("framework", ["openai-agents", "pydantic-ai", "langgraph"])
+@pytest.mark.parametrize(
+    ("framework", "store"),
+    [
+        ("openai-agents", "sqlite"),
+        ("pydantic-ai", "sqlite"),
+        ("langgraph", "sqlite"),
+        ("openai-agents", "postgres"),
+        ("langgraph", "postgres"),
+    ],
+)
 def test_copies_in_two_processes_on_one_journal_charge_once(
-    tmp_path: Path, framework: str, trials: int
+    request: pytest.FixtureRequest, tmp_path: Path, framework: str, store: str, trials: int
 ) -> None:
-    """Two processes on one SQLite journal file, each running one copy of the same 10 jobs
-    (same trace id, run id, or thread and message id), the two copies of each job at once:
-    10 charges in all, none doubled (before, 8 to 10 of the 10 OpenAI Agents jobs charged
-    twice)."""
+    """Two processes on one SQLite journal file (or one PostgreSQL journal table), each
+    running one copy of the same 10 jobs (same trace id, run id, or thread and message id),
+    the two copies of each job at once: 10 charges in all, none doubled (before, 8 to 10 of
+    the 10 OpenAI Agents jobs charged twice)."""
     if framework == "pydantic-ai":
         pytest.importorskip("pydantic_ai", reason="PydanticAI needs Python 3.11+")
     context = multiprocessing.get_context("spawn")
     meeting = context.Barrier(2)
     job_ids = [str(uuid.uuid4()) for _ in range(trials)]
-    path = str(tmp_path / "shared.sqlite3")
+    path, table = str(tmp_path / "shared.sqlite3"), None
+    if store == "postgres":
+        pg: PostgresServer = request.getfixturevalue("postgres_proc")
+        path, table = pg.dsn, f"race{uuid.uuid4().hex[:10]}"
     with tool_server() as (url, tool):
         processes = [
             context.Process(
-                target=_race.copies_in_a_process, args=(framework, url, path, meeting, job_ids)
+                target=_race.copies_in_a_process,
+                args=(framework, url, path, meeting, job_ids, table),
             )
             for _ in range(2)
         ]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -152,10 +154,8 @@ class SlowToBegin(PassThrough):
 def test_two_concurrent_repeats_of_one_call_run_it_once(journal_factory: Any, driver: str) -> None:
     """Two copies of one saved plan send the same call at different steps at the same time
     (a plain tool): the look-up for the same call and the record are one step of the
-    journal, so one call runs and the other is its labelled repeat. Before, both looked,
-    both found nothing and both ran."""
-    if journal_factory.kind == "postgres":
-        pytest.skip("PostgresJournal looks, then writes, in two statements (docs/journal.md)")
+    journal (PostgreSQL: under an advisory lock, in one transaction), so one call runs and
+    the other is its labelled repeat. Before, both looked, both found nothing and both ran."""
     plain = PlainTool()
     journal = SlowToBegin(journal_factory())
     snapshot = PlanSession.new().to_json()
@@ -182,3 +182,94 @@ def test_two_concurrent_repeats_of_one_call_run_it_once(journal_factory: Any, dr
     assert sorted(r.repeat_of is not None for r in results) == [False, True]
     assert results[0].body == results[1].body
     assert results[0].idempotency_key == results[1].idempotency_key
+
+
+def _record(plan: str, index: int) -> Any:
+    from agentkey.journal._records import CallRecord
+
+    return CallRecord(
+        key=f"{plan}:step_{index:03d}:{uuid.uuid4().hex}",
+        plan=plan,
+        step=f"step_{index:03d}",
+        tool="charge",
+        args_hash=f"args{index}",
+        route="POST http://127.0.0.1/tools/charge",
+    )
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_round_trips_of_a_postgres_begin(postgres_proc: Any, driver: str) -> None:
+    """Counted on the wire per begin: 2 round trips for a plain start (the pool's check and
+    the statement), 3 for a start that looks for the same call at another step (the check;
+    BEGIN, lock and look; the insert and COMMIT), 3 when it finds one. Before: 4, 8 and 4
+    (separate BEGIN and COMMIT turns, and the look and the insert in two transactions)."""
+    from agentkey.journal import PostgresJournal
+    from tests.postgres.conftest import TurnCounter
+
+    async def run() -> dict[str, list[int]]:
+        counter = TurnCounter(postgres_proc)
+        await counter.start()
+        journal = PostgresJournal(counter.dsn, table=f"rt{uuid.uuid4().hex[:10]}")
+        turns: dict[str, list[int]] = {"plain": [], "repeats": [], "found": []}
+
+        async def begin(record: Any, repeats: bool) -> Any:
+            if driver == "sync":  # in a thread: the proxy runs on this loop
+                return await asyncio.to_thread(journal.begin, record, repeats=repeats)
+            return await journal.abegin(record, repeats=repeats)
+
+        try:
+            await begin(_record("warm", 0), False)  # connects, creates the tables
+            for index in range(1, 6):
+                for kind, repeats in (("plain", False), ("repeats", True)):
+                    counter.reset()
+                    await begin(_record(f"{kind}{index}", index), repeats)
+                    turns[kind].append(counter.turns)
+                counter.reset()
+                found = await begin(_record(f"repeats{index}", index), True)  # another key
+                turns["found"].append(counter.turns)
+                assert found.earlier
+                assert found.existing is None
+        finally:
+            await asyncio.to_thread(journal.close)
+            await journal.aclose()
+            await counter.close()
+        return turns
+
+    assert asyncio.run(run()) == {"plain": [2] * 5, "repeats": [3] * 5, "found": [3] * 5}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_postgres_journals_first_used_at_once_make_their_tables_once(
+    postgres_proc: Any, driver: str
+) -> None:
+    """Four journals on one new table, first used at the same moment: every begin is
+    recorded. Before, their CREATE TABLEs collided and some failed with UniqueViolation."""
+    from agentkey.journal import PostgresJournal
+
+    table = f"first{uuid.uuid4().hex[:10]}"
+    journals = [PostgresJournal(postgres_proc.dsn, table=table) for _ in range(4)]
+    records = [_record("first", index) for index in range(4)]
+    meeting = threading.Barrier(4)
+
+    def first_use(pair: tuple[Any, Any]) -> Any:
+        journal, record = pair
+        meeting.wait(10)
+        if driver == "sync":
+            return journal.begin(record, repeats=True)
+
+        async def once() -> Any:
+            try:
+                return await journal.abegin(record, repeats=True)
+            finally:
+                await journal.aclose()
+
+        return asyncio.run(once())
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            begun = list(pool.map(first_use, zip(journals, records, strict=True)))
+        assert [b.existing for b in begun] == [None] * 4
+        assert len(journals[0].find("first")) == 4
+    finally:
+        for journal in journals:
+            journal.close()
