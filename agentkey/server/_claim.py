@@ -22,7 +22,7 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -98,6 +98,7 @@ class Claim:
         "_json",
         "_lease_ms",
         "_lost",
+        "_mark_awaited",
         "_mutation_started",
         "_nothing_started",
         "_operation",
@@ -155,6 +156,7 @@ class Claim:
         self._clock = clock
         self._started_ms = clock() if started_ms is None else started_ms
         self._mutation_started = False
+        self._mark_awaited = False  # begin_mutation()'s answer was awaited (on_mark)
         self._nothing_started = False
         self._phase: Phase = phase
         self._result_ttl_ms = lock_ttl_ms if result_ttl_ms is None else result_ttl_ms
@@ -193,20 +195,14 @@ class Claim:
         return self._mutation_started
 
     @property
-    def may_have_started(self) -> bool:
+    def _may_have_started(self) -> bool:
         """True when the side effect may have started without the handler saying so: the
         claim's record says "may have started" and :meth:`nothing_started` was not called.
         A 5xx or an exception then puts the key in doubt."""
         return self._phase == "started" and not self._nothing_started
 
     @property
-    def phase(self) -> Phase:
-        """What the claim's record says: ``claimed`` (nothing started; a lapsed lease frees
-        the key) or ``started`` (it may have; a lapsed lease puts the key in doubt)."""
-        return self._phase
-
-    @property
-    def record_ttl_ms(self) -> int:
+    def _record_ttl_ms(self) -> int:
         """How long the store keeps this claim's record: one lease while ``claimed``, as
         long as a result once the side effect may have started (so a lapsed lease is
         remembered as in doubt, never forgotten)."""
@@ -269,7 +265,7 @@ class Claim:
             self._json, self._body = value, None
         return value
 
-    def begin_mutation(self) -> _Mark:
+    def begin_mutation(self) -> Awaitable[None]:
         """Mark that the side effect has started; later failures are recorded as FAILED.
 
         With the middleware's default (``mutation_starts="on_run"``) the store already
@@ -306,7 +302,7 @@ class Claim:
             return
         try:
             owned = await self._store.finish(
-                self.record_key, self._owner, self.in_progress_record(), ttl_ms=self.record_ttl_ms
+                self.record_key, self._owner, self.in_progress_record(), ttl_ms=self._record_ttl_ms
             )
         except StoreError as exc:
             # Nothing started: the handler must not begin its side effect, and the key is
@@ -332,7 +328,7 @@ class Claim:
             return
         self._phase = "claimed"
         if not await self._store.finish(
-            self.record_key, self._owner, self.in_progress_record(), ttl_ms=self.record_ttl_ms
+            self.record_key, self._owner, self.in_progress_record(), ttl_ms=self._record_ttl_ms
         ):
             self._lost = True
 
@@ -396,13 +392,13 @@ class Claim:
             return not self._lost
         value = self.in_progress_record()
         store, key = self._store, self.record_key
-        if await store.finish(key, self._owner, value, ttl_ms=self.record_ttl_ms):
+        if await store.finish(key, self._owner, value, ttl_ms=self._record_ttl_ms):
             return True
         # "Not owned": a write the client library re-sent after it landed, or an
         # expired lease. Only a record of someone else means the key was taken.
         current = await store.get(key)
         if current is None and not self._settled:
-            current = await store.claim(key, value, ttl_ms=self.record_ttl_ms)
+            current = await store.claim(key, value, ttl_ms=self._record_ttl_ms)
             if current is None:
                 _logger.warning(
                     "the lease on %s had expired (nobody claimed the key meanwhile) and was "
@@ -570,7 +566,8 @@ class _Mark:
     def __init__(self, claim: Claim) -> None:
         self._claim = claim
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, None]:
+        self._claim._mark_awaited = True
         return self._claim._mark_started().__await__()
 
 

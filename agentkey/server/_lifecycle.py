@@ -60,7 +60,7 @@ from ._decide import (
     Run,
     Unavailable,
     on_claimed,
-    stored_headers,
+    on_finished,
     unavailable,
 )
 from ._reconcile import ReconcileContext, ReconcileHook, ask
@@ -273,7 +273,7 @@ class Lifecycle:
         now = self.clock()  # the lease's start; a 409's Retry-After counts from it
         try:
             existing = await self.store.claim(
-                claim.record_key, claim.in_progress_record(now), ttl_ms=claim.record_ttl_ms
+                claim.record_key, claim.in_progress_record(now), ttl_ms=claim._record_ttl_ms
             )
         except StoreError as exc:
             existing = exc
@@ -368,13 +368,21 @@ class Lifecycle:
         hook: ReconcileHook,
         context: ReconcileContext,
         seconds: float,
+        *,
+        max_inline_bytes: int = 1 << 62,
+        max_recorded_bytes: int | None = None,
     ) -> Problem | Run | Replay:
         """Ask ``hook`` about the key in doubt, and act on its answer.
 
-        "Ran": its answer becomes the key's outcome (compare-and-set on the record met)
-        and is replayed. "Not run": this request's claim replaces the record met (the
-        same compare-and-set) and the handler runs. "Still unknown", a hook that fails,
-        or a record that changed meanwhile and is still in doubt: ``doubt``.
+        "Ran": its answer becomes the key's outcome (compare-and-set on the record met;
+        the same size limit and blob offload as a handler's answer) and is replayed.
+        "Not run": this request's claim replaces the record met (the same
+        compare-and-set) and the handler runs; but for a record in doubt only because
+        its lease lapsed, not before one more ``lock_ttl`` has passed since the lease
+        ended: its handler may still be running (the store was down while it ran),
+        and the hook cannot see a call that handler is about to make. "Still unknown",
+        a hook that fails, or a record that changed meanwhile and is still in doubt:
+        ``doubt``.
         """
         record = doubt.record
         if record is None:
@@ -383,19 +391,40 @@ class Lifecycle:
         if answer.outcome == "unknown":
             return doubt
         now = self.clock()
+        if answer.outcome == "not_run" and record.phase != "in_doubt":
+            alive_until = record.lease_end_ms + self.lock_ttl_ms
+            if now < alive_until:
+                _logger.warning(
+                    "the reconcile hook said %s did not run, but its lease lapsed only %d ms "
+                    "ago and its handler may still be running; the key stays in doubt for "
+                    "%d ms more before a 'not run' is believed",
+                    shown_key(claim.idempotency_key),
+                    max(0, now - record.lease_end_ms),
+                    alive_until - now,
+                )
+                return doubt
+        blob: _Blob | None = None
+        outcome: StoredOutcome | None = None
         if answer.outcome == "ran":
-            outcome = StoredOutcome(
-                "COMPLETED",
+            settled = on_finished(
                 answer.status,
-                stored_headers(answer.headers),
+                answer.headers,
                 answer.body,
-                None,
-                now,
-                checked.binding,
+                error=False,
+                mutation_started=True,
+                binding=checked.binding,
+                now_ms=now,
+                max_inline_bytes=max_inline_bytes,
+                max_recorded_bytes=max_recorded_bytes,
             )
+            assert isinstance(settled, (Complete, Fail))  # a final status: never released
+            outcome = settled.outcome
+            if settled.offload and self._blob_store is not None:
+                blob = _Blob()
+                outcome = await self._offload(claim, outcome, blob)
             value, ttl = encode_outcome(outcome), self.result_ttl_ms
         else:
-            value, ttl = claim.in_progress_record(now), claim.record_ttl_ms
+            value, ttl = claim.in_progress_record(now), claim._record_ttl_ms
         try:
             done = await self.store.finish(claim.record_key, record.owner, value, ttl_ms=ttl)
         except StoreError as exc:
@@ -404,8 +433,13 @@ class Lifecycle:
                 shown_key(claim.idempotency_key),
                 exc,
             )
+            done = False
+            if outcome is not None and outcome.blob_uri is not None:
+                await self._delete_blob(outcome.blob_uri, "unrecorded reconcile answer")
             return unavailable(self.retry_after, str(exc))
         if not done:  # the record changed meanwhile (its handler finished, another settled it)
+            if outcome is not None and outcome.blob_uri is not None:
+                await self._delete_blob(outcome.blob_uri, "unrecorded reconcile answer")
             return await self._claim_once(claim, checked)
         _logger.warning(
             "the key %s was in doubt; the reconcile hook said it %s",
@@ -414,7 +448,7 @@ class Lifecycle:
             if answer.outcome == "ran"
             else "did not run (it runs now)",
         )
-        if answer.outcome == "ran":
+        if outcome is not None:
             if self._held:
                 self._wake(claim.record_key)
             return Replay(outcome)
@@ -500,7 +534,7 @@ class Lifecycle:
             shown_key(claim.idempotency_key),
             SETTLE_SECONDS,
             "it is in doubt (409 in_doubt until settled)"
-            if claim.phase == "started"
+            if claim._phase == "started"
             else "a retry runs the step again",
         )
 

@@ -90,7 +90,7 @@ from ._lifecycle import (
     check_principal_options,
     resolve_principal,
 )
-from ._reconcile import ReconcileContext, ReconcileHook, check_reconcile
+from ._reconcile import ReconcileHook, check_reconcile, context_for
 from ._stores import MemoryStore, Store
 
 __all__ = [
@@ -696,17 +696,25 @@ class IdempotencyMiddleware:
         claim = self._life.new_claim(checked, principal, body, " ".join(operation))
         decision = await self._life.claim(claim, checked, hold=self.hold_in_flight)
         if isinstance(decision, InDoubt) and self._reconcile is not None:
-            context = ReconcileContext(
+            context = context_for(
                 claim.idempotency_key,
                 principal,
                 method,
                 path,
                 b"".join(body),
-                decision.record.started_ms if decision.record else 0,
-                decision.record.lease_end_ms if decision.record else 0,
+                decision.record,
+                self._life.clock(),
+                claim.key_for,
             )
             decision = await self._life.reconcile(
-                claim, checked, decision, self._reconcile, context, self._reconcile_timeout
+                claim,
+                checked,
+                decision,
+                self._reconcile,
+                context,
+                self._reconcile_timeout,
+                max_inline_bytes=self.max_inline_bytes,
+                max_recorded_bytes=self.max_recorded_bytes,
             )
         if isinstance(decision, Run):
             await self._run(scope, receive, send, body, claim, method, path)
@@ -789,7 +797,7 @@ class IdempotencyMiddleware:
             if (
                 exchange.started
                 or claim.mutation_started
-                or (claim.may_have_started and claim._unavailable is not exc)
+                or (claim._may_have_started and claim._unavailable is not exc)
             ):
                 await self._conclude(exchange)
                 if exchange.status == 503 and claim._unavailable is exc:
@@ -910,7 +918,7 @@ class IdempotencyMiddleware:
             bytes(exchange.answer),
             error=error or not exchange.started,
             mutation_started=claim.mutation_started,
-            may_have_started=claim.may_have_started,
+            may_have_started=claim._may_have_started,
             binding=claim.binding,
             now_ms=self._life.clock(),
             max_inline_bytes=self.max_inline_bytes,

@@ -13,10 +13,18 @@ system (the payment provider, the database) and answers a :class:`Reconciled`:
   (compare-and-set on the record it met) and runs the handler;
 - :meth:`Reconciled.unknown`: still unknown. The request gets the in-doubt answer.
 
-The hook may be a plain function or a coroutine function (or return an awaitable);
-an awaitable is bounded by ``reconcile_timeout`` seconds. A hook that raises, times
-out or returns anything else counts as "still unknown": it never fails the request.
-A plain function runs on the event loop: keep it quick, or make it async.
+The hook may be a plain function (run in a worker thread) or a coroutine function
+(or return an awaitable); either is bounded by ``reconcile_timeout`` seconds. A hook
+that raises, times out or returns anything else counts as "still unknown": it never
+fails the request.
+
+A key in doubt only because its lease lapsed (``why == "lease lapsed"``: the store
+was down while its handler ran, or its process died) may still have a live handler
+about to call the provider. A ``not_run`` answer for it is taken as "still unknown"
+until one more ``lock_ttl`` has passed since the lease ended (on the server's
+clock), so the step never runs beside its first handler. A key its own handler put
+in doubt (``why == "failed after start"``: a 5xx or an exception; that handler is
+done) is run at once on ``not_run``.
 """
 
 from __future__ import annotations
@@ -29,11 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import anyio.to_thread
 
 from .._exceptions import ConfigurationError
 from .._keys import shown_key
+from ._records import InProgress
 
-__all__ = ["ReconcileContext", "ReconcileHook", "Reconciled", "ask", "check_reconcile"]
+__all__ = [
+    "ReconcileContext",
+    "ReconcileHook",
+    "Reconciled",
+    "ask",
+    "check_reconcile",
+    "context_for",
+]
 
 _logger = logging.getLogger("agentkey.server")
 
@@ -45,8 +62,14 @@ class ReconcileContext:
     ``method`` and ``route`` name the operation (HTTP: the method and the route path;
     MCP: ``"tools/call"`` and the tool's name). ``body`` is the request's body (MCP:
     the canonical JSON of the arguments). ``started_ms`` is when the earlier request
-    claimed the key and ``doubt_since_ms`` when it became in doubt (Unix ms). The
-    ``repr`` shows the key redacted: it is a bearer secret.
+    claimed the key and ``doubt_since_ms`` when it became in doubt (Unix ms).
+    ``why`` says why it is in doubt: ``"failed after start"`` (its handler answered a
+    5xx or raised after it may have started: that handler is done) or ``"lease lapsed"``
+    (its lease ended without a renewal: its process died, or the store was down while
+    it ran, and its handler may still be running). ``doubt_for_ms`` is how long it has
+    been in doubt, on the server's clock. Look the downstream call up with
+    :meth:`key_for`, never with ``idempotency_key`` (a bearer secret). The ``repr``
+    shows the key redacted.
     """
 
     idempotency_key: str
@@ -56,12 +79,26 @@ class ReconcileContext:
     body: bytes = field(repr=False)
     started_ms: int
     doubt_since_ms: int
+    why: Literal["failed after start", "lease lapsed"] = "failed after start"
+    doubt_for_ms: int = 0
+    _key_for: Callable[[str], str] | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
             f"ReconcileContext(idempotency_key={shown_key(self.idempotency_key)!r}, "
-            f"method={self.method!r}, route={self.route!r}, started_ms={self.started_ms})"
+            f"method={self.method!r}, route={self.route!r}, started_ms={self.started_ms}, "
+            f"why={self.why!r}, doubt_for_ms={self.doubt_for_ms})"
         )
+
+    def key_for(self, name: str) -> str:
+        """The downstream key ``claim.key_for(name)`` gives this request's handler: look
+        the provider up with it (it is the same for the first handler and this request).
+
+        Raises :class:`~agentkey.InvalidKey` for a bad ``name``, as ``claim.key_for`` does.
+        """
+        if self._key_for is None:
+            raise ConfigurationError("this ReconcileContext was built without a claim")
+        return self._key_for(name)
 
     def json(self) -> Any:
         """The body parsed as JSON (the tool's arguments)."""
@@ -77,6 +114,37 @@ class Reconciled:
     status: int = 200
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""
+
+    def __post_init__(self) -> None:
+        # Built directly (not through ran()), it is checked all the same: a "ran" answer
+        # is recorded as the key's outcome and replayed forever.
+        if self.outcome not in ("ran", "not_run", "unknown"):
+            raise ConfigurationError(
+                f"Reconciled.outcome must be 'ran', 'not_run' or 'unknown', got {self.outcome!r}"
+            )
+        if not isinstance(self.body, bytes):
+            raise ConfigurationError(
+                f"Reconciled.body must be bytes, got {type(self.body).__name__}"
+            )
+        if not isinstance(self.headers, tuple) or not all(
+            isinstance(h, tuple) and len(h) == 2 and all(isinstance(x, str) for x in h)
+            for h in self.headers
+        ):
+            raise ConfigurationError(
+                "Reconciled.headers must be a tuple of (name, value) str pairs"
+            )
+        from ._decide import is_storable
+
+        status = self.status
+        if (
+            isinstance(status, bool)
+            or not isinstance(status, int)
+            or (self.outcome == "ran" and not is_storable(status))
+        ):
+            raise ConfigurationError(
+                f"Reconciled.ran() needs a final status (2xx, or a 4xx about the request), "
+                f"got {status!r}; answer Reconciled.unknown() when the outcome is not known"
+            )
 
     @classmethod
     def ran(
@@ -101,13 +169,6 @@ class Reconciled:
             raise ConfigurationError(
                 f"Reconciled.ran() takes bytes or a mapping, got {type(body).__name__}"
             )
-        from ._decide import is_storable
-
-        if isinstance(status, bool) or not isinstance(status, int) or not is_storable(status):
-            raise ConfigurationError(
-                f"Reconciled.ran() needs a final status (2xx, or a 4xx about the request), "
-                f"got {status!r}; answer Reconciled.unknown() when the outcome is not known"
-            )
         return cls("ran", status, hdrs, body)
 
     @classmethod
@@ -121,9 +182,44 @@ class Reconciled:
         return cls("unknown")
 
 
+def context_for(
+    idempotency_key: str,
+    principal: str,
+    method: str,
+    route: str,
+    body: bytes,
+    record: InProgress | None,
+    now_ms: int,
+    key_for: Callable[[str], str],
+) -> ReconcileContext:
+    """The context of the key in doubt ``record``, met by a request at ``now_ms``."""
+    started = record.started_ms if record else 0
+    since = record.lease_end_ms if record else 0
+    lapsed = record is not None and record.phase != "in_doubt"
+    return ReconcileContext(
+        idempotency_key,
+        principal,
+        method,
+        route,
+        body,
+        started,
+        since,
+        "lease lapsed" if lapsed else "failed after start",
+        max(0, now_ms - since) if since else 0,
+        key_for,
+    )
+
+
 ReconcileHook = Callable[[ReconcileContext], "Reconciled | Awaitable[Reconciled]"]
 
 _UNKNOWN = Reconciled("unknown")
+
+# anyio >= 4.1 names it abandon_on_cancel; 3.x (still allowed by the server extra) cancellable.
+_ABANDON: dict[str, bool] = (
+    {"abandon_on_cancel": True}
+    if "abandon_on_cancel" in inspect.signature(anyio.to_thread.run_sync).parameters
+    else {"cancellable": True}
+)
 
 
 def check_reconcile(hook: object, timeout: object) -> None:
@@ -139,18 +235,25 @@ def check_reconcile(hook: object, timeout: object) -> None:
 async def ask(hook: ReconcileHook, context: ReconcileContext, seconds: float) -> Reconciled:
     """The hook's answer; "still unknown" when it fails, times out or answers anything else."""
     key = shown_key(context.idempotency_key)
+    value: object = _UNKNOWN
     try:
-        value: object = hook(context)
-        if inspect.isawaitable(value):
-            with anyio.move_on_after(seconds) as scope:
-                value = await value
-            if scope.cancelled_caught:
-                _logger.warning(
-                    "the reconcile hook did not answer for %s within %g s; the key stays in doubt",
-                    key,
-                    seconds,
-                )
-                return _UNKNOWN
+        with anyio.move_on_after(seconds) as scope:
+            if inspect.iscoroutinefunction(hook):
+                value = await hook(context)
+            else:
+                # A plain function (a blocking HTTP call to the provider) runs in a worker
+                # thread: on the event loop it would stall every request and every lease
+                # renewal of this worker. Past the timeout the thread is abandoned.
+                value = await anyio.to_thread.run_sync(hook, context, **_ABANDON)  # type: ignore[arg-type]
+                if inspect.isawaitable(value):
+                    value = await value
+        if scope.cancelled_caught:
+            _logger.warning(
+                "the reconcile hook did not answer for %s within %g s; the key stays in doubt",
+                key,
+                seconds,
+            )
+            return _UNKNOWN
     except Exception as exc:
         _logger.warning(
             "the reconcile hook failed for %s (%s); the key stays in doubt",

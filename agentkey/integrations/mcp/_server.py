@@ -44,7 +44,7 @@ from ...server._lifecycle import (
     check_principal_options,
     resolve_principal,
 )
-from ...server._reconcile import ReconcileContext, ReconcileHook, check_reconcile
+from ...server._reconcile import ReconcileHook, check_reconcile, context_for
 from ...server._records import StoredOutcome
 from ...server._stores import Store
 from ._wire import (
@@ -260,18 +260,17 @@ class IdempotentToolsMiddleware:
         decision = await self._life.claim(claim, checked)
         key = checked.idempotency_key
         if isinstance(decision, InDoubt) and self._reconcile is not None:
-            record = decision.record
-            context = ReconcileContext(
-                key,
-                principal,
-                _METHOD,
-                name,
-                body,
-                record.started_ms if record else 0,
-                record.lease_end_ms if record else 0,
+            context = context_for(
+                key, principal, _METHOD, name, body, decision.record, self._clock(), claim.key_for
             )
             decision = await self._life.reconcile(
-                claim, checked, decision, self._reconcile, context, self._reconcile_timeout
+                claim,
+                checked,
+                decision,
+                self._reconcile,
+                context,
+                self._reconcile_timeout,
+                max_recorded_bytes=self.max_recorded_bytes,
             )
         if isinstance(decision, InDoubt):
             self._emit("in_doubt", name, key, 409)
@@ -380,7 +379,7 @@ class IdempotentToolsMiddleware:
             body,
             error=doc is None,
             mutation_started=claim.mutation_started,
-            may_have_started=claim.may_have_started and _complete_or_error(doc),
+            may_have_started=claim._may_have_started and _complete_or_error(doc),
             binding=claim.binding,
             now_ms=self._clock(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
