@@ -95,6 +95,7 @@ class Claim:
         "_binding",
         "_body",
         "_clock",
+        "_downstream",
         "_json",
         "_lease_ms",
         "_lost",
@@ -157,6 +158,7 @@ class Claim:
         self._started_ms = clock() if started_ms is None else started_ms
         self._mutation_started = False
         self._mark_awaited = False  # begin_mutation()'s answer was awaited (on_mark)
+        self._downstream = False  # key_for() was called: a foreign call is (about to be) made
         self._nothing_started = False
         self._phase: Phase = phase
         self._result_ttl_ms = lock_ttl_ms if result_ttl_ms is None else result_ttl_ms
@@ -323,8 +325,15 @@ class Claim:
     async def _mark_claimed(self) -> None:
         """Write "claimed" (nothing started) over this claim's record: a handler whose side
         effects all happen in one database transaction (PostgreSQL's transactional
-        completion), so a crash rolls them back and the key must be free after its lease."""
-        if self._phase == "claimed" or self._mutation_started or self._settled:
+        completion), so a crash rolls them back and the key must be free after its lease.
+
+        Not when the handler may have started something outside the transaction: it
+        called :meth:`begin_mutation` (it said so) or :meth:`key_for` (it calls a third
+        party, or is about to). The record then keeps "may have started", so a crash or a
+        failure leaves the key in doubt rather than free for a second foreign call."""
+        if self._phase == "claimed" or self._mutation_started or self._downstream:
+            return
+        if self._settled:
             return
         self._phase = "claimed"
         if not await self._store.finish(
@@ -355,6 +364,7 @@ class Claim:
                 f"[A-Za-z0-9._~-] such as 'payments', got {shown}; the key of "
                 f"{shown_key(self.idempotency_key)} is not derived for it"
             )
+        self._downstream = True  # a foreign call: a transaction no longer frees the key
         # Fixed forever, as KEY_UUID_NAMESPACE is: another derivation would give a step
         # already in flight new downstream keys on its next run.
         digest = hashlib.sha256()

@@ -823,7 +823,10 @@ class PostgresStore:
         :meth:`~PostgresTransaction.advance` rolls back and raises
         :class:`~agentkey.ConfigurationError`: writes committed without their record
         would run again on a retry. An exception rolls everything back, so the
-        middleware releases the key and the retry runs cleanly.
+        middleware releases the key and the retry runs cleanly; unless the handler may
+        have started something outside the transaction (it called
+        ``claim.begin_mutation()`` or ``claim.key_for()`` before): the record then keeps
+        "may have started", and the key is in doubt.
         """
         key = claim.idempotency_key
         body_failed = False
@@ -832,7 +835,8 @@ class PostgresStore:
             # Everything this step does commits or rolls back with the transaction, so a
             # crash before the commit runs nothing: the record says "claimed" (a lapsed
             # lease frees the key), not "may have started" (in doubt). One write, only
-            # when the claim said "may have started" (mutation_starts="on_run").
+            # when the claim said "may have started" (mutation_starts="on_run") and the
+            # handler made no foreign call before (begin_mutation(), key_for()).
             await claim._mark_claimed()
             conn = await self._checkout()
             try:

@@ -147,6 +147,47 @@ async def test_a_failure_before_commit_rolls_back_and_the_retry_runs_cleanly(
         await store.aclose()
 
 
+async def test_a_foreign_call_before_the_transaction_keeps_the_key_in_doubt(
+    postgres_store_factory: Factory, charges_table: str
+) -> None:
+    """Charge at a provider (claim.key_for), then fail inside store.transaction(): the key
+    is in doubt, never released for a second charge (the old code flipped the record to
+    "claimed" and released it, so the retry charged again: 2 provider charges)."""
+    store = postgres_store_factory()
+    provider: list[str] = []
+
+    async def charge(request: Request) -> JSONResponse:
+        args = await request.json()
+        claim = current_claim()
+        provider.append(claim.key_for("payments"))  # the foreign, non-transactional call
+        async with store.transaction(claim) as tx:
+            await tx.connection.execute("INSERT INTO charges (amount) VALUES (%s)", (5,))
+            if args.get("fail"):
+                raise RuntimeError("the ledger write failed after the charge")
+            return await tx.complete(JSONResponse({"charged": True}, status_code=201))
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=store,
+        shared_key_space=True,
+    )
+    step = PlanSession.new().step(0, "charge", {"amount": 5, "fail": True})
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            headers = {"idempotency-key": step.idempotency_key}
+            assert (
+                await client.post("/charge", headers=headers, content=step.body)
+            ).status_code == 500
+            again = await client.post("/charge", headers=headers, content=step.body)
+        assert again.status_code == 409, again.text
+        assert again.json()["type"] == "urn:agentkey:problem:in_doubt"
+        assert len(provider) == 1
+        assert await _charges(charges_table) == 0  # the local write rolled back
+    finally:
+        await store.aclose()
+
+
 async def test_leaving_the_block_without_complete_rolls_back(
     postgres_store_factory: Factory, charges_table: str
 ) -> None:
