@@ -2,8 +2,8 @@
 
 ```
 agentkey server doubt --store URL [--prefix P | --table T] [--json]
-agentkey server settle --store URL KEY --ran [--status N --body JSON] | --not-run
-                       [--principal P]
+agentkey server settle --store URL KEY --ran [--status N --body JSON] [--result-ttl S]
+                       | --not-run [--force]   [--principal P]
 ```
 
 A key is in doubt when a request may have started its side effect and did not
@@ -13,6 +13,14 @@ settled: by the middleware's ``reconcile`` hook, or here, once you have looked a
 the target system. ``--ran`` records the answer (``--body``, else a 500 that says an
 operator settled it as ran and its answer is lost) and every later request gets
 it as a replay; ``--not-run`` frees the key, and the next request with it runs.
+
+"In doubt" is decided on the store's clock (Redis ``TIME``, PostgreSQL
+``clock_timestamp()``), never this machine's. A key in doubt only because its lease
+lapsed may still have a live handler (the store was down while it ran): ``--not-run``
+refuses it until one more ``lock_ttl`` has passed since the lease ended, unless
+``--force``. ``--ran`` keeps the record's remaining lifetime in the store (or
+``--result-ttl``). A Redis Cluster is refused: the keys live on every primary, and
+one node's list would be incomplete.
 
 Keys are printed as digests (``plan:step_003:#1a2b3c4d``, never whole: a key is a
 bearer secret); ``settle`` takes that form. The store URL is ``redis://...``
@@ -83,6 +91,18 @@ def add_parser(sub: Any) -> None:
     settle.add_argument("--principal", help="the caller the key belongs to, when keys collide")
     settle.add_argument("--status", type=int, default=200, help="with --ran --body (200)")
     settle.add_argument("--body", help="with --ran: the answer to replay (JSON)")
+    settle.add_argument(
+        "--result-ttl",
+        type=_seconds,
+        metavar="S",
+        help="with --ran: keep the answer S seconds (default: the record's remaining lifetime)",
+    )
+    settle.add_argument(
+        "--force",
+        action="store_true",
+        help="with --not-run: free a key whose lease lapsed less than one lock_ttl ago "
+        "(its handler may still be running)",
+    )
     settle.set_defaults(func=_run, func_command=_settle)
 
 
@@ -101,6 +121,16 @@ def _count(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 100_000:
         raise argparse.ArgumentTypeError(f"must be a whole number from 1 to 100000, got {text!r}")
     return int(text)
+
+
+def _seconds(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1 <= value <= 10 * 365 * 86_400:
+        raise argparse.ArgumentTypeError(f"must be 1 to 315360000 seconds, got {text!r}")
+    return round(value * 1000)
 
 
 @dataclass(frozen=True)
@@ -148,6 +178,31 @@ class _Redis:
         self.store = RedisStore(url, prefix=prefix)
         self.url, self.prefix = url, prefix
 
+    def _name(self, record_key: str) -> str:
+        return f"{self.prefix}:{{{record_key}}}"
+
+    async def now_ms(self) -> int:
+        """The store's clock (``TIME``), in Unix milliseconds."""
+        from redis import asyncio as aioredis
+
+        client = aioredis.from_url(self.url)
+        try:
+            seconds, micros = await client.time()
+        finally:
+            await client.aclose()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def ttl_ms(self, record_key: str) -> int:
+        """The record's remaining lifetime (``PTTL``); 0 when it has none or is gone."""
+        from redis import asyncio as aioredis
+
+        client = aioredis.from_url(self.url)
+        try:
+            left = int(await client.pttl(self._name(record_key)))
+        finally:
+            await client.aclose()
+        return max(0, left)
+
     async def scan(self) -> list[tuple[str, bytes]]:
         from redis import asyncio as aioredis
 
@@ -156,6 +211,14 @@ class _Redis:
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
         found = []
         try:
+            info: Any = await client.info("cluster")
+            if isinstance(info, dict) and str(info.get("cluster_enabled", "0")) == "1":
+                raise ConfigurationError(
+                    "--store is a Redis Cluster node: the keys live on every primary, and "
+                    "one node's list would miss keys in doubt, so this command refuses a "
+                    "cluster (it supports one Redis server, or a primary with replicas). "
+                    "Settle a cluster's keys with the middleware's reconcile hook"
+                )
             async for name in client.scan_iter(match=pattern, count=1000):
                 text = name.decode("utf-8", "surrogateescape")
                 value: Any = await client.get(name)
@@ -172,6 +235,30 @@ class _Postgres:
 
         self.store = PostgresStore(dsn, table=table, create=False, min_size=0, max_size=2)
         self.dsn = dsn
+
+    async def _value(self, query: Any, params: Sequence[Any] = ()) -> int:
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            cur = await conn.execute(query, params)
+            row = await cur.fetchone()
+        return 0 if row is None or row[0] is None else int(row[0])
+
+    async def now_ms(self) -> int:
+        """The store's clock (``clock_timestamp()``), in Unix milliseconds."""
+        return await self._value(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+        )
+
+    async def ttl_ms(self, record_key: str) -> int:
+        """The record's remaining lifetime; 0 when it is gone."""
+        from psycopg import sql
+
+        query = sql.SQL(
+            "SELECT floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint "
+            "FROM {} WHERE key = %s"
+        ).format(sql.Identifier(*self.store.table.split(".")))
+        return max(0, await self._value(query, (record_key,)))
 
     async def scan(self) -> list[tuple[str, bytes]]:
         import psycopg
@@ -219,8 +306,7 @@ def _run(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-async def _doubts(backend: _Redis | _Postgres) -> list[_Doubt]:
-    now = int(time.time() * 1000)
+async def _doubts(backend: _Redis | _Postgres, now: int) -> list[_Doubt]:
     try:
         rows = await backend.scan()
     except AgentKeyError:
@@ -259,15 +345,16 @@ def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
 
 
 async def _doubt(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:
-    rows = [d.row() for d in (await _doubts(backend))[: ns.limit]]
+    rows = [d.row() for d in (await _doubts(backend, await backend.now_ms()))[: ns.limit]]
     _print(rows, ns.json)
     return EXIT_OK if rows else EXIT_FOUND_NOTHING
 
 
 async def _settle(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:
+    now = await backend.now_ms()  # the store's clock: "in doubt" is the server's verdict
     matches = [
         d
-        for d in await _doubts(backend)
+        for d in await _doubts(backend, now)
         if ns.key in (shown_key(d.key), d.key)
         and (ns.principal is None or ns.principal == d.principal)
     ]
@@ -281,12 +368,33 @@ async def _settle(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:
         )
         return EXIT_USAGE
     doubt = matches[0]
-    store, owner = backend.store, doubt.record.owner
+    store, owner, record = backend.store, doubt.record.owner, doubt.record
+    ttl = 0
     if ns.not_run:
+        # Its handler may still be alive: its lease lapsed (the store was down while it
+        # ran?) less than one lock_ttl ago. lock_ttl is three renewal intervals.
+        alive_until = record.lease_end_ms + (3 * record.renew_ms or 15_000)
+        if record.phase != "in_doubt" and now < alive_until and not ns.force:
+            print(
+                f"agentkey: the lease of {shown_key(doubt.key)} lapsed only "
+                f"{(now - record.lease_end_ms) / 1000:g} s ago (store clock), and its handler "
+                f"may still be running; --not-run would let a retry run the step beside it. "
+                f"Wait {(alive_until - now) / 1000:g} s more, or pass --force once you know "
+                "the handler is gone",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         done = await store.release(doubt.record_key, owner)
     else:
-        outcome = _ran_outcome(ns, doubt)
-        ttl = int(getattr(store, "result_ttl_ms", 86_400_000))
+        outcome = _ran_outcome(ns, doubt, now)
+        ttl = ns.result_ttl or await backend.ttl_ms(doubt.record_key)
+        if ttl <= 0:
+            print(
+                f"agentkey: the record of {shown_key(doubt.key)} has no lifetime left to "
+                "keep; pass --result-ttl SECONDS (the server's result_ttl)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         done = await store.finish(doubt.record_key, owner, encode_outcome(outcome), ttl_ms=ttl)
     if not done:
         print(
@@ -296,16 +404,22 @@ async def _settle(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:
         )
         return EXIT_FOUND_NOTHING
     row = doubt.row() | {"settled": "ran" if ns.ran else "not run"}
+    if ns.ran:
+        row["kept_s"] = ttl / 1000
     if ns.json:
         _print([row], True)
     else:
-        then = "the next request with the key runs the step" if ns.not_run else "replayed"
+        then = (
+            "the next request with the key runs the step"
+            if ns.not_run
+            else f"replayed for {ttl / 1000:g} s"
+            + ("" if ns.result_ttl else ", the in-doubt record's remaining lifetime")
+        )
         print(f"settled {row['key']}: {row['settled']} ({then})")
     return EXIT_OK
 
 
-def _ran_outcome(ns: argparse.Namespace, doubt: _Doubt) -> StoredOutcome:
-    now = int(time.time() * 1000)
+def _ran_outcome(ns: argparse.Namespace, doubt: _Doubt, now: int) -> StoredOutcome:
     binding = doubt.record.binding
     if ns.body is None:
         body = problem_body(

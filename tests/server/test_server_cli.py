@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -153,3 +154,122 @@ def test_a_lapsed_lease_is_listed_as_in_doubt(
     assert row["why"] == "lease lapsed"
     assert row["since"] == pytest.approx((now - 1000) / 1000)
     assert str(row["key"]).split("#")[0] in lapsed["idempotency-key"]
+
+
+def _plant_one(make: Callable[[], Store], lease_end_ms: int, ttl_ms: int = 3_600_000) -> str:
+    """A started record (lock_ttl 15 s) whose lease ends at ``lease_end_ms``; its key."""
+    headers, body = request_for({"amount": 3})
+
+    async def plant() -> None:
+        store = make()
+        try:
+            await _plant(
+                store,
+                headers["idempotency-key"],
+                body,
+                phase="started",
+                lease_end_ms=lease_end_ms,
+                ttl_ms=ttl_ms,
+            )
+        finally:
+            await store.aclose()
+
+    asyncio.run(plant())
+    return headers["idempotency-key"]
+
+
+def test_not_run_refuses_a_lease_that_lapsed_less_than_a_lock_ttl_ago(
+    backend: tuple[Callable[[], Store], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """settle --not-run on a key whose lease lapsed 1 s ago (its handler may still run)
+    exits 2 and frees nothing; --force frees it (the old code freed it at once)."""
+    import time
+
+    make, where = backend
+    key = _plant_one(make, int(time.time() * 1000) - 1000)
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    (row,) = rows
+    assert main(["server", "settle", *where, str(row["key"]), "--not-run"]) == 2
+    assert "may still be running" in capsys.readouterr().err
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    assert len(rows) == 1  # still in doubt
+    assert main(["server", "settle", *where, str(row["key"]), "--not-run", "--force"]) == 0
+    assert key not in capsys.readouterr().out
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    assert (code, rows) == (1, [])
+
+
+def test_in_doubt_is_decided_on_the_store_clock(
+    backend: tuple[Callable[[], Store], list[str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An operator machine whose clock runs an hour ahead does not see a live lease as
+    lapsed (the old code used time.time() and listed it, then let --not-run free it)."""
+    import time
+
+    make, where = backend
+    _plant_one(make, int(time.time() * 1000) + 60_000)  # leased for another minute
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    monkeypatch.undo()
+    assert (code, rows) == (1, [])
+
+
+def test_ran_keeps_the_records_remaining_lifetime_on_redis(
+    redis_proc: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """settle --ran keeps the in-doubt record's PTTL (7 days here), never a hard-coded
+    24 h shorter than the server's result_ttl (the old code wrote 86,400,000 ms)."""
+    import time
+    import uuid
+
+    import redis
+
+    prefix = f"cli{uuid.uuid4().hex[:10]}"
+    where = ["--store", redis_proc.url, "--prefix", prefix]
+    week = 7 * 86_400_000
+    _plant_one(
+        lambda: RedisStore(redis_proc.url, prefix=prefix),
+        int(time.time() * 1000) - 600_000,
+        ttl_ms=week,
+    )
+    code, rows = _cli(capsys, "doubt", *where, "--json")
+    (row,) = rows
+    code, rows = _cli(capsys, "settle", *where, str(row["key"]), "--ran", "--json")
+    assert code == 0
+    assert float(rows[0]["kept_s"]) > 86_400  # type: ignore[arg-type]
+    client = redis.Redis.from_url(redis_proc.url)
+    try:
+        (name,) = client.keys(f"{prefix}:*")
+        assert 86_400_000 < client.pttl(name) <= week
+    finally:
+        client.close()
+
+
+def test_a_redis_cluster_is_refused_not_listed_as_empty(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """doubt against a Redis Cluster node exits 2 with a clear message, never a false
+    "no keys in doubt" (the old code scanned one node and exited 1)."""
+    from contextlib import ExitStack
+
+    import redis
+
+    from tests._loopback import free_port
+    from tests.server.conftest import _start_node
+
+    port = free_port()
+    with ExitStack() as stack:
+        _start_node(stack, port)  # one cluster-enabled node: INFO says cluster_enabled:1
+        client = redis.Redis(port=port)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        assert main(["server", "doubt", "--store", f"redis://127.0.0.1:{port}/0"]) == 2
+    assert "Redis Cluster" in capsys.readouterr().err
