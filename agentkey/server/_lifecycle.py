@@ -180,6 +180,7 @@ class Lifecycle:
         "_blob_store",
         "_held",
         "_holding",
+        "_warned",
         "auto_renew",
         "clock",
         "lock_ttl_ms",
@@ -213,6 +214,7 @@ class Lifecycle:
         # another thread that shares this front end has its own poller per key.
         self._held: dict[tuple[int, str], _Held] = {}
         self._holding = 0
+        self._warned: set[str] = set()  # operations warned about an unawaited mark
 
     # --- claiming --------------------------------------------------------------------
 
@@ -456,6 +458,23 @@ class Lifecycle:
 
     # --- settling ----------------------------------------------------------------------
 
+    def _unawaited_mark(self, claim: Claim) -> None:
+        """Warn, once per operation, that a handler under ``mutation_starts="on_mark"``
+        called ``begin_mutation()`` without awaiting it: its mark lived in the process
+        only, so a crash after its side effect would have freed the key for a second run."""
+        if claim._operation in self._warned:
+            return
+        if len(self._warned) < 1024:
+            self._warned.add(claim._operation)
+        _logger.warning(
+            "the handler of %s (%s) called claim.begin_mutation() without awaiting it, under "
+            'mutation_starts="on_mark": the mark was never written to the store, so a crash '
+            "after its side effect frees the key and a retry runs it again; write "
+            "'await claim.begin_mutation()' before the side effect (logged once per route)",
+            shown_key(claim.idempotency_key),
+            claim._operation or "this route",
+        )
+
     async def settle(
         self,
         claim: Claim,
@@ -481,6 +500,8 @@ class Lifecycle:
         ``in_doubt``.
         """
         started = time.monotonic()
+        if claim._mutation_started and not claim._mark_awaited and claim._phase == "claimed":
+            self._unawaited_mark(claim)
         blob = None if isinstance(decision, (Release, Doubt)) or not decision.offload else _Blob()
         try:
             await _stop_lease(claim)
@@ -547,29 +568,21 @@ class Lifecycle:
         or the release (until it lands, every retry of the step gets 409 for the
         rest of the lease); the caller retries it (:meth:`_until_written`).
         """
-        if isinstance(decision, Release):
+        if isinstance(decision, (Release, Doubt)):
             try:
-                await self.store.release(claim.record_key, claim.owner)
+                if isinstance(decision, Release):
+                    await self.store.release(claim.record_key, claim.owner)
+                else:
+                    await self._doubt(claim)
             except StoreError as exc:
                 _logger.warning(
-                    "could not release %s (%s); the release is retried for up to %s s",
+                    "could not %s %s (%s); %sthe write is retried for up to %s s",
+                    "release" if isinstance(decision, Release) else "mark in doubt",
                     shown_key(claim.idempotency_key),
                     exc,
-                    SETTLE_SECONDS,
-                )
-                return decision
-            if self._held:
-                self._wake(claim.record_key)
-            return None
-        if isinstance(decision, Doubt):
-            try:
-                await self._doubt(claim)
-            except StoreError as exc:
-                _logger.warning(
-                    "could not mark %s in doubt (%s); the record already says its side "
-                    "effect may have started, and the write is retried for up to %s s",
-                    shown_key(claim.idempotency_key),
-                    exc,
+                    ""
+                    if isinstance(decision, Release)
+                    else "the record already says its side effect may have started, and ",
                     SETTLE_SECONDS,
                 )
                 return decision
@@ -614,12 +627,19 @@ class Lifecycle:
         done = await self.store.finish(
             claim.record_key, claim.owner, record, ttl_ms=self.result_ttl_ms
         )
-        _logger.warning(
-            "the handler of %s failed after its side effect may have started; the key is "
-            "in doubt until the reconcile hook or an operator settles it "
-            "(agentkey server doubt / settle)",
-            shown_key(claim.idempotency_key),
-        )
+        if done:
+            _logger.warning(
+                "the handler of %s failed after its side effect may have started; the key "
+                "is in doubt until the reconcile hook or an operator settles it "
+                "(agentkey server doubt / settle)",
+                shown_key(claim.idempotency_key),
+            )
+        else:
+            _logger.debug(
+                "the handler of %s failed after its side effect may have started, but its "
+                "record changed meanwhile (another request owns the key): not marked in doubt",
+                shown_key(claim.idempotency_key),
+            )
         return bool(done)
 
     async def _offload(self, claim: Claim, outcome: StoredOutcome, blob: _Blob) -> StoredOutcome:

@@ -494,7 +494,9 @@ class IdempotencyMiddleware:
         *in doubt* (409 ``in_doubt`` to every later request) instead of free, unless
         the handler called ``claim.nothing_started()``. ``"on_mark"``: only once
         the handler awaits ``claim.begin_mutation()`` (one more store write);
-        before that a failure or a crash frees the key.
+        before that a failure or a crash frees the key. A ``begin_mutation()`` not
+        awaited is never written (a crash after the side effect frees the key): the
+        middleware logs a WARNING, once per route, when it meets one.
     ``reconcile``
         ``(ReconcileContext) -> Reconciled`` (or async): asked when a request meets
         a key in doubt; it answers ``Reconciled.ran(...)`` (recorded, replayed),

@@ -803,7 +803,7 @@ class PostgresStore:
             raise claim._note_unavailable(exc) from None
         if not rows:
             raise StoreError(
-                f"the lease on {claim.idempotency_key} was lost (it expired and another "
+                f"the lease on {shown_key(claim.idempotency_key)} was lost (it expired and another "
                 "request may hold the key); this attempt must stop, and the client retries "
                 "with the same key"
             )
@@ -849,7 +849,8 @@ class PostgresStore:
                         raise
                     if not tx._done:
                         raise ConfigurationError(
-                            f"the transaction of {key} ended without complete() or advance(); "
+                            f"the transaction of {shown_key(key)} ended without complete() or "
+                            "advance(); "
                             "it was rolled back, because writes committed without their "
                             "record would run again on a retry"
                         )

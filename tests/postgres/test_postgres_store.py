@@ -566,3 +566,26 @@ async def test_a_recovery_point_is_resumed_only_by_the_same_operation(
     if expected == 200:
         assert again.json() == {"resumed": {"charge_id": "ch_1"}}
     assert seen == [None] + ([{"charge_id": "ch_1"}] if expected == 200 else [])
+
+
+async def test_its_messages_show_the_key_as_a_digest(
+    postgres_store_factory: Factory, charges_table: str
+) -> None:
+    """recovery_point() on a lost lease and a transaction left without complete() name the
+    key as a digest, never whole (the old messages held the bearer key)."""
+    store = postgres_store_factory()
+    secret = "p:" + secrets.token_hex(16)
+    claim = _claim(store, secret)
+    await store.claim(claim.record_key, encode_in_progress(claim.owner, 1), ttl_ms=5000)
+    try:
+        with pytest.raises(ConfigurationError) as left:
+            async with store.transaction(claim) as tx:
+                await tx.connection.execute("INSERT INTO charges (amount) VALUES (1)")
+        assert await store.release(claim.record_key, claim.owner)
+        with pytest.raises(StoreError) as lost:
+            await store.recovery_point(claim)
+        for exc in (left.value, lost.value):
+            assert secret not in str(exc)
+            assert secret[-6:] not in str(exc)
+    finally:
+        await store.aclose()
