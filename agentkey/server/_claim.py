@@ -100,6 +100,7 @@ class Claim:
         "_lease_ms",
         "_lost",
         "_mark_awaited",
+        "_maybe_committed",
         "_mutation_started",
         "_nothing_started",
         "_operation",
@@ -159,6 +160,8 @@ class Claim:
         self._mutation_started = False
         self._mark_awaited = False  # begin_mutation()'s answer was awaited (on_mark)
         self._downstream = False  # key_for() was called: a foreign call is (about to be) made
+        #: A transaction of this claim committed, or its COMMIT failed and may have landed.
+        self._maybe_committed = False
         self._nothing_started = False
         self._phase: Phase = phase
         self._result_ttl_ms = lock_ttl_ms if result_ttl_ms is None else result_ttl_ms
@@ -538,11 +541,22 @@ class Claim:
                     shown_key(self.idempotency_key),
                 )
 
-    def _note_unavailable(self, exc: StoreUnavailable) -> StoreUnavailable:
+    def _note_unavailable(
+        self, exc: StoreUnavailable, *, maybe_committed: bool = False
+    ) -> StoreUnavailable:
         """The store failed inside the handler (its transaction): the middleware answers
-        503 instead of the 500 the app makes of it, when no side effect had begun."""
+        503 instead of the 500 the app makes of it; ``not_run`` only when nothing can have
+        happened (``maybe_committed``: a COMMIT failed and may have landed)."""
         self._unavailable = exc
+        if maybe_committed:
+            self._maybe_committed = True
         return exc
+
+    @property
+    def _nothing_outside(self) -> bool:
+        """Nothing of this request can have happened beyond the transaction that failed: no
+        transaction of it committed (or may have), and no foreign call was made."""
+        return not (self._maybe_committed or self._downstream or self._mutation_started)
 
     def mark_settled(self) -> None:
         """The outcome is being recorded: no renewal may write the record again."""

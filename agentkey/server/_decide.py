@@ -146,6 +146,7 @@ _TITLES = {
     "in_progress": "A request with this Idempotency-Key is in progress",
     "store_unavailable": "Idempotency store unavailable",
     "not_run": "The request was refused and did not run",
+    "not_finished": "The request did not finish; its outcome is kept under the key",
     "in_doubt": "An earlier request with this Idempotency-Key may have run and did not finish",
     "step_failed": "The step failed after its side effect began",
     "unauthenticated": "Authentication required",
@@ -462,6 +463,21 @@ def unavailable(retry_after: int, cause: str = "", *, reading: bool = False) -> 
     )
     return Unavailable(
         503, "store_unavailable" if reading else "not_run", detail, retry_after, cause=cause
+    )
+
+
+def not_finished(retry_after: int, cause: str = "") -> Unavailable:
+    """503 ``not_finished``: the store failed inside the handler after work of this request
+    may have committed (a phase, or a COMMIT whose answer was lost), so it is not "not run";
+    the record under the key tells a retry what happened."""
+    return Unavailable(
+        503,
+        "not_finished",
+        "the idempotency store failed while this request ran, after some of its work may "
+        "have committed, so it did not finish; retry with the same key: it gets the "
+        "step's outcome, resumes it, or learns that the step is in doubt",
+        retry_after,
+        cause=cause,
     )
 
 

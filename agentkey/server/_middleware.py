@@ -75,6 +75,7 @@ from ._decide import (
     check_body,
     check_replay_header,
     is_storable,
+    not_finished,
     on_finished,
     parse_key,
     replay_headers,
@@ -374,7 +375,8 @@ class _Exchange:
                 and self.held is not None
                 and not claim.mutation_started
             ):
-                claim.nothing_started()  # the store's transaction failed: nothing committed
+                if claim._nothing_outside:
+                    claim.nothing_started()  # the store's transaction failed: nothing committed
                 self.final = middleware._unavailable_answer(self, claim._unavailable)
             settle = middleware._finish(self, error=False)
             try:
@@ -823,8 +825,10 @@ class IdempotencyMiddleware:
 
     async def _unavailable_inside(self, exchange: _Exchange, exc: StoreUnavailable) -> None:
         """The store failed inside the handler (its transaction) and the app raised it
-        before any answer: free the key and answer 503."""
-        exchange.claim.nothing_started()  # the store's own transaction: nothing committed
+        before any answer: free the key and answer 503 (``not_finished`` and the record's
+        own rule when work of it may have committed, or a foreign call was made)."""
+        if exchange.claim._nothing_outside:
+            exchange.claim.nothing_started()  # the store's own transaction: nothing committed
         exchange.final = self._unavailable_answer(exchange, exc)
         exchange.finished = True
         await self._finish(exchange, error=True)
@@ -834,15 +838,25 @@ class IdempotencyMiddleware:
 
     def _unavailable_answer(self, exchange: _Exchange, exc: StoreUnavailable) -> Message:
         """Make the answer a 503 with ``Retry-After`` (held, as the app's start would be);
-        return its final message. The store failed inside the handler before any side
-        effect began (else the mutation has begun and FAILED is recorded): nothing ran,
-        and the key is freed."""
+        return its final message. ``not_run`` when nothing of the request can have
+        happened (the key is freed); ``not_finished`` when a transaction of it committed
+        or may have (a COMMIT whose answer was lost), or it called a third party: the
+        record under the key then tells the retry what happened."""
+        claim = exchange.claim
+        nothing = claim._nothing_outside
         _logger.error(
-            "idempotency store failed inside the handler of %s: %s; answered 503 and freed the key",
-            shown_key(exchange.claim.idempotency_key),
+            "idempotency store failed inside the handler of %s: %s; answered 503 (%s)",
+            shown_key(claim.idempotency_key),
             exc,
+            "nothing ran, the key is freed"
+            if nothing
+            else "not finished: some of its work may have committed",
         )
-        problem = unavailable(self.retry_after, str(exc))
+        problem = (
+            unavailable(self.retry_after, str(exc))
+            if nothing
+            else not_finished(self.retry_after, str(exc))
+        )
         exchange.held, final = _messages(problem.status, problem.headers, problem.body)
         exchange.status, exchange.started = problem.status, True
         exchange.headers = list(exchange.held["headers"])

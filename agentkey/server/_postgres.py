@@ -856,6 +856,7 @@ class PostgresStore:
                         )
             finally:
                 await self._checkin(conn)
+            claim._maybe_committed = True  # a phase (or the answer) committed
             if tx._sealed_until:  # committed
                 if len(self._sealed) >= _SEALED_MAX:  # finishes that never came: forget them
                     self._sealed.clear()
@@ -869,7 +870,8 @@ class PostgresStore:
                 # which the middleware releases for a clean retry.
                 mapped = self._map("transaction", key, exc)
                 if isinstance(mapped, StoreUnavailable):
-                    claim._note_unavailable(mapped)
+                    # The COMMIT may have landed: never answered as "not run".
+                    claim._note_unavailable(mapped, maybe_committed=True)
                 raise mapped from None
             if not isinstance(exc, psycopg.OperationalError):
                 raise

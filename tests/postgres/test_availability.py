@@ -260,6 +260,7 @@ async def test_a_connection_lost_inside_the_handlers_transaction_is_a_503_not_a_
     assert first.status_code == 503, first.text
     assert first.headers["retry-after"] == "1"
     assert first.json()["error"] == "not_run"
+    assert first.headers["idempotency-protected"] == "true"  # what lets a client believe it
     assert step.idempotency_key not in caplog.text  # the key is shown redacted
     assert again.status_code == 201
     assert "idempotent-replayed" not in again.headers
@@ -275,9 +276,9 @@ async def test_a_connection_lost_inside_the_handlers_transaction_is_a_503_not_a_
 async def test_a_fault_during_commit_is_a_503_and_the_retry_settles_it(
     cut_proxy: CutProxy, charges: str, mode: str, retry: str
 ) -> None:
-    """The connection drops at COMMIT: the request gets 503 (not 500), and the retry with
-    the same key runs the step (it never committed) or replays the committed answer, with
-    exactly one charge either way."""
+    """The connection drops at COMMIT: the request gets 503 not_finished (not 500, and not
+    "not run": it may have committed), and the retry with the same key runs the step (it
+    never committed) or replays the committed answer, with exactly one charge either way."""
     store = PostgresStore(cut_proxy.dsn, table=f"av_commit_{mode}")
     await store.create_table()
 
@@ -294,6 +295,10 @@ async def test_a_fault_during_commit_is_a_503_and_the_retry_settles_it(
     finally:
         await store.aclose()
     assert first.status_code == 503, first.text
+    # The COMMIT may have landed: never "not run" (the old code said it did not run).
+    assert first.json()["error"] == "not_finished"
+    assert "may have committed" in first.json()["detail"]
+    assert first.headers["idempotency-protected"] == "true"
     assert again.status_code == 201
     replayed = again.headers.get("idempotent-replayed") == "true"
     assert ("replayed" if replayed else "executed") == retry

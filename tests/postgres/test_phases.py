@@ -85,3 +85,40 @@ async def test_a_retry_resumes_after_the_last_finished_phase(rides: str, crash: 
     assert len(payments.charges) == 1
     # Phase 1 never ran twice; the charge was repeated only when its phase had not committed.
     assert len(calls) == (2 if crash == "during the charge" else 1)
+
+
+async def test_a_store_failure_after_a_phase_committed_is_not_answered_not_run(
+    rides: str,
+) -> None:
+    """Phase 1 committed and the card was charged, then the store failed opening the next
+    phase: the answer is 503 not_finished, never "not run" (the old code said not_run), and
+    the retry with the same key resumes: one ride, one charge."""
+    from agentkey import StoreUnavailable
+
+    ns = _example(rides)
+    payments, store = ns["payments"], ns["store"]
+    real_transaction = store.transaction
+    opened: list[int] = []
+
+    def transaction(claim: Any) -> Any:
+        opened.append(1)
+        if len(opened) == 2:  # the charge's local phase: the database went away
+            raise claim._note_unavailable(StoreUnavailable("PostgreSQL is down (test)"))
+        return real_transaction(claim)
+
+    store.transaction = transaction
+    step = PlanSession.new().step(0, "book_ride", {"origin": "SFO", "amount": 4200})
+    transport = httpx.ASGITransport(app=ns["app"], raise_app_exceptions=False)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            headers = {"idempotency-key": step.idempotency_key}
+            first = await client.post("/rides", headers=headers, content=step.body)
+            second = await client.post("/rides", headers=headers, content=step.body)
+    finally:
+        await store.aclose()
+    assert first.status_code == 503, first.text
+    assert first.json()["error"] == "not_finished"
+    assert second.status_code == 201, second.text
+    assert len(payments.charges) == 1
+    with psycopg.connect(rides, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM rides").fetchone() == (1,)

@@ -97,6 +97,7 @@ def _assert_in_doubt(answer: httpx.Response) -> None:
     assert answer.status_code == 409, answer.text
     assert answer.headers["content-type"] == "application/problem+json"
     assert "retry-after" not in answer.headers
+    assert answer.headers["idempotency-protected"] == "true"
     doc = answer.json()
     assert doc["type"] == "urn:agentkey:problem:in_doubt"
     assert "may have started" in doc["detail"]
@@ -349,6 +350,7 @@ def test_a_claim_the_store_refused_is_503_not_run() -> None:
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "1"
     assert answer.json()["type"] == "urn:agentkey:problem:not_run"
+    assert answer.headers["idempotency-protected"] == "true"  # a client believes it only so
     assert app.state.attempts["charge"] == 0
 
 

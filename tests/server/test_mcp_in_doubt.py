@@ -19,7 +19,14 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, RequestParamsMeta
 
-from agentkey.integrations.mcp import KEY_FIELD, REPLAYED_FIELD, IdempotentToolsMiddleware, connect
+from agentkey import StoreUnavailable
+from agentkey.integrations.mcp import (
+    KEY_FIELD,
+    PROTECTED_FIELD,
+    REPLAYED_FIELD,
+    IdempotentToolsMiddleware,
+    connect,
+)
 from agentkey.server import MemoryStore, ReconcileContext, Reconciled, current_claim
 from tests._loopback import serve
 
@@ -27,9 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextmanager
-def _server(**options: Any) -> Iterator[tuple[str, Counter[str]]]:
+def _server(store: MemoryStore | None = None, **options: Any) -> Iterator[tuple[str, Counter[str]]]:
     runs: Counter[str] = Counter()
-    store = MemoryStore()
+    store = MemoryStore() if store is None else store
     middleware = IdempotentToolsMiddleware(store, shared_key_space=True, **options)
     server: MCPServer[Any] = MCPServer("in-doubt-test", middleware=[middleware])
 
@@ -76,9 +83,29 @@ async def test_a_tool_that_failed_after_it_may_have_started_is_in_doubt() -> Non
     assert first.is_error
     assert runs["charge"] == 1
     for refusal in refusals:
-        assert refusal.error.data == {"type": "io.agentkey/in-doubt"}
+        # Marked protected: the tool itself refuses (the old code sent no mark).
+        assert refusal.error.data == {"type": "io.agentkey/in-doubt", PROTECTED_FIELD: True}
         assert "may have started" in refusal.error.message
         assert "Idempotency-Key" not in refusal.error.message
+
+
+class _DownStore(MemoryStore):
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        raise StoreUnavailable("the store is down (test)")
+
+
+async def test_an_unavailable_refusal_is_marked_protected() -> None:
+    """The store is down: the tool does not run, and the "unavailable" refusal carries the
+    protected mark, so a client believes its "nothing ran" (the old code sent no mark)."""
+    with _server(_DownStore()) as (url, runs):
+        async with _session(url) as s:
+            with pytest.raises(MCPError) as caught:
+                await _call(s, "charge", f"ik_{uuid.uuid4().hex}")
+    assert runs["charge"] == 0
+    data = caught.value.error.data
+    assert isinstance(data, dict)
+    assert data["type"] == "io.agentkey/unavailable"
+    assert data[PROTECTED_FIELD] is True
 
 
 async def test_a_tool_that_says_nothing_started_is_released() -> None:

@@ -420,7 +420,12 @@ def _complete(doc: Mapping[str, Any]) -> bool:
 
 
 def _refusal(kind: RefusalKind, detail: str, *, retry_after: float | None = None) -> MCPError:
-    return MCPError(ERROR_CODES[kind], detail, refusal_data(kind, retry_after=retry_after))
+    data = refusal_data(kind, retry_after=retry_after)
+    if kind in ("unavailable", "in-doubt"):
+        # Said by this protected tool itself: a client believes "nothing ran" (or "in
+        # doubt") only with the mark, never from a body some other tool passed on.
+        data[PROTECTED_FIELD] = True
+    return MCPError(ERROR_CODES[kind], detail, data)
 
 
 def _protected(result: HandlerResult) -> HandlerResult:
