@@ -362,29 +362,31 @@ class RedisJournal:
     def begin(
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
-        keys, args = self._begin_args(record, repeats, known)
+        seen = set(known or ())  # the keys looked at: the script writes unless others came
         client = self._client()
-        try:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.eval(_BEGIN, len(keys), *keys, *args)
-                pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.get(self._evidence_key(record.route))
-                raw, _, evidence = pipe.execute()
-            if not isinstance(raw, list):
-                return self._begun(record, raw, evidence)
-            # Other calls with these arguments: nothing was written (nor is listed).
-            with client.pipeline(transaction=False) as pipe:
-                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                pipe.zrem(self._calls_key, record.key)
-                raws, _ = pipe.execute()
-        except RedisError as exc:
-            raise self._wrap(exc) from None
-        earlier = _repeats(record, raws, known)
-        if not earlier and known is not None:  # other tools' calls: look again past them
-            return self.begin(record, repeats=True, known={*known, *map(_text, raw)})
-        if not earlier:  # another tool with the same arguments, or runtime calls
-            return self.begin(record)
-        return Begun(None, self._evidence_of(evidence), False, earlier)
+        while True:
+            keys, args = self._begin_args(record, repeats, seen)
+            try:
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.eval(_BEGIN, len(keys), *keys, *args)
+                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                    pipe.get(self._evidence_key(record.route))
+                    raw, _, evidence = pipe.execute()
+                if not isinstance(raw, list):
+                    return self._begun(record, raw, evidence)
+                # Other calls with these arguments: nothing was written (nor is listed).
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                    pipe.zrem(self._calls_key, record.key)
+                    raws, _ = pipe.execute()
+            except RedisError as exc:
+                raise self._wrap(exc) from None
+            earlier = _repeats(record, raws, known)
+            if earlier:
+                return Begun(None, self._evidence_of(evidence), False, earlier)
+            # Other tools' calls with these arguments, or runtime calls: look again past
+            # them, in the same atomic script (a copy that wrote meanwhile is seen).
+            seen.update(map(_text, raw))
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
@@ -510,27 +512,27 @@ class RedisJournal:
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
         client = self._aclient()
-        keys, args = self._begin_args(record, repeats, known)
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.eval(_BEGIN, len(keys), *keys, *args)
-                pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.get(self._evidence_key(record.route))
-                raw, _, evidence = await pipe.execute()
-            if not isinstance(raw, list):
-                return self._begun(record, raw, evidence)
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                pipe.zrem(self._calls_key, record.key)
-                raws, _ = await pipe.execute()
-        except RedisError as exc:
-            raise self._wrap(exc) from None
-        earlier = _repeats(record, raws, known)
-        if not earlier and known is not None:
-            return await self.abegin(record, repeats=True, known={*known, *map(_text, raw)})
-        if not earlier:
-            return await self.abegin(record)
-        return Begun(None, self._evidence_of(evidence), False, earlier)
+        seen = set(known or ())  # as in begin()
+        while True:
+            keys, args = self._begin_args(record, repeats, seen)
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.eval(_BEGIN, len(keys), *keys, *args)
+                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                    pipe.get(self._evidence_key(record.route))
+                    raw, _, evidence = await pipe.execute()
+                if not isinstance(raw, list):
+                    return self._begun(record, raw, evidence)
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                    pipe.zrem(self._calls_key, record.key)
+                    raws, _ = await pipe.execute()
+            except RedisError as exc:
+                raise self._wrap(exc) from None
+            earlier = _repeats(record, raws, known)
+            if earlier:
+                return Begun(None, self._evidence_of(evidence), False, earlier)
+            seen.update(map(_text, raw))
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)

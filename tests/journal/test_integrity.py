@@ -181,6 +181,52 @@ def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
     client.close()
 
 
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_redis_begin_past_another_tools_call_stays_atomic_against_a_racing_copy(
+    redis_proc: RedisServer, monkeypatch: pytest.MonkeyPatch, driver: str
+) -> None:
+    """Another tool's call with the same arguments, and two copies of one call racing, the
+    second written between the first's two round trips: the first finds it as its repeat
+    and writes nothing (old code: its retry did not look again, both were written, sent)."""
+    import asyncio
+
+    from agentkey.journal import RedisJournal
+    from agentkey.journal import _redis as module
+
+    prefix = f"agentkey:t{uuid.uuid4().hex[:10]}"
+    first, second = (RedisJournal(redis_proc.url, prefix=prefix) for _ in range(2))
+    plan = f"plan{uuid.uuid4().hex[:8]}"
+    same = {"args_hash": "a" * 64, "owner": current_owner(), "lease_until": time.time() + 60}
+    first.begin(record(plan, 0, tool="refund", **same))
+    one, two = record(plan, 1, **same), record(plan, 2, **same)
+    real = module._repeats
+    raced: list[Any] = []
+
+    def racing(rec: CallRecord, raws: Any, known: Any = None) -> Any:
+        if rec.key == one.key and not raced:  # between the first copy's round trips
+            raced.append(second.begin(two, repeats=True))
+        return real(rec, raws, known)
+
+    monkeypatch.setattr(module, "_repeats", racing)
+    if driver == "sync":
+        begun = first.begin(one, repeats=True)
+    else:
+
+        async def begin() -> Any:
+            try:
+                return await first.abegin(one, repeats=True)
+            finally:
+                await first.aclose()
+
+        begun = asyncio.run(begin())
+    assert raced[0].existing is None
+    assert raced[0].earlier == ()  # the second copy was written
+    assert [r.key for r in begun.earlier] == [two.key]  # the first found it: nothing written
+    assert first.get(one.key) is None
+    first.close()
+    second.close()
+
+
 # --- evidence as data -----------------------------------------------------------------------
 
 
