@@ -16,8 +16,10 @@ Writing a call's start is one round trip (a script that sets the record unless
 it exists, or returns it); its end is another (a compare-and-set on the owner).
 Records of ended calls expire ``retention`` after their last change, and the
 plan's indexes with them; a record of a call that may have run and is not settled
-(pending, in doubt) never expires. Redis's persistence settings decide what a
-crash of Redis itself loses (``appendfsync everysec`` loses at most a second).
+(pending, in doubt) never expires, nor does an index that lists one (each index's
+unsettled records are listed in ``<index>~unsettled``, in the same slot). Redis's
+persistence settings decide what a crash of Redis itself loses (``appendfsync
+everysec`` loses at most a second).
 
 Needs redis-py (``pip install 'agentkey-idempotency[redis]'``). Give it a URL
 (both kinds of invoker then work), or a ``redis.Redis`` (``ToolInvoker``) or
@@ -60,11 +62,35 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 __all__ = ["RedisJournal"]
 
+#: Keep an index (KEYS[2], KEYS[3]) while one of its records is unsettled (never expires):
+#: KEYS[4], KEYS[5] list each index's unsettled records. The record ``member``, whose
+#: record TTL is ARGV[6] ('0': unsettled), joins or leaves them; an index with none left
+#: expires ARGV[2] ms from now, one with any never does.
+_KEEP = """
+local function keep(member)
+  for i = 2, 3 do
+    if ARGV[6] == '0' then
+      redis.call('SADD', KEYS[i + 2], member)
+    else
+      redis.call('SREM', KEYS[i + 2], member)
+    end
+  end
+  for i = 2, 3 do
+    if redis.call('SCARD', KEYS[i + 2]) > 0 then
+      redis.call('PERSIST', KEYS[i])
+    else
+      redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    end
+  end
+end
+"""
 #: Set the record unless its key exists (then return it), and index it under its plan
 #: (KEYS[2]) and its arguments (KEYS[3]); the record expires after ARGV[6] ms ('0': never).
 #: With ARGV[5] = '1', first list the other calls with its arguments (a table of their keys;
 #: then nothing is written) when one of them is not among the known keys, ARGV[7...].
-_BEGIN = """
+_BEGIN = (
+    _KEEP
+    + """
 if ARGV[5] == '1' then
   local known = {}
   for i = 7, #ARGV do known[ARGV[i]] = true end
@@ -86,15 +112,19 @@ else
 end
 for i = 2, 3 do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
+keep(ARGV[4])
 return false
 """
+)
 #: Replace the record when its state, owner and last change are still ARGV[3..5]
-#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty). The record
+#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty); ARGV[7] is
+#: its call's key. The record
 #: expires after ARGV[6] ms ('0': never, a call not settled); its plan's indexes (KEYS[2],
-#: KEYS[3]) after ARGV[2] ms from now.
-_SWAP = """
+#: KEYS[3]) as _KEEP says.
+_SWAP = (
+    _KEEP
+    + """
 local current = redis.call('GET', KEYS[1])
 if not current then return 0 end
 local ok, record = pcall(cjson.decode, current)
@@ -110,17 +140,20 @@ if ARGV[6] == '0' then
 else
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
 end
-for i = 2, 3 do
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
-end
+keep(ARGV[7])
 return 1
 """
-#: Delete the record if it is still ARGV[1], and its entries in its plan's indexes.
+)
+#: Delete the record if it is still ARGV[1], and its entries in its plan's indexes (which
+#: expire ARGV[3] ms from now once no unsettled record is left in them).
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
+for i = 2, 3 do
+  redis.call('ZREM', KEYS[i], ARGV[2])
+  redis.call('SREM', KEYS[i + 2], ARGV[2])
+  if redis.call('SCARD', KEYS[i + 2]) == 0 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+end
 return 1
 """
 #: Remember a route's evidence (KEYS[1]) for ARGV[3] ms, keeping when it was first seen
@@ -280,11 +313,12 @@ class RedisJournal:
         return self._ttl_ms() if record.state in SETTLED else 0
 
     def _keys_of(self, record: CallRecord) -> list[str]:
-        return [
-            self._record_key(record.plan, record.key),
+        indexes = [
             self._plan_key(record.plan),
             self._index_key(record.plan, record.args_hash),  # the plan's again when None
         ]
+        unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
+        return [self._record_key(record.plan, record.key), *indexes, *unsettled]
 
     def _begin_args(
         self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
@@ -316,7 +350,7 @@ class RedisJournal:
                 repr(float(previous.updated_at)),
                 ttl,
             ]
-        return keys, args
+        return keys, [*args, record.key]
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
@@ -496,7 +530,7 @@ class RedisJournal:
             if not prunable(found, cutoff, include_unsettled=include_unsettled, now=now):
                 continue
             keys = self._keys_of(found)
-            if client.eval(_DELETE, len(keys), *keys, raw, key):
+            if client.eval(_DELETE, len(keys), *keys, raw, key, self._ttl_ms()):
                 client.zrem(self._calls_key, key)
                 count += 1
         return count

@@ -148,10 +148,10 @@ def test_a_malformed_record_is_reported_and_skipped(
 def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
     redis_proc: RedisServer,
 ) -> None:
-    """retention=60: a pending record never expires (it may have run), its plan's indexes do;
-    once answered the record expires too; evidence expires after 30 days, and the global
-    list forgets a record that expired. (Old code: the pending record expired, the evidence
-    hash never did.)"""
+    """retention=60: a pending record never expires (it may have run), nor do the indexes
+    that list it (old code: they expired, and find() and the repeat look-up lost the call);
+    once every member is answered the record and the indexes expire; evidence expires after
+    30 days, and the global list forgets a record that expired."""
     import redis
 
     from agentkey.journal import RedisJournal
@@ -165,15 +165,25 @@ def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
     name = f"{prefix}:{{{plan}}}:{pending.key}"
     indexes = [f"{prefix}:{{{plan}}}", f"{prefix}:{{{plan}}}:args:{pending.args_hash}"]
     assert client.pttl(name) == -1  # may have run: kept until settled
-    assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    assert [client.pttl(index) for index in indexes] == [-1, -1]  # and so is what lists it
+    other = record(plan, 1, args_hash=pending.args_hash, now=time.time())
+    other = other.with_(owner=current_owner(), lease_until=time.time() + 60)
+    journal.begin(other)
+    journal.finish(other.with_(state=CallState.ANSWERED, status_code=201))
+    assert [client.pttl(index) for index in indexes] == [-1, -1]  # one member still pending
+    assert [c.key for c in journal.find(plan, args_hash=pending.args_hash)] == [
+        pending.key,
+        other.key,
+    ]
     journal.finish(pending.with_(state=CallState.ANSWERED, status_code=201))
     assert 0 < client.pttl(name) <= 60_000
     assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    assert client.exists(*(f"{index}~unsettled" for index in indexes)) == 0
     journal.learn(ROUTE, "protection header")
     evidence_keys = [k.decode() for k in client.scan_iter(f"{prefix}:*evidence*")]
     assert evidence_keys
     assert all(0 < client.pttl(k) <= 30 * DAY * 1000 for k in evidence_keys)
-    client.delete(name)  # as if it expired
+    client.delete(name, f"{prefix}:{{{plan}}}:{other.key}")  # as if they expired
     assert client.zscore(f"{prefix}:calls", pending.key) is not None
     assert journal.calls(plan=None) == []
     assert client.zscore(f"{prefix}:calls", pending.key) is None  # the list forgot it too
