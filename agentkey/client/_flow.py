@@ -431,7 +431,10 @@ class _Run:
         self.begun: tuple[CallRecord, Begun] | None = None
 
     def ctx(self) -> CallContext:
-        return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
+        call = self.call
+        return CallContext(
+            call.key, call.label, self.attempts, self.polls, self.s.wall(), self.honoured()
+        )
 
     def observed(self, flow: Flow) -> Flow:
         """``flow`` between a CallStartEvent and a CallEndEvent that says how it ended.

@@ -206,7 +206,7 @@ def test_agentkeys_not_run_is_resent_and_ends_safe_to_retry(
     """agentkey's 503 not_run (nothing ran) is resent with the same key; refused to the end,
     the call ends ToolUnreachable "safe to retry", not OutcomeUnknown (before)."""
     tool, url = plain
-    no = refused(503, NOT_RUN, **{"Retry-After": "0"})
+    no = refused(503, NOT_RUN, **{"Retry-After": "0", "Idempotency-Protected": "true"})
     tool.script["/tools/charge"] = [no] * FAST.max_attempts
     step = charge()
     journal = MemoryJournal()
@@ -222,6 +222,22 @@ def test_agentkeys_not_run_is_resent_and_ends_safe_to_retry(
     tool.script["/tools/charge"] = [no]
     [again] = invoke(driver, url, [step], journal=journal)
     assert isinstance(again, ToolResult), again  # refused once, then run: once
+    assert tool.executions["/tools/charge"] == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_not_run_body_without_the_protection_header_is_not_believed(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """A plain tool (a gateway) that charged, then forwarded a downstream agentkey service's
+    503 not_run body without Idempotency-Protected: "may have run", not resent, 1 execution
+    (before: believed, resent with the same key, 2 executions)."""
+    tool, url = plain
+    tool.script["/tools/charge"] = [ran(503, NOT_RUN, **{"Retry-After": "0"})]
+    step = charge()
+    [got] = invoke(driver, url, [step], journal=MemoryJournal())
+    assert isinstance(got, OutcomeUnknown), got
+    assert "did not send it again" in str(got)
     assert tool.executions["/tools/charge"] == 1
 
 
