@@ -43,10 +43,11 @@ from ._base import (
     CallRecord,
     CallState,
     Evidence,
+    afinish_missed,
     check_journal_options,
+    finish_missed,
     is_live,
     malformed,
-    missed_finish,
     now_wall,
     prunable,
     repeats_among,
@@ -434,14 +435,7 @@ class RedisJournal:
             done, _ = pipe.execute()
         if done:
             return True
-        current = self.get(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                self.begin(written)
-            else:
-                self.take_over(written, current)
-        raise error
+        raise finish_missed(self, record)
 
     def get(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]
@@ -580,14 +574,7 @@ class RedisJournal:
             done, _ = await pipe.execute()
         if done:
             return True
-        current = await self.aget(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                await self.abegin(written)
-            else:
-                await self.atake_over(written, current)
-        raise error
+        raise await afinish_missed(self, record)
 
     async def aget(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]

@@ -237,6 +237,29 @@ def test_a_redis_begin_past_another_tools_call_stays_atomic_against_a_racing_cop
     second.close()
 
 
+def test_a_missed_finish_whose_write_back_loses_says_the_outcome_was_not_recorded(
+    redis_proc: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finish over an operator's verdict whose write-back loses to another change: the
+    error says the outcome was not recorded (old code: "recorded over that verdict", false)."""
+    from agentkey import JournalError
+    from agentkey.journal import RedisJournal
+
+    journal = RedisJournal(redis_proc.url, prefix=f"agentkey:t{uuid.uuid4().hex[:10]}")
+    first = record(f"plan{uuid.uuid4().hex[:8]}", 0, owner=current_owner())
+    journal.begin(first)
+    verdict = first.with_(state=CallState.NOT_SENT, owner=None, source="operator",
+                          reason="did not run", updated_at=first.updated_at + 1)  # fmt: skip
+    assert journal.take_over(verdict, first)
+    monkeypatch.setattr(journal, "take_over", lambda record, previous: False)  # another won
+    done = first.with_(state=CallState.ANSWERED, status_code=201, updated_at=verdict.updated_at)
+    with pytest.raises(JournalError, match="that outcome was not recorded") as caught:
+        journal.finish(done)
+    assert "recorded over that verdict" not in str(caught.value)
+    assert journal.get(first.key) == verdict
+    journal.close()
+
+
 # --- evidence as data -----------------------------------------------------------------------
 
 
