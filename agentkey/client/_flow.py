@@ -304,10 +304,15 @@ def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
         verdict = yield from exchange.judge((yield out))
         if not isinstance(verdict, Again):
             return verdict
-        if verdict.event is not None:
-            yield Emit(verdict.event)
-        if verdict.wait is not None:
-            yield Sleep(verdict.wait)
+        yield from _pause(verdict)
+
+
+def _pause(again: Again) -> Generator[Effect, Any, None]:
+    """Between two asks of the loop: the event of the reply, then the wait."""
+    if again.event is not None:
+        yield Emit(again.event)
+    if again.wait is not None:
+        yield Sleep(again.wait)
 
 
 def invoke(call: Call, settings: Settings) -> Flow:
@@ -677,10 +682,7 @@ class _Run:
             verdict = yield from beginning.judge(first)
             if not isinstance(verdict, Again):
                 return verdict
-            if verdict.event is not None:
-                yield Emit(verdict.event)
-            if verdict.wait is not None:
-                yield Sleep(verdict.wait)
+            yield from _pause(verdict)
         return (yield from attempts(beginning))
 
     # --- the identity of a runtime's call ---------------------------------------------------
