@@ -467,7 +467,10 @@ class RedisJournal:
         else:
             client = self._client()
             keys = [_text(k) for k in client.zrevrange(self._calls_key, 0, 10 * limit)]
-            raws = [client.get(self._record_key(k.partition(":")[0], k)) for k in keys]
+            with client.pipeline(transaction=False) as pipe:  # one round trip, any slot
+                for k in keys:
+                    pipe.get(self._record_key(k.partition(":")[0], k))
+                raws = pipe.execute() if keys else []
             gone = [k for k, raw in zip(keys, raws, strict=True) if raw is None]
             if gone:  # their records expired: the index forgets them too
                 client.zrem(self._calls_key, *gone)
