@@ -158,7 +158,7 @@ def test_listing_calls_on_redis_costs_two_round_trips_not_one_per_record(redis_p
                 route="POST https://tools.test/charge",
                 created_at=now,
                 updated_at=now,
-            )  # fmt: skip
+            )
             for n in range(30)
         ]
         try:
