@@ -62,7 +62,9 @@ def test_retries_resend_the_same_key_and_body(driver: str) -> None:
     not_run = {"type": "urn:agentkey:problem:not_run"}  # a bare 503 may have run (issue 34)
     tool = ScriptedTool(
         [
-            Reply(503, json=not_run, headers={"Retry-After": "30"}),  # capped by the policy
+            Reply(
+                503, json=not_run, headers={"Retry-After": "30", "Idempotency-Protected": "true"}
+            ),  # capped by the policy
             httpx.ConnectError("connection refused"),
             Reply(409, json={"type": "in_progress"}, headers={"Retry-After": "1"}),
             Reply(201, json={"charge_id": "ch_1"}),

@@ -59,7 +59,7 @@ from .._exceptions import (
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ..journal._records import Begun, CallRecord, CallState, route_of
-from ..journal._verify import HttpLookup, InDoubt, Verdict
+from ..journal._verify import HttpLookup, InDoubt, Verdict, not_run_after, not_yet
 from ._effects import (
     Answer,
     Effect,
@@ -304,10 +304,15 @@ def attempts(exchange: Exchange[T]) -> Generator[Effect, Any, T]:
         verdict = yield from exchange.judge((yield out))
         if not isinstance(verdict, Again):
             return verdict
-        if verdict.event is not None:
-            yield Emit(verdict.event)
-        if verdict.wait is not None:
-            yield Sleep(verdict.wait)
+        yield from _pause(verdict)
+
+
+def _pause(again: Again) -> Generator[Effect, Any, None]:
+    """Between two asks of the loop: the event of the reply, then the wait."""
+    if again.event is not None:
+        yield Emit(again.event)
+    if again.wait is not None:
+        yield Sleep(again.wait)
 
 
 def invoke(call: Call, settings: Settings) -> Flow:
@@ -431,7 +436,10 @@ class _Run:
         self.begun: tuple[CallRecord, Begun] | None = None
 
     def ctx(self) -> CallContext:
-        return CallContext(self.call.key, self.call.label, self.attempts, self.polls, self.s.wall())
+        call = self.call
+        return CallContext(
+            call.key, call.label, self.attempts, self.polls, self.s.wall(), self.honoured()
+        )
 
     def observed(self, flow: Flow) -> Flow:
         """``flow`` between a CallStartEvent and a CallEndEvent that says how it ended.
@@ -674,10 +682,7 @@ class _Run:
             verdict = yield from beginning.judge(first)
             if not isinstance(verdict, Again):
                 return verdict
-            if verdict.event is not None:
-                yield Emit(verdict.event)
-            if verdict.wait is not None:
-                yield Sleep(verdict.wait)
+            yield from _pause(verdict)
         return (yield from attempts(beginning))
 
     # --- the identity of a runtime's call ---------------------------------------------------
@@ -821,8 +826,9 @@ class _Run:
     ) -> Generator[Effect, Any, Verdict | None]:
         """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook.
 
-        ``quiet``: seconds since the call's last request may have left; an HttpLookup's
-        "not run" before its ``not_run_after`` is "cannot tell yet".
+        ``quiet``: seconds since the call's last request may have left (None: long
+        enough); any hook's "not run" before its ``not_run_after`` (60 s unless the hook
+        sets its own) is "cannot tell yet": the request could still arrive.
         """
         call = self.call
         hook = call.verify
@@ -838,6 +844,7 @@ class _Run:
             url=call.url,
             sent_at=record.created_at,
             attempts=record.attempts or self.attempts,
+            last_sent_at=None if quiet is None else self.s.wall() - quiet,
         )
         if isinstance(hook, HttpLookup):
             url = hook.url(call.url, doubt)
@@ -850,7 +857,7 @@ class _Run:
                 f"the verify= hook returned {type(verdict).__name__}, not a Verdict; return "
                 "Verdict.ran(...), Verdict.not_run() or Verdict.unknown(...)"
             )
-        return verdict
+        return not_yet(verdict, quiet, not_run_after(hook), "the verify= hook")
 
     def settle_verified(
         self, earlier: CallRecord, verdict: Verdict

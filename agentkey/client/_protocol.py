@@ -118,6 +118,8 @@ class CallContext:
     attempts: int
     polls: int = 0
     wall: float | None = None
+    #: The route has evidence in force that it honours keys (or the invoker was told so).
+    honoured: bool = False
 
     def where(self) -> str:
         """The key as messages show it: plan id and step label, never the whole key."""
@@ -599,8 +601,8 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
             Action.FOLLOW, f"redirect {status}", url=target, retry_after=0.0, status_code=status
         )
     in_flight = status in IN_FLIGHT_STATUSES and meaning in (None, Meaning.IN_FLIGHT)
+    not_run = status == 503 and own in NOT_RUN_CODES and (ctx.honoured or _protected(reply))
     if status in cfg.retry_statuses and (in_flight or status not in IN_FLIGHT_STATUSES):
-        not_run = status == 503 and own in NOT_RUN_CODES
         if in_flight:
             label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply, ctx)
         elif not_run:
@@ -622,7 +624,7 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
             in_flight=in_flight,
             not_run=not_run,
         )
-    if status == 503 and own in NOT_RUN_CODES:  # refused, and 503 is not retried here
+    if not_run:  # refused, and 503 is not retried here
         return Decision(
             Action.RAISE,
             "refused, not run (503)",
@@ -1041,6 +1043,14 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
 PROTECTED_HEADER = "Idempotency-Protected"
 
 
+def _protected(answer: Answer) -> bool:
+    """Whether ``answer`` carries ``Idempotency-Protected: true``: agentkey's middleware
+    sent it for a route it protects (a ``not_run`` body alone may be a plain tool's or
+    gateway's copy of a downstream service's answer, after its own side effect)."""
+    said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
+    return any(part.strip() in ("true", "?1", "1") for part in said)
+
+
 def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
     """What in ``answer`` shows the tool honours Idempotency-Key, or None.
 
@@ -1050,8 +1060,7 @@ def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
     (``{"error": "missing_key"}`` is as likely a missing JSON field, and
     ``{"code": "in_progress"}`` a tool's own state), nor a bare 409.
     """
-    said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
-    if any(part.strip() in ("true", "?1", "1") for part in said):
+    if _protected(answer):
         return "protection header"
     if replay_header(answer, cfg.replay_headers) is not None:
         return "replay marker"
@@ -1067,7 +1076,8 @@ def dialect_marker(body: object) -> str | None:
 
     Either the RFC 9457 ``type`` is a URI of a known dialect's namespace
     (:data:`DIALECT_NAMESPACES`) whose code is known (:data:`PROBLEM_CODES`, or
-    agentkey's own ``in_doubt``/``not_run``), or a code in any of the places
+    agentkey's own ``in_doubt``; not ``not_run``, which counts only with the
+    protection header beside it), or a code in any of the places
     :func:`problem_code` reads names idempotency itself and is listed
     (Stripe's ``idempotency_error``, idemgate's ``idempotency_key_reused``, ...).
     """
@@ -1076,7 +1086,7 @@ def dialect_marker(body: object) -> str | None:
     kind = body.get("type")
     if isinstance(kind, str) and kind.strip().startswith(DIALECT_NAMESPACES):
         code = _code_of(kind)
-        known = code in PROBLEM_CODES or code == IN_DOUBT_CODE or code in NOT_RUN_CODES
+        known = code in PROBLEM_CODES or code == IN_DOUBT_CODE
         if code is not None and known:
             return code
     error = body.get("error")

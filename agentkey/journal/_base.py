@@ -296,6 +296,62 @@ def settle_by_take_over(
     )
 
 
+class _Writes(_Swaps, Protocol):
+    """What writing back a missed finish needs of a journal (sync)."""
+
+    def begin(self, record: CallRecord) -> Begun: ...
+
+
+class _AWrites(Protocol):
+    """What writing back a missed finish needs of a journal (asyncio)."""
+
+    async def aget(self, key: str) -> CallRecord | None: ...
+
+    async def abegin(self, record: CallRecord) -> Begun: ...
+
+    async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool: ...
+
+
+def finish_missed(journal: _Writes, record: CallRecord) -> JournalError:
+    """A finish of ``record`` matched no record of its owner: write its outcome back where
+    :func:`missed_finish` says to, and return the error to raise (one that says the outcome
+    was not recorded when the write-back lost to another change)."""
+    current = journal.get(record.key)
+    written, error = missed_finish(record, current)
+    if written is None:
+        return error
+    if current is None:
+        done = journal.begin(written).existing is None
+    else:
+        done = journal.take_over(written, current)
+    return error if done else _unwritten(record)
+
+
+async def afinish_missed(journal: _AWrites, record: CallRecord) -> JournalError:
+    """:func:`finish_missed` for the asyncio methods."""
+    current = await journal.aget(record.key)
+    written, error = missed_finish(record, current)
+    if written is None:
+        return error
+    if current is None:
+        done = (await journal.abegin(written)).existing is None
+    else:
+        done = await journal.atake_over(written, current)
+    return error if done else _unwritten(record)
+
+
+def _unwritten(record: CallRecord) -> JournalError:
+    return JournalError(
+        f"the journal's record of {shown_key(record.key)} changed while this sender's "
+        f"finish was written, and changed again while its outcome ({_describe(record)}) was "
+        "written back: that outcome was not recorded. See agentkey journal show, and find "
+        "what else writes this call's record",
+        sent=True,
+        idempotency_key=record.key,
+        step=record.step,
+    )
+
+
 def missed_finish(
     record: CallRecord, current: CallRecord | None
 ) -> tuple[CallRecord | None, JournalError]:

@@ -37,9 +37,10 @@ from ._base import (
     CallRecord,
     CallState,
     Evidence,
+    afinish_missed,
     check_journal_options,
+    finish_missed,
     is_live,
-    missed_finish,
     now_wall,
     prunable,
     repeats_among,
@@ -311,14 +312,7 @@ class PostgresJournal:
         params = (*row_of_record(record)[1:], record.key, record.owner)
         if self._run(self._sql.finish, params) == 1:
             return True
-        current = self.get(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                self.begin(written)
-            else:
-                self.take_over(written, current)
-        raise error
+        raise finish_missed(self, record)
 
     def get(self, key: str) -> CallRecord | None:
         found = self._run(self._sql.by_key, (key,), rows=True)
@@ -454,14 +448,7 @@ class PostgresJournal:
         params = (*row_of_record(record)[1:], record.key, record.owner)
         if await self._arun(self._sql.finish, params) == 1:
             return True
-        current = await self.aget(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                await self.abegin(written)
-            else:
-                await self.atake_over(written, current)
-        raise error
+        raise await afinish_missed(self, record)
 
     async def aget(self, key: str) -> CallRecord | None:
         found = await self._arun(self._sql.by_key, (key,), rows=True)

@@ -16,8 +16,10 @@ Writing a call's start is one round trip (a script that sets the record unless
 it exists, or returns it); its end is another (a compare-and-set on the owner).
 Records of ended calls expire ``retention`` after their last change, and the
 plan's indexes with them; a record of a call that may have run and is not settled
-(pending, in doubt) never expires. Redis's persistence settings decide what a
-crash of Redis itself loses (``appendfsync everysec`` loses at most a second).
+(pending, in doubt) never expires, nor does an index that lists one (each index's
+unsettled records are listed in ``<index>~unsettled``, in the same slot). Redis's
+persistence settings decide what a crash of Redis itself loses (``appendfsync
+everysec`` loses at most a second).
 
 Needs redis-py (``pip install 'agentkey-idempotency[redis]'``). Give it a URL
 (both kinds of invoker then work), or a ``redis.Redis`` (``ToolInvoker``) or
@@ -41,10 +43,11 @@ from ._base import (
     CallRecord,
     CallState,
     Evidence,
+    afinish_missed,
     check_journal_options,
+    finish_missed,
     is_live,
     malformed,
-    missed_finish,
     now_wall,
     prunable,
     repeats_among,
@@ -60,11 +63,35 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 __all__ = ["RedisJournal"]
 
+#: Keep an index (KEYS[2], KEYS[3]) while one of its records is unsettled (never expires):
+#: KEYS[4], KEYS[5] list each index's unsettled records. The record ``member``, whose
+#: record TTL is ARGV[6] ('0': unsettled), joins or leaves them; an index with none left
+#: expires ARGV[2] ms from now, one with any never does.
+_KEEP = """
+local function keep(member)
+  for i = 2, 3 do
+    if ARGV[6] == '0' then
+      redis.call('SADD', KEYS[i + 2], member)
+    else
+      redis.call('SREM', KEYS[i + 2], member)
+    end
+  end
+  for i = 2, 3 do
+    if redis.call('SCARD', KEYS[i + 2]) > 0 then
+      redis.call('PERSIST', KEYS[i])
+    else
+      redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    end
+  end
+end
+"""
 #: Set the record unless its key exists (then return it), and index it under its plan
 #: (KEYS[2]) and its arguments (KEYS[3]); the record expires after ARGV[6] ms ('0': never).
 #: With ARGV[5] = '1', first list the other calls with its arguments (a table of their keys;
 #: then nothing is written) when one of them is not among the known keys, ARGV[7...].
-_BEGIN = """
+_BEGIN = (
+    _KEEP
+    + """
 if ARGV[5] == '1' then
   local known = {}
   for i = 7, #ARGV do known[ARGV[i]] = true end
@@ -86,15 +113,19 @@ else
 end
 for i = 2, 3 do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
+keep(ARGV[4])
 return false
 """
+)
 #: Replace the record when its state, owner and last change are still ARGV[3..5]
-#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty). The record
+#: (take over) or when its owner is still ARGV[4] (finish: ARGV[3] is empty); ARGV[7] is
+#: its call's key. The record
 #: expires after ARGV[6] ms ('0': never, a call not settled); its plan's indexes (KEYS[2],
-#: KEYS[3]) after ARGV[2] ms from now.
-_SWAP = """
+#: KEYS[3]) as _KEEP says.
+_SWAP = (
+    _KEEP
+    + """
 local current = redis.call('GET', KEYS[1])
 if not current then return 0 end
 local ok, record = pcall(cjson.decode, current)
@@ -110,17 +141,20 @@ if ARGV[6] == '0' then
 else
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
 end
-for i = 2, 3 do
-  redis.call('PEXPIRE', KEYS[i], ARGV[2])
-end
+keep(ARGV[7])
 return 1
 """
-#: Delete the record if it is still ARGV[1], and its entries in its plan's indexes.
+)
+#: Delete the record if it is still ARGV[1], and its entries in its plan's indexes (which
+#: expire ARGV[3] ms from now once no unsettled record is left in them).
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('ZREM', KEYS[3], ARGV[2])
+for i = 2, 3 do
+  redis.call('ZREM', KEYS[i], ARGV[2])
+  redis.call('SREM', KEYS[i + 2], ARGV[2])
+  if redis.call('SCARD', KEYS[i + 2]) == 0 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+end
 return 1
 """
 #: Remember a route's evidence (KEYS[1]) for ARGV[3] ms, keeping when it was first seen
@@ -280,11 +314,12 @@ class RedisJournal:
         return self._ttl_ms() if record.state in SETTLED else 0
 
     def _keys_of(self, record: CallRecord) -> list[str]:
-        return [
-            self._record_key(record.plan, record.key),
+        indexes = [
             self._plan_key(record.plan),
             self._index_key(record.plan, record.args_hash),  # the plan's again when None
         ]
+        unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
+        return [self._record_key(record.plan, record.key), *indexes, *unsettled]
 
     def _begin_args(
         self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
@@ -316,7 +351,7 @@ class RedisJournal:
                 repr(float(previous.updated_at)),
                 ttl,
             ]
-        return keys, args
+        return keys, [*args, record.key]
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
@@ -362,29 +397,31 @@ class RedisJournal:
     def begin(
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
-        keys, args = self._begin_args(record, repeats, known)
+        seen = set(known or ())  # the keys looked at: the script writes unless others came
         client = self._client()
-        try:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.eval(_BEGIN, len(keys), *keys, *args)
-                pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.get(self._evidence_key(record.route))
-                raw, _, evidence = pipe.execute()
-            if not isinstance(raw, list):
-                return self._begun(record, raw, evidence)
-            # Other calls with these arguments: nothing was written (nor is listed).
-            with client.pipeline(transaction=False) as pipe:
-                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                pipe.zrem(self._calls_key, record.key)
-                raws, _ = pipe.execute()
-        except RedisError as exc:
-            raise self._wrap(exc) from None
-        earlier = _repeats(record, raws, known)
-        if not earlier and known is not None:  # other tools' calls: look again past them
-            return self.begin(record, repeats=True, known={*known, *map(_text, raw)})
-        if not earlier:  # another tool with the same arguments, or runtime calls
-            return self.begin(record)
-        return Begun(None, self._evidence_of(evidence), False, earlier)
+        while True:
+            keys, args = self._begin_args(record, repeats, seen)
+            try:
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.eval(_BEGIN, len(keys), *keys, *args)
+                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                    pipe.get(self._evidence_key(record.route))
+                    raw, _, evidence = pipe.execute()
+                if not isinstance(raw, list):
+                    return self._begun(record, raw, evidence)
+                # Other calls with these arguments: nothing was written (nor is listed).
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                    pipe.zrem(self._calls_key, record.key)
+                    raws, _ = pipe.execute()
+            except RedisError as exc:
+                raise self._wrap(exc) from None
+            earlier = _repeats(record, raws, known)
+            if earlier:
+                return Begun(None, self._evidence_of(evidence), False, earlier)
+            # Other tools' calls with these arguments, or runtime calls: look again past
+            # them, in the same atomic script (a copy that wrote meanwhile is seen).
+            seen.update(map(_text, raw))
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
@@ -398,14 +435,7 @@ class RedisJournal:
             done, _ = pipe.execute()
         if done:
             return True
-        current = self.get(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                self.begin(written)
-            else:
-                self.take_over(written, current)
-        raise error
+        raise finish_missed(self, record)
 
     def get(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]
@@ -437,7 +467,10 @@ class RedisJournal:
         else:
             client = self._client()
             keys = [_text(k) for k in client.zrevrange(self._calls_key, 0, 10 * limit)]
-            raws = [client.get(self._record_key(k.partition(":")[0], k)) for k in keys]
+            with client.pipeline(transaction=False) as pipe:  # one round trip, any slot
+                for k in keys:
+                    pipe.get(self._record_key(k.partition(":")[0], k))
+                raws = pipe.execute() if keys else []
             gone = [k for k, raw in zip(keys, raws, strict=True) if raw is None]
             if gone:  # their records expired: the index forgets them too
                 client.zrem(self._calls_key, *gone)
@@ -494,7 +527,7 @@ class RedisJournal:
             if not prunable(found, cutoff, include_unsettled=include_unsettled, now=now):
                 continue
             keys = self._keys_of(found)
-            if client.eval(_DELETE, len(keys), *keys, raw, key):
+            if client.eval(_DELETE, len(keys), *keys, raw, key, self._ttl_ms()):
                 client.zrem(self._calls_key, key)
                 count += 1
         return count
@@ -510,27 +543,27 @@ class RedisJournal:
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
         client = self._aclient()
-        keys, args = self._begin_args(record, repeats, known)
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.eval(_BEGIN, len(keys), *keys, *args)
-                pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                pipe.get(self._evidence_key(record.route))
-                raw, _, evidence = await pipe.execute()
-            if not isinstance(raw, list):
-                return self._begun(record, raw, evidence)
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                pipe.zrem(self._calls_key, record.key)
-                raws, _ = await pipe.execute()
-        except RedisError as exc:
-            raise self._wrap(exc) from None
-        earlier = _repeats(record, raws, known)
-        if not earlier and known is not None:
-            return await self.abegin(record, repeats=True, known={*known, *map(_text, raw)})
-        if not earlier:
-            return await self.abegin(record)
-        return Begun(None, self._evidence_of(evidence), False, earlier)
+        seen = set(known or ())  # as in begin()
+        while True:
+            keys, args = self._begin_args(record, repeats, seen)
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.eval(_BEGIN, len(keys), *keys, *args)
+                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                    pipe.get(self._evidence_key(record.route))
+                    raw, _, evidence = await pipe.execute()
+                if not isinstance(raw, list):
+                    return self._begun(record, raw, evidence)
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
+                    pipe.zrem(self._calls_key, record.key)
+                    raws, _ = await pipe.execute()
+            except RedisError as exc:
+                raise self._wrap(exc) from None
+            earlier = _repeats(record, raws, known)
+            if earlier:
+                return Begun(None, self._evidence_of(evidence), False, earlier)
+            seen.update(map(_text, raw))
 
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
@@ -544,14 +577,7 @@ class RedisJournal:
             done, _ = await pipe.execute()
         if done:
             return True
-        current = await self.aget(record.key)
-        written, error = missed_finish(record, current)
-        if written is not None:
-            if current is None:
-                await self.abegin(written)
-            else:
-                await self.atake_over(written, current)
-        raise error
+        raise await afinish_missed(self, record)
 
     async def aget(self, key: str) -> CallRecord | None:
         plan = key.partition(":")[0]

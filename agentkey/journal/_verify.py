@@ -10,6 +10,10 @@ asked instead: given the :class:`InDoubt` call, it returns a :class:`Verdict`.
 - ``Verdict.not_run()``: it did not run, and cannot still be running: the
   invoker sends it (again). Answer this only when that is certain: a request
   still on its way through the tool must not be mistaken for one that never came.
+  The invoker believes it only once ``not_run_after`` seconds (60 by default; a
+  hook object may set its own ``not_run_after`` attribute) have passed since the
+  call's last request may have left (``InDoubt.last_sent_at``); before that it
+  counts as "cannot tell yet".
 - ``Verdict.unknown(reason)``: cannot tell; the call ends in
   :class:`~agentkey.OutcomeUnknown` and stays in doubt in the journal.
 
@@ -40,7 +44,9 @@ class InDoubt:
     """A call that may have run, as a reconcile hook sees it.
 
     ``args`` are the arguments that were sent; ``sent_at`` is when the first
-    request was recorded (Unix seconds), ``attempts`` how many were sent.
+    request was recorded (Unix seconds), ``attempts`` how many were sent;
+    ``last_sent_at`` is when the last request may have left (Unix seconds; None
+    when not known). A "not run" is believed only ``not_run_after`` seconds after it.
     """
 
     idempotency_key: str = field(repr=False)
@@ -52,6 +58,7 @@ class InDoubt:
     url: str = field(repr=False)
     sent_at: float
     attempts: int
+    last_sent_at: float | None = None
 
     @property
     def args_hash(self) -> str | None:
@@ -97,6 +104,33 @@ class Verdict:
         if self.body is None:
             return b""
         return json.dumps(self.body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def not_yet(verdict: Verdict, quiet: float | None, after: float, who: str) -> Verdict:
+    """``verdict``, or "cannot tell yet" for a "not run" said before ``after`` seconds of
+    quiet (a request of the call could still arrive); ``quiet`` None: long enough."""
+    if verdict.happened is False and quiet is not None and quiet < after:
+        return Verdict.unknown(
+            f"{who} found no such call, but a request of it left {quiet:.1f} s ago and "
+            f"could still arrive ('not run' is believed {after:g} s after the last request, "
+            "not_run_after=); call again later"
+        )
+    return verdict
+
+
+def not_run_after(hook: object) -> float:
+    """How long after a call's last request ``hook``'s "not run" is believed (seconds)."""
+    after = getattr(hook, "not_run_after", NOT_RUN_AFTER)
+    if (
+        isinstance(after, bool)
+        or not isinstance(after, (int, float))
+        or not 0 <= after < float("inf")
+    ):
+        raise ConfigurationError(
+            "a verify= hook's not_run_after must be a number of seconds >= 0 (how long "
+            f"after a request left its 'not run' is believed), got {after!r}"
+        )
+    return float(after)
 
 
 class HttpLookup:
@@ -181,15 +215,7 @@ class HttpLookup:
         ``quiet``: the seconds since the call's last request may have left (None:
         long enough). "Not run" is believed only once it is at least ``not_run_after``.
         """
-        found = self._read(reply)
-        if found.happened is False and quiet is not None and quiet < self.not_run_after:
-            return Verdict.unknown(
-                f"the lookup found no such call, but a request of it left {quiet:.1f} s ago "
-                "and could still arrive (HttpLookup believes 'not run' "
-                f"{self.not_run_after:g} s after the last request, not_run_after=); call "
-                "again later"
-            )
-        return found
+        return not_yet(self._read(reply), quiet, self.not_run_after, "the lookup")
 
     def _read(self, reply: Answer | Failure) -> Verdict:
         if isinstance(reply, Failure):

@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 import uvicorn
 from mcp.server.mcpserver import MCPServer
+from mcp.shared.exceptions import MCPError
 from starlette.types import Message, Receive, Scope, Send
 
 from agentkey.integrations.mcp import IdempotentToolsMiddleware
@@ -97,6 +98,15 @@ def build_server(lab: Lab, middleware: IdempotentToolsMiddleware | None) -> MCPS
         current_claim().begin_mutation()
         lab.runs["fragile"] += 1
         raise RuntimeError("the card network timed out after the debit")
+
+    @server.tool()
+    def forward_charge(amount: int) -> str:
+        """A plain gateway tool: it charges, then (the first time) passes on a downstream
+        agentkey service's bare "unavailable" refusal, with no protected marker (counted)."""
+        lab.runs["forward_charge"] += 1
+        if lab.runs["forward_charge"] == 1:
+            raise MCPError(-32603, "downstream unavailable", {"type": "io.agentkey/unavailable"})
+        return f"charged {amount}"
 
     return server
 

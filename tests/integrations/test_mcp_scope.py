@@ -58,7 +58,11 @@ def test_an_in_doubt_refusal_is_outcome_unknown_at_once() -> None:
 
 async def test_a_tool_the_server_does_not_mark_is_never_resent() -> None:
     """The server protects delete_vm only: after delete_vm's answers showed the mark, a lost
-    answer of create_vm is not resent (OutcomeUnknown, 1 execution); delete_vm's is."""
+    answer of create_vm is not resent (OutcomeUnknown, 1 execution); delete_vm's is.
+
+    A regression guard: the evidence was already per tool, so this passed before too;
+    test_an_unmarked_tools_unavailable_refusal_is_not_resent is the issue's discriminating case.
+    """
     with running(MemoryStore(), tools=["delete_vm"]) as lab:
         async with connect(lab.url + "/mcp") as s:
             tools = IdempotentSession(s, PlanSession.new(), policy=FAST, journal=MemoryJournal())
@@ -71,3 +75,29 @@ async def test_a_tool_the_server_does_not_mark_is_never_resent() -> None:
         assert lab.runs["create_vm"] == 1
         assert lab.runs["delete_vm"] == 2  # two calls, each once
     assert again.replayed
+
+
+async def test_an_unmarked_tools_unavailable_refusal_is_not_resent() -> None:
+    """The server protects delete_vm only; forward_charge, a plain tool, charges and then
+    passes on a downstream bare "unavailable" refusal: not resent (OutcomeUnknown),
+    1 execution (before: read as "nothing ran" from any tool, resent, 2 executions)."""
+    with running(MemoryStore(), tools=["delete_vm"]) as lab:
+        async with connect(lab.url + "/mcp") as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST, journal=MemoryJournal())
+            await tools.call_tool("delete_vm", {"region": "eu-west-1"})
+            with pytest.raises(OutcomeUnknown):
+                await tools.call_tool("forward_charge", {"amount": 5})
+        assert lab.runs["forward_charge"] == 1
+
+
+def test_an_unavailable_refusal_reads_as_not_run_only_with_the_protected_marker() -> None:
+    """agentkey's own unavailable refusal carries the protected marker and reads as 503
+    not_run; the bare kind (no marker) reads as a 503 that may have run."""
+    cfg = ProtocolConfig(Origin("mcp", "the MCP server", 0), frozenset({409, 503}))
+    ctx = CallContext("p:step_000:abc", "step_000", 1)
+    marked = MCPError(-32603, "store down", refusal_data("unavailable"))
+    bare = MCPError(-32603, "store down", {"type": "io.agentkey/unavailable"})
+    assert classify(_reply_of(marked, [], "mcp://s/tools/charge"), ctx, cfg).not_run
+    decision = classify(_reply_of(bare, [], "mcp://s/tools/charge"), ctx, cfg)
+    assert not decision.not_run
+    assert decision.ambiguous

@@ -24,8 +24,9 @@ assert _origin is not None
 CFG = ProtocolConfig(base_origin=_origin, retry_statuses=DEFAULT_RETRY_STATUSES)
 
 
-def answer(status: int, body: object) -> Answer:
-    return Answer(status, {}, json.dumps(body).encode(), f"{BASE}/tools/x")
+def answer(status: int, body: object, **headers: str) -> Answer:
+    lowered = {k.lower(): v for k, v in headers.items()}
+    return Answer(status, lowered, json.dumps(body).encode(), f"{BASE}/tools/x")
 
 
 def uri(namespace: str, code: str) -> str:
@@ -66,8 +67,17 @@ def test_sentences_generic_codes_and_unknown_types_are_not_evidence(body: object
     assert key_evidence(answer(409, body), CFG) is None
 
 
-@pytest.mark.parametrize("code", ["not_run", "in_doubt", "store_unavailable"])
-def test_agentkeys_own_refusal_types_are_evidence(code: str) -> None:
-    """agentkey's 503 not_run and 409 in_doubt come from its middleware: explicit markers."""
-    got = key_evidence(answer(503, {"type": f"urn:agentkey:problem:{code}"}), CFG)
-    assert got == f"key problem answer ({code})"
+def test_agentkeys_in_doubt_is_evidence() -> None:
+    """agentkey's 409 in_doubt comes from its middleware: an explicit marker."""
+    got = key_evidence(answer(409, {"type": "urn:agentkey:problem:in_doubt"}), CFG)
+    assert got == "key problem answer (in_doubt)"
+
+
+@pytest.mark.parametrize("code", ["not_run", "store_unavailable"])
+def test_a_not_run_body_is_evidence_only_with_the_protection_header(code: str) -> None:
+    """A 503 not_run body alone may be a gateway's copy of a downstream answer: no evidence
+    (before: it was); beside Idempotency-Protected it is the header's evidence."""
+    body = {"type": f"urn:agentkey:problem:{code}"}
+    assert key_evidence(answer(503, body), CFG) is None
+    marked = answer(503, body, **{"Idempotency-Protected": "true"})
+    assert key_evidence(marked, CFG) == "protection header"

@@ -35,7 +35,15 @@ from agentkey import (
     ToolResult,
     ToolUnreachable,
 )
-from agentkey.journal import CallRecord, CallState, HttpLookup, MemoryJournal, SQLiteJournal
+from agentkey.journal import (
+    CallRecord,
+    CallState,
+    HttpLookup,
+    InDoubt,
+    MemoryJournal,
+    SQLiteJournal,
+    Verdict,
+)
 from agentkey.journal._records import route_of
 from tests._loopback import serve
 
@@ -198,7 +206,7 @@ def test_agentkeys_not_run_is_resent_and_ends_safe_to_retry(
     """agentkey's 503 not_run (nothing ran) is resent with the same key; refused to the end,
     the call ends ToolUnreachable "safe to retry", not OutcomeUnknown (before)."""
     tool, url = plain
-    no = refused(503, NOT_RUN, **{"Retry-After": "0"})
+    no = refused(503, NOT_RUN, **{"Retry-After": "0", "Idempotency-Protected": "true"})
     tool.script["/tools/charge"] = [no] * FAST.max_attempts
     step = charge()
     journal = MemoryJournal()
@@ -214,6 +222,22 @@ def test_agentkeys_not_run_is_resent_and_ends_safe_to_retry(
     tool.script["/tools/charge"] = [no]
     [again] = invoke(driver, url, [step], journal=journal)
     assert isinstance(again, ToolResult), again  # refused once, then run: once
+    assert tool.executions["/tools/charge"] == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_not_run_body_without_the_protection_header_is_not_believed(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """A plain tool (a gateway) that charged, then forwarded a downstream agentkey service's
+    503 not_run body without Idempotency-Protected: "may have run", not resent, 1 execution
+    (before: believed, resent with the same key, 2 executions)."""
+    tool, url = plain
+    tool.script["/tools/charge"] = [ran(503, NOT_RUN, **{"Retry-After": "0"})]
+    step = charge()
+    [got] = invoke(driver, url, [step], journal=MemoryJournal())
+    assert isinstance(got, OutcomeUnknown), got
+    assert "did not send it again" in str(got)
     assert tool.executions["/tools/charge"] == 1
 
 
@@ -354,6 +378,45 @@ def test_a_lookups_not_run_is_believed_once_not_run_after_has_passed(
     assert isinstance(later, ToolResult), later
     assert later.source == "tool"
     assert tool.executions["/tools/charge"] == 1
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_custom_hooks_not_run_said_too_soon_does_not_resend(
+    plain: tuple[Plain, str], driver: str
+) -> None:
+    """A hand-written verify= hook that finds nothing while the request is still inside the
+    tool: "cannot tell yet", 1 execution (before: believed at once, resent, 2 executions).
+    The hook sees when the last request may have left; once not_run_after has passed on the
+    invoker's (injected) wall clock, its "not run" is believed and the call is sent."""
+    tool, url = plain
+    tool.script["/tools/charge"] = [refused(504, {"error": "gateway timeout"})]
+    step = charge()
+    journal = MemoryJournal()
+    asked: list[InDoubt] = []
+
+    def finds_nothing(call: InDoubt) -> Verdict:
+        asked.append(call)
+        return Verdict.not_run()
+
+    [got] = invoke(driver, url, [step], journal=journal, verify=finds_nothing)
+    assert isinstance(got, OutcomeUnknown), got
+    assert "could still arrive" in str(got)
+    assert asked
+    assert asked[-1].last_sent_at is not None
+    assert asked[-1].last_sent_at <= time.time()
+    tool.executions["/tools/charge"] += 1  # the held request lands in the tool now
+    [same] = invoke(driver, url, [step], journal=journal, verify=finds_nothing)
+    assert isinstance(same, OutcomeUnknown), same
+    assert tool.executions["/tools/charge"] == 1
+    # A tool known to have settled every request (the hook says so) after 61 s of quiet.
+    step2 = charge(1)
+    tool.script["/tools/charge"] = [refused(504, {"error": "gateway timeout"})]
+    [first] = invoke(driver, url, [step2], journal=journal, verify=finds_nothing)
+    assert isinstance(first, OutcomeUnknown), first
+    [later] = invoke(driver, url, [step2], journal=journal, verify=finds_nothing, wall_ahead=61)
+    assert isinstance(later, ToolResult), later
+    assert later.source == "tool"
+    assert tool.executions["/tools/charge"] == 2
 
 
 # --- honest messages ----------------------------------------------------------------------

@@ -148,10 +148,10 @@ def test_a_malformed_record_is_reported_and_skipped(
 def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
     redis_proc: RedisServer,
 ) -> None:
-    """retention=60: a pending record never expires (it may have run), its plan's indexes do;
-    once answered the record expires too; evidence expires after 30 days, and the global
-    list forgets a record that expired. (Old code: the pending record expired, the evidence
-    hash never did.)"""
+    """retention=60: a pending record never expires (it may have run), nor do the indexes
+    that list it (old code: they expired, and find() and the repeat look-up lost the call);
+    once every member is answered the record and the indexes expire; evidence expires after
+    30 days, and the global list forgets a record that expired."""
     import redis
 
     from agentkey.journal import RedisJournal
@@ -165,20 +165,99 @@ def test_redis_keys_expire_with_their_records_and_a_call_in_doubt_never_does(
     name = f"{prefix}:{{{plan}}}:{pending.key}"
     indexes = [f"{prefix}:{{{plan}}}", f"{prefix}:{{{plan}}}:args:{pending.args_hash}"]
     assert client.pttl(name) == -1  # may have run: kept until settled
-    assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    assert [client.pttl(index) for index in indexes] == [-1, -1]  # and so is what lists it
+    other = record(plan, 1, args_hash=pending.args_hash, now=time.time())
+    other = other.with_(owner=current_owner(), lease_until=time.time() + 60)
+    journal.begin(other)
+    journal.finish(other.with_(state=CallState.ANSWERED, status_code=201))
+    assert [client.pttl(index) for index in indexes] == [-1, -1]  # one member still pending
+    assert [c.key for c in journal.find(plan, args_hash=pending.args_hash)] == [
+        pending.key,
+        other.key,
+    ]
     journal.finish(pending.with_(state=CallState.ANSWERED, status_code=201))
     assert 0 < client.pttl(name) <= 60_000
     assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    assert client.exists(*(f"{index}~unsettled" for index in indexes)) == 0
     journal.learn(ROUTE, "protection header")
     evidence_keys = [k.decode() for k in client.scan_iter(f"{prefix}:*evidence*")]
     assert evidence_keys
     assert all(0 < client.pttl(k) <= 30 * DAY * 1000 for k in evidence_keys)
-    client.delete(name)  # as if it expired
+    client.delete(name, f"{prefix}:{{{plan}}}:{other.key}")  # as if they expired
     assert client.zscore(f"{prefix}:calls", pending.key) is not None
     assert journal.calls(plan=None) == []
     assert client.zscore(f"{prefix}:calls", pending.key) is None  # the list forgot it too
     journal.close()
     client.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_redis_begin_past_another_tools_call_stays_atomic_against_a_racing_copy(
+    redis_proc: RedisServer, monkeypatch: pytest.MonkeyPatch, driver: str
+) -> None:
+    """Another tool's call with the same arguments, and two copies of one call racing, the
+    second written between the first's two round trips: the first finds it as its repeat
+    and writes nothing (old code: its retry did not look again, both were written, sent)."""
+    import asyncio
+
+    from agentkey.journal import RedisJournal
+    from agentkey.journal import _redis as module
+
+    prefix = f"agentkey:t{uuid.uuid4().hex[:10]}"
+    first, second = (RedisJournal(redis_proc.url, prefix=prefix) for _ in range(2))
+    plan = f"plan{uuid.uuid4().hex[:8]}"
+    same = {"args_hash": "a" * 64, "owner": current_owner(), "lease_until": time.time() + 60}
+    first.begin(record(plan, 0, tool="refund", **same))
+    one, two = record(plan, 1, **same), record(plan, 2, **same)
+    real = module._repeats
+    raced: list[Any] = []
+
+    def racing(rec: CallRecord, raws: Any, known: Any = None) -> Any:
+        if rec.key == one.key and not raced:  # between the first copy's round trips
+            raced.append(second.begin(two, repeats=True))
+        return real(rec, raws, known)
+
+    monkeypatch.setattr(module, "_repeats", racing)
+    if driver == "sync":
+        begun = first.begin(one, repeats=True)
+    else:
+
+        async def begin() -> Any:
+            try:
+                return await first.abegin(one, repeats=True)
+            finally:
+                await first.aclose()
+
+        begun = asyncio.run(begin())
+    assert raced[0].existing is None
+    assert raced[0].earlier == ()  # the second copy was written
+    assert [r.key for r in begun.earlier] == [two.key]  # the first found it: nothing written
+    assert first.get(one.key) is None
+    first.close()
+    second.close()
+
+
+def test_a_missed_finish_whose_write_back_loses_says_the_outcome_was_not_recorded(
+    redis_proc: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finish over an operator's verdict whose write-back loses to another change: the
+    error says the outcome was not recorded (old code: "recorded over that verdict", false)."""
+    from agentkey import JournalError
+    from agentkey.journal import RedisJournal
+
+    journal = RedisJournal(redis_proc.url, prefix=f"agentkey:t{uuid.uuid4().hex[:10]}")
+    first = record(f"plan{uuid.uuid4().hex[:8]}", 0, owner=current_owner())
+    journal.begin(first)
+    verdict = first.with_(state=CallState.NOT_SENT, owner=None, source="operator",
+                          reason="did not run", updated_at=first.updated_at + 1)  # fmt: skip
+    assert journal.take_over(verdict, first)
+    monkeypatch.setattr(journal, "take_over", lambda record, previous: False)  # another won
+    done = first.with_(state=CallState.ANSWERED, status_code=201, updated_at=verdict.updated_at)
+    with pytest.raises(JournalError, match="that outcome was not recorded") as caught:
+        journal.finish(done)
+    assert "recorded over that verdict" not in str(caught.value)
+    assert journal.get(first.key) == verdict
+    journal.close()
 
 
 # --- evidence as data -----------------------------------------------------------------------

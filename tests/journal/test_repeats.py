@@ -137,6 +137,44 @@ def test_a_fresh_call_costs_the_redis_journal_two_round_trips(redis_proc: Any) -
     assert plain.executions["charge"] == 41
 
 
+def test_listing_calls_on_redis_costs_two_round_trips_not_one_per_record(redis_proc: Any) -> None:
+    """journal.calls() over 30 records (what an adapter's first-turn check reads): the index,
+    then every record in one pipelined round trip (before: one GET per record, 31)."""
+    from agentkey.journal import CallRecord, RedisJournal
+    from tests.postgres.conftest import TurnCounter
+
+    async def run() -> int:
+        counter = TurnCounter(redis_proc)
+        await counter.start()
+        journal = RedisJournal(f"redis://127.0.0.1:{counter.port}/0", prefix="rt-calls")
+        now = time.time()
+        records = [
+            CallRecord(
+                key=f"plan{n}:step_000:{n:064x}",
+                plan=f"plan{n}",
+                step="step_000",
+                tool="charge",
+                args_hash=f"{n:064x}",
+                route="POST https://tools.test/charge",
+                created_at=now,
+                updated_at=now,
+            )
+            for n in range(30)
+        ]
+        try:
+            for one in records:  # the sync journal, off the proxy's event loop
+                await asyncio.to_thread(journal.begin, one)
+            counter.reset()
+            listed = await asyncio.to_thread(journal.calls, limit=100)
+            assert len(listed) == 30
+            return counter.turns
+        finally:
+            await asyncio.to_thread(journal.close)
+            await counter.close()
+
+    assert asyncio.run(run()) == 2
+
+
 class SlowToBegin(PassThrough):
     """A real journal whose every ``begin`` starts 50 ms late: two concurrent calls then
     reach it together, the way two tasks of one agent can."""

@@ -74,13 +74,22 @@ def invoke(driver: str, url: str, step: Step, **options: Any) -> ToolResult:
     options.setdefault("retry", RETRY)
     options.setdefault("timeout", READ_TIMEOUT)
     options.setdefault("route_template", "/tools/{tool}")
+    ahead = options.pop("wall_ahead", 0.0)  # the invoker's wall clock, this much later
+    sync: Any = ToolInvoker
+    asynchronous: Any = AsyncToolInvoker
+    if ahead:
+        wall = staticmethod(lambda: time.time() + ahead)
+        sync = type("ToolInvoker", (ToolInvoker,), {"_wall": wall})
+        asynchronous = type("AsyncToolInvoker", (AsyncToolInvoker,), {"_wall": wall})
     if driver == "sync":
-        with ToolInvoker(url, **options) as invoker:
-            return invoker.invoke(step)
+        with sync(url, **options) as invoker:
+            result: ToolResult = invoker.invoke(step)
+            return result
 
     async def run() -> ToolResult:
-        async with AsyncToolInvoker(url, **options) as invoker:
-            return await invoker.invoke(step)
+        async with asynchronous(url, **options) as invoker:
+            result: ToolResult = await invoker.invoke(step)
+            return result
 
     return asyncio.run(run())
 
@@ -135,7 +144,8 @@ def test_a_verify_hook_settles_what_may_have_run(tool: Tool, fault: str, driver:
 
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
-    """A 502 before the tool ran, and a hook that finds nothing: sent again, run once."""
+    """A 502 before the tool ran, and a hook that finds nothing: believed once the request
+    can no longer arrive (60 s on the invoker's injected wall clock), then sent: run once."""
     plain = PlainTool()
     plain.modes["charge"] = "502-before"
     asked: list[InDoubt] = []
@@ -146,11 +156,15 @@ def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
         return Verdict.not_run()
 
     step = step_for("charge")
+    journal = SQLiteJournal(os.environ["AGENTKEY_JOURNAL"])
     with serve(plain) as url:
-        result = invoke(driver, url, step, verify=not_there)
+        with pytest.raises(OutcomeUnknown, match="could still arrive"):
+            invoke(driver, url, step, verify=not_there, journal=journal)
+        assert plain.executions["charge"] == 0
+        result = invoke(driver, url, step, verify=not_there, journal=journal, wall_ahead=61.0)
     assert plain.executions["charge"] == 1
     assert not result.replayed
-    assert [c.tool for c in asked] == ["charge"]
+    assert {c.tool for c in asked} == {"charge"}
     assert asked[0].args == {"amount": 1999, "currency": "EUR"}
 
 

@@ -77,7 +77,7 @@ _METHOD = "CALL"  # the method of a tools/call in the flow (its "url" names serv
 #: What an agentkey refusal becomes for the flow: (status, problem code).
 _REFUSALS: dict[str, tuple[int, str]] = {
     "in-progress": (409, "in_progress"),
-    "unavailable": (503, "not_run"),  # nothing ran: resent with the same key, any tool
+    "unavailable": (503, "not_run"),  # nothing ran: resent, from a tool marked protected
     "in-doubt": (409, "in_doubt"),  # may have run, unsettled: OutcomeUnknown at once
     "payload-mismatch": (422, "payload_mismatch"),
     "key-reused": (422, "key_reused"),
@@ -587,7 +587,9 @@ def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Received:
     if refusal is not None:
         kind, retry_after = refusal
         status, problem = _REFUSALS.get(kind, (400, "idempotency_key_invalid"))
-        headers = {PROTECTED_HEADER.lower(): "true"}  # agentkey's server said so
+        headers: dict[str, str] = {}
+        if isinstance(exc.data, Mapping) and exc.data.get(PROTECTED_FIELD) is True:
+            headers[PROTECTED_HEADER.lower()] = "true"  # agentkey's server marked the tool
         if retry_after is not None:
             headers["retry-after"] = str(max(0, round(retry_after)))
         body = {"type": f"urn:agentkey:problem:{problem}", "detail": _cut(exc.message)}

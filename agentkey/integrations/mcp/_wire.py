@@ -77,8 +77,14 @@ ERROR_CODES: Final[Mapping[str, int]] = {
 
 
 def refusal_data(kind: RefusalKind, *, retry_after: float | None = None) -> dict[str, Any]:
-    """The ``data`` of the JSON-RPC error for a refusal of ``kind`` (never holds the key)."""
+    """The ``data`` of the JSON-RPC error for a refusal of ``kind`` (never holds the key).
+
+    ``unavailable`` carries the protected marker (only a protected tool is refused so):
+    a client believes it (nothing ran) only with the marker, or from a tool the server
+    marks protected in ``tools/list``."""
     data: dict[str, Any] = {"type": PREFIX + kind}
+    if kind == "unavailable":
+        data[PROTECTED_FIELD] = True
     if retry_after is not None:
         data["retryAfter"] = round(max(0.0, retry_after), 3)
     return data
