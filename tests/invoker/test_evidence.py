@@ -92,6 +92,8 @@ class Plain:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client gave up before the whole request arrived: nothing runs
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break

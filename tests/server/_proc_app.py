@@ -27,7 +27,7 @@ def app() -> Starlette:
     async def slow(request: Request) -> JSONResponse:
         await request.json()
         await asyncio.sleep(work)  # no side effect yet: a kill here orphans the claim
-        current_claim().begin_mutation()
+        await current_claim().begin_mutation()  # on_mark: only from here may it have run
         with open(runs, "a") as f:  # noqa: ASYNC230 - one tiny append, test only
             f.write(f"{os.getpid()}\n")
         return JSONResponse({"pid": os.getpid()}, status_code=201)
@@ -42,6 +42,7 @@ def app() -> Starlette:
                 ),
                 routes=["/tools/*"],
                 lock_ttl=float(os.environ["AGENTKEY_TEST_LEASE"]),
+                mutation_starts="on_mark",  # the work before the mark has no side effect
                 shared_key_space=True,
             )
         ],

@@ -238,6 +238,14 @@ def _twin(store: Store) -> Store:
         return store
     from agentkey.server import PostgresStore, RedisStore
 
+    if isinstance(store, RedisStore) and store._url is None:  # the long suite's cluster
+        from redis.asyncio.cluster import RedisCluster
+
+        from tests.server.conftest import ClusterStore
+
+        nodes = store._client.nodes_manager.startup_nodes
+        node = next(iter(nodes.values()))
+        return ClusterStore(RedisCluster(host=node.host, port=node.port), prefix=store.prefix)
     if isinstance(store, RedisStore):
         return RedisStore(store._url or "", prefix=store.prefix)
     if isinstance(store, PostgresStore):
