@@ -15,6 +15,7 @@ redis-server and a real PostgreSQL on loopback:
 
     python bench/bench_in_doubt.py                  # prints the table, writes results/in_doubt.json
     python bench/bench_in_doubt.py --out FILE       # writes FILE instead (the "before" run)
+    python bench/bench_in_doubt.py --smoke          # the same counts, for CI (writes nothing)
 
 Run it on an older checkout (with its own ``agentkey`` first on ``PYTHONPATH``) for the
 "before" column: options that did not exist then are left out and marked ``n/a``.
@@ -161,6 +162,7 @@ async def _run(redis_url: str, dsn: str) -> dict[str, dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "in_doubt.json"))
+    parser.add_argument("--smoke", action="store_true", help="for CI: print, write nothing")
     ns = parser.parse_args()
     from tests._loopback import redis_server
     from tests._postgres import postgres_server
@@ -171,7 +173,8 @@ def main() -> None:
     print(f"{'case':<{width}}  store operations (first request / repeat)")
     for case, row in rows.items():
         print(f"{case:<{width}}  {row['ops']}")
-    Path(ns.out).write_text(json.dumps(rows, indent=2) + "\n")
+    if not ns.smoke:
+        Path(ns.out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
