@@ -32,13 +32,16 @@ the draft says 422) is a ``WARN``: a deviation, reported, never a failure.
 All HTTP goes through ``_http``, which caps how much of an answer is read; each
 request must be answered whole within ``timeout`` seconds (a server that drips
 one byte at a time cannot hold the check). Everything a server says is printed
-with its control characters replaced, and the token is redacted from the answer
-before any of it is parsed or normalised.
+with its control characters replaced, and the token is cut out of whatever a
+server said as it is printed, in any case or spelling (never out of an answer
+before it is parsed: a token ``x`` must not turn "executions" into
+"e***ecutions").
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import socket
 import ssl
@@ -184,6 +187,11 @@ class _Sent:
     retry_after: str | None
     code: str | None  # the problem code of an error body (RFC 9457, Stripe, agentkey)
     meaning: Meaning | None  # what that code says about the key, from _protocol's table
+    secret: str | None = field(default=None, repr=False)  # the token, cut out of shown text
+
+    def shown(self, text: str) -> str:
+        """Something this server said, fit to print (the token redacted)."""
+        return _redact(text, self.secret)
 
     def same_answer(self, other: _Sent) -> bool:
         """The same status and body: nothing here shows a second execution."""
@@ -260,23 +268,42 @@ def _timed_out(failure: Failure) -> bool:
 
 
 def _sent(answer: Answer, token: str | None = None) -> _Sent:
+    """What an answer showed, parsed as it came: nothing is redacted here (see _redact)."""
     marked = replay_header(answer, DEFAULT_REPLAY_HEADERS)
     error = not 200 <= answer.status_code < 300
-    content = answer.content
-    retry_after = answer.header("retry-after")
-    if token:  # before anything is parsed or normalised (lowercased, "-" read as "_")
-        content = content.replace(token.encode(), b"***")
-        retry_after = retry_after.replace(token, "***") if retry_after else retry_after
-    code, meaning = problem_code(parse_json(content)) if error else (None, None)
+    code, meaning = problem_code(parse_json(answer.content)) if error else (None, None)
     return _Sent(
         answer.status_code,
-        content,
+        answer.content,
         answer.oversize,
         marked,
-        retry_after,
-        _printable(code) if code else None,
+        answer.header("retry-after"),
+        code,
         meaning,
+        token,
     )
+
+
+#: A token at least this long is redacted wherever it appears in a server's text; a shorter
+#: one only as a whole token (``x`` must not turn "executions" into "e***ecutions").
+_REDACT_ANYWHERE = 8
+
+
+def _redact(text: str, token: str | None) -> str:
+    """``text`` (something a server said) fit to print: the token cut out, then control
+    characters replaced.
+
+    Applied at output only, to the server's own words (a problem code, a reason, a header
+    value, a transport error), never to an answer before it is parsed and never to the
+    checker's own sentences. The token is matched in any case and with ``-`` and ``_``
+    alike, as a problem code is normalised (lowercased, ``-`` read as ``_``).
+    """
+    if token:
+        spelled = "".join("[-_]" if ch in "-_" else re.escape(ch) for ch in token)
+        if len(token) < _REDACT_ANYWHERE:
+            spelled = rf"(?<![A-Za-z0-9]){spelled}(?![A-Za-z0-9])"
+        text = re.sub(spelled, "***", text, flags=re.IGNORECASE)
+    return _printable(text)
 
 
 def _printable(text: str) -> str:
@@ -291,16 +318,17 @@ def _status(sent: _Sent) -> str:
     )
 
 
-def _retry_after_problem(value: str | None) -> str | None:
+def _retry_after_problem(sent: _Sent) -> str | None:
     """Why a 409's Retry-After is no usable advice, or None when it is."""
+    value = sent.retry_after
     if value is None:
         return "no Retry-After"
     # Never raises: hundreds of digits read as "very long"; a date counts from now.
     seconds = retry_after(value, time.time())
     if seconds is None:
-        return f"an unparseable Retry-After ({_clip(value)})"
+        return f"an unparseable Retry-After ({_clip(sent.shown(value))})"
     if seconds > _SANE_RETRY_AFTER:
-        return f"an absurd Retry-After ({_clip(value)}: over {_SANE_RETRY_AFTER:g} s)"
+        return f"an absurd Retry-After ({_clip(sent.shown(value))}: over {_SANE_RETRY_AFTER:g} s)"
     return None
 
 
@@ -339,7 +367,7 @@ def _refused_fresh(first: _Sent, style: HeaderStyle) -> str:
     """Why a fresh request was not run, and which option to fix: no contract verdict."""
     status = first.status
     reason = short_reason(parse_json(first.body))
-    said = f" ({reason})" if reason else ""
+    said = f" ({first.shown(reason)})" if reason else ""
     head = f"the fresh request was answered {_status(first)}{said}, so the tool never ran: "
     if first.meaning is Meaning.KEY:
         others = " or ".join(f"--style {s}" for s in HEADER_STYLES if s != style)
@@ -410,8 +438,11 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
     key = run.key(1, run.args)
     sent = await asyncio.gather(*(run.target.post(run.body, key) for _ in range(n)))
     done = [s for s in sent if s.ok()]
-    waiting = [s for s in sent if s.status in _NOT_NOW]
-    others = sorted({s.status for s in sent if not s.ok() and s.status not in _NOT_NOW})
+    # Refused duplicates (409 in flight, 429/503, or another 4xx such as a 422): nothing ran
+    # for them. Which status a server should use is the in-flight row's point, not this one's.
+    waiting = [s for s in sent if s.status in _NOT_NOW or 400 <= s.status < 500]
+    # A 5xx may be a run that failed: it cannot count as a refusal.
+    others = sorted({s.status for s in sent if not s.ok() and s not in waiting})
     # An execution shows as a 2xx answer that no replay header marks and that repeats no
     # other answer's body: replays under an unknown header name still count once.
     executed: list[_Sent] = []
@@ -434,12 +465,12 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
     if len(executed) > 1:
         problems.append(f"the answers show {len(executed)} executions of one key")
     if others:
-        problems.append(f"unexpected statuses {others}")
+        problems.append(f"statuses {others}, which may be runs that failed")
     if executed and any(not r.same_answer(executed[0]) for r in replays):
         problems.append("a replay's answer differs from the executed one")
     counts = (
         f"{n} at once: {len(executed)} ran, {len(done) - len(executed)} replayed, "
-        f"{len(waiting)} refused for now ({sorted({s.status for s in waiting}) or 'none'})"
+        f"{len(waiting)} refused ({sorted({s.status for s in waiting}) or 'none'})"
     )
     results = [CheckResult(name, "FAIL" if problems else "PASS", "; ".join(problems) or counts)]
     name = "in-flight duplicate gets 409 + Retry-After"
@@ -455,7 +486,9 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
         )
         return results
     bad = sorted({s.status for s in waiting if s.status != 409})
-    advice = [p for p in map(_retry_after_problem, (s.retry_after for s in waiting)) if p]
+    advice = [
+        p for p in map(_retry_after_problem, (s for s in waiting if s.status in _NOT_NOW)) if p
+    ]
     problems = []
     if bad:
         problems.append(f"in-flight duplicates got {bad}, not 409")
@@ -486,9 +519,22 @@ async def _changed_args(run: _Run) -> list[CheckResult]:
     # The key of step 0 was used with `args`; the same key now carries another body.
     reused = await run.target.post(changed_body, run.key(0, run.args))
     results.append(_expect_mismatch("same key, other body is refused (422)", reused, "contract"))
-    # A fresh key whose args_hash names `args` while the body is `changed`.
-    mismatched = await run.target.post(changed_body, run.key(3, run.args, "raw"))
-    results.append(_expect_mismatch("hash does not match body gets 422", mismatched, "agentkey"))
+    name = "hash does not match body gets 422"
+    if run.style == "uuid":
+        # A UUID key carries no args_hash: no server can compare it with the body.
+        results.append(
+            CheckResult(
+                name,
+                "SKIP",
+                "--style uuid: a UUID key carries no args hash to compare with the body",
+                "agentkey",
+            )
+        )
+        return results
+    # A fresh key, in the style the server took, whose args_hash names `args` while the
+    # body is `changed`.
+    mismatched = await run.target.post(changed_body, run.key(3, run.args))
+    results.append(_expect_mismatch(name, mismatched, "agentkey"))
     return results
 
 
@@ -499,7 +545,27 @@ def _expect_mismatch(name: str, sent: _Sent, scope: Scope) -> CheckResult:
     says SHOULD), never a failure. A 2xx ran or replayed a body the key was not made
     for: that fails.
     """
-    code = f" {sent.code}" if sent.code else ""
+    code = f" {sent.shown(sent.code)}" if sent.code else ""
+    if 400 <= sent.status < 500 and sent.meaning is Meaning.KEY:
+        # "must be a v4 UUID": the server refused the key itself and never looked at the
+        # body, so this says nothing about the point of the row.
+        reason = short_reason(parse_json(sent.body))
+        said = f" ({sent.shown(reason)})" if reason else ""
+        if scope == "agentkey":
+            return CheckResult(
+                name,
+                "SKIP",
+                f"{sent.status}{code}{said}: the key itself was refused, so the body was "
+                "never compared (not tested)",
+                scope,
+            )
+        return CheckResult(
+            name,
+            "WARN",
+            f"{sent.status}{code}{said}: the key it took before was refused as malformed; "
+            "nothing ran, but the draft says 422 for another body",
+            scope,
+        )
     if sent.status == 422:
         return CheckResult(name, "PASS", f"422{code}", scope)
     if 400 <= sent.status < 500 and sent.meaning is Meaning.MISMATCH:
@@ -566,15 +632,34 @@ async def _other_route(run: _Run) -> list[CheckResult]:
     return [contract, mine]
 
 
+def _malformed_key(plan: str) -> str:
+    """The malformed-key probe of one run: agentkey's shape (three parts, the last 64 hex)
+    with a step that is no step, so it is malformed for agentkey's server whatever else
+    it accepts, and for a UUID-only one; new per run (its plan), so a server that
+    remembers keys never sees it twice."""
+    return f"{plan}:step_malformed:{hashlib.sha256(plan.encode()).hexdigest()}"
+
+
 async def _malformed(run: _Run) -> list[CheckResult]:
     results = []
     for name, key in (
-        ("malformed key gets 400", "not-a-valid:key"),
+        ("malformed key gets 400", _malformed_key(run.plan)),
         ("missing key gets 400", None),
     ):
         sent = await run.target.post(run.body, key)
-        verdict: Verdict = "PASS" if sent.status == 400 else "FAIL"
-        detail = _status(sent) + ("" if sent.status == 400 else "; expected 400")
+        code = f" {sent.shown(sent.code)}" if sent.code else ""
+        verdict: Verdict
+        if sent.status == 400:
+            verdict, detail = "PASS", f"400{code}"
+        elif 400 <= sent.status < 500 and sent.meaning is Meaning.KEY:
+            verdict = "WARN"
+            detail = (
+                f"{sent.status}{code}: refused as a key problem, so nothing ran, but agentkey "
+                "answers 400"
+            )
+        else:
+            ran = " (the tool ran or replayed without a usable key)" if sent.ok() else ""
+            verdict, detail = "FAIL", f"{_status(sent)}; expected 400{ran}"
         results.append(CheckResult(name, verdict, detail, "agentkey"))
     return results
 
@@ -620,11 +705,14 @@ def _ssl_context() -> ssl.SSLContext:
         return ssl.create_default_context()
 
 
-async def _why_unreachable(url: str, failure: Failure, timeout: float) -> str:
+async def _why_unreachable(
+    url: str, failure: Failure, timeout: float, token: str | None = None
+) -> str:
     """The cause of a failed first request: DNS, refused, TLS, or no answer."""
+    said = _redact(failure.description, token)
     if failure.kind is FailureKind.AMBIGUOUS:
         return (
-            f"connected, but no HTTP answer came ({failure.description}); the server "
+            f"connected, but no HTTP answer came ({said}); the server "
             "closed the connection or took longer than --timeout"
         )
     parts = urlsplit(url)
@@ -654,7 +742,7 @@ async def _why_unreachable(url: str, failure: Failure, timeout: float) -> str:
     except OSError as exc:
         return f"cannot connect to port {port} ({exc.strerror or type(exc).__name__})"
     writer.close()
-    return f"the request failed before it was sent ({failure.description})"
+    return f"the request failed before it was sent ({said})"
 
 
 def _validate(
@@ -778,12 +866,12 @@ async def acheck_server(
             results += await _fresh_and_duplicate(run)
         except _NoAnswer as exc:
             if run.first is None:  # nothing answered yet
-                cause = await _why_unreachable(url, exc.failure, float(timeout))
-                why = _shown_text(f"could not reach {shown}: {cause}", token)
+                cause = await _why_unreachable(url, exc.failure, float(timeout), token)
+                why = _printable(f"could not reach {shown}: {cause}")
                 return CheckReport(shown, style, (), unreachable=why)
             return CheckReport(shown, style, (), no_verdict=_transport(shown, exc, token))
         except _NoVerdict as exc:
-            return CheckReport(shown, style, (), no_verdict=_shown_text(str(exc), token))
+            return CheckReport(shown, style, (), no_verdict=_printable(str(exc)))
         steps: Sequence[Any] = (
             lambda: _concurrent(run, concurrency),
             lambda: _changed_args(run),
@@ -798,24 +886,16 @@ async def acheck_server(
                 no_verdict = _transport(shown, exc, token)
                 break
             results += produced if isinstance(produced, list) else [produced]
-    results = [
-        CheckResult(r.name, r.verdict, _shown_text(r.detail, token), r.scope) for r in results
-    ]
+    results = [CheckResult(r.name, r.verdict, _printable(r.detail), r.scope) for r in results]
     return CheckReport(shown, style, tuple(results), no_verdict=no_verdict)
 
 
 def _transport(shown: str, exc: _NoAnswer, token: str | None) -> str:
-    return _shown_text(
+    return _printable(
         f"a transport problem in mid-check: no answer from {shown} "
-        f"({exc.failure.description}), twice (the second time on a fresh connection). "
-        "That says nothing about the contract; run the check again",
-        token,
+        f"({_redact(exc.failure.description, token)}), twice (the second time on a fresh "
+        "connection). That says nothing about the contract; run the check again"
     )
-
-
-def _shown_text(text: str, token: str | None) -> str:
-    """``text`` fit to print: the token redacted first, then control characters replaced."""
-    return _printable(text.replace(token, "***") if token else text)
 
 
 def check_server(
