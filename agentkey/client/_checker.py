@@ -285,7 +285,8 @@ def _sent(answer: Answer, token: str | None = None) -> _Sent:
 
 
 #: A token at least this long is redacted wherever it appears in a server's text; a shorter
-#: one only as a whole token (``x`` must not turn "executions" into "e***ecutions").
+#: one only as a whole token, not inside a word or code (``x`` must not turn "executions"
+#: into "e***ecutions", nor ``key`` "idempotency_key_missing" into "idempotency_***_missing").
 _REDACT_ANYWHERE = 8
 
 
@@ -301,7 +302,7 @@ def _redact(text: str, token: str | None) -> str:
     if token:
         spelled = "".join("[-_]" if ch in "-_" else re.escape(ch) for ch in token)
         if len(token) < _REDACT_ANYWHERE:
-            spelled = rf"(?<![A-Za-z0-9]){spelled}(?![A-Za-z0-9])"
+            spelled = rf"(?<![A-Za-z0-9_-]){spelled}(?![A-Za-z0-9_-])"
         text = re.sub(spelled, "***", text, flags=re.IGNORECASE)
     return _printable(text)
 
