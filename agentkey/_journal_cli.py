@@ -1,7 +1,7 @@
 """``agentkey journal``: what the client's journal says about the calls an agent sent.
 
 ```
-agentkey journal [--journal PATH|redis://...|postgresql://...] list [--plan P] [--state S]
+agentkey journal list [--plan P] [--state S] [--journal PATH|redis://...|postgresql://...]
 agentkey journal doubt                     every call that may have run, unsettled
 agentkey journal show KEY                  one call (KEY as printed: plan:step:#digest)
 agentkey journal settle KEY --ran|--not-run [--reason TEXT] [--force]
@@ -11,13 +11,16 @@ agentkey journal evidence [--forget ROUTE]  what routes showed about honouring k
 
 Keys are printed as digests (``plan:step_003:#1a2b3c4d``, never the whole key,
 which is a bearer secret); every command that takes a key takes that form.
-``--json`` prints JSON lines for scripts. The command never creates a journal: a
-path with no journal at it is an error naming the path (exit 2).
+``--json`` prints JSON lines for scripts (times as Unix seconds; the text output
+prints them as ISO 8601 UTC). ``--journal`` and ``--json`` go before or after the
+subcommand. The command never creates a journal: a path with no journal at it is an
+error naming the path (exit 2).
 
-Exit codes: 0 done; 1 nothing found (no such call, nothing in doubt, no evidence
-for the route to forget); 2 a usage error or a journal that cannot be opened;
-3 the journal refused (a settle of a call whose sender is alive, or that already
-ended, without ``--force``) or failed.
+Exit codes: 0 done (a listing exits 0 whatever it lists, nothing included); 1 the
+call or route named is not there (``show``/``settle`` KEY, ``evidence --forget``);
+2 a usage error or a journal that cannot be opened; 3 the journal refused (a settle
+of a call whose sender is alive, or that already ended, without ``--force``) or
+failed (unreachable).
 """
 
 from __future__ import annotations
@@ -45,8 +48,26 @@ _STATES = [s.value for s in CallState]
 
 def add_parser(sub: Any) -> None:
     """Add ``journal`` and its sub-commands to the ``agentkey`` parser's sub-parsers."""
+    # --journal and --json are accepted before or after the subcommand: each level has them,
+    # and none sets a default (a subcommand's default would overwrite what came before it);
+    # _run fills in the defaults.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--journal",
+        metavar="WHERE",
+        default=argparse.SUPPRESS,
+        help=f"the journal: a SQLite file, redis://... or postgresql://... (default: "
+        f"${ENV}, else the file in your data directory)",
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print JSON lines for scripts (times as Unix seconds)",
+    )
     journal = sub.add_parser(
         "journal",
+        parents=[common],
         help="list, show and settle the calls in the client's journal",
         description="The client's journal records every call before it is sent and how it "
         "ended: answered, failed, accepted (still running on the tool), not sent, or in "
@@ -54,33 +75,35 @@ def add_parser(sub: Any) -> None:
         "that does not honour Idempotency-Key is never sent again blindly: find out whether "
         "it ran, then settle it here. Keys are printed as digests, never whole.",
     )
-    journal.add_argument(
-        "--journal",
-        metavar="WHERE",
-        help=f"the journal: a SQLite file, redis://... or postgresql://... (default: "
-        f"${ENV}, else the file in your data directory)",
-    )
-    journal.add_argument("--json", action="store_true", help="print JSON lines for scripts")
     commands = journal.add_subparsers(dest="journal_command", required=True)
 
-    listing = commands.add_parser("list", help="the latest calls, newest first")
+    listing = commands.add_parser(
+        "list", parents=[common], help="the latest calls, newest first (exit 0)"
+    )
     listing.add_argument("--plan", help="only this plan session's calls")
     listing.add_argument("--state", choices=_STATES, action="append", help="only these states")
     listing.add_argument("--limit", type=_count, default=50, help="at most this many (50)")
     listing.set_defaults(func_command=_list)
 
-    doubt = commands.add_parser("doubt", help="every call that may have run, unsettled")
+    doubt = commands.add_parser(
+        "doubt",
+        parents=[common],
+        help="every call that may have run, unsettled (exit 0, also when there is none)",
+    )
     doubt.add_argument("--plan", help="only this plan session's calls")
     doubt.add_argument("--limit", type=_count, default=500, help="at most this many (500)")
     doubt.set_defaults(func_command=_doubt)
 
-    show = commands.add_parser("show", help="one call in full")
+    show = commands.add_parser(
+        "show", parents=[common], help="one call in full (exit 1: no such call)"
+    )
     show.add_argument("key", help="the call's key as printed (plan:step_003:#1a2b3c4d)")
     show.add_argument("--body", action="store_true", help="print the kept answer too")
     show.set_defaults(func_command=_show)
 
     settle = commands.add_parser(
         "settle",
+        parents=[common],
         help="record your verdict on a call in doubt",
         description="Record whether a call in doubt ran. --ran: it did (a later call of the "
         "same step is answered from the journal, or refused if no answer was kept, and never "
@@ -102,6 +125,7 @@ def add_parser(sub: Any) -> None:
 
     prune = commands.add_parser(
         "prune",
+        parents=[common],
         help="delete records of ended calls untouched for a while",
         description="Delete the records of ended calls (answered, accepted, failed, not "
         "sent) untouched for --older-than seconds. A call that may have run and is not "
@@ -118,6 +142,7 @@ def add_parser(sub: Any) -> None:
 
     evidence = commands.add_parser(
         "evidence",
+        parents=[common],
         help="what routes showed about honouring Idempotency-Key",
         description="Each route (method and URL) that showed it honours Idempotency-Key: "
         "how (a protection header, a replay marker, a key problem answer), when first and "
@@ -148,8 +173,10 @@ def _seconds(text: str) -> float:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    where = getattr(ns, "journal", None)
+    ns.json = getattr(ns, "json", False)
     try:
-        journal = _open(ns.journal)
+        journal = _open(where)
     except AgentKeyError as exc:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -161,12 +188,53 @@ def _run(ns: argparse.Namespace) -> int:
     try:
         code: int = ns.func_command(ns, journal)
     except JournalError as exc:
-        print(f"agentkey: {exc}", file=sys.stderr)
+        if exc.idempotency_key is not None:  # a refusal about one call: it says what to do
+            print(f"agentkey: {exc}", file=sys.stderr)
+        else:  # the journal itself failed; its own advice is for Python callers
+            print(_unusable(where, str(exc).partition(";")[0]), file=sys.stderr)
+        return EXIT_REFUSED
+    except _backend_errors() as exc:
+        print(_unusable(where, f"the journal failed ({type(exc).__name__})"), file=sys.stderr)
         return EXIT_REFUSED
     finally:
         logger.removeHandler(handler)
         journal.close()
     return code
+
+
+def _iso_utc(seconds: float) -> str:
+    """Unix seconds as ISO 8601 UTC to the second: ``2026-12-06T11:31:02Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _unusable(where: str | None, what: str) -> str:
+    named = f"--journal {_where(where)}" if where else f"${ENV} or the default journal"
+    return (
+        f"agentkey: {what}, so nothing was read or changed; check that {named} names a "
+        "journal that is reachable (pass --journal to name another)"
+    )
+
+
+def _where(where: str) -> str:
+    return redact_url(where) if "://" in where else repr(where)
+
+
+def _backend_errors() -> tuple[type[Exception], ...]:
+    """What a journal's database driver raises when it cannot be reached."""
+    errors: list[type[Exception]] = [OSError]
+    try:
+        from redis import RedisError
+
+        errors.append(RedisError)
+    except ImportError:  # pragma: no cover - the redis extra is not installed
+        pass
+    try:
+        import psycopg
+
+        errors.append(psycopg.Error)
+    except ImportError:  # pragma: no cover - the postgres extra is not installed
+        pass
+    return tuple(errors)
 
 
 def _open(where: str | None) -> Any:
@@ -248,7 +316,7 @@ def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
     header = ("UPDATED", "STATE", "STEP", "TOOL", "STATUS", "KEY", "REASON")
     lines = [header] + [
         (
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["updated"])),
+            _iso_utc(row["updated"]),
             row["state"],
             row["step"] or "",
             row["tool"] or "",
@@ -285,7 +353,7 @@ def _doubt(ns: argparse.Namespace, journal: Any) -> int:
     )
     rows = [_row(r, now) for r in found if not is_live(r, now)]
     _print(rows, ns.json)
-    return EXIT_OK if rows else EXIT_FOUND_NOTHING
+    return EXIT_OK  # a listing, like list: nothing in doubt is no error
 
 
 def _show(ns: argparse.Namespace, journal: Any) -> int:
@@ -299,10 +367,12 @@ def _show(ns: argparse.Namespace, journal: Any) -> int:
     row["status_url"] = redact_url(record.status_url) if record.status_url else None
     if ns.body and record.body is not None:
         row["body"] = record.body.decode("utf-8", "replace")
-    if ns.json:
+    if ns.json:  # times as Unix seconds, for scripts
         print(json.dumps(row, sort_keys=True))
     else:
         for name, value in row.items():
+            if name in ("updated", "created"):
+                value = _iso_utc(value)
             if value is not None:
                 print(f"{name:>10}  {_clean(str(value), 2000) if name != 'body' else value}")
     return EXIT_OK
@@ -352,18 +422,17 @@ def _evidence(ns: argparse.Namespace, journal: Any) -> int:
         else:
             print(f"forgot {_route(route)}" if forgot else f"no evidence for {_route(route)}")
         return EXIT_OK if forgot else EXIT_FOUND_NOTHING
-    rows = [_evidence_row(e) for e in journal.evidence()]
+    rows = [_evidence_row(e) for e in journal.evidence()]  # a listing: exit 0, none included
     if ns.json:
         for row in rows:
             print(json.dumps(row, sort_keys=True))
     elif not rows:
         print("no evidence")
     else:
-        stamp = "%Y-%m-%d %H:%M:%S"
         lines = [("LAST SEEN", "EXPIRES", "MARKER", "ROUTE")] + [
             (
-                time.strftime(stamp, time.localtime(row["last_seen"])),
-                time.strftime(stamp, time.localtime(row["expires_at"])),
+                _iso_utc(row["last_seen"]),
+                _iso_utc(row["expires_at"]),
                 _clean(row["marker"], 40),
                 _clean(row["route"], 200),
             )
@@ -372,7 +441,7 @@ def _evidence(ns: argparse.Namespace, journal: Any) -> int:
         widths = [max(len(line[i]) for line in lines) for i in range(4)]
         for line in lines:
             print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
-    return EXIT_OK if rows else EXIT_FOUND_NOTHING
+    return EXIT_OK
 
 
 def _normal_route(text: str) -> str | None:

@@ -1,11 +1,14 @@
 """The ``agentkey`` command: ``key``, ``demo``, ``serve``, ``check`` and ``journal`` (docs/cli.md).
 
-Exit codes: 0 success (for ``check``: the server honours the contract), 1 the
-server does NOT honour the contract (or the demo saw the contract broken), 2 a
-usage error (bad option or value, a port in use, a missing extra), 3 no verdict:
-``check`` could not reach the target or the tool refused the fresh request, or
-``serve`` could not reach ``--redis``. Every option is checked before anything is
-printed or started.
+Exit codes, the same for every subcommand (docs/cli.md has the table): 0 success
+(``check``: the server honours the contract; a listing, whatever it lists), 1 a
+negative answer (``check``: a contract row failed; ``demo``: the contract broke;
+``show``/``settle``: no such call or key), 2 a usage error (argparse's habit: a bad
+option or value, a port in use, a missing extra, a journal or store that cannot be
+opened), 3 no verdict or a refusal: ``check`` could not reach the target or the tool
+refused the fresh request, ``serve`` could not reach ``--redis``, the journal refused
+or failed. Every option is checked before anything is printed or started; options
+such as ``--json`` and ``--journal`` go before or after their subcommand.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._exceptions import AgentKeyError, ConfigurationError, InsecureTransport
 from ._keys import HEADER_STYLES
 from ._plan import PlanSession
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .client._checker import CheckReport, CheckResult
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
 
@@ -255,6 +262,7 @@ def _cmd_check(ns: argparse.Namespace) -> int:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(_CHECK_WARNING, file=sys.stderr)
+    progress = _progress if sys.stderr.isatty() else None
     try:
         report = check_server(
             ns.url,
@@ -266,14 +274,49 @@ def _cmd_check(ns: argparse.Namespace) -> int:
             concurrency=ns.concurrency,
             timeout=ns.timeout,
             other_path=ns.other_path,
+            progress=progress,
         )
     except (ConfigurationError, InsecureTransport) as exc:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(report.table())
+    print(json.dumps(_report_json(report), indent=2) if ns.json else report.table())
     if report.unreachable is not None or report.no_verdict is not None:
         return EXIT_UNREACHABLE
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _progress(row: CheckResult) -> None:
+    """A row as soon as it is decided, on the terminal (stderr): the check takes seconds."""
+    print(f"  {row.verdict:<6}  {row.scope:<8}  {row.name}", file=sys.stderr, flush=True)
+
+
+def _report_json(report: CheckReport) -> dict[str, object]:
+    """``check --json``: the schema docs/cli.md documents (schema 1)."""
+    if report.unreachable is not None or report.no_verdict is not None:
+        outcome = "no_verdict"
+    else:
+        outcome = "honours" if report.ok else "does_not_honour"
+    verdicts = ("PASS", "FAIL", "WARN", "SKIP")
+    return {
+        "schema": 1,
+        "target": report.target,
+        "style": report.style,
+        "outcome": outcome,
+        "ok": report.ok,
+        "unreachable": report.unreachable,
+        "no_verdict": report.no_verdict,
+        "counts": {v: sum(r.verdict == v for r in report.results) for v in verdicts},
+        "results": [
+            {
+                "name": r.name,
+                "verdict": r.verdict,
+                "scope": r.scope,
+                "detail": r.detail,
+                "evidence": list(r.evidence),
+            }
+            for r in report.results
+        ],
+    }
 
 
 _DEMO_DESCRIPTION = """\
@@ -295,7 +338,9 @@ contract held, 1 if it did not."""
 _CHECK_EPILOG = """\
 exit status: 0 the server honours the contract (agentkey-specific rows may
 still fail: they are reported, not required); 1 a contract row failed; 2 a
-usage error; 3 the target could not be reached (down, DNS, TLS): no verdict."""
+usage error; 3 the target could not be reached (down, DNS, TLS), the tool
+refused the fresh request, or the transport failed mid-check: no verdict. On a terminal each row
+is printed to stderr as soon as it is decided."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -346,7 +391,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve agentkey's example tool server, the one the demo and the docs use, "
         "so an agent, `agentkey check` or curl can call it. Tools: POST /tools/charge "
         '{"amount": <positive int>, "currency": "EUR"}; POST /tools/provision {"region": "..."} '
-        '(works a moment before its side effect); POST /tools/report {"rows": 0..100000}; '
+        '(works a moment before its side effect); POST /tools/report {"rows": 0..20000}; '
         "GET /executions returns how often each tool really ran. Every tool needs an "
         "Idempotency-Key header.",
     )
@@ -415,6 +460,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--timeout", type=_seconds, default=30.0, help="seconds per request (default 30)"
+    )
+    check.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object (schema in docs/cli.md) instead of the table",
     )
     check.set_defaults(func=_cmd_check)
 

@@ -48,14 +48,14 @@ import ssl
 import time
 import unicodedata
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from .._canonical import canonical_json, to_jsonable
 from .._exceptions import ConfigurationError
-from .._keys import HEADER_STYLES, HeaderStyle, StepKey
+from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
 from . import _clients, _http, _httpx2
 from ._effects import Answer, Failure, FailureKind, Outgoing
 from ._net import redact_url, require_secure
@@ -102,6 +102,8 @@ class CheckResult:
     verdict: Verdict
     detail: str
     scope: Scope = "contract"
+    #: The requests the row rests on, one line each: path, key (as a digest), answer.
+    evidence: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +224,7 @@ class _Target:
         self.url = url
         self.token = token
         self.timeout = timeout
+        self.log: list[str] = []  # one line per request answered, for the rows' evidence
 
     async def post(self, body: bytes, key: str | None, *, url: str | None = None) -> _Sent:
         """One request, answered whole within ``timeout``.
@@ -247,7 +250,9 @@ class _Target:
                     reply.kind, f"no complete answer within --timeout ({self.timeout:g} s)"
                 )
             raise _NoAnswer(reply)
-        return _sent(reply, self.token)
+        sent = _sent(reply, self.token)
+        self.log.append(_evidence(url or self.url, key, sent))
+        return sent
 
     async def _send(
         self,
@@ -261,6 +266,16 @@ class _Target:
         return await _http.send_async(
             client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
         )
+
+
+def _evidence(url: str, key: str | None, sent: _Sent) -> str:
+    """One request and its answer, fit to print: the key as a digest, never whole."""
+    path = urlsplit(url).path or "/"
+    said = f"key {shown_key(key)}" if key is not None else "no key"
+    marks = [f"{sent.replay_header}: true"] if sent.replay_header else []
+    if sent.code:
+        marks.append(sent.shown(sent.code))
+    return _printable(f"POST {path} {said} -> {_status(sent)}" + "".join(f", {m}" for m in marks))
 
 
 def _timed_out(failure: Failure) -> bool:
@@ -840,12 +855,14 @@ async def acheck_server(
     concurrency: int = 8,
     timeout: float = 30.0,
     other_path: str | None = None,
+    progress: Callable[[CheckResult], None] | None = None,
 ) -> CheckReport:
     """Check every point of the contract against ``base_url + path``. Real side effects!
 
     ``other_path`` is a second route the step's key is sent to (default: ``path`` plus
     ``/agentkey-check-other-route``, a route no tool serves that a prefix rule such as
-    ``/tools/*`` still protects).
+    ``/tools/*`` still protects). ``progress`` is called with each row as soon as it is
+    decided (the CLI prints them on a terminal while the check runs).
     """
     url, other_url = _validate(base_url, path, token, style, concurrency, timeout, other_path)
     plain = to_jsonable(args)
@@ -864,7 +881,7 @@ async def acheck_server(
         target = _Target(client, url, token, float(timeout))
         run = _Run(target, plan, canonical_json(plain), plain, changed, style, other_url)
         try:
-            results += await _fresh_and_duplicate(run)
+            results += _done(await _fresh_and_duplicate(run), target, progress)
         except _NoAnswer as exc:
             if run.first is None:  # nothing answered yet
                 cause = await _why_unreachable(url, exc.failure, float(timeout), token)
@@ -886,9 +903,22 @@ async def acheck_server(
             except _NoAnswer as exc:
                 no_verdict = _transport(shown, exc, token)
                 break
-            results += produced if isinstance(produced, list) else [produced]
-    results = [CheckResult(r.name, r.verdict, _printable(r.detail), r.scope) for r in results]
+            results += _done(
+                produced if isinstance(produced, list) else [produced], target, progress
+            )
     return CheckReport(shown, style, tuple(results), no_verdict=no_verdict)
+
+
+def _done(
+    rows: list[CheckResult], target: _Target, progress: Callable[[CheckResult], None] | None
+) -> list[CheckResult]:
+    """The rows of one step, fit to print, with the step's requests as their evidence."""
+    evidence, target.log = tuple(target.log), []
+    done = [CheckResult(r.name, r.verdict, _printable(r.detail), r.scope, evidence) for r in rows]
+    if progress is not None:
+        for row in done:
+            progress(row)
+    return done
 
 
 def _transport(shown: str, exc: _NoAnswer, token: str | None) -> str:
@@ -910,6 +940,7 @@ def check_server(
     concurrency: int = 8,
     timeout: float = 30.0,
     other_path: str | None = None,
+    progress: Callable[[CheckResult], None] | None = None,
 ) -> CheckReport:
     """Blocking form of :func:`acheck_server`."""
     return asyncio.run(
@@ -923,5 +954,6 @@ def check_server(
             concurrency=concurrency,
             timeout=timeout,
             other_path=other_path,
+            progress=progress,
         )
     )

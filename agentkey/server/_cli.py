@@ -25,7 +25,10 @@ one node's list would be incomplete.
 Keys are printed as digests (``plan:step_003:#1a2b3c4d``, never whole: a key is a
 bearer secret); ``settle`` takes that form. The store URL is ``redis://...``
 (``--prefix``, as given to ``RedisStore``) or ``postgresql://...`` (``--table``).
-Exit codes: 0 done (or something listed), 1 nothing found, 2 bad usage or no store.
+``--store``, ``--prefix``, ``--table`` and ``--json`` go before or after the subcommand.
+Times print as ISO 8601 UTC (``--json``: Unix seconds).
+Exit codes: 0 done (``doubt`` exits 0 whatever it lists, nothing included), 1 no such
+key in doubt (``settle``), 2 bad usage or no store.
 """
 
 from __future__ import annotations
@@ -61,8 +64,13 @@ def main(argv: Sequence[str]) -> int:
 
 def add_parser(sub: Any) -> None:
     """Add ``server`` and its sub-commands to the ``agentkey`` parser's sub-parsers."""
+    # The store options and --json are accepted before or after the subcommand; no level
+    # sets a default (a subcommand's would overwrite what came before it): _run does.
+    common = argparse.ArgumentParser(add_help=False)
+    _store_options(common)
     server = sub.add_parser(
         "server",
+        parents=[common],
         help="list and settle the keys in doubt in a server's idempotency store",
         description="A key is in doubt when a request may have started its side effect and "
         "did not finish (its server died, or it failed after the effect began). Nothing runs "
@@ -70,20 +78,21 @@ def add_parser(sub: Any) -> None:
         "printed as digests, never whole.",
     )
     commands = server.add_subparsers(dest="server_command", required=True)
-    doubt = commands.add_parser("doubt", help="every key in doubt")
-    _store_options(doubt)
+    doubt = commands.add_parser(
+        "doubt", parents=[common], help="every key in doubt (exit 0, also when there is none)"
+    )
     doubt.add_argument("--limit", type=_count, default=500, help="at most this many (500)")
     doubt.set_defaults(func=_run, func_command=_doubt)
 
     settle = commands.add_parser(
         "settle",
+        parents=[common],
         help="record whether the step of a key in doubt ran",
         description="--ran: it did; later requests with the key get --body (with --status, "
         "200 by default) as a replay, or without --body a 500 saying an operator settled it "
         "as ran and its answer is not known. --not-run: it did not; the key is freed and the "
         "next request with it runs the step.",
     )
-    _store_options(settle)
     settle.add_argument("key", help="the key as printed (plan:step_003:#1a2b3c4d or #1a2b3c4d)")
     verdict = settle.add_mutually_exclusive_group(required=True)
     verdict.add_argument("--ran", action="store_true", help="the step ran")
@@ -106,15 +115,22 @@ def add_parser(sub: Any) -> None:
     settle.set_defaults(func=_run, func_command=_settle)
 
 
+_DEFAULTS = {"store": None, "prefix": "agentkey", "table": "agentkey_records", "json": False}
+
+
 def _store_options(parser: argparse.ArgumentParser) -> None:
+    hidden = argparse.SUPPRESS
     parser.add_argument(
-        "--store", required=True, metavar="URL", help="redis://... or postgresql://..."
+        "--store", metavar="URL", default=hidden, help="redis://... or postgresql://... (required)"
     )
-    parser.add_argument("--prefix", default="agentkey", help="RedisStore prefix (agentkey)")
+    parser.add_argument("--prefix", default=hidden, help="RedisStore prefix (agentkey)")
+    parser.add_argument("--table", default=hidden, help="PostgresStore table (agentkey_records)")
     parser.add_argument(
-        "--table", default="agentkey_records", help="PostgresStore table (agentkey_records)"
+        "--json",
+        action="store_true",
+        default=hidden,
+        help="print JSON lines for scripts (times as Unix seconds)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON lines for scripts")
 
 
 def _count(text: str) -> int:
@@ -275,6 +291,11 @@ class _Postgres:
 
 def _open(ns: argparse.Namespace) -> _Redis | _Postgres:
     url = ns.store
+    if url is None:
+        raise ConfigurationError(
+            f"server {ns.server_command} needs --store URL: the server's redis://... or "
+            "postgresql://... store"
+        )
     if url.startswith(("redis://", "rediss://", "unix://")):
         return _Redis(url, ns.prefix)
     if url.startswith(("postgresql://", "postgres://")):
@@ -283,6 +304,9 @@ def _open(ns: argparse.Namespace) -> _Redis | _Postgres:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    for name, default in _DEFAULTS.items():
+        if not hasattr(ns, name):
+            setattr(ns, name, default)
     try:
         backend = _open(ns)
     except AgentKeyError as exc:
@@ -331,7 +355,7 @@ def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
     header = ("SINCE", "WHY", "PRINCIPAL", "ROUTE", "KEY")
     lines = [header] + [
         (
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["since"])),
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row["since"])),
             row["why"],
             row["principal"],
             f"{row['method'] or ''} {row['route'] or ''}".strip(),
@@ -347,7 +371,7 @@ def _print(rows: Sequence[dict[str, Any]], as_json: bool) -> None:
 async def _doubt(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:
     rows = [d.row() for d in (await _doubts(backend, await backend.now_ms()))[: ns.limit]]
     _print(rows, ns.json)
-    return EXIT_OK if rows else EXIT_FOUND_NOTHING
+    return EXIT_OK  # a listing: nothing in doubt is no error
 
 
 async def _settle(ns: argparse.Namespace, backend: _Redis | _Postgres) -> int:

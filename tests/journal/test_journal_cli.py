@@ -174,11 +174,13 @@ def test_list_show_and_prune_in_text(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(out) == {"deleted": 0}
 
 
-def test_nothing_in_doubt_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``doubt`` with nothing to settle prints "no calls" and exits 1, for scripts."""
+def test_nothing_in_doubt_exits_0_like_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``doubt`` with nothing to settle prints "no calls" and exits 0, as ``list`` does."""
     SQLiteJournal(tmp_path / "empty.sqlite3").close()
     code, out = run(capsys, "journal", "--journal", str(tmp_path / "empty.sqlite3"), "doubt")
-    assert (code, out.strip()) == (1, "no calls")
+    assert (code, out.strip()) == (0, "no calls")
 
 
 @pytest.mark.parametrize(
