@@ -246,12 +246,15 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")
     if args is None or (ns.changed_args is not None and changed is None):
         return EXIT_USAGE
-    try:
-        if changed is not None and canonical_json(changed) == canonical_json(args):
-            print("agentkey: --changed-args must differ from --args", file=sys.stderr)
+    canonical = {}
+    for option, value in (("--args", args), ("--changed-args", changed)):
+        try:  # before the warning: a value no tool can be sent (NaN) is a usage error
+            canonical[option] = None if value is None else canonical_json(value)
+        except AgentKeyError as exc:
+            print(f"agentkey: {option}: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    except AgentKeyError as exc:
-        print(f"agentkey: --args or --changed-args: {exc}", file=sys.stderr)
+    if changed is not None and canonical["--changed-args"] == canonical["--args"]:
+        print("agentkey: --changed-args must differ from --args", file=sys.stderr)
         return EXIT_USAGE
     token = ns.token if ns.token is not None else os.environ.get("AGENTKEY_CHECK_TOKEN")
     try:  # every option checked before the warning, and before any request

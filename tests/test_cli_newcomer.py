@@ -34,6 +34,16 @@ pytestmark = pytest.mark.timeout(60)
         (["key", "--step", "1", "--args", '{"a": 1, "a": 2}'], "--args"),
         (["check", "http://127.0.0.1:9", "--path", "/x", "--args", '{"a": 1, "a": 2}'], "--args"),
         (["check", "not-a-url", "--path", "/x", "--args", "{}"], "http://not-a-url"),
+        (["check", "http://127.0.0.1:9", "--path", "/x", "--args", '{"a": NaN}'], "--args"),
+        (
+            ["check", "http://tools.example.com", "--path", "/x", "--args", "{}", "--token", "t"],
+            "--token",
+        ),
+        (
+            ["check", "http://127.0.0.1:9", "--path", "/x", "--args", "{}", "--token", "a b"],
+            "--token",
+        ),
+        (["server", "doubt"], "--store"),
     ],
 )
 def test_usage_errors_exit_2_and_name_the_flag(

@@ -798,11 +798,11 @@ def _validate(
         # Checked here, never echoed: httpx would fail deep inside with the token in
         # the exception (UnicodeEncodeError carries the whole header value).
         raise ConfigurationError(
-            "the token must be printable ASCII without spaces or line breaks (a bearer "
-            "token as issued); it was not sent"
+            "the token (--token, $AGENTKEY_CHECK_TOKEN) must be printable ASCII without "
+            "spaces or line breaks (a bearer token as issued); it was not sent"
         )
     if token is not None:
-        require_secure(joined, what="a bearer token")
+        require_secure(joined, what="a bearer token (--token, $AGENTKEY_CHECK_TOKEN)")
     if style not in HEADER_STYLES:
         raise ConfigurationError(
             f"unknown key header style {style!r}; use 'raw', 'sf-string' or 'uuid'"
