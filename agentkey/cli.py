@@ -1,4 +1,5 @@
-"""The ``agentkey`` command: ``key``, ``demo``, ``serve``, ``check`` and ``journal`` (docs/cli.md).
+"""The ``agentkey`` command: ``key``, ``demo``, ``serve``, ``check``, ``journal`` and ``server``
+(docs/cli.md).
 
 Exit codes, the same for every subcommand (docs/cli.md has the table): 0 success
 (``check``: the server honours the contract; a listing, whatever it lists), 1 a
@@ -246,14 +247,15 @@ def _cmd_check(ns: argparse.Namespace) -> int:
     changed = None if ns.changed_args is None else _json_object(ns.changed_args, "--changed-args")
     if args is None or (ns.changed_args is not None and changed is None):
         return EXIT_USAGE
-    canonical = {}
-    for option, value in (("--args", args), ("--changed-args", changed)):
-        try:  # before the warning: a value no tool can be sent (NaN) is a usage error
-            canonical[option] = None if value is None else canonical_json(value)
-        except AgentKeyError as exc:
-            print(f"agentkey: {option}: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    if changed is not None and canonical["--changed-args"] == canonical["--args"]:
+    option = "--args"
+    try:  # before the warning: a value no tool can be sent (NaN) is a usage error
+        plain = canonical_json(args)
+        option = "--changed-args"
+        other = None if changed is None else canonical_json(changed)
+    except AgentKeyError as exc:
+        print(f"agentkey: {option}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if other == plain:
         print("agentkey: --changed-args must differ from --args", file=sys.stderr)
         return EXIT_USAGE
     token = ns.token if ns.token is not None else os.environ.get("AGENTKEY_CHECK_TOKEN")
@@ -352,6 +354,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Deterministic idempotency keys for the tool calls of AI agents.",
     )
     parser.add_argument("--version", action="version", version=f"agentkey {__version__}")
+    # --json goes before or after the subcommand; no level sets a default (a subcommand's
+    # would overwrite what came before it): main() does.
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="JSON output, for check, journal and server (also after the subcommand)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     key = sub.add_parser(
@@ -467,6 +477,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--json",
         action="store_true",
+        default=argparse.SUPPRESS,
         help="print the report as one JSON object (schema in docs/cli.md) instead of the table",
     )
     check.set_defaults(func=_cmd_check)
@@ -491,7 +502,11 @@ def _cmd_server(ns: argparse.Namespace) -> int:
         from .server._cli import main as server_main
     except ImportError as exc:
         return _missing_extra("server", exc)
-    return server_main(ns.args)
+    return server_main(["--json", *ns.args] if getattr(ns, "json", False) else ns.args)
+
+
+#: The subcommands that print JSON with --json.
+_JSON_COMMANDS = ("check", "journal", "server")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -499,7 +514,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["server"]:  # its own parser, in the server half (its --help too)
         return _cmd_server(argparse.Namespace(args=args[1:]))
-    ns = _parser().parse_args(args)
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if getattr(ns, "json", False) and ns.command not in _JSON_COMMANDS:
+        parser.error(f"--json applies to {', '.join(_JSON_COMMANDS)}, not to {ns.command}")
+    if ns.command == "check":
+        ns.json = getattr(ns, "json", False)
     try:
         code: int = ns.func(ns)
     except AgentKeyError as exc:

@@ -64,8 +64,9 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
         ["journal", "list", "--journal", "{j}", "--json"],
         ["journal", "--json", "show", "{k}", "--journal", "{j}"],
         ["journal", "show", "{k}", "--json", "--journal", "{j}"],
+        ["--json", "journal", "list", "--journal", "{j}"],
     ],
-    ids=["before", "json-after", "both-after", "mixed", "show-after"],
+    ids=["before", "json-after", "both-after", "mixed", "show-after", "top-level"],
 )
 def test_journal_options_go_before_or_after_the_subcommand(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -122,6 +123,7 @@ def test_server_store_options_go_before_or_after_the_subcommand(
     for argv in (
         ["server", "--store", redis_proc.url, "doubt", "--json", "--prefix", "habits"],
         ["server", "doubt", "--json", "--store", redis_proc.url, "--prefix", "habits"],
+        ["--json", "server", "doubt", "--store", redis_proc.url, "--prefix", "habits"],
     ):
         code, out, err = _run(capsys, *argv)
         assert (code, out) == (EXIT_OK, ""), err

@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(60)
             "--token",
         ),
         (["server", "doubt"], "--store"),
+        (["--json", "key", "--step", "1", "--args", "{}"], "--json"),
     ],
 )
 def test_usage_errors_exit_2_and_name_the_flag(
