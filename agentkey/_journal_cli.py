@@ -178,7 +178,10 @@ def _run(ns: argparse.Namespace) -> int:
     try:
         journal = _open(where)
     except AgentKeyError as exc:
-        print(f"agentkey: {exc}", file=sys.stderr)
+        said = str(exc)
+        if "--journal" not in said:  # say which option to fix, not only what went wrong
+            said += f" (check --journal, or ${ENV})"
+        print(f"agentkey: {said}", file=sys.stderr)
         return EXIT_USAGE
     # A record the journal cannot read is skipped with a warning: show it on stderr.
     logger = logging.getLogger("agentkey")
@@ -257,8 +260,16 @@ def _open(where: str | None) -> Any:
             return SQLiteJournal(create=False)
         where = setting
     if where.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
         from .journal._redis import RedisJournal
 
+        try:  # the URL is read when the journal is first used: check it now
+            redis.Redis.from_url(where).close()
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"--journal is not a Redis URL ({exc}); use redis://host:6379/0"
+            ) from None
         return RedisJournal(where)
     if where.startswith(("postgresql://", "postgres://")):
         from .journal._postgres import PostgresJournal

@@ -105,7 +105,7 @@ def test_an_unreachable_journal_names_the_flag_not_python(
     """A --journal Redis nobody answers: exit 3 and a line that names --journal (it was a
     traceback; PostgreSQL's said "pass another journal", Python advice)."""
     where = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
-    code, out, err = _run(capsys, "journal", "list", "--journal", where)
+    code, out, err = _run(capsys, "journal", "--journal", where, "list")
     assert code == 3, err
     assert "--journal redis://" in err
     assert "Traceback" not in err
@@ -250,3 +250,16 @@ def test_cli_md_documents_every_subcommand_and_option() -> None:
     for path in commands:
         if " " in path:
             assert f"agentkey {path}" in text or f"`{path.split()[-1]}" in text, path
+
+
+@pytest.mark.parametrize("where", ["redis://127.0.0.1:notaport/0", "{tmp}"])
+def test_an_unusable_journal_value_is_a_usage_error_naming_the_flag(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --journal that is no Redis URL (a ValueError traceback before) or no file (a
+    directory) exits 2 with a line that names --journal."""
+    code, out, err = _run(capsys, "journal", "--journal", where.format(tmp=tmp_path), "list")
+    assert code == 2, err
+    assert "--journal" in err
+    assert "Traceback" not in err
+    assert out == ""
