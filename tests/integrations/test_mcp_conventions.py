@@ -208,6 +208,8 @@ def test_key_conventions_must_name_known_conventions() -> None:
     ("name", "tool", "args"),
     [
         ("sep-3182", "create_vm", {"region": "eu-south-1"}),
+        ("sep-3182-meta", "create_vm", {"region": "eu-south-2"}),
+        ("ucp", "checkout", {"cart": "c-7"}),
         ("argument", "transfer", {"amount": 7}),
     ],
 )

@@ -34,7 +34,7 @@ from mcp_types import (
     CallToolRequest,
     CallToolRequestParams,
     CallToolResult,
-    ListToolsResult,
+    PaginatedRequestParams,
     RequestParamsMeta,
     TextContent,
 )
@@ -102,6 +102,8 @@ _OWN_HEADERS = frozenset({"content-type", "accept", "idempotency-key"})
 #: What a tool that its server lists as protected, without naming conventions, reads:
 #: agentkey's own (a server from before the conventions were advertised).
 _AGENTKEY_ONLY: tuple[KeyConvention, ...] = ("agentkey",)
+#: How many pages of ``tools/list`` the session reads, at most, to find a tool.
+_MAX_PAGES = 50
 
 
 class _KeyedParams(CallToolRequestParams):
@@ -262,7 +264,9 @@ class IdempotentSession:
     The key is ``plan.step(step, name, arguments)``'s: the same plan, step, tool
     and arguments give the same key in every process, so a server that honours
     it runs the call at most once and replays its stored result afterwards. It
-    goes in ``params._meta["io.agentkey/idempotency-key"]``.
+    goes in ``params._meta["io.agentkey/idempotency-key"]``, or where the server's
+    ``tools/list`` says it reads keys for the tool (``io.agentkey/key-conventions``,
+    read after a ``key-required`` refusal or an ambiguous failure).
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
     (``agentkey.client._flow``): it is recorded in the ``journal`` before it is sent;
@@ -271,8 +275,10 @@ class IdempotentSession:
     ``honours_keys=True``, or the server marked the tool protected (its results
     and its ``tools/list`` entry carry ``_meta["io.agentkey/protected"]``, which
     agentkey's server middleware sets). Otherwise the call ends in
-    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). A
-    refusal as in progress or unavailable is waited out within ``policy``. Each
+    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). Whether
+    the server marks the tool protected is asked again, with ``policy``'s backoff,
+    until the call's deadline (on ``clock``): a server that restarts meanwhile gets
+    the resend. A refusal as in progress or unavailable is waited out within ``policy``. Each
     attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
@@ -425,21 +431,17 @@ class IdempotentSession:
             return "agentkey"
         return advertised[0]
 
-    async def _learn(self, session: ClientSession) -> ListToolsResult:
-        """List the server's tools and keep what each says about its keys."""
-        listed = await session.list_tools()
-        for tool in listed.tools:
-            meta = tool.meta or {}
-            if meta.get(PROTECTED_FIELD) is not True:
-                self._advertised[tool.name] = ()
-                continue
-            named = meta.get(CONVENTIONS_FIELD)
-            if isinstance(named, list):
-                known = tuple(c for c in CONVENTIONS if c in named)
-                self._advertised[tool.name] = known
-            else:
-                self._advertised[tool.name] = _AGENTKEY_ONLY
-        return listed
+    async def _learn(self, session: ClientSession) -> None:
+        """List the server's tools (every page) and keep what each says about its keys."""
+        cursor: str | None = None
+        for _ in range(_MAX_PAGES):
+            params = None if cursor is None else PaginatedRequestParams(cursor=cursor)
+            listed = await session.list_tools(params=params)
+            for tool in listed.tools:
+                self._advertised[tool.name] = _conventions_of(tool.meta or {})
+            cursor = listed.next_cursor
+            if not cursor:
+                return
 
     async def _where(self) -> str:
         """``mcp://<server>``: the scope of this session's calls in the journal.
@@ -659,14 +661,15 @@ class _Carrier:
         failure ended the old one. A tool counts as protected only when the server reads
         the key where this call carried it."""
         tools = self.tools
-        listed = None
+        listed = False
         tries = 0
-        while listed is None:
+        while True:
             timeout = self.timeout(out)
             with anyio.move_on_after(float("inf") if timeout is None else timeout):
                 try:
                     session = await tools.session()
-                    listed = await tools._learn(session)
+                    await tools._learn(session)
+                    listed = True
                     break
                 except MCPError as exc:
                     if exc.code not in _AMBIGUOUS_CODES:  # answered: it lists no tools
@@ -681,11 +684,23 @@ class _Carrier:
                 break
             wait = tools._policy.schedule.delay(tries, rng=random.random)
             await tools._sleep(wait if left is None else min(wait, left))
-        if listed is None:
+        if not listed:
             return Failure(FailureKind.NOT_SENT, f"tools/list failed ({tries} tries)")
         if self.sent_as in tools._advertised.get(self.planned.tool, ()):
             return Answer(200, {PROTECTED_HEADER.lower(): "true"}, b"", out.url)
         return Answer(200, {}, b"", out.url)
+
+
+def _conventions_of(meta: Mapping[str, Any]) -> tuple[KeyConvention, ...]:
+    """The key conventions a tool's ``tools/list`` entry says its server reads (none: the
+    tool is not protected; protected without a list: agentkey's own, as servers said before
+    they named conventions)."""
+    if meta.get(PROTECTED_FIELD) is not True:
+        return ()
+    named = meta.get(CONVENTIONS_FIELD)
+    if not isinstance(named, list):
+        return _AGENTKEY_ONLY
+    return tuple(name for name in CONVENTIONS if name in named)
 
 
 def _wants_a_key(exc: MCPError) -> bool:

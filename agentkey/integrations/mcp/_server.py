@@ -1,4 +1,4 @@
-"""The server half: one ``ServerMiddleware`` that deduplicates ``tools/call`` on the ``_meta`` key.
+"""The server half: one ``ServerMiddleware`` that deduplicates ``tools/call`` on its key.
 
 It drives the same decision table as the HTTP middleware (``agentkey.server._decide``)
 against the same :class:`~agentkey.server.Store`: the operation a key is bound to is
@@ -109,9 +109,15 @@ class IdempotentToolsMiddleware:
 
     Add it to an ``MCPServer`` (``MCPServer(..., middleware=[...])`` or
     ``server.middleware.append(...)``) or to a low-level ``Server``'s
-    ``middleware`` list. For a call whose ``params._meta`` holds
-    ``"io.agentkey/idempotency-key"``:
+    ``middleware`` list. For a call that carries a key in one of ``key_conventions``
+    (all by default: ``params._meta["io.agentkey/idempotency-key"]``, SEP-3182's
+    ``params.idempotencyKey``, ``params._meta.idempotencyKey``, UCP's
+    ``arguments.meta["idempotency-key"]``, an ``idempotency_key`` argument; see
+    :data:`~agentkey.integrations.mcp._wire.KeyConvention`):
 
+    - a key inside the arguments is left out of what it binds (the arguments are hashed
+      without it); two conventions carrying different keys are refused (``invalid-key``,
+      ``data.fields`` names them), and nothing runs;
     - the key must parse (an agentkey key ``<plan>:<step>:<args_hash>``, or an
       opaque key of 1-255 printable ASCII characters unless
       ``key_format="agentkey"``); an agentkey key's ``args_hash`` must be the
@@ -145,10 +151,11 @@ class IdempotentToolsMiddleware:
     ``max_recorded_bytes`` (1 MiB) reaches its caller but is not stored: later
     calls with the key get an ``isError`` result saying so, never a second run.
 
-    A call without the field runs as before, or is refused (``key-required``)
+    A call without a key runs as before, or is refused (``key-required``)
     when ``require_key`` is true. ``tools`` limits protection to those tool
-    names (the others pass through). Refusals are JSON-RPC errors whose
-    ``data.type`` is ``io.agentkey/<kind>``.
+    names (the others pass through); ``tools/list`` marks them protected and names
+    the conventions read (``io.agentkey/key-conventions``). Refusals are JSON-RPC
+    errors whose ``data.type`` is ``io.agentkey/<kind>``.
     """
 
     def __init__(

@@ -5,6 +5,7 @@ A ``tools/call`` request carries the key in ``params._meta``::
     {"method": "tools/call", "params": {"name": "create_vm", "arguments": {...},
      "_meta": {"io.agentkey/idempotency-key": "<plan_session_id>:<step>:<args_hash>"}}}
 
+The middleware also reads the key where other clients put it (:data:`KeyConvention`).
 A result replayed from the store carries ``"io.agentkey/replayed": true`` in
 its ``_meta``; every result of a protected tool, and the tool's entry in
 ``tools/list``, carries ``"io.agentkey/protected": true``. A refusal is a
