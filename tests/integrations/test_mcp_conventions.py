@@ -242,3 +242,19 @@ async def test_the_client_sends_agentkeys_convention_by_default() -> None:
             )
         assert lab.runs["create_vm"] == 1
     assert got.replayed
+
+
+async def test_a_call_run_without_a_key_the_server_reads_tells_the_client_where() -> None:
+    """A server that reads only the argument convention and does not require a key: the
+    first call runs unkeyed, its result names the convention, and the next call sends its
+    key there, so its lost answer is resent and replayed: 1 execution each."""
+    with running(MemoryStore(), key_conventions=["argument"]) as lab:
+        async with connect(lab.url + "/mcp") as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
+            first = await tools.call_tool("transfer", {"amount": 4})
+            lab.drop["transfer"] = 1
+            second = await tools.call_tool("transfer", {"amount": 4})
+        assert lab.runs["transfer"] == 2
+    assert PROTECTED_FIELD not in (first.result.meta or {})
+    assert (first.result.meta or {}).get("io.agentkey/key-conventions") == ["argument"]
+    assert (second.attempts, second.replayed) == (2, True)

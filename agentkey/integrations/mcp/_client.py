@@ -266,7 +266,8 @@ class IdempotentSession:
     it runs the call at most once and replays its stored result afterwards. It
     goes in ``params._meta["io.agentkey/idempotency-key"]``, or where the server's
     ``tools/list`` says it reads keys for the tool (``io.agentkey/key-conventions``,
-    read after a ``key-required`` refusal or an ambiguous failure).
+    read after a ``key-required`` refusal or an ambiguous failure, or on the result
+    of a call that ran without a key the server reads).
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
     (``agentkey.client._flow``): it is recorded in the ``journal`` before it is sent;
@@ -612,6 +613,11 @@ class _Carrier:
             return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
         finally:
             _STATUSES.reset(reset)
+        if (result.meta or {}).get(PROTECTED_FIELD) is not True:
+            named = (result.meta or {}).get(CONVENTIONS_FIELD)
+            if isinstance(named, list):  # run without a key the server reads: where it does
+                marked = {PROTECTED_FIELD: True, CONVENTIONS_FIELD: named}
+                tools._advertised[planned.tool] = _conventions_of(marked)
         return _answer_of(result, out.url)
 
     async def call(

@@ -255,7 +255,7 @@ class IdempotentToolsMiddleware:
         value = self._one_key(carried, name)
         if value is None and not self.require_key:
             self._emit("passthrough", name, None)
-            return await call_next(ctx)
+            return self._unkeyed(await call_next(ctx))
         # Whose key space, before anything about the key: a caller nobody authenticated
         # learns nothing (no replay, no in-progress, no key-reused about another's key).
         principal = SHARED_PRINCIPAL
@@ -315,6 +315,17 @@ class IdempotentToolsMiddleware:
                 meta = tool.get("_meta")
                 marks = {PROTECTED_FIELD: True, CONVENTIONS_FIELD: list(self.key_conventions)}
                 tool["_meta"] = {**(meta if isinstance(meta, dict) else {}), **marks}
+        return doc
+
+    def _unkeyed(self, result: HandlerResult) -> HandlerResult:
+        """A result of a protected tool called without a key it reads, naming where the
+        server reads keys (so a client sends its next key there); not marked protected."""
+        doc = _as_dict(result)
+        if doc is None:
+            return result
+        meta = doc.get("_meta")
+        marks = {CONVENTIONS_FIELD: list(self.key_conventions)}
+        doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), **marks}
         return doc
 
     # -- before the claim ------------------------------------------------------------
