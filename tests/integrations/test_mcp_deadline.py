@@ -31,6 +31,7 @@ def text_of(got: MCPToolResult) -> str:
     return str(getattr(got.result.content[0], "text", ""))
 
 
+@pytest.mark.realtime
 async def test_a_call_waits_for_its_server_to_come_back_and_gets_the_real_answer(
     redis_proc: RedisServer,
 ) -> None:
