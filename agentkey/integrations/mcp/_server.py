@@ -334,8 +334,8 @@ class IdempotentToolsMiddleware:
         """The call's key: the one value its conventions carry, refused when they differ."""
         if not found:
             return None
-        values = {json.dumps(value, sort_keys=True, default=repr) for _, value in found}
-        if len(values) > 1:
+        first = found[0][1]
+        if any(value != first or type(value) is not type(first) for _, value in found[1:]):
             fields = [FIELD_NAMES[field] for field, _ in found]
             self._emit("rejected", name, None, 400)
             raise MCPError(
@@ -345,7 +345,7 @@ class IdempotentToolsMiddleware:
                 "same key in every field)",
                 {**refusal_data("invalid-key"), "fields": fields},
             )
-        return found[0][1]
+        return first
 
     def _check(
         self,
