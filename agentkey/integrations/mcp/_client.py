@@ -279,8 +279,8 @@ class IdempotentSession:
     :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). Whether
     the server marks the tool protected is asked again, with ``policy``'s backoff,
     until the call's deadline (on ``clock``): a server that restarts meanwhile gets
-    the resend. A refusal as in progress or unavailable is waited out within ``policy``. Each
-    attempt waits at most ``attempt_timeout`` seconds for its answer.
+    the resend. A refusal as in progress or unavailable is waited out within
+    ``policy``. Each attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
     (:data:`SessionFactory`, e.g. ``lambda: connect(url, auth=provider)``); then use
@@ -600,7 +600,10 @@ class _Carrier:
                 # the call goes again at once in the convention its tools/list names.
                 if not _wants_a_key(exc) or planned.tool in tools._advertised:
                     raise
-                await tools._learn(session)
+                try:
+                    await tools._learn(session)
+                except _PROBE_ERRORS:
+                    raise exc from None  # the refusal stands: nothing ran
                 if tools._convention(planned.tool) == convention:
                     raise
                 convention = tools._convention(planned.tool)
