@@ -140,3 +140,24 @@ async def test_journal_takes_only_true_or_false() -> None:
             with pytest.raises(ConfigurationError, match="journal"):
                 await tools.call_tool("lookup", {"name": "x"}, journal="off")  # type: ignore[arg-type]
         assert lab.runs["lookup"] == 0
+
+
+async def test_a_read_let_through_the_journal_of_a_protected_tool_is_replayed_by_its_server() -> (
+    None
+):
+    """journal=False skips only the client's journal: the key is the same, so a tool the
+    server protects answers with the result it stored for that key (as documented)."""
+    plan_id = str(uuid.uuid4())
+    with running(MemoryStore()) as lab:
+        lab.values["price"] = "10"
+        async with connect(lab.url + "/mcp") as s:
+            first = await IdempotentSession(
+                s, PlanSession(id=plan_id), journal=MemoryJournal()
+            ).call_tool("lookup", {"name": "price"})
+            lab.values["price"] = "12"
+            again = await IdempotentSession(
+                s, PlanSession(id=plan_id), journal=MemoryJournal()
+            ).call_tool("lookup", {"name": "price"}, journal=False)
+        assert lab.runs["lookup"] == 1
+    assert (text_of(first), text_of(again)) == ("10", "10")
+    assert (again.source, again.replayed) == ("tool", True)
