@@ -64,7 +64,8 @@ async def timed(samples: list[float], call: Awaitable[object]) -> None:
 async def measure(calls: int, mode: str) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"plain": [], "agentkey, new key": [], "agentkey, replay": []}
     async with sessions(mode) as (plain, wrapped):
-        tools = IdempotentSession(wrapped, PlanSession(id=str(uuid.uuid4())), hooks=())
+        plan = PlanSession(id=str(uuid.uuid4()))
+        tools = IdempotentSession(wrapped, plan, hooks=(), on_repeat="allow")  # new keys
         for _ in range(20):  # warm up both paths
             await plain.call_tool("create_vm", ARGS)
         await tools.call_tool("create_vm", ARGS, step=10**6)
