@@ -258,3 +258,21 @@ async def test_a_call_run_without_a_key_the_server_reads_tells_the_client_where(
     assert PROTECTED_FIELD not in (first.result.meta or {})
     assert (first.result.meta or {}).get("io.agentkey/key-conventions") == ["argument"]
     assert (second.attempts, second.replayed) == (2, True)
+
+
+async def test_an_argument_key_without_a_caller_scope_is_refused_unless_left_out() -> None:
+    """On a server with no OAuth, principal= or shared key space, a tool's plain
+    idempotency_key argument is now a key: refused as unauthenticated (nothing runs), and
+    key_conventions without "argument" keeps the old pass-through."""
+    with running(MemoryStore(), principal=None) as strict:
+        async with connect(strict.url + "/mcp") as s:
+            with pytest.raises(MCPError) as caught:
+                await _argument(s, "transfer", {"amount": 2}, "k-1")
+        assert strict.runs["transfer"] == 0
+    assert caught.value.data == {"type": "io.agentkey/unauthenticated"}
+    others = ["agentkey", "sep-3182", "sep-3182-meta", "ucp"]
+    with running(MemoryStore(), principal=None, key_conventions=others) as old:
+        async with connect(old.url + "/mcp") as s:
+            await _argument(s, "transfer", {"amount": 2}, "k-1")
+            await _argument(s, "transfer", {"amount": 2}, "k-1")
+        assert old.runs["transfer"] == 2
