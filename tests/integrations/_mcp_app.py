@@ -47,6 +47,12 @@ class Lab:
     gate: threading.Event = field(default_factory=threading.Event)
     #: when set, a tools/list request waits for ``gate`` before it is answered
     stall_list: bool = False
+    #: set by a lost answer when ``down_after_drop``: every request then fails (HTTP 500)
+    #: until the test restarts the server, as a server that crashed after running the tool
+    down_after_drop: bool = False
+    down: bool = False
+    #: what ``lookup`` reads, per name
+    values: dict[str, str] = field(default_factory=dict)
     url: str = ""
 
 
@@ -93,6 +99,24 @@ def build_server(lab: Lab, middleware: IdempotentToolsMiddleware | None) -> MCPS
         return f"charged {amount}"
 
     @server.tool()
+    def lookup(name: str) -> str:
+        """A read: the current value of ``name`` (counted)."""
+        lab.runs["lookup"] += 1
+        return lab.values.get(name, "")
+
+    @server.tool()
+    def checkout(cart: str, meta: dict[str, Any] | None = None) -> str:
+        """A UCP-style checkout tool: its key travels in ``meta["idempotency-key"]`` (counted)."""
+        lab.runs["checkout"] += 1
+        return f"order {lab.runs['checkout']} for {cart}"
+
+    @server.tool()
+    def transfer(amount: int, idempotency_key: str | None = None) -> str:
+        """A tool with a plain ``idempotency_key`` argument (counted)."""
+        lab.runs["transfer"] += 1
+        return f"transfer {lab.runs['transfer']} of {amount}"
+
+    @server.tool()
     def fragile(amount: int) -> str:
         """Fails after its side effect began: recorded FAILED, replayed as an error."""
         current_claim().begin_mutation()
@@ -121,6 +145,8 @@ def wrap(inner: Any, lab: Lab) -> Any:
             return
         if lab.tokens and not await _authorized(scope, lab, send):
             return
+        if lab.down:
+            raise ConnectionAbortedError("the server is down (test)")
         if scope["method"] != "POST":
             await inner(scope, receive, send)
             return
@@ -151,6 +177,7 @@ def wrap(inner: Any, lab: Lab) -> Any:
                 await send(message)
 
         await inner(scope, receive_once, start_only)  # the tool runs, its answer goes nowhere
+        lab.down = lab.down_after_drop
         raise ConnectionAbortedError("answer lost after commit (test proxy)")
 
     return app
@@ -181,16 +208,21 @@ async def _authorized(scope: Scope, lab: Lab, send: Send) -> bool:
 
 
 @contextmanager
-def running(store: Store | None, lab: Lab | None = None, **options: Any) -> Iterator[Lab]:
-    """Serve the test tools (behind the middleware when ``store`` is given) on 127.0.0.1."""
+def running(
+    store: Store | None, lab: Lab | None = None, *, port: int = 0, **options: Any
+) -> Iterator[Lab]:
+    """Serve the test tools (behind the middleware when ``store`` is given) on 127.0.0.1
+    (on ``port``, to restart a server where it was)."""
     lab = lab or Lab()
+    lab.down = False
     if "principal" not in options:  # the lab's bearer check is not the SDK's OAuth
         options.setdefault("shared_key_space", True)
     middleware = None if store is None else IdempotentToolsMiddleware(store, **options)
     app = wrap(build_server(lab, middleware).streamable_http_app(), lab)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="critical", lifespan="on", access_log=False)
     server = uvicorn.Server(config)

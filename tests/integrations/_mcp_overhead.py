@@ -64,7 +64,8 @@ async def timed(samples: list[float], call: Awaitable[object]) -> None:
 async def measure(calls: int, mode: str) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"plain": [], "agentkey, new key": [], "agentkey, replay": []}
     async with sessions(mode) as (plain, wrapped):
-        tools = IdempotentSession(wrapped, PlanSession(id=str(uuid.uuid4())), hooks=())
+        plan = PlanSession(id=str(uuid.uuid4()))
+        tools = IdempotentSession(wrapped, plan, hooks=(), on_repeat="allow")  # new keys
         for _ in range(20):  # warm up both paths
             await plain.call_tool("create_vm", ARGS)
         await tools.call_tool("create_vm", ARGS, step=10**6)
@@ -87,7 +88,7 @@ def client_side(calls: int) -> float:
     samples = []
     for i in range(calls):
         start = time.perf_counter()
-        step = plan.step(i, "create_vm", ARGS)
+        step = plan.step(i, "create_vm", ARGS, on_repeat="allow")
         _ = {"io.agentkey/idempotency-key": step.idempotency_key}
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
@@ -106,7 +107,8 @@ async def server_side(calls: int) -> tuple[float, float, float]:
     new: list[float] = []
     replay: list[float] = []
     for i in range(calls):
-        meta = {KEY_FIELD: plan.step(i, "create_vm", ARGS).idempotency_key}
+        step = plan.step(i, "create_vm", ARGS, on_repeat="allow")  # a new key each time
+        meta = {KEY_FIELD: step.idempotency_key}
         ctx: ServerRequestContext[Any, Any] = ServerRequestContext(
             session=cast(Any, None),
             lifespan_context={},

@@ -12,8 +12,10 @@ Both halves of the contract over the Model Context Protocol:
   agentkey token provider keeps valid.
 - server: :class:`IdempotentToolsMiddleware`, a middleware for the SDK's
   ``MCPServer`` or low-level ``Server``, deduplicates ``tools/call`` on that
-  field with an agentkey :class:`~agentkey.server.Store`, scoped per principal,
-  with the HTTP middleware's decision table.
+  key with an agentkey :class:`~agentkey.server.Store`, scoped per principal,
+  with the HTTP middleware's decision table. It reads the key in every convention
+  in use (agentkey's field, SEP-3182's ``params.idempotencyKey``, UCP's
+  ``arguments.meta``, an ``idempotency_key`` argument...; ``key_conventions=``).
 
 See docs/mcp.md for the wire format, so any MCP client can take part.
 Needs the ``mcp`` extra (``pip install 'agentkey-idempotency[mcp]'``); the

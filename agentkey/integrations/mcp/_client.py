@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import secrets
@@ -30,7 +31,10 @@ from mcp_types import (
     CONNECTION_CLOSED,
     INTERNAL_ERROR,
     REQUEST_TIMEOUT,
+    CallToolRequest,
+    CallToolRequestParams,
     CallToolResult,
+    PaginatedRequestParams,
     RequestParamsMeta,
     TextContent,
 )
@@ -54,7 +58,15 @@ from ...journal._base import current_owner, in_flight
 from ...journal._default import resolve_journal
 from ...journal._records import route_of
 from .._adapter import code
-from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, refusal_of
+from ._wire import (
+    CONVENTIONS,
+    CONVENTIONS_FIELD,
+    PROTECTED_FIELD,
+    REPLAYED_FIELD,
+    KeyConvention,
+    refusal_of,
+    with_key,
+)
 
 __all__ = ["IdempotentSession", "MCPToolResult", "SessionFactory", "connect"]
 
@@ -87,6 +99,23 @@ _REFUSALS: dict[str, tuple[int, str]] = {
 }
 #: Request headers the flow sets itself; any other (a hook's ``traceparent``) goes in _meta.
 _OWN_HEADERS = frozenset({"content-type", "accept", "idempotency-key"})
+#: What a tool that its server lists as protected, without naming conventions, reads:
+#: agentkey's own (a server from before the conventions were advertised).
+_AGENTKEY_ONLY: tuple[KeyConvention, ...] = ("agentkey",)
+#: How many pages of ``tools/list`` the session reads, at most, to find a tool.
+_MAX_PAGES = 50
+
+
+class _KeyedParams(CallToolRequestParams):
+    """``tools/call`` params with SEP-3182's ``idempotencyKey`` (the SDK's model has none)."""
+
+    idempotency_key: str | None = None
+
+
+class _KeyedCall(CallToolRequest):
+    """A ``tools/call`` whose params carry ``idempotencyKey``."""
+
+    params: _KeyedParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +264,10 @@ class IdempotentSession:
     The key is ``plan.step(step, name, arguments)``'s: the same plan, step, tool
     and arguments give the same key in every process, so a server that honours
     it runs the call at most once and replays its stored result afterwards. It
-    goes in ``params._meta["io.agentkey/idempotency-key"]``.
+    goes in ``params._meta["io.agentkey/idempotency-key"]``, or where the server's
+    ``tools/list`` says it reads keys for the tool (``io.agentkey/key-conventions``,
+    read after a ``key-required`` refusal or an ambiguous failure, or on the result
+    of a call that ran without a key the server reads).
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
     (``agentkey.client._flow``): it is recorded in the ``journal`` before it is sent;
@@ -244,9 +276,11 @@ class IdempotentSession:
     ``honours_keys=True``, or the server marked the tool protected (its results
     and its ``tools/list`` entry carry ``_meta["io.agentkey/protected"]``, which
     agentkey's server middleware sets). Otherwise the call ends in
-    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). A
-    refusal as in progress or unavailable is waited out within ``policy``. Each
-    attempt waits at most ``attempt_timeout`` seconds for its answer.
+    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). Whether
+    the server marks the tool protected is asked again, with ``policy``'s backoff,
+    until the call's deadline (on ``clock``): a server that restarts meanwhile gets
+    the resend. A refusal as in progress or unavailable is waited out within
+    ``policy``. Each attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
     (:data:`SessionFactory`, e.g. ``lambda: connect(url, auth=provider)``); then use
@@ -331,6 +365,9 @@ class IdempotentSession:
         self._server = server  # else connect()'s URL, or a scope of this session alone
         self._own_scope = f"session-{secrets.token_hex(8)}"  # a factory's sessions share it
         self._seen: dict[tuple[str, str], int] = {}  # (tool, args hash) -> calls so far
+        #: What the server's tools/list said, per tool: the key conventions it reads
+        #: (empty: not protected). Read when first needed; a tool not in it sends agentkey's.
+        self._advertised: dict[str, tuple[KeyConvention, ...]] = {}
         config = ProtocolConfig(
             base_origin=Origin("mcp", "the MCP server", 0),
             retry_statuses=self._policy.retry_statuses,
@@ -349,6 +386,8 @@ class IdempotentSession:
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=honours_keys,
         )
+        # A call given journal=False: not looked up, not recorded (what is learnt is shared).
+        self._unjournaled = dataclasses.replace(self._settings, journal=False)
 
     async def __aenter__(self) -> IdempotentSession:
         if self._factory is not None:
@@ -384,6 +423,26 @@ class IdempotentSession:
     def plan(self) -> PlanSession:
         """The plan session the keys are derived from."""
         return self._plan
+
+    def _convention(self, tool: str) -> KeyConvention:
+        """The convention a call of ``tool`` carries its key in: agentkey's own, unless the
+        server's ``tools/list`` said the tool reads only others (then the first of those)."""
+        advertised = self._advertised.get(tool)
+        if not advertised or "agentkey" in advertised:
+            return "agentkey"
+        return advertised[0]
+
+    async def _learn(self, session: ClientSession) -> None:
+        """List the server's tools (every page) and keep what each says about its keys."""
+        cursor: str | None = None
+        for _ in range(_MAX_PAGES):
+            params = None if cursor is None else PaginatedRequestParams(cursor=cursor)
+            listed = await session.list_tools(params=params)
+            for tool in listed.tools:
+                self._advertised[tool.name] = _conventions_of(tool.meta or {})
+            cursor = listed.next_cursor
+            if not cursor:
+                return
 
     async def _where(self) -> str:
         """``mcp://<server>``: the scope of this session's calls in the journal.
@@ -441,8 +500,15 @@ class IdempotentSession:
         step: int | Sequence[int] | None = None,
         args_model: type[BaseModel] | None = None,
         meta: Mapping[str, Any] | None = None,
+        journal: bool = True,
     ) -> MCPToolResult:
         """Call tool ``name`` under the key of ``step``; resend the same key where safe.
+
+        ``journal=False`` lets this call through the journal: it is sent to the server
+        even when the journal holds an answer for its key (an earlier run's), and is not
+        recorded. For reads (a ``lookup`` after a restart must see today's value, not
+        the answer the journal kept); a tool that the server protects still replays
+        what it stored for the key.
 
         Raises :class:`~agentkey.KeyReused` (the key belongs to another tool),
         :class:`~agentkey.PayloadMismatch`, :class:`~agentkey.KeyRejected`,
@@ -454,14 +520,16 @@ class IdempotentSession:
         resending the same step is safe only where the tool honours keys).
         """
         planned = self.step_for(name, arguments, step=step, args_model=args_model)
-        return await self.call_step(planned, meta=meta)
+        return await self.call_step(planned, meta=meta, journal=journal)
 
     async def call_step(
-        self, planned: Step, *, meta: Mapping[str, Any] | None = None
+        self, planned: Step, *, meta: Mapping[str, Any] | None = None, journal: bool = True
     ) -> MCPToolResult:
         """Send a step built beforehand (``plan.step(...)``); see :meth:`call_tool`."""
         if not isinstance(planned, Step):
             raise ConfigurationError(f"call_step takes a Step, got {type(planned).__name__}")
+        if journal not in (True, False):
+            raise ConfigurationError(f"journal must be True or False for one call: {journal!r}")
         key = planned.key
         where = await self._where()
         call = Call(
@@ -485,7 +553,8 @@ class IdempotentSession:
         carrier = _Carrier(self, planned, dict(meta or {}))
         carry = async_carrier({**self._handlers, Outgoing: carrier.outgoing})
         with in_flight(call.owner):
-            done: Finished = await run_async(flow_invoke(call, self._settings), carry)
+            settings = self._settings if journal else self._unjournaled
+            done: Finished = await run_async(flow_invoke(call, settings), carry)
         result = _result_of(done.answer)
         return MCPToolResult(
             result,
@@ -503,6 +572,9 @@ class _Carrier:
 
     def __init__(self, tools: IdempotentSession, planned: Step, meta: dict[str, Any]) -> None:
         self.tools, self.planned, self.meta = tools, planned, meta
+        #: The convention the last send carried the key in: a resend is safe only when the
+        #: server reads that one for the tool.
+        self.sent_as: KeyConvention = tools._convention(planned.tool)
 
     async def outgoing(self, effect: Outgoing) -> Received:
         if effect.method == "OPTIONS":
@@ -515,15 +587,27 @@ class _Carrier:
         tools, planned = self.tools, self.planned
         key = dict(out.headers).get("Idempotency-Key", planned.idempotency_key)
         extra = {k: v for k, v in out.headers if k.lower() not in _OWN_HEADERS}
-        wire_meta = cast(RequestParamsMeta, {**extra, **self.meta, KEY_FIELD: key})
         timeout = self.timeout(out)
         statuses: list[int] = []
         reset = _STATUSES.set(statuses)
         try:
             session = await tools.session()
-            result = await session.call_tool(
-                planned.tool, planned.args, read_timeout_seconds=timeout, meta=wire_meta
-            )
+            convention = tools._convention(planned.tool)
+            try:
+                result = await self.call(session, convention, key, extra, timeout)
+            except MCPError as exc:
+                # Refused for want of a key: this server reads it elsewhere. Nothing ran, so
+                # the call goes again at once in the convention its tools/list names.
+                if not _wants_a_key(exc) or planned.tool in tools._advertised:
+                    raise
+                try:
+                    await tools._learn(session)
+                except _PROBE_ERRORS:
+                    raise exc from None  # the refusal stands: nothing ran
+                if tools._convention(planned.tool) == convention:
+                    raise
+                convention = tools._convention(planned.tool)
+                result = await self.call(session, convention, key, extra, timeout)
         except _NotConnected as exc:
             return Failure(FailureKind.NOT_SENT, f"connect failed ({exc})")
         except MCPError as exc:
@@ -532,7 +616,41 @@ class _Carrier:
             return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
         finally:
             _STATUSES.reset(reset)
+        if (result.meta or {}).get(PROTECTED_FIELD) is not True:
+            named = (result.meta or {}).get(CONVENTIONS_FIELD)
+            if isinstance(named, list):  # run without a key the server reads: where it does
+                marked = {PROTECTED_FIELD: True, CONVENTIONS_FIELD: named}
+                tools._advertised[planned.tool] = _conventions_of(marked)
         return _answer_of(result, out.url)
+
+    async def call(
+        self,
+        session: ClientSession,
+        convention: KeyConvention,
+        key: str,
+        extra: Mapping[str, str],
+        wait: float | None,
+    ) -> CallToolResult:
+        """One ``tools/call`` of the step, its key in ``convention``."""
+        planned = self.planned
+        self.sent_as = convention
+        args, meta, params = with_key(convention, key, planned.args, {**extra, **self.meta})
+        wire_meta = cast(RequestParamsMeta, meta)
+        if not params:
+            return await session.call_tool(
+                planned.tool, args, read_timeout_seconds=wait, meta=wire_meta
+            )
+        request = _KeyedCall(
+            params=_KeyedParams(
+                name=planned.tool, arguments=args, _meta=wire_meta, idempotency_key=key
+            )
+        )
+        result = await session.send_request(
+            request, CallToolResult, request_read_timeout_seconds=wait
+        )
+        if not result.is_error:
+            await session.validate_tool_result(planned.tool, result)
+        return result
 
     def timeout(self, out: Outgoing) -> float | None:
         """How long one request may wait: the time left before the deadline, at most
@@ -546,25 +664,58 @@ class _Carrier:
     async def probe(self, out: Outgoing) -> Received:
         """Does the server mark this tool protected in ``tools/list``? (a harmless question)
 
-        Within the call's deadline. The question is put to a second session when the
-        first one turns out to be the one the call's failure just ended."""
-        timeout = self.timeout(out)
-        listed = None
-        with anyio.move_on_after(float("inf") if timeout is None else timeout):
-            for wait in (0.0, 0.05):  # the ended session is noticed, and replaced, for the 2nd
-                await self.tools._sleep(wait)
+        Asked again, with the call's backoff, until it is answered or the call's deadline
+        passes (on the session's clock): after a dropped connection the server may take a
+        while to come back, and the question is put to a new session once the call's
+        failure ended the old one. A tool counts as protected only when the server reads
+        the key where this call carried it."""
+        tools = self.tools
+        listed = False
+        tries = 0
+        while True:
+            timeout = self.timeout(out)
+            with anyio.move_on_after(float("inf") if timeout is None else timeout):
                 try:
-                    session = await self.tools.session()
-                    listed = await session.list_tools()
+                    session = await tools.session()
+                    await tools._learn(session)
+                    listed = True
                     break
+                except MCPError as exc:
+                    if exc.code not in _AMBIGUOUS_CODES:  # answered: it lists no tools
+                        return Answer(200, {}, b"", out.url)
                 except _PROBE_ERRORS:
-                    continue
-        if listed is None:
-            return Failure(FailureKind.NOT_SENT, "tools/list failed")
-        for tool in listed.tools:
-            if tool.name == self.planned.tool and (tool.meta or {}).get(PROTECTED_FIELD) is True:
-                return Answer(200, {PROTECTED_HEADER.lower(): "true"}, b"", out.url)
+                    pass
+            tries += 1
+            left = None if out.deadline is None else out.deadline - tools._clock()
+            if (left is not None and left <= 0) or (
+                left is None and tries >= tools._policy.max_attempts
+            ):
+                break
+            wait = tools._policy.schedule.delay(tries, rng=random.random)
+            await tools._sleep(wait if left is None else min(wait, left))
+        if not listed:
+            return Failure(FailureKind.NOT_SENT, f"tools/list failed ({tries} tries)")
+        if self.sent_as in tools._advertised.get(self.planned.tool, ()):
+            return Answer(200, {PROTECTED_HEADER.lower(): "true"}, b"", out.url)
         return Answer(200, {}, b"", out.url)
+
+
+def _conventions_of(meta: Mapping[str, Any]) -> tuple[KeyConvention, ...]:
+    """The key conventions a tool's ``tools/list`` entry says its server reads (none: the
+    tool is not protected; protected without a list: agentkey's own, as servers said before
+    they named conventions)."""
+    if meta.get(PROTECTED_FIELD) is not True:
+        return ()
+    named = meta.get(CONVENTIONS_FIELD)
+    if not isinstance(named, list):
+        return _AGENTKEY_ONLY
+    return tuple(name for name in CONVENTIONS if name in named)
+
+
+def _wants_a_key(exc: MCPError) -> bool:
+    """A refusal as ``key-required``: the server read no key where this call put it."""
+    refusal = refusal_of(exc.data)
+    return refusal is not None and refusal[0] == "key-required"
 
 
 def _answer_of(result: CallToolResult, url: str) -> Answer:

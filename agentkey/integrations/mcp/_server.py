@@ -1,4 +1,4 @@
-"""The server half: one ``ServerMiddleware`` that deduplicates ``tools/call`` on the ``_meta`` key.
+"""The server half: one ``ServerMiddleware`` that deduplicates ``tools/call`` on its key.
 
 It drives the same decision table as the HTTP middleware (``agentkey.server._decide``)
 against the same :class:`~agentkey.server.Store`: the operation a key is bound to is
@@ -48,12 +48,18 @@ from ...server._reconcile import ReconcileHook, check_reconcile, context_for
 from ...server._records import StoredOutcome
 from ...server._stores import Store
 from ._wire import (
+    CONVENTIONS,
+    CONVENTIONS_FIELD,
     ERROR_CODES,
-    KEY_FIELD,
+    FIELD_NAMES,
     PROTECTED_FIELD,
     REPLAYED_FIELD,
+    KeyConvention,
     RefusalKind,
+    check_conventions,
+    keys_in,
     refusal_data,
+    without_keys,
 )
 
 __all__ = ["IdempotentToolsMiddleware", "MCPPrincipalFunc"]
@@ -72,11 +78,8 @@ _REJECT_KINDS: Mapping[str, RefusalKind] = {
     "key_reused": "key-reused",
 }
 # The decision table speaks HTTP; an MCP client reads the same refusals in MCP's terms.
+_NEEDS_KEY = "this endpoint needs an Idempotency-Key header"
 _WORDING = (
-    (
-        "this endpoint needs an Idempotency-Key header",
-        f"this tool needs the _meta field {KEY_FIELD!r}",
-    ),
     ("the body does not hash", "the arguments do not hash"),
     ("another method or route", "another tool"),
     ("another request body; send changed arguments", "other arguments; send changed arguments"),
@@ -106,9 +109,15 @@ class IdempotentToolsMiddleware:
 
     Add it to an ``MCPServer`` (``MCPServer(..., middleware=[...])`` or
     ``server.middleware.append(...)``) or to a low-level ``Server``'s
-    ``middleware`` list. For a call whose ``params._meta`` holds
-    ``"io.agentkey/idempotency-key"``:
+    ``middleware`` list. For a call that carries a key in one of ``key_conventions``
+    (all by default: ``params._meta["io.agentkey/idempotency-key"]``, SEP-3182's
+    ``params.idempotencyKey``, ``params._meta.idempotencyKey``, UCP's
+    ``arguments.meta["idempotency-key"]``, an ``idempotency_key`` argument; see
+    :data:`~agentkey.integrations.mcp._wire.KeyConvention`):
 
+    - a key inside the arguments is left out of what it binds (the arguments are hashed
+      without it); two conventions carrying different keys are refused (``invalid-key``,
+      ``data.fields`` names them), and nothing runs;
     - the key must parse (an agentkey key ``<plan>:<step>:<args_hash>``, or an
       opaque key of 1-255 printable ASCII characters unless
       ``key_format="agentkey"``); an agentkey key's ``args_hash`` must be the
@@ -142,10 +151,11 @@ class IdempotentToolsMiddleware:
     ``max_recorded_bytes`` (1 MiB) reaches its caller but is not stored: later
     calls with the key get an ``isError`` result saying so, never a second run.
 
-    A call without the field runs as before, or is refused (``key-required``)
+    A call without a key runs as before, or is refused (``key-required``)
     when ``require_key`` is true. ``tools`` limits protection to those tool
-    names (the others pass through). Refusals are JSON-RPC errors whose
-    ``data.type`` is ``io.agentkey/<kind>``.
+    names (the others pass through); ``tools/list`` marks them protected and names
+    the conventions read (``io.agentkey/key-conventions``). Refusals are JSON-RPC
+    errors whose ``data.type`` is ``io.agentkey/<kind>``.
     """
 
     def __init__(
@@ -168,7 +178,12 @@ class IdempotentToolsMiddleware:
         mutation_starts: MutationStarts = "on_run",
         reconcile: ReconcileHook | None = None,
         reconcile_timeout: float = 5.0,
+        key_conventions: Collection[KeyConvention] = CONVENTIONS,
     ) -> None:
+        self.key_conventions = check_conventions(key_conventions)
+        self._needs_key = "this tool needs an idempotency key, in " + " or ".join(
+            FIELD_NAMES[name] for name in self.key_conventions
+        )
         self.mutation_starts = check_mutation_starts(mutation_starts)
         check_reconcile(reconcile, reconcile_timeout)
         self._reconcile = reconcile
@@ -236,11 +251,11 @@ class IdempotentToolsMiddleware:
         name = params.get("name")
         if not isinstance(name, str) or (self.tools is not None and name not in self.tools):
             return await call_next(ctx)
-        meta = params.get("_meta")
-        value = meta.get(KEY_FIELD) if isinstance(meta, Mapping) else None
+        carried = keys_in(params, self.key_conventions)
+        value = self._one_key(carried, name)
         if value is None and not self.require_key:
             self._emit("passthrough", name, None)
-            return await call_next(ctx)
+            return self._unkeyed(await call_next(ctx))
         # Whose key space, before anything about the key: a caller nobody authenticated
         # learns nothing (no replay, no in-progress, no key-reused about another's key).
         principal = SHARED_PRINCIPAL
@@ -255,7 +270,8 @@ class IdempotentToolsMiddleware:
                     "call again with the same key over an authenticated session",
                 )
             principal = found
-        checked, body = self._check(value, name, params.get("arguments"))
+        arguments = without_keys(params.get("arguments"), [field for field, _ in carried])
+        checked, body = self._check(value, carried, name, arguments)
         claim = self._life.new_claim(checked, principal, operation=f"{_METHOD} {name}")
         decision = await self._life.claim(claim, checked)
         key = checked.idempotency_key
@@ -274,7 +290,7 @@ class IdempotentToolsMiddleware:
             )
         if isinstance(decision, InDoubt):
             self._emit("in_doubt", name, key, 409)
-            raise _refusal("in-doubt", _mcp_words(decision.detail))
+            raise _refusal("in-doubt", self._words(decision.detail))
         if isinstance(decision, Unavailable):
             self._emit("unavailable", name, key, 503)
             raise _refusal("unavailable", decision.detail, retry_after=decision.retry_after)
@@ -297,15 +313,50 @@ class IdempotentToolsMiddleware:
         for tool in tools:
             if isinstance(tool, dict) and (self.tools is None or tool.get("name") in self.tools):
                 meta = tool.get("_meta")
-                tool["_meta"] = {**(meta if isinstance(meta, dict) else {}), PROTECTED_FIELD: True}
+                marks = {PROTECTED_FIELD: True, CONVENTIONS_FIELD: list(self.key_conventions)}
+                tool["_meta"] = {**(meta if isinstance(meta, dict) else {}), **marks}
+        return doc
+
+    def _unkeyed(self, result: HandlerResult) -> HandlerResult:
+        """A result of a protected tool called without a key it reads, naming where the
+        server reads keys (so a client sends its next key there); not marked protected."""
+        doc = _as_dict(result)
+        if doc is None:
+            return result
+        meta = doc.get("_meta")
+        marks = {CONVENTIONS_FIELD: list(self.key_conventions)}
+        doc["_meta"] = {**(meta if isinstance(meta, dict) else {}), **marks}
         return doc
 
     # -- before the claim ------------------------------------------------------------
 
-    def _check(self, value: object, name: str, arguments: object) -> tuple[Checked, bytes]:
+    def _one_key(self, found: list[tuple[KeyConvention, object]], name: str) -> object:
+        """The call's key: the one value its conventions carry, refused when they differ."""
+        if not found:
+            return None
+        first = found[0][1]
+        if any(value != first or type(value) is not type(first) for _, value in found[1:]):
+            fields = [FIELD_NAMES[field] for field, _ in found]
+            self._emit("rejected", name, None, 400)
+            raise MCPError(
+                ERROR_CODES["invalid-key"],
+                f"this call carries different idempotency keys in {' and '.join(fields)}, so "
+                "nothing ran: which one names the operation is unknown; send one key (or the "
+                "same key in every field)",
+                {**refusal_data("invalid-key"), "fields": fields},
+            )
+        return first
+
+    def _check(
+        self,
+        value: object,
+        found: list[tuple[KeyConvention, object]],
+        name: str,
+        arguments: object,
+    ) -> tuple[Checked, bytes]:
         if value is not None and not isinstance(value, str):
             self._emit("rejected", name, None, 400)
-            raise _refusal("invalid-key", f"{KEY_FIELD} must be a string")
+            raise _refusal("invalid-key", f"{FIELD_NAMES[found[0][0]]} must be a string")
         if arguments is None:
             arguments = {}
         try:
@@ -331,7 +382,7 @@ class IdempotentToolsMiddleware:
         kind = _REJECT_KINDS.get(reject.code, "payload-mismatch")
         mismatch = kind in ("key-reused", "payload-mismatch")
         self._emit("mismatch" if mismatch else "rejected", name, key, reject.status)
-        return _refusal(kind, _mcp_words(reject.detail))
+        return _refusal(kind, self._words(reject.detail))
 
     # -- the run ------------------------------------------------------------------
 
@@ -386,6 +437,10 @@ class IdempotentToolsMiddleware:
             max_recorded_bytes=self.max_recorded_bytes,
         )
         self._emit(await self._life.settle(claim, decision), name, claim.idempotency_key)
+
+    def _words(self, detail: str) -> str:
+        """A refusal's detail in MCP's terms, naming the fields this server reads a key from."""
+        return _mcp_words(detail.replace(_NEEDS_KEY, self._needs_key))
 
     def _emit(self, decision: str, name: str, key: str | None, status: int | None = None) -> None:
         event = DecisionEvent(

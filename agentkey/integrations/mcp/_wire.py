@@ -5,6 +5,7 @@ A ``tools/call`` request carries the key in ``params._meta``::
     {"method": "tools/call", "params": {"name": "create_vm", "arguments": {...},
      "_meta": {"io.agentkey/idempotency-key": "<plan_session_id>:<step>:<args_hash>"}}}
 
+The middleware also reads the key where other clients put it (:data:`KeyConvention`).
 A result replayed from the store carries ``"io.agentkey/replayed": true`` in
 its ``_meta``; every result of a protected tool, and the tool's entry in
 ``tools/list``, carries ``"io.agentkey/protected": true``. A refusal is a
@@ -17,18 +18,28 @@ the reserved ``modelcontextprotocol`` or ``mcp`` prefixes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, get_args
 
+from ..._exceptions import ConfigurationError
+
 __all__ = [
+    "CONVENTIONS",
+    "CONVENTIONS_FIELD",
     "ERROR_CODES",
+    "FIELD_NAMES",
     "KEY_FIELD",
     "PREFIX",
     "PROTECTED_FIELD",
     "REPLAYED_FIELD",
+    "KeyConvention",
     "RefusalKind",
+    "check_conventions",
+    "keys_in",
     "refusal_data",
     "refusal_of",
+    "with_key",
+    "without_keys",
 ]
 
 #: The namespace of every field agentkey puts in ``_meta`` or in error data.
@@ -42,6 +53,34 @@ REPLAYED_FIELD: Final = PREFIX + "replayed"
 #: is not protected), and a client must not resend what may have run.
 PROTECTED_FIELD: Final = PREFIX + "protected"
 
+#: ``_meta`` field of a protected tool in ``tools/list``: the key conventions the server reads
+#: for it (a list of :data:`KeyConvention` names), so a client sends one of those.
+CONVENTIONS_FIELD: Final = PREFIX + "key-conventions"
+
+#: Where a ``tools/call`` may carry its idempotency key (every one is read by default):
+#:
+#: - ``agentkey``: ``params._meta["io.agentkey/idempotency-key"]`` (agentkey's own);
+#: - ``sep-3182``: ``params.idempotencyKey`` (MCP's closed SEP-3182);
+#: - ``sep-3182-meta``: ``params._meta.idempotencyKey`` (that proposal's earlier form);
+#: - ``ucp``: ``arguments.meta["idempotency-key"]`` (UCP's checkout binding);
+#: - ``argument``: ``arguments.idempotency_key`` (a plain tool argument).
+#:
+#: A key inside the arguments is not part of what it binds: the arguments are checked
+#: (hashed) without it, and without a ``meta`` object that held only the key.
+KeyConvention = Literal["agentkey", "sep-3182", "sep-3182-meta", "ucp", "argument"]
+CONVENTIONS: Final[tuple[KeyConvention, ...]] = get_args(KeyConvention)
+#: How each convention's field is named in messages (refusals name the fields).
+FIELD_NAMES: Final[Mapping[str, str]] = {
+    "agentkey": f"params._meta[{KEY_FIELD!r}]",
+    "sep-3182": "params.idempotencyKey",
+    "sep-3182-meta": "params._meta.idempotencyKey",
+    "ucp": "arguments.meta['idempotency-key']",
+    "argument": "arguments.idempotency_key",
+}
+_UCP_FIELD: Final = "idempotency-key"
+_ARGUMENT_FIELD: Final = "idempotency_key"
+_SEP_FIELD: Final = "idempotencyKey"
+
 #: Why a server refused a ``tools/call`` (``data.type`` is ``PREFIX + kind``):
 #:
 #: - ``in-progress``: the same key is running; resend the same key after ``retryAfter``.
@@ -50,7 +89,8 @@ PROTECTED_FIELD: Final = PREFIX + "protected"
 #:   not finish (its server died, or it failed after the effect); nothing runs under the
 #:   key until the server's reconcile hook or an operator settles it. Final for the client.
 #: - ``key-required``: the server requires a key and the call had none.
-#: - ``invalid-key``: the key is not a string of 1 to 255 printable ASCII characters.
+#: - ``invalid-key``: the key is not a string of 1 to 255 printable ASCII characters, or
+#:   the call carries different keys in two conventions (``data.fields`` names them).
 #: - ``payload-mismatch``: the arguments do not hash to the key's ``args_hash``, or
 #:   differ from the arguments first stored under this opaque key.
 #: - ``key-reused``: the key is bound to another tool.
@@ -109,3 +149,85 @@ def refusal_of(data: object) -> tuple[RefusalKind, float | None] | None:
         if math.isfinite(value) and value >= 0:
             retry_after = value
     return kind.removeprefix(PREFIX), retry_after  # type: ignore[return-value]
+
+
+def check_conventions(value: object) -> tuple[KeyConvention, ...]:
+    """``value`` as a tuple of convention names (in :data:`CONVENTIONS` order)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise ConfigurationError(
+            f"key_conventions must be a collection of names out of {list(CONVENTIONS)}, "
+            f"got {value!r}"
+        )
+    unknown = [name for name in value if name not in CONVENTIONS]
+    if unknown or not value:
+        raise ConfigurationError(
+            f"key_conventions must name one or more of {list(CONVENTIONS)}, got {list(value)!r}"
+        )
+    return tuple(name for name in CONVENTIONS if name in value)
+
+
+def keys_in(
+    params: Mapping[str, Any], conventions: tuple[KeyConvention, ...]
+) -> list[tuple[KeyConvention, object]]:
+    """Each ``(convention, value)`` of ``conventions`` that the call's raw params carry."""
+    found: list[tuple[KeyConvention, object]] = []
+    meta = params.get("_meta")
+    arguments = params.get("arguments")
+    for name in conventions:
+        value: object = None
+        if name == "agentkey" and isinstance(meta, Mapping):
+            value = meta.get(KEY_FIELD)
+        elif name == "sep-3182":
+            value = params.get(_SEP_FIELD)
+        elif name == "sep-3182-meta" and isinstance(meta, Mapping):
+            value = meta.get(_SEP_FIELD)
+        elif name == "ucp" and isinstance(arguments, Mapping):
+            inner = arguments.get("meta")
+            value = inner.get(_UCP_FIELD) if isinstance(inner, Mapping) else None
+        elif name == "argument" and isinstance(arguments, Mapping):
+            value = arguments.get(_ARGUMENT_FIELD)
+        if value is not None:
+            found.append((name, value))
+    return found
+
+
+def without_keys(arguments: object, found: Sequence[KeyConvention]) -> object:
+    """The arguments a key binds: those sent, without the key fields of ``found``.
+
+    A ``meta`` object left empty by taking the UCP key out goes too, so the arguments
+    hash as if the key had never been added."""
+    if not isinstance(arguments, Mapping) or not {"ucp", "argument"} & set(found):
+        return arguments
+    plain = dict(arguments)
+    if "argument" in found:
+        plain.pop(_ARGUMENT_FIELD, None)
+    inner = plain.get("meta")
+    if "ucp" in found and isinstance(inner, Mapping):
+        rest = {k: v for k, v in inner.items() if k != _UCP_FIELD}
+        if rest:
+            plain["meta"] = rest
+        else:
+            del plain["meta"]
+    return plain
+
+
+def with_key(
+    convention: KeyConvention,
+    key: str,
+    arguments: Mapping[str, Any],
+    meta: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(arguments, _meta, other params)`` of a call that carries ``key`` in ``convention``."""
+    args, extra_meta, params = dict(arguments), dict(meta), {}
+    if convention == "agentkey":
+        extra_meta[KEY_FIELD] = key
+    elif convention == "sep-3182":
+        params[_SEP_FIELD] = key
+    elif convention == "sep-3182-meta":
+        extra_meta[_SEP_FIELD] = key
+    elif convention == "ucp":
+        inner = args.get("meta")
+        args["meta"] = {**(inner if isinstance(inner, Mapping) else {}), _UCP_FIELD: key}
+    else:
+        args[_ARGUMENT_FIELD] = key
+    return args, extra_meta, params
