@@ -188,9 +188,10 @@ def bench(session: nox.Session) -> None:
 #: installs, unpinned, the extras and the test group's packages its tests need besides.
 _TEST_RUNNER = ["pytest", "pytest-asyncio", "pytest-timeout", "pytest-xdist", "hypothesis"]
 #: A LangGraph release below [langgraph]'s floor (it lacks ToolRuntime and
-#: REMOVE_ALL_MESSAGES): the "langchain" set installs it, so tests/test_extras.py sees a real
-#: old install refused as "too old". It must stay below the floor.
-_OLD_LANGGRAPH = "langgraph==0.2.76"
+#: REMOVE_ALL_MESSAGES) that accepts langchain-core 0.3.0: the "langchain" set installs it,
+#: so tests/test_extras.py sees a real old install refused as "too old". Named exactly: left
+#: to pip ("langgraph<1"), resolving it took over 3 minutes.
+_OLD_LANGGRAPH = "langgraph==0.2.40"
 LOWEST: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {
     "core": (
         ["core"],
@@ -198,13 +199,9 @@ LOWEST: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {
         [*_TEST_RUNNER, "uvicorn"],
         [
             "tests/invoker/test_invoker_api.py",
-            "tests/invoker/test_protocol.py",
-            "tests/invoker/test_e2e.py",
             "tests/auth/test_flows.py",
-            "tests/auth/test_units.py",
-            "tests/wire/test_net.py",
+            "tests/wire/test_net.py",  # httpcore's network backend: the sync deadline
             "tests/test_keys.py",
-            "tests/test_plan.py",
             "tests/test_extras.py",
         ],
     ),
@@ -213,11 +210,10 @@ LOWEST: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {
         [],
         [*_TEST_RUNNER, "opentelemetry-sdk", "opentelemetry-instrumentation-asgi"],
         [
-            "tests/server/test_middleware.py",
+            "tests/server/test_with_invoker.py",
             "tests/server/test_stores.py",
             "tests/server/test_cancellation.py",  # anyio 3.x failed its bounded shielded settle
             "tests/postgres/test_postgres_store.py",
-            "tests/journal/test_journal.py",
             "tests/integrations/test_otel.py",
             "tests/test_extras.py",
         ],
@@ -236,7 +232,6 @@ LOWEST: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {
         _TEST_RUNNER,
         [
             "tests/integrations/test_langgraph_e2e.py",
-            "tests/integrations/test_boundary.py",
             "tests/integrations/test_mcp.py",
             "tests/integrations/test_openai_agents.py",
             "tests/integrations/test_pydantic_ai.py",

@@ -161,10 +161,10 @@ def _installed(name: str) -> str | None:
 
 
 def test_an_installed_langgraph_below_the_floor_is_reported_too_old() -> None:
-    """With a real old langgraph installed (`nox -s lowest`: 0.2.76), the import says too old."""
+    """With a real old langgraph installed (`nox -s lowest`: 0.2.40), the import says too old."""
     version, floor = _installed("langgraph"), _floor("langgraph")
     if version is None or Version(version) >= Version(floor):
-        pytest.skip(f"needs a langgraph older than {floor} (`nox -s lowest` installs 0.2.76)")
+        pytest.skip(f"needs a langgraph older than {floor} (`nox -s lowest` installs 0.2.40)")
     lines = _import_langgraph_adapter()
     assert lines[0] == f"langgraph {version} {floor}"
     assert "which is too old" in lines[1]
