@@ -282,6 +282,7 @@ def lowest(session: nox.Session, group: str) -> None:
     ] + [name for name in test_names if "=" in name]
     extras = sorted({*pinned, *unpinned} - {"core"})
     package = f".[{','.join(extras)}]" if extras else "."
-    session.install("-e", package, *lowest_pins(*pinned), *test_deps)
+    # --no-compile: byte-compiling every installed module cost more than the tests here.
+    session.install("--no-compile", "-e", package, *lowest_pins(*pinned), *test_deps)
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("pytest", "-n", "2", "-p", "no:cacheprovider", "-q", *paths, *session.posargs)
