@@ -4,6 +4,7 @@
 - ``nox -s tests_all``: the default suite on every supported Python that can be found.
 - ``nox -s long``: the long suites (Redis Cluster, kill runs, long property profiles).
 - ``nox -s chaos``: the fault-injection suite, 100,000 steps (``-- quick``: CI's 2,000).
+- ``nox -s lowest``: each extra at the lowest versions pyproject.toml allows, with its tests.
 - ``nox -s lint typecheck docs docs_examples bench``: the rest of CI.
 
 Interpreters installed by pyenv are found without activating them; a run of
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = False
@@ -176,3 +178,111 @@ def bench(session: nox.Session) -> None:
     args = session.posargs or []
     for script in sorted(Path("bench").glob("bench_*.py")):
         session.run("python", str(script), *args)
+
+
+#: ``nox -s lowest``: sets of extras, each installed at the lower bounds pyproject.toml states
+#: (``>=X`` pinned as ``==X``), and a quick selection of the tests that exercise them there
+#: (the whole suite runs in ``tests`` on the newest releases). "core" pins
+#: [project.dependencies]; "server" pins them too (they fit together); the agent frameworks
+#: need a newer pydantic than the core's floor, so their set floats the core. Each set also
+#: installs, unpinned, the extras and the test group's packages its tests need besides.
+_TEST_RUNNER = ["pytest", "pytest-asyncio", "pytest-timeout", "pytest-xdist", "hypothesis"]
+#: A LangGraph release below [langgraph]'s floor (it lacks ToolRuntime and
+#: REMOVE_ALL_MESSAGES) that accepts langchain-core 0.3.0: the "langchain" set installs it,
+#: so tests/test_extras.py sees a real old install refused as "too old". Named exactly: left
+#: to pip ("langgraph<1"), resolving it took over 3 minutes.
+_OLD_LANGGRAPH = "langgraph==0.2.40"
+LOWEST: dict[str, tuple[list[str], list[str], list[str], list[str]]] = {
+    "core": (
+        ["core"],
+        ["server"],  # the tests' tool servers and identity provider are Starlette apps
+        [*_TEST_RUNNER, "uvicorn"],
+        [
+            "tests/invoker/test_invoker_api.py",
+            "tests/auth/test_flows.py",
+            "tests/wire/test_net.py",  # httpcore's network backend: the sync deadline
+            "tests/test_keys.py",
+            "tests/test_extras.py",
+        ],
+    ),
+    "server": (
+        ["core", "server", "redis", "postgres", "otel"],  # mcp 2.3 needs a newer otel
+        [],
+        [*_TEST_RUNNER, "opentelemetry-sdk", "opentelemetry-instrumentation-asgi"],
+        [
+            "tests/server/test_with_invoker.py",
+            "tests/server/test_stores.py",
+            "tests/server/test_cancellation.py",  # anyio 3.x failed its bounded shielded settle
+            "tests/postgres/test_postgres_store.py",
+            "tests/integrations/test_otel.py",
+            "tests/test_extras.py",
+        ],
+    ),
+    # langchain-core alone: LangGraph 1.x needs langchain-core 1.x, so the frameworks set
+    # below cannot test [langchain]'s own floor (and tests/integrations needs LangGraph).
+    "langchain": (
+        ["langchain"],
+        ["server"],
+        [*_TEST_RUNNER, _OLD_LANGGRAPH],
+        ["tests/test_extras.py"],
+    ),
+    "frameworks": (
+        ["langgraph", "mcp", "pydantic-ai", "openai-agents"],
+        ["server"],
+        _TEST_RUNNER,
+        [
+            "tests/integrations/test_langgraph_e2e.py",
+            "tests/integrations/test_mcp.py",
+            "tests/integrations/test_openai_agents.py",
+            "tests/integrations/test_pydantic_ai.py",
+            "tests/test_extras.py",
+        ],
+    ),
+}
+
+
+def lowest_pins(*extras: str) -> list[str]:
+    """``name==X`` for every ``name>=X`` of ``extras`` ("core" is [project.dependencies]).
+
+    A requirement without a lower bound is a mistake here: the lowest session could not test
+    it, so it fails loudly. ``agentkey-idempotency[...]`` inside an extra is followed.
+    """
+    project = PYPROJECT["project"]
+    pins: dict[str, str] = {}
+    todo = list(extras)
+    while todo:
+        extra = todo.pop()
+        deps = (
+            project["dependencies"] if extra == "core" else project["optional-dependencies"][extra]
+        )
+        for line in deps:
+            req = Requirement(line)
+            if req.name == project["name"]:
+                todo.extend(sorted(req.extras))
+                continue
+            floors = [spec.version for spec in req.specifier if spec.operator == ">="]
+            if len(floors) != 1:
+                raise ValueError(f"{line!r} in [{extra}] needs exactly one '>=' lower bound")
+            name = req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "")
+            marker = f"; {req.marker}" if req.marker else ""
+            pins[req.name] = f"{name}=={floors[0]}{marker}"
+    return sorted(pins.values())
+
+
+@nox.session
+@nox.parametrize("group", list(LOWEST))
+def lowest(session: nox.Session, group: str) -> None:
+    """Each set of extras at its lowest allowed versions, exactly, with the tests that use it."""
+    pinned, unpinned, test_names, paths = LOWEST[group]
+    wanted = {name for name in test_names if "=" not in name}
+    test_deps = [
+        line
+        for line in nox.project.dependency_groups(PYPROJECT, "test")
+        if Requirement(line).name in wanted
+    ] + [name for name in test_names if "=" in name]
+    extras = sorted({*pinned, *unpinned} - {"core"})
+    package = f".[{','.join(extras)}]" if extras else "."
+    # --no-compile: byte-compiling every installed module cost more than the tests here.
+    session.install("--no-compile", "-e", package, *lowest_pins(*pinned), *test_deps)
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("pytest", "-n", "2", "-p", "no:cacheprovider", "-q", *paths, *session.posargs)

@@ -3,7 +3,7 @@
 ```
 AgentKeyError                      root: catch this to catch everything agentkey raises
 ├── ConfigurationError (ValueError)  an option or call argument is wrong; fix the code
-│   └── MissingExtra (ImportError)     an optional extra is not installed
+│   └── MissingExtra (ImportError)     an optional extra is not installed, or too old
 ├── InvalidArguments (ValueError)    tool arguments cannot become canonical JSON
 ├── InvalidKey (ValueError)          a plan id, step index or Idempotency-Key is malformed
 ├── InvokeError                      a tool call did not give a usable result
@@ -40,6 +40,10 @@ to do next. No message, ``str`` or ``repr`` ever contains a secret or token.
 """
 
 from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "AgentKeyError",
@@ -81,15 +85,128 @@ class ConfigurationError(AgentKeyError, ValueError):
 
 
 class MissingExtra(ConfigurationError, ImportError):
-    """An optional extra is needed but not installed."""
+    """An optional extra is needed but not installed, or installed in a release too old.
 
-    def __init__(self, extra: str, module: str) -> None:
+    ``module`` names the missing (or old) package; ``installed`` is its installed version
+    when it is there but too old, ``needed`` the lowest release agentkey works with.
+    """
+
+    def __init__(
+        self,
+        extra: str,
+        module: str,
+        *,
+        installed: str | None = None,
+        needed: str | None = None,
+    ) -> None:
         self.extra = extra
         self.module = module
-        super().__init__(
-            f"this feature needs the {module!r} package, which is not installed; "
-            f"install it with: pip install 'agentkey-idempotency[{extra}]'"
-        )
+        self.installed = installed
+        self.needed = needed
+        if installed is None:
+            message = (
+                f"this feature needs the {module!r} package, which is not installed; "
+                f"install it with: pip install 'agentkey-idempotency[{extra}]'"
+            )
+        elif needed is not None:
+            message = (
+                f"this feature needs {module} {needed} or newer, but {module} {installed} is "
+                f"installed, which is too old; upgrade it with: "
+                f"pip install --upgrade 'agentkey-idempotency[{extra}]'"
+            )
+        else:
+            message = (
+                f"this feature needs a release of {module} that agentkey supports; "
+                f"{module} {installed} is installed but lacks what agentkey uses; "
+                f"install a supported one with: pip install --upgrade "
+                f"'agentkey-idempotency[{extra}]'"
+            )
+        super().__init__(message)
+
+
+_DIST = "agentkey-idempotency"
+_REQUIREMENT = re.compile(
+    r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?\s*([^;]*)(?:;(.*))?"
+)
+_RELEASE = re.compile(r"\s*v?(\d+(?:\.\d+)*)")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of ``version`` (``"1.1.5rc1"`` -> ``(1, 1, 5)``), zeros trimmed."""
+    match = _RELEASE.match(version)
+    parts = [int(part) for part in match.group(1).split(".")] if match else [0]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def too_old(
+    extra: str, requires: Iterable[str], version_of: Callable[[str], str | None]
+) -> tuple[str, str, str] | None:
+    """The first package of ``extra`` installed below its floor: ``(name, installed, floor)``.
+
+    ``requires`` are agentkey's Requires-Dist lines (``'langgraph>=1.1.5; extra ==
+    "langgraph"'``), ``version_of`` gives a distribution's installed version or None. An
+    extra that includes another (``agentkey-idempotency[server]``) is followed. Pure: the
+    caller reads the installed metadata.
+    """
+    lines = list(requires)
+    todo, seen = [extra], set()
+    while todo:
+        current = todo.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        for line in lines:
+            match = _REQUIREMENT.fullmatch(line)
+            if match is None:
+                continue
+            name, extras, spec, marker = match.groups()
+            if not re.search(rf"""extra\s*==\s*["']{re.escape(current)}["']""", marker or ""):
+                continue
+            if name.lower().replace("_", "-") == _DIST:
+                todo.extend(e.strip() for e in (extras or "").split(",") if e.strip())
+                continue
+            floor = re.search(r">=\s*([0-9][^,\s]*)", spec)
+            installed = version_of(name)
+            if floor and installed is not None and _release(installed) < _release(floor[1]):
+                return name, installed, floor[1]
+    return None
+
+
+def missing_extra(extra: str, module: str, exc: ImportError | None = None) -> MissingExtra:
+    """The :class:`MissingExtra` for an import of ``extra`` that failed with ``exc``.
+
+    "Too old" when one of the extra's packages is installed below the floor agentkey's own
+    metadata states; "lacks what agentkey uses" when ``module`` is installed but a name
+    could not be imported from it; else "not installed".
+    """
+    from importlib import metadata  # here: ``import agentkey`` does not pay for it
+
+    def version_of(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    try:
+        requires = metadata.requires(_DIST) or []
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        requires = []
+    old = too_old(extra, requires, version_of)
+    if old is not None:
+        return MissingExtra(extra, old[0], installed=old[1], needed=old[2])
+    root = (exc.name or "").partition(".")[0] if exc is not None else ""
+    if not root or sys.modules.get(root) is None:
+        return MissingExtra(extra, module)  # the package itself could not be imported
+    # A part of an installed package could not be imported: never say "not installed".
+    dists = metadata.packages_distributions().get(root) or [root]
+    same = [d for d in dists if re.sub(r"[-_.]+", "_", d).lower() == root.lower()]
+    dist = (same or dists)[0]  # langgraph, not langgraph-prebuilt, for ``langgraph``
+    installed = version_of(dist)
+    if installed is None:
+        return MissingExtra(extra, module)
+    return MissingExtra(extra, dist, installed=installed)
 
 
 class InvalidArguments(AgentKeyError, ValueError):

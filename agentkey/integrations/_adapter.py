@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .._exceptions import ConfigurationError, KeyRejected, MissingExtra, PayloadMismatch, ToolError
+from .._exceptions import missing_extra as _missing_extra
 from .._keys import normalize_step
 from .._plan import OnRepeat, PlanSession, Step, check_on_repeat
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
@@ -28,7 +29,7 @@ def missing_extra(exc: ImportError, extra: str, module: str, *roots: str) -> Mis
     """
     if (exc.name or "").partition(".")[0] not in (roots or (module,)):
         raise exc
-    return MissingExtra(extra, module)
+    return _missing_extra(extra, module, exc)
 
 
 def check_tool(

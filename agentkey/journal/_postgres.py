@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterator, Seque
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from .._exceptions import ConfigurationError, JournalError, MissingExtra
+from .._exceptions import ConfigurationError, JournalError, missing_extra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
@@ -53,7 +53,7 @@ try:
     from psycopg import sql
     from psycopg_pool import AsyncConnectionPool, ConnectionPool
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    raise MissingExtra("postgres", "psycopg") from exc
+    raise missing_extra("postgres", "psycopg", exc) from exc
 
 __all__ = ["PostgresJournal"]
 

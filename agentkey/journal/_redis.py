@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from .._exceptions import ConfigurationError, JournalError, MissingExtra
+from .._exceptions import ConfigurationError, JournalError, missing_extra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
@@ -59,7 +59,7 @@ try:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    raise MissingExtra("redis", "redis") from exc
+    raise missing_extra("redis", "redis", exc) from exc
 
 __all__ = ["RedisJournal"]
 

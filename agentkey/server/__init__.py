@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._exceptions import MissingExtra
+from .._exceptions import missing_extra
 
 try:
     import starlette  # noqa: F401 - checked here so the error names the extra
-except ImportError:  # pragma: no cover - exercised in a subprocess test
-    raise MissingExtra("server", "starlette") from None
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise missing_extra("server", "starlette", exc) from None
 
 from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, current_claim

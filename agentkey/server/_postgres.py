@@ -49,7 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from .._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
 from ._records import StoredOutcome, encode_outcome
@@ -59,8 +59,8 @@ try:
     import psycopg
     from psycopg import sql
     from psycopg_pool import AsyncConnectionPool, PoolTimeout
-except ImportError:  # pragma: no cover - exercised by installing without the extra
-    raise MissingExtra("postgres", "psycopg") from None
+except ImportError as exc:  # pragma: no cover - exercised by installing without the extra
+    raise missing_extra("postgres", "psycopg", exc) from None
 
 if TYPE_CHECKING:
     from ._claim import Claim

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..._exceptions import MissingExtra
+from ..._exceptions import missing_extra
 
 try:
     import mcp  # noqa: F401 - checked here so the error names the extra
@@ -34,7 +34,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     if (exc.name or "").partition(".")[0] not in ("mcp", "mcp_types", "httpx2"):
         raise
-    raise MissingExtra("mcp", "mcp") from None
+    raise missing_extra("mcp", "mcp", exc) from None
 
 from ._client import IdempotentSession, MCPToolResult, SessionFactory, connect
 from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD

@@ -34,7 +34,7 @@ import random
 import time
 from typing import Any
 
-from ..._exceptions import ConfigurationError, MissingExtra, StoreError, StoreUnavailable
+from ..._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from ..._schedule import Backoff
 from .._stores import _check_ttl, after_failure, owner_prefix, shown
 
@@ -44,8 +44,8 @@ try:
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
-except ImportError:  # pragma: no cover - exercised in a subprocess test
-    raise MissingExtra("server", "redis") from None
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise missing_extra("server", "redis", exc) from None
 
 __all__ = ["RETRIES", "RedisStore"]
 
