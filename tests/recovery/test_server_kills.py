@@ -278,9 +278,11 @@ def test_a_few_kills_after_the_side_effect_run_nothing_twice(
 @pytest.mark.long
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("kind", ["redis", "plain", "transactional", "mcp", "mcp-postgres"])
-def test_a_hundred_kills_after_the_side_effect_run_nothing_twice(
+def test_forty_kills_after_the_side_effect_run_nothing_twice(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """100 SIGKILLs of the tool server per store: executions per key <= 1, all settled."""
+    """40 SIGKILLs of the tool server per store: executions per key <= 1, all settled."""
+    # 40, not 100: the five stores at 100 kills took 16 of CI's 90 minutes. Each kill lands
+    # at a random point, so a longer soak is a seed and a count away (_run's parameters).
     postgres = None if kind in ("redis", "mcp") else request.getfixturevalue("postgres_proc")
-    _run(kind, 100, seed=3500, tmp_path=tmp_path, postgres=postgres)
+    _run(kind, 40, seed=3500, tmp_path=tmp_path, postgres=postgres)
