@@ -5,6 +5,7 @@
 - ``nox -s long``: the long suites (Redis Cluster, kill runs, long property profiles).
 - ``nox -s chaos``: the fault-injection suite, 100,000 steps (``-- quick``: CI's 2,000).
 - ``nox -s lint typecheck docs docs_examples bench``: the rest of CI.
+- ``nox -s adk``: the Google ADK adapter's tests, in a venv of their own.
 
 Interpreters installed by pyenv are found without activating them; a run of
 ``tests_all`` that could not find one says so in its last line.
@@ -128,6 +129,29 @@ def chaos(session: nox.Session) -> None:
         *args,
         env={"AGENTKEY_CHAOS_STEPS": steps},
     )
+
+
+def _framework(session: nox.Session, extra: str, prefix: str, page: str) -> None:
+    """One framework's adapter tests and docs page, in a venv of its own (the framework's pins
+    clash with the test venv's), installed from the framework's extra and dependency group."""
+    session.install("-e", f".[server,{extra}]", *nox.project.dependency_groups(PYPROJECT, extra))
+    tests = sorted(str(path) for path in Path("tests/frameworks").glob(f"test_{prefix}*.py"))
+    tests.append("tests/frameworks/test_extras.py")
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        *tests,
+        f"tests/test_docs.py::test_examples_run[docs/{page}]",
+        *session.posargs,
+    )
+
+
+@nox.session(python="3.11")
+def adk(session: nox.Session) -> None:
+    """Google ADK (tests/frameworks/test_adk*.py, docs/adk.md): ADK pins opentelemetry,
+    starlette and fastapi where the test venv cannot follow, and needs Python 3.11+."""
+    _framework(session, "google-adk", "adk", "adk.md")
 
 
 @nox.session
