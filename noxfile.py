@@ -131,10 +131,12 @@ def chaos(session: nox.Session) -> None:
     )
 
 
-def _framework(session: nox.Session, extra: str, prefix: str, page: str) -> None:
+def _framework(session: nox.Session, extra: str, module: str, prefix: str, page: str) -> None:
     """One framework's adapter tests and docs page, in a venv of its own (the framework's pins
-    clash with the test venv's), installed from the framework's extra and dependency group."""
+    clash with the test venv's), installed from the framework's extra and dependency group.
+    The tests skip where ``module`` is missing: here that fails the session instead."""
     session.install("-e", f".[server,{extra}]", *nox.project.dependency_groups(PYPROJECT, extra))
+    session.run("python", "-c", f"import {module}")
     tests = sorted(str(path) for path in Path("tests/frameworks").glob(f"test_{prefix}*.py"))
     tests.append("tests/frameworks/test_extras.py")
     session.run(
@@ -151,7 +153,7 @@ def _framework(session: nox.Session, extra: str, prefix: str, page: str) -> None
 def adk(session: nox.Session) -> None:
     """Google ADK (tests/frameworks/test_adk*.py, docs/adk.md): ADK pins opentelemetry,
     starlette and fastapi where the test venv cannot follow, and needs Python 3.11+."""
-    _framework(session, "google-adk", "adk", "adk.md")
+    _framework(session, "google-adk", "google.adk", "adk", "adk.md")
 
 
 @nox.session
