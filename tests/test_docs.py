@@ -30,7 +30,7 @@ def _blocks(path: Path) -> list[str]:
 #: Pages whose examples use a framework that installs only on Python 3.11 or newer.
 _NEEDS_311 = {"integrations.md": "PydanticAI"}
 #: Pages whose examples use a framework that installs in a nox session of its own.
-_NEEDS_SESSION = {"adk.md": ("google.adk", "adk")}
+_NEEDS_SESSION = {"adk.md": ("google.adk", "adk"), "crewai.md": ("crewai", "crewai")}
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

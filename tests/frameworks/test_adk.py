@@ -162,3 +162,42 @@ async def test_two_copies_of_one_session_charge_once(
         assert len({r["idempotency_key"] for r in kept}) == 1, kept
         assert sorted(bool(r["replayed"]) for r in kept) == [False, True], kept
     assert runs == [1] * TRIALS
+
+
+@pytest.mark.parametrize("agents", ["parallel", "sequential"])
+async def test_calls_on_two_branches_are_two_operations(
+    agents: str, server: tuple[str, PlainTool], journal: SQLiteJournal
+) -> None:
+    """A ParallelAgent's two sub-agents each charge the same amount on a branch of their own:
+    two operations, both run (neither answers the other's call). Two agents one after the
+    other share one history: the second reads the first's answer, a marked repeat."""
+    from google.adk.agents import LlmAgent, ParallelAgent, SequentialAgent
+
+    from tests.frameworks._adk import ScriptedModel
+
+    url, tool = server
+    async with AsyncToolInvoker(
+        url, route_template="/tools/{tool}", retry=FAST, journal=journal
+    ) as invoker:
+        charge = remote_tool(
+            name="charge", description="charge", args_schema=Charge, invoker=invoker
+        )
+        desks = [LlmAgent(name=f"desk_{n}", model=ScriptedModel(), tools=[charge]) for n in (1, 2)]
+        service = InMemorySessionService()
+        await service.create_session(app_name="shop", user_id="user-1", session_id="s-1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # both are deprecated in favour of Workflow
+            root: Any = (
+                ParallelAgent(name="shop", sub_agents=desks)
+                if agents == "parallel"
+                else SequentialAgent(name="shop", sub_agents=desks)
+            )
+            runner = Runner(app_name="shop", agent=root, session_service=service)
+        responses = await turn(runner, "s-1")
+    assert len(responses) == 2
+    if agents == "parallel":
+        assert tool.executions["charge"] == 2
+        assert not any("result" in r["response"] for r in responses)
+    else:
+        assert tool.executions["charge"] == 1
+        assert responses[1]["response"]["result"].startswith("[repeat of ")

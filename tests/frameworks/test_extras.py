@@ -14,7 +14,7 @@ import pytest
 
 @pytest.mark.parametrize(
     ("module", "hidden", "expected"),
-    [("google_adk", "google.adk", "google-adk google.adk")],
+    [("google_adk", "google.adk", "google-adk google.adk"), ("crewai", "crewai", "crewai crewai")],
 )
 def test_a_missing_framework_names_the_extra(module: str, hidden: str, expected: str) -> None:
     """Importing the adapter without its framework raises MissingExtra naming the extra."""
