@@ -42,23 +42,31 @@ class Charge(BaseModel):
 
 
 class ScriptedLLM(BaseLLM):
-    """Asks for the charge until it has read the tool's answer in this execution."""
+    """Asks for the charge until it has read the tool's answer in this execution; with
+    ``failures``, its service fails that many times once it has read the answer."""
+
+    failures: int = 0
 
     def call(self, messages: Any, *args: Any, **kwargs: Any) -> str:
         if isinstance(messages, list) and any(m.get("role") == "assistant" for m in messages):
+            if self.failures > 0:
+                self.failures -= 1
+                raise RuntimeError("the model's service is unavailable")
             return "Thought: The card is charged.\nFinal Answer: Charged."
         return f"Thought: I must charge the card.\nAction: charge\nAction Input: {json.dumps(ARGS)}"
 
 
-def crew(tool: Any, *, guardrail_retries: int = 0) -> Crew:
+def crew(tool: Any, *, guardrail_retries: int = 0, model_failures: int = 0) -> Crew:
     """A one-agent, one-task crew; with ``guardrail_retries``, the task's guardrail refuses
-    the first answer once, and CrewAI executes the task again."""
+    the first answer once, and CrewAI executes the task again; with ``model_failures``, the
+    model fails after the charge, and the agent executes the task again (``max_retry_limit``)."""
     agent = Agent(
         role="cashier",
         goal="charge the customer",
         backstory="a careful cashier",
-        llm=ScriptedLLM(model="scripted"),
+        llm=ScriptedLLM(model="scripted", failures=model_failures),
         tools=[tool],
+        max_retry_limit=max(model_failures, 1),
         verbose=False,
     )
     refused: list[str] = []

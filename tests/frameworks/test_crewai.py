@@ -43,11 +43,14 @@ def journal(tmp_path: Path) -> Iterator[SQLiteJournal]:
     journal.close()
 
 
-def test_a_guardrail_retry_of_the_task_charges_once(server: tuple[str, PlainTool]) -> None:
-    """The task's guardrail refuses the first answer and CrewAI executes the task again, its
-    model asking for the charge again: the retry reads the first call's answer, marked as a
-    repeat under the same key, and nothing is sent. One charge."""
+@pytest.mark.parametrize("retry", ["guardrail", "max_retry_limit"])
+def test_a_retry_of_the_task_charges_once(retry: str, server: tuple[str, PlainTool]) -> None:
+    """The task's guardrail refuses the first answer (or the model fails after the charge and
+    the agent's max_retry_limit runs the task again): CrewAI executes the task again, its model
+    asking for the charge again, and the retry reads the first call's answer, marked as a
+    repeat under the same key; nothing is sent. One charge (a plain CrewAI tool ran 2)."""
     url, tool_app = server
+    options = {"guardrail_retries": 1} if retry == "guardrail" else {"model_failures": 1}
     with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
         tool = remote_tool(
             name="charge",
@@ -56,7 +59,7 @@ def test_a_guardrail_retry_of_the_task_charges_once(server: tuple[str, PlainTool
             invoker=invoker,
             plan=PlanSession.new(),
         )
-        crew(tool, guardrail_retries=1).kickoff()
+        crew(tool, **options).kickoff()
     assert tool_app.executions["charge"] == 1
     first, retry = cast(Any, tool).records
     assert first["outcome"] == "executed"
