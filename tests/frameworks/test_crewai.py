@@ -50,7 +50,9 @@ def test_a_retry_of_the_task_charges_once(retry: str, server: tuple[str, PlainTo
     asking for the charge again, and the retry reads the first call's answer, marked as a
     repeat under the same key; nothing is sent. One charge (a plain CrewAI tool ran 2)."""
     url, tool_app = server
-    options = {"guardrail_retries": 1} if retry == "guardrail" else {"model_failures": 1}
+    options: dict[str, int] = (
+        {"guardrail_retries": 1} if retry == "guardrail" else {"model_failures": 1}
+    )
     with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
         tool = remote_tool(
             name="charge",
@@ -61,11 +63,11 @@ def test_a_retry_of_the_task_charges_once(retry: str, server: tuple[str, PlainTo
         )
         crew(tool, **options).kickoff()
     assert tool_app.executions["charge"] == 1
-    first, retry = cast(Any, tool).records
+    first, again = cast(Any, tool).records
     assert first["outcome"] == "executed"
-    assert retry["outcome"] == "replayed"
-    assert retry["repeat_of"] == first["step"]
-    assert retry["idempotency_key"] == first["idempotency_key"]
+    assert again["outcome"] == "replayed"
+    assert again["repeat_of"] == first["step"]
+    assert again["idempotency_key"] == first["idempotency_key"]
 
 
 def test_a_flow_run_again_with_its_state_id_charges_once(server: tuple[str, PlainTool]) -> None:
