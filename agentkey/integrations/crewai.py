@@ -31,6 +31,7 @@ Needs the ``crewai`` extra (``pip install 'agentkey-idempotency[crewai]'``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import Counter
@@ -98,6 +99,9 @@ class _RemoteTool(BaseTool):
 
     def _run(self, **kwargs: Any) -> str:
         return self._call(kwargs)
+
+    async def _arun(self, **kwargs: Any) -> str:
+        return await asyncio.to_thread(self._call, kwargs)
 
 
 def remote_tool(
@@ -169,7 +173,7 @@ def remote_tool(
             on_repeat=policy,
             derive=lambda: (code(name), code(call_id)),
             args_model=args_schema,
-            unread="flow state id (or plan)",
+            unread="flow state id",
         )
         template = rule.template()
         try:

@@ -84,6 +84,24 @@ def test_a_flow_run_again_with_its_state_id_charges_once(server: tuple[str, Plai
     assert record["replayed"] is False
 
 
+async def test_the_tool_awaited_directly_is_keyed_too(server: tuple[str, PlainTool]) -> None:
+    """tool.arun(...) (CrewAI's async entry) goes through the same rule: a second identical
+    call of the plan is a marked repeat, nothing sent."""
+    url, tool_app = server
+    with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
+        tool = remote_tool(
+            name="charge",
+            description="Charge.",
+            args_schema=Charge,
+            invoker=invoker,
+            plan=PlanSession.new(),
+        )
+        await tool.arun(amount=5)
+        again = await tool.arun(amount=5)
+    assert tool_app.executions["charge"] == 1
+    assert again.startswith("[repeat of ")
+
+
 def test_bad_sources_are_refused(server: tuple[str, PlainTool]) -> None:
     """An AsyncToolInvoker (CrewAI calls tools from its threads) and a flow without a state id
     are refused with ConfigurationError, saying what to pass."""
