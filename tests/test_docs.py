@@ -102,6 +102,7 @@ def test_every_page_with_examples_says_what_to_install() -> None:
 
 
 @pytest.mark.docs_install
+@pytest.mark.timeout(1500)  # a framework's install (CrewAI: ~1 GB) outlasts the default 120 s
 @pytest.mark.parametrize("path", _PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run_from_the_pages_install_line(path: Path, tmp_path: Path) -> None:
     """A page's examples run in a venv holding only what the page's install lines bring."""
