@@ -29,6 +29,8 @@ def _blocks(path: Path) -> list[str]:
 
 #: Pages whose examples use a framework that installs only on Python 3.11 or newer.
 _NEEDS_311 = {"integrations.md": "PydanticAI"}
+#: Pages whose examples use a framework that installs in a nox session of its own.
+_NEEDS_SESSION = {"adk.md": ("google.adk", "adk"), "crewai.md": ("crewai", "crewai")}
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -37,6 +39,9 @@ def test_examples_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     needs = _NEEDS_311.get(path.name)
     if needs and sys.version_info < (3, 11):
         pytest.skip(f"{path.name} uses {needs}, which needs Python 3.11+")
+    if path.name in _NEEDS_SESSION:
+        module, session = _NEEDS_SESSION[path.name]
+        pytest.importorskip(module, reason=f"{path.name} runs in `nox -s {session}`")
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
     try:
         for number, block in enumerate(_blocks(path), start=1):
@@ -97,6 +102,7 @@ def test_every_page_with_examples_says_what_to_install() -> None:
 
 
 @pytest.mark.docs_install
+@pytest.mark.timeout(1500)  # a framework's install (CrewAI: ~1 GB) outlasts the default 120 s
 @pytest.mark.parametrize("path", _PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run_from_the_pages_install_line(path: Path, tmp_path: Path) -> None:
     """A page's examples run in a venv holding only what the page's install lines bring."""
