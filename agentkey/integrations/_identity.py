@@ -43,7 +43,7 @@ one call. The key decided then is the one sent, and it never changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._keys import StepKey
@@ -55,10 +55,12 @@ __all__ = [
     "Earlier",
     "Seen",
     "Verdict",
+    "adopted",
     "decide",
     "earlier_of",
     "lost_turns",
     "step_of",
+    "unfinished_elsewhere",
 ]
 
 
@@ -75,6 +77,14 @@ class Seen:
     contexts: frozenset[str] = frozenset()
     #: Where each requested call stands in the history: (message list, position).
     asked: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: The turn a journal ``context`` names, as ``contexts`` holds it (None: the context
+    #: itself); a runtime whose contexts carry more than the turn (PydanticAI's name the
+    #: conversation beside the run) strips the rest here.
+    turn_of: Callable[[str], str] | None = None
+
+    def knows(self, context: str) -> bool:
+        """Whether the turn ``context`` names is in this history."""
+        return (self.turn_of(context) if self.turn_of else context) in self.contexts
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +197,49 @@ def lost_turns(site: CallSite, args_hash: str, unsettled: Sequence[CallRecord]) 
     ]
 
 
+def unfinished_elsewhere(
+    site: CallSite,
+    args_hash: str,
+    unsettled: Sequence[CallRecord],
+    same_scope: Callable[[str | None], bool],
+) -> CallRecord | None:
+    """The oldest identical call (same tool and arguments) of another plan, in the same thread
+    or conversation (``same_scope`` of its ``context``), that the journal shows never settled.
+
+    ``unsettled`` are the journal's calls in doubt, or pending with their sender gone: a run
+    that died while it made the call. When a run that starts over under a new plan (a request
+    re-sent with a new message id, a new run id in the same conversation) asks for the same
+    call, it is that call asked again: :func:`adopted` gives it its key.
+    """
+    found = [
+        r
+        for r in unsettled
+        if r.tool == site.tool
+        and r.args_hash == args_hash
+        and r.plan != site.plan.id
+        and same_scope(r.context)
+    ]
+    return min(found, key=lambda r: (r.created_at, r.key)) if found else None
+
+
+def adopted(site: CallSite, record: CallRecord) -> CallSite:
+    """``site`` moved to the plan of ``record``, an unfinished identical call of its thread or
+    conversation (:func:`unfinished_elsewhere`), with ``record``'s turn counted as one this
+    history continues: :func:`decide` then takes ``record``'s key for it, as asked again."""
+    plan = PlanSession(id=record.plan, profile=site.plan.profile)
+    seen = site.seen if site.seen is not None else Seen()
+    contexts = set(seen.contexts)
+    if record.context is not None:
+        contexts.add(seen.turn_of(record.context) if seen.turn_of else record.context)
+    return replace(
+        site,
+        plan=plan,
+        seen=replace(seen, contexts=frozenset(contexts)),
+        adopt=True,
+        known={},  # keys of the history's own plan: not this plan's
+    )
+
+
 def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
     """Whether ``site`` asks again for ``earlier``, a call whose answer the model never read.
 
@@ -197,11 +250,7 @@ def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
     """
     if earlier.call_id in seen.answered:
         return False
-    if (
-        earlier.context is not None
-        and site.context is not None
-        and earlier.context not in seen.contexts
-    ):
+    if earlier.context is not None and site.context is not None and not seen.knows(earlier.context):
         return False
     where = seen.asked.get(earlier.call_id or "")
     if where is None or site.position is None:

@@ -35,7 +35,7 @@ from .._plan import OnRepeat, Step
 from ..client._flow import Pick
 from ..journal._records import CallRecord, CallState
 from ._adapter import repeat_note, repeat_record
-from ._identity import CallSite, Earlier, Seen, Verdict, decide, earlier_of, step_of
+from ._identity import CallSite, Earlier, Verdict, decide, earlier_of, step_of
 
 __all__ = ["NOT_SENT", "Chooser", "Repeat", "Send", "settle"]
 
@@ -214,7 +214,7 @@ def _without_refusals(site: CallSite, records: Sequence[CallRecord]) -> CallSite
         return site
     answered = {k: (None if k in refused else v) for k, v in seen.answered.items()}
     known = {k: v for k, v in site.known.items() if k not in refused}
-    return dataclasses.replace(site, seen=Seen(answered, seen.contexts, seen.asked), known=known)
+    return dataclasses.replace(site, seen=dataclasses.replace(seen, answered=answered), known=known)
 
 
 def _unread_answer(
