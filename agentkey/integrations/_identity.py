@@ -81,6 +81,11 @@ class Seen:
     #: itself); a runtime whose contexts carry more than the turn (PydanticAI's name the
     #: conversation beside the run) strips the rest here.
     turn_of: Callable[[str], str] | None = None
+    #: False when the runtime shows no history (LangGraph's Functional API: a ``@task``
+    #: sees only its own call): an identical call of another turn is then taken as asked
+    #: again whatever its state (nothing says the model read its answer), and one of this
+    #: turn (``CallSite.context``) never is (a sibling, or a later request of this turn).
+    shown: bool = True
 
     def knows(self, context: str) -> bool:
         """Whether the turn ``context`` names is in this history."""
@@ -168,6 +173,9 @@ def decide(
     seen = site.seen
     others = [e for e in earlier if e.call_id not in site.siblings]
     unseen = [e for e in others if site.adopt and _asked_again(site, seen, e)]
+    if not seen.shown:  # a key this turn already took again is not taken twice
+        taken = {e.key for e in others if e.context == site.context}
+        unseen = [e for e in unseen if e.key not in taken]
     ordinal = site.siblings.index(site.call_id) if site.call_id in site.siblings else 0
     if ordinal < len(unseen):
         record = unseen[ordinal]
@@ -250,6 +258,8 @@ def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
     """
     if earlier.call_id in seen.answered:
         return False
+    if not seen.shown:
+        return earlier.context is None or earlier.context != site.context
     if earlier.context is not None and site.context is not None and not seen.knows(earlier.context):
         return False
     where = seen.asked.get(earlier.call_id or "")
