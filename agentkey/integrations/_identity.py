@@ -158,10 +158,12 @@ def decide(
 ) -> Verdict:
     """Which key ``site`` gets, given the plan's ``earlier`` calls with its tool and arguments."""
     plan_id = site.plan.id
-    journalled = {e.key for e in earlier}
+    # A key the history knows for a call the journal holds under another call id (a repeat
+    # of it, recorded by a copy of this job) still names that call: both count.
+    journalled = {(e.key, e.call_id) for e in earlier}
     earlier = [
         *earlier,
-        *(Earlier(k, c, None) for c, k in site.known.items() if k not in journalled),
+        *(Earlier(k, c, None) for c, k in site.known.items() if (k, c) not in journalled),
     ]
     earlier = [e for e in earlier if _same_call(e.key, plan_id, args_hash)]
     if site.call_id is not None:
@@ -176,6 +178,10 @@ def decide(
     if not seen.shown:  # a key this turn already took again is not taken twice
         taken = {e.key for e in others if e.context == site.context}
         unseen = [e for e in unseen if e.key not in taken]
+    once: dict[str, Earlier] = {}  # each key once, where it first comes
+    for e in unseen:
+        once.setdefault(e.key, e)
+    unseen = list(once.values())
     ordinal = site.siblings.index(site.call_id) if site.call_id in site.siblings else 0
     if ordinal < len(unseen):
         record = unseen[ordinal]
