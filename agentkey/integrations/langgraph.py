@@ -22,6 +22,13 @@ tool call id: LangGraph's public injection) and the invoker's journal:
   earlier call's key back, and its answer is marked as a repeat; a call the
   model asks for again after reading its answer follows ``on_repeat``.
 
+In a ``@task`` of the Functional API (or a node of your own) the tool sees no
+history: the plan is the thread, and an identical call another run on the
+thread made (a request re-sent after a crash) gives its key, while one of the
+same run is a new operation. A request re-sent as a new message after a crash
+that saved nothing (``durability="exit"``) takes the key of the identical call
+the journal shows the earlier run on the thread never settled.
+
 Keys of version 0.x (``(superstep, slot, ordinal)``, :func:`graph_step_v1`)
 can still be used for runs in flight: ``remote_tool(..., step_index=graph_step_v1)``.
 

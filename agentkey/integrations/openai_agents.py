@@ -23,6 +23,11 @@ call's identity comes from:
   identical calls of one model response (same ``usage.requests``) are
   siblings: two identical calls at once are two operations and both run.
 
+With a ``Session``, link the run's trace to it with the SDK's
+``RunConfig(group_id=session.session_id)``: a message sent again in the session
+under a new trace after a crash then finds the identical calls another trace of
+the group left unsettled in the journal, and takes their keys.
+
 Then (``_identity``): the same call run again (a ``RunState`` resumed, a
 durable runner replaying the recorded model response) keeps its key; a call
 the model asks for again without having read its answer (a run started over

@@ -11,6 +11,13 @@ Each call gets its key from what PydanticAI gives the tool in its
   and nothing survives a restart. Inside a durable workflow (Temporal, DBOS,
   Prefect) PydanticAI derives ``run_id`` from the workflow run, so it survives
   the engine's re-executions as is;
+- a run continued from its saved ``message_history`` (PydanticAI refuses the old
+  ``run_id`` there and draws a new one): a call the history shows asked by an
+  earlier run and never answered by the tool (PydanticAI runs it again; or
+  ``repair_messages()`` made up its return and the prompt was sent again, so
+  the model asks anew) keeps that run's plan and its key. A prompt sent again
+  in the same ``conversation_id`` without the history finds an identical call
+  another run of the conversation left unsettled in the journal;
 - step index (:func:`call_step`): ``(slot, call)``, two 32-bit numbers of the
   tool name and of the model's tool call id, so a call's step never depends on
   the calls before it;
