@@ -194,16 +194,19 @@ def _task_plan(ctx: ToolCallContext) -> PlanSession:
 
 
 def _blind_site(ctx: ToolCallContext, plan: PlanSession, on_repeat: OnRepeat) -> CallSite:
-    """A call the runtime shows no history of (a ``@task`` of the Functional API, a node of
-    your own): its turn is the entrypoint's run (the first part of its checkpoint
-    namespace, drawn anew for each request, kept on a resume). An identical call another
-    turn on the thread made is taken as asked again (a request re-sent after a crash); one
-    of this turn never is (two identical calls of one response are two operations).
-    ``on_repeat="allow"`` (a read): every call is new."""
-    if not _in_thread(ctx):
+    """A call the runtime shows no history of, made in a ``@task`` (of the Functional API,
+    or called from a node): its turn is the run of what called the task (the first part of
+    its checkpoint namespace: the entrypoint's run, drawn anew for each request, kept on a
+    resume). An identical call another turn on the thread made is taken as asked again (a
+    request re-sent after a crash); one of this turn never is (two identical calls of one
+    response are two operations). ``on_repeat="allow"`` (a read): every call is new. A call
+    in a node of the graph itself keeps the rule of its call id alone."""
+    namespace = str((ctx.config.get("metadata") or {}).get("langgraph_checkpoint_ns") or "")
+    if not _in_thread(ctx) or _NS_SEP not in namespace:
+        # A node of the graph itself (a Send worker: parallel ones are one turn, each its
+        # own namespace): the call id alone, as before.
         return CallSite(plan, ctx.tool, ctx.args, ctx.tool_call_id)
     thread = str((ctx.config.get("configurable") or {}).get("thread_id"))
-    namespace = str((ctx.config.get("metadata") or {}).get("langgraph_checkpoint_ns"))
     return CallSite(
         plan=plan,
         tool=ctx.tool,
