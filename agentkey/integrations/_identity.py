@@ -22,6 +22,17 @@ an identical call the model saw answered ..... on_repeat: replay the answer it r
 otherwise ..................................... a new key, from the call's own id
 ```
 
+Two recoveries change what the rule is given, not the rule:
+
+- a runtime that shows no history (LangGraph's ``@task``: ``Seen(shown=False)``)
+  takes an identical call of another turn as asked again, whatever the model
+  saw, and one of its own turn never;
+- a run that starts over under a new plan (a new run id or trace in the same
+  conversation, a request re-sent as a new message) is moved, by the adapter,
+  to the plan of an identical call its thread or conversation left unsettled
+  in the journal (:func:`unfinished_elsewhere`, :func:`adopted`): there the rule
+  gives it that call's key.
+
 A sibling is an identical call in the same model response: two identical
 calls at once mean two operations. Identical calls asked again are matched
 to earlier ones in order (the second of this response to the second unseen

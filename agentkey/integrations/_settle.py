@@ -8,8 +8,9 @@ the chooser for a key with the plan's identical calls that the journal holds,
 and records the call under that key in the same journal step that looks for
 them (``Journal.begin(..., repeats=True, known=...)``): when an identical call
 it has not seen appeared meanwhile (a copy of the same job, racing), nothing is
-written and the chooser decides again, seeing it. So an adapter never reads the
-journal, the key is decided once, and it never changes after that step.
+written and the chooser decides again, seeing it. So the key is decided once, and
+it never changes after that step. An adapter reads the journal only for the calls
+left unsettled by a run that died (``_adapter.unsettled``), to choose the plan.
 
 The chooser asks ``_identity.decide`` and adds two rules of its own:
 
