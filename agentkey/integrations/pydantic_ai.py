@@ -352,16 +352,31 @@ def _origin(
     mine = encode_jsonable(to_jsonable(values), "python")
     for message in messages:
         run_id = getattr(message, "run_id", None)
-        if not isinstance(message, ModelResponse) or not run_id or run_id == ctx.run_id:
+        if not isinstance(message, ModelResponse) or run_id == ctx.run_id:
             continue
         for part in message.parts:
             if not isinstance(part, ToolCallPart) or part.tool_call_id in answered:
                 continue
-            if part.tool_call_id == ctx.tool_call_id:
-                return run_id, None
-            if part.tool_name == tool and _normalised(part, schema) == mine:
-                return run_id, part.tool_call_id
+            if part.tool_call_id != ctx.tool_call_id and (
+                part.tool_name != tool or _normalised(part, schema) != mine
+            ):
+                continue
+            if not run_id:
+                raise _unattributed(ctx, tool, part.tool_call_id)
+            return run_id, (None if part.tool_call_id == ctx.tool_call_id else part.tool_call_id)
     return None
+
+
+def _unattributed(ctx: RunContext[Any], tool: str, call_id: str) -> ConfigurationError:
+    """The refusal of a call whose earlier unanswered twin no run can be named for."""
+    return ConfigurationError(
+        f"tool {tool!r}: the message history holds the same call (tool call id {call_id!r}, "
+        "same arguments), asked for by an earlier run and never answered by the tool, but "
+        "its message carries no run_id, so agentkey cannot tell which key it was sent under "
+        "or whether it ran; nothing was sent. Pass the history as PydanticAI saved it "
+        "(ModelMessagesTypeAdapter keeps each message's run_id), or give the tool a plan "
+        "kept with the job: remote_tool(..., plan=PlanSession.from_external_id(job_id))"
+    )
 
 
 def _site(
