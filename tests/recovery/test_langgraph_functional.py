@@ -40,7 +40,7 @@ def _tool_messages(job: Recovery, *args: str) -> list[dict[str, Any]]:
     return [m for m in lines if m["type"] == "tool"]
 
 
-@pytest.mark.parametrize("durability", ["async", "exit"])
+@pytest.mark.parametrize("durability", [pytest.param("async", marks=pytest.mark.long), "exit"])
 def test_a_request_re_sent_after_a_crash_charges_once(
     job: Recovery, tmp_path: Path, durability: str
 ) -> None:
@@ -55,6 +55,7 @@ def test_a_request_re_sent_after_a_crash_charges_once(
     assert answer["content"].startswith("[repeat of ")
 
 
+@pytest.mark.long
 def test_the_recipe_with_plan_and_step_index_given_charges_once(
     job: Recovery, tmp_path: Path
 ) -> None:
@@ -67,6 +68,7 @@ def test_the_recipe_with_plan_and_step_index_given_charges_once(
     assert answer["artifact"]["repeat_of"] is not None
 
 
+@pytest.mark.long
 def test_a_later_request_on_the_thread_is_a_labelled_repeat_or_a_new_charge(
     job: Recovery, tmp_path: Path
 ) -> None:

@@ -63,7 +63,7 @@ def test_two_tickets_restarted_in_a_new_process_charge_twice(run: Recovery) -> N
 OTHER = "trace_0af7651916cd43dd8448eb211c80319c"
 
 
-@pytest.mark.parametrize("tickets", [1, 2])
+@pytest.mark.parametrize("tickets", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_message_re_sent_in_its_session_under_a_new_trace_charges_once(
     run: Recovery, tmp_path: Path, tickets: int
 ) -> None:
@@ -80,6 +80,7 @@ def test_a_message_re_sent_in_its_session_under_a_new_trace_charges_once(
     assert all(o["output"].startswith("[repeat of ") for o in outputs)
 
 
+@pytest.mark.long
 def test_a_new_message_in_the_session_after_a_finished_run_charges_again(
     run: Recovery, tmp_path: Path
 ) -> None:

@@ -60,7 +60,7 @@ def test_a_fixed_run_id_reused_by_a_recurring_job_is_labelled(job: Recovery) -> 
 # Issue 38: PydanticAI's own recipe, a run continued from its saved message_history.
 
 
-@pytest.mark.parametrize("conversation", [None, "conv-4f1c"])
+@pytest.mark.parametrize("conversation", [None, pytest.param("conv-4f1c", marks=pytest.mark.long)])
 def test_a_run_resumed_from_its_saved_history_charges_once(
     job: Recovery, tmp_path: Path, conversation: str | None
 ) -> None:
@@ -76,7 +76,7 @@ def test_a_run_resumed_from_its_saved_history_charges_once(
     assert charge["metadata"]["replayed"] is True
 
 
-@pytest.mark.parametrize("conversation", [None, "conv-9a2e"])
+@pytest.mark.parametrize("conversation", [None, pytest.param("conv-9a2e", marks=pytest.mark.long)])
 def test_a_repaired_history_with_the_prompt_re_sent_charges_once(
     job: Recovery, tmp_path: Path, conversation: str | None
 ) -> None:
