@@ -801,7 +801,7 @@ class _Run:
         if (yield Journaled("take_over", (taken, earlier))):
             self.record = taken
             return None
-        raise StepInProgress(
+        raise _TakenOver(
             f"{_where(call)} was taken over by another sender while this one read it from "
             "the journal; call again to get its outcome",
             idempotency_key=call.key,
@@ -1197,13 +1197,14 @@ class _Beginning(Exchange["Finished | None"]):
     call's answer when the journal settles it, or :class:`Again`.
     """
 
-    __slots__ = ("record", "reread", "run", "waited")
+    __slots__ = ("record", "reread", "retaken", "run", "waited")
 
     def __init__(self, run: _Run) -> None:
         self.run = run
         self.record: CallRecord | None = None  # the record this flow asks to begin
         self.waited = 0  # waits for the send in flight elsewhere
         self.reread = False  # a pending record whose sender looked gone was read again
+        self.retaken = False  # a record another sender took over first was read again
 
     def request(self) -> Generator[Effect, Any, Effect]:
         self.record = self.run.new_record()
@@ -1231,12 +1232,24 @@ class _Beginning(Exchange["Finished | None"]):
         if begun.live and not run.honoured() and run.s.honours_keys is None:
             yield from run.probe()  # a send in flight elsewhere: ask the route first
         if not (begun.live and not run.honoured()):
-            return (yield from run.settle_earlier(earlier, begun.live))
+            try:
+                return (yield from run.settle_earlier(earlier, begun.live))
+            except _TakenOver:
+                if self.retaken:
+                    raise
+                # Another sender (a copy of this job) took the record over first: read it
+                # again, now in flight there, and wait for it or send under its key.
+                self.retaken = True
+                return Again()
         self.waited += 1
         wait = run.wait_in_flight(self.waited, None)
         if wait is None:
             raise _still_pending(run.call, earlier, run.s.wall())
         return Again(wait)
+
+
+class _TakenOver(StepInProgress):
+    """Another sender took over the record this flow meant to take over."""
 
 
 #: A request that failed this close to the call's deadline (seconds) was ended by it.

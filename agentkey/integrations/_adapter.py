@@ -18,6 +18,8 @@ from .._keys import normalize_step
 from .._plan import OnRepeat, PlanSession, Step, check_on_repeat
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from ..client._protocol import short_reason
+from ..journal._base import is_live
+from ..journal._records import CallRecord, CallState
 
 _Ctx = TypeVar("_Ctx")
 
@@ -138,6 +140,18 @@ def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[s
     record = {("step" if name == "label" else name): value for name, value in record.items()}
     # The result's repeat_of: the flow may have found the call to repeat an earlier one.
     return {"tool": step.tool, **record}
+
+
+def unsettled(invoker: ToolInvoker | AsyncToolInvoker) -> list[CallRecord]:
+    """The calls the invoker's journal shows never settled: in doubt, or pending with their
+    sender gone (a process that died while it made them). Empty without a journal, or with
+    one that cannot be read synchronously."""
+    journal = invoker.journal
+    if journal is None or not journal.supports_sync:
+        return []
+    found = journal.calls(states=[CallState.IN_DOUBT, CallState.PENDING], limit=200)
+    now = invoker._wall()
+    return [r for r in found if not is_live(r, now)]
 
 
 def server_reason(exc: ToolError) -> str | None:

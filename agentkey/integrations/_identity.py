@@ -22,6 +22,17 @@ an identical call the model saw answered ..... on_repeat: replay the answer it r
 otherwise ..................................... a new key, from the call's own id
 ```
 
+Two recoveries change what the rule is given, not the rule:
+
+- a runtime that shows no history (LangGraph's ``@task``: ``Seen(shown=False)``)
+  takes an identical call of another turn as asked again, whatever the model
+  saw, and one of its own turn never;
+- a run that starts over under a new plan (a new run id or trace in the same
+  conversation, a request re-sent as a new message) is moved, by the adapter,
+  to the plan of an identical call its thread or conversation left unsettled
+  in the journal (:func:`unfinished_elsewhere`, :func:`adopted`): there the rule
+  gives it that call's key.
+
 A sibling is an identical call in the same model response: two identical
 calls at once mean two operations. Identical calls asked again are matched
 to earlier ones in order (the second of this response to the second unseen
@@ -43,7 +54,7 @@ one call. The key decided then is the one sent, and it never changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._keys import StepKey
@@ -55,10 +66,12 @@ __all__ = [
     "Earlier",
     "Seen",
     "Verdict",
+    "adopted",
     "decide",
     "earlier_of",
     "lost_turns",
     "step_of",
+    "unfinished_elsewhere",
 ]
 
 
@@ -75,6 +88,19 @@ class Seen:
     contexts: frozenset[str] = frozenset()
     #: Where each requested call stands in the history: (message list, position).
     asked: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: The turn a journal ``context`` names, as ``contexts`` holds it (None: the context
+    #: itself); a runtime whose contexts carry more than the turn (PydanticAI's name the
+    #: conversation beside the run) strips the rest here.
+    turn_of: Callable[[str], str] | None = None
+    #: False when the runtime shows no history (LangGraph's Functional API: a ``@task``
+    #: sees only its own call): an identical call of another turn is then taken as asked
+    #: again whatever its state (nothing says the model read its answer), and one of this
+    #: turn (``CallSite.context``) never is (a sibling, or a later request of this turn).
+    shown: bool = True
+
+    def knows(self, context: str) -> bool:
+        """Whether the turn ``context`` names is in this history."""
+        return (self.turn_of(context) if self.turn_of else context) in self.contexts
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +169,12 @@ def decide(
 ) -> Verdict:
     """Which key ``site`` gets, given the plan's ``earlier`` calls with its tool and arguments."""
     plan_id = site.plan.id
-    journalled = {e.key for e in earlier}
+    # A key the history knows for a call the journal holds under another call id (a repeat
+    # of it, recorded by a copy of this job) still names that call: both count.
+    journalled = {(e.key, e.call_id) for e in earlier}
     earlier = [
         *earlier,
-        *(Earlier(k, c, None) for c, k in site.known.items() if k not in journalled),
+        *(Earlier(k, c, None) for c, k in site.known.items() if (k, c) not in journalled),
     ]
     earlier = [e for e in earlier if _same_call(e.key, plan_id, args_hash)]
     if site.call_id is not None:
@@ -158,6 +186,13 @@ def decide(
     seen = site.seen
     others = [e for e in earlier if e.call_id not in site.siblings]
     unseen = [e for e in others if site.adopt and _asked_again(site, seen, e)]
+    if not seen.shown:  # a key this turn already took again is not taken twice
+        taken = {e.key for e in others if e.context == site.context}
+        unseen = [e for e in unseen if e.key not in taken]
+    once: dict[str, Earlier] = {}  # each key once, where it first comes
+    for e in unseen:
+        once.setdefault(e.key, e)
+    unseen = list(once.values())
     ordinal = site.siblings.index(site.call_id) if site.call_id in site.siblings else 0
     if ordinal < len(unseen):
         record = unseen[ordinal]
@@ -187,6 +222,49 @@ def lost_turns(site: CallSite, args_hash: str, unsettled: Sequence[CallRecord]) 
     ]
 
 
+def unfinished_elsewhere(
+    site: CallSite,
+    args_hash: str,
+    unsettled: Sequence[CallRecord],
+    same_scope: Callable[[str | None], bool],
+) -> CallRecord | None:
+    """The oldest identical call (same tool and arguments) of another plan, in the same thread
+    or conversation (``same_scope`` of its ``context``), that the journal shows never settled.
+
+    ``unsettled`` are the journal's calls in doubt, or pending with their sender gone: a run
+    that died while it made the call. When a run that starts over under a new plan (a request
+    re-sent with a new message id, a new run id in the same conversation) asks for the same
+    call, it is that call asked again: :func:`adopted` gives it its key.
+    """
+    found = [
+        r
+        for r in unsettled
+        if r.tool == site.tool
+        and r.args_hash == args_hash
+        and r.plan != site.plan.id
+        and same_scope(r.context)
+    ]
+    return min(found, key=lambda r: (r.created_at, r.key)) if found else None
+
+
+def adopted(site: CallSite, record: CallRecord) -> CallSite:
+    """``site`` moved to the plan of ``record``, an unfinished identical call of its thread or
+    conversation (:func:`unfinished_elsewhere`), with ``record``'s turn counted as one this
+    history continues: :func:`decide` then takes ``record``'s key for it, as asked again."""
+    plan = PlanSession(id=record.plan, profile=site.plan.profile)
+    seen = site.seen if site.seen is not None else Seen()
+    contexts = set(seen.contexts)
+    if record.context is not None:
+        contexts.add(seen.turn_of(record.context) if seen.turn_of else record.context)
+    return replace(
+        site,
+        plan=plan,
+        seen=replace(seen, contexts=frozenset(contexts)),
+        adopt=True,
+        known={},  # keys of the history's own plan: not this plan's
+    )
+
+
 def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
     """Whether ``site`` asks again for ``earlier``, a call whose answer the model never read.
 
@@ -197,11 +275,9 @@ def _asked_again(site: CallSite, seen: Seen, earlier: Earlier) -> bool:
     """
     if earlier.call_id in seen.answered:
         return False
-    if (
-        earlier.context is not None
-        and site.context is not None
-        and earlier.context not in seen.contexts
-    ):
+    if not seen.shown:
+        return earlier.context is None or earlier.context != site.context
+    if earlier.context is not None and site.context is not None and not seen.knows(earlier.context):
         return False
     where = seen.asked.get(earlier.call_id or "")
     if where is None or site.position is None:

@@ -8,8 +8,9 @@ the chooser for a key with the plan's identical calls that the journal holds,
 and records the call under that key in the same journal step that looks for
 them (``Journal.begin(..., repeats=True, known=...)``): when an identical call
 it has not seen appeared meanwhile (a copy of the same job, racing), nothing is
-written and the chooser decides again, seeing it. So an adapter never reads the
-journal, the key is decided once, and it never changes after that step.
+written and the chooser decides again, seeing it. So the key is decided once, and
+it never changes after that step. An adapter reads the journal only for the calls
+left unsettled by a run that died (``_adapter.unsettled``), to choose the plan.
 
 The chooser asks ``_identity.decide`` and adds two rules of its own:
 
@@ -35,7 +36,7 @@ from .._plan import OnRepeat, Step
 from ..client._flow import Pick
 from ..journal._records import CallRecord, CallState
 from ._adapter import repeat_note, repeat_record
-from ._identity import CallSite, Earlier, Seen, Verdict, decide, earlier_of, step_of
+from ._identity import CallSite, Earlier, Verdict, decide, earlier_of, step_of
 
 __all__ = ["NOT_SENT", "Chooser", "Repeat", "Send", "settle"]
 
@@ -214,7 +215,7 @@ def _without_refusals(site: CallSite, records: Sequence[CallRecord]) -> CallSite
         return site
     answered = {k: (None if k in refused else v) for k, v in seen.answered.items()}
     known = {k: v for k, v in site.known.items() if k not in refused}
-    return dataclasses.replace(site, seen=Seen(answered, seen.contexts, seen.asked), known=known)
+    return dataclasses.replace(site, seen=dataclasses.replace(seen, answered=answered), known=known)
 
 
 def _unread_answer(

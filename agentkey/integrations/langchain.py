@@ -39,7 +39,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -56,8 +55,6 @@ from ..client._flow import Pick
 from ..client._hooks import GiveUpEvent, PollEvent, ReplayEvent, RetryEvent
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
 from ..client._net import redact_url
-from ..journal._base import is_live
-from ..journal._records import CallState
 from ._adapter import (
     call_record,
     check_sources,
@@ -67,8 +64,9 @@ from ._adapter import (
     refusal,
     repeat_note,
     server_reason,
+    unsettled,
 )
-from ._identity import CallSite, lost_turns
+from ._identity import CallSite, adopted, unfinished_elsewhere
 from ._settle import NOT_SENT, Chooser, Repeat
 
 try:
@@ -417,7 +415,8 @@ class _Call:
         if self._identity is None:
             return ctx
         site = self._identity(ctx)
-        return _Pending(ctx, site, args_hash(values, profile=site.plan.profile))
+        digest = args_hash(values, profile=site.plan.profile)
+        return _Pending(ctx, self._lost_turn(site, digest), digest)
 
     def context_of(
         self, values: Mapping[str, Any], config: Any, call_id: str, state: Any
@@ -466,7 +465,6 @@ class _Call:
             raise ConfigurationError(
                 f"tool {self._name!r} has an AsyncToolInvoker: run the graph with ainvoke"
             )
-        self._warn_lost_turn(pending)
         chooser = self.rule(pending, **rule)
         done = invoker._invoke_identified(step, chooser, **self.identity(pending))
         return _picked(done)
@@ -476,7 +474,6 @@ class _Call:
     ) -> ToolResult | Repeat | None:
         """:meth:`send_sync` on either invoker, awaited."""
         invoker, options = self._invoker, self.identity(pending)
-        self._warn_lost_turn(pending)
         chooser = self.rule(pending, **rule)
         if isinstance(invoker, AsyncToolInvoker):
             done = await invoker._invoke_identified(step, chooser, **options)
@@ -523,29 +520,29 @@ class _Call:
         call_id = pending.site.call_id or ""
         return ToolMessage(text, tool_call_id=call_id, name=self._name, status="error")
 
-    def _warn_lost_turn(self, pending: _Pending) -> None:
-        """Warn when the first turn of a conversation repeats a call another conversation on
-        the thread left unsettled: a request re-sent after a crash that lost its checkpoint."""
-        journal = self._invoker.journal
-        site = pending.site
-        if site.fresh_thread is None or journal is None or not journal.supports_sync:
-            return
-        unsettled = journal.calls(states=[CallState.IN_DOUBT, CallState.PENDING], limit=200)
-        now = time.time()
-        lost = lost_turns(site, pending.args_hash, [r for r in unsettled if not is_live(r, now)])
-        if lost:
-            _logger.warning(
-                "agentkey: tool %r was asked, in the first turn of a conversation on thread "
-                "%r, for a call another conversation on that thread sent and never settled "
-                "(%s). If this is the same request re-sent after a crash whose checkpoint was "
-                "lost (durability='exit' saves nothing until the run ends), it may run twice: "
-                "re-send the user's message with the id it had (HumanMessage(text, id=...)) so "
-                "agentkey sees the same conversation, or settle the earlier call first "
-                "(agentkey journal doubt)",
-                self._name,
-                site.fresh_thread[:80],
-                ", ".join(lost[:3]),
-            )
+    def _lost_turn(self, site: CallSite, digest: str) -> CallSite:
+        """``site`` in the plan of an identical call that another conversation on its thread
+        sent and never settled, when ``site`` is its conversation's first model response:
+        the same request re-sent after a crash that lost its checkpoint (``durability=
+        "exit"`` saves nothing until the run ends), as a new message. The journal shows the
+        earlier run never finished; the call takes its key, marked as a repeat."""
+        thread = site.fresh_thread
+        if thread is None:
+            return site
+        lost = unfinished_elsewhere(
+            site, digest, unsettled(self._invoker), lambda c: (c or "").startswith(f"{thread}#")
+        )
+        if lost is None:
+            return site
+        _logger.info(
+            "agentkey: tool %r, in the first turn of a conversation on thread %r, repeats a "
+            "call an earlier run on that thread sent and never settled (%s): it takes that "
+            "call's key, so it does not run twice",
+            self._name,
+            thread[:80],
+            lost.step or lost.key,
+        )
+        return adopted(site, lost)
 
     def step_of(self, prepared: ToolCallContext | _Pending) -> Step:
         """The step to send a plain call as; for a runtime's call, a step of its plan, tool

@@ -22,6 +22,13 @@ tool call id: LangGraph's public injection) and the invoker's journal:
   earlier call's key back, and its answer is marked as a repeat; a call the
   model asks for again after reading its answer follows ``on_repeat``.
 
+In a ``@task`` of the Functional API (or a node of your own) the tool sees no
+history: the plan is the thread, and an identical call another run on the
+thread made (a request re-sent after a crash) gives its key, while one of the
+same run is a new operation. A request re-sent as a new message after a crash
+that saved nothing (``durability="exit"``) takes the key of the identical call
+the journal shows the earlier run on the thread never settled.
+
 Keys of version 0.x (``(superstep, slot, ordinal)``, :func:`graph_step_v1`)
 can still be used for runs in flight: ``remote_tool(..., step_index=graph_step_v1)``.
 
@@ -109,7 +116,11 @@ def thread_plan(ctx: ToolCallContext, *, profile: Profile = "python") -> PlanSes
             "is what makes a resumed run reuse its keys), or pass plan=PlanSession(...) to "
             "remote_tool"
         )
-    lifetime = _lifetime(_require_state(ctx, "thread_plan"))
+    return _thread_plan(ctx, _lifetime(_require_state(ctx, "thread_plan")), profile)
+
+
+def _thread_plan(ctx: ToolCallContext, lifetime: str | None, profile: Profile) -> PlanSession:
+    thread_id = (ctx.config.get("configurable") or {}).get("thread_id")
     metadata = ctx.config.get("metadata") or {}
     namespace = metadata.get("langgraph_checkpoint_ns") or ""
     nodes = _parent_nodes(namespace if isinstance(namespace, str) else "")
@@ -165,6 +176,46 @@ def graph_step_v1(ctx: ToolCallContext) -> tuple[int, int, int]:
         return superstep, slot, call
     same = _identical(message, ctx)
     return superstep, slot, same.index(ctx.tool_call_id or "")
+
+
+def _in_thread(ctx: ToolCallContext) -> bool:
+    """Whether the call runs inside a LangGraph run on a thread (a ``@task``, a node)."""
+    thread_id = (ctx.config.get("configurable") or {}).get("thread_id")
+    metadata = ctx.config.get("metadata") or {}
+    return thread_id not in (None, "") and bool(metadata.get("langgraph_checkpoint_ns"))
+
+
+def _task_plan(ctx: ToolCallContext) -> PlanSession:
+    """The plan of a call made in a ``@task`` or a node of your own (no ToolRuntime): the
+    thread (the Functional API keeps no message state the tool could read)."""
+    if not _in_thread(ctx):
+        _require_state(ctx, "remote_tool")  # raises: say what to pass
+    return _thread_plan(ctx, None, "python")
+
+
+def _blind_site(ctx: ToolCallContext, plan: PlanSession, on_repeat: OnRepeat) -> CallSite:
+    """A call the runtime shows no history of, made in a ``@task`` (of the Functional API,
+    or called from a node): its turn is the run of what called the task (the first part of
+    its checkpoint namespace: the entrypoint's run, drawn anew for each request, kept on a
+    resume). An identical call another turn on the thread made is taken as asked again (a
+    request re-sent after a crash); one of this turn never is (two identical calls of one
+    response are two operations). ``on_repeat="allow"`` (a read): every call is new. A call
+    in a node of the graph itself keeps the rule of its call id alone."""
+    namespace = str((ctx.config.get("metadata") or {}).get("langgraph_checkpoint_ns") or "")
+    if not _in_thread(ctx) or _NS_SEP not in namespace:
+        # A node of the graph itself (a Send worker: parallel ones are one turn, each its
+        # own namespace): the call id alone, as before.
+        return CallSite(plan, ctx.tool, ctx.args, ctx.tool_call_id)
+    thread = str((ctx.config.get("configurable") or {}).get("thread_id"))
+    return CallSite(
+        plan=plan,
+        tool=ctx.tool,
+        values=ctx.args,
+        call_id=ctx.tool_call_id,
+        context=f"{thread}#{namespace.split(_NS_SEP)[0]}",
+        seen=Seen(shown=False),
+        adopt=on_repeat != "allow",
+    )
 
 
 def _site(ctx: ToolCallContext, plan: PlanSession) -> CallSite:
@@ -362,15 +413,16 @@ def remote_tool(
     plan_source = thread_plan if plan is None else plan
 
     def identity(ctx: ToolCallContext) -> CallSite:
-        if plan is None:
-            _require_state(ctx, "remote_tool")
-        session = plan_source(ctx) if callable(plan_source) else plan_source
+        if plan is None and ctx.state is None:  # a @task: the thread is the plan
+            session = _task_plan(ctx)
+        else:
+            session = plan_source(ctx) if callable(plan_source) else plan_source
         if not isinstance(session, PlanSession):
             raise ConfigurationError(
                 f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
             )
-        if ctx.state is None:  # your own node, with your own plan: no history to read
-            return CallSite(session, ctx.tool, ctx.args, ctx.tool_call_id)
+        if ctx.state is None:  # a @task, your own node: no history to read
+            return _blind_site(ctx, session, on_repeat)
         return _site(ctx, session)
 
     return build_tool(

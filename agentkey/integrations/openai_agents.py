@@ -23,6 +23,11 @@ call's identity comes from:
   identical calls of one model response (same ``usage.requests``) are
   siblings: two identical calls at once are two operations and both run.
 
+With a ``Session``, link the run's trace to it with the SDK's
+``RunConfig(group_id=session.session_id)``: a message sent again in the session
+under a new trace after a crash then finds the identical calls another trace of
+the group left unsettled in the journal, and takes their keys.
+
 Then (``_identity``): the same call run again (a ``RunState`` resumed, a
 durable runner replaying the recorded model response) keeps its key; a call
 the model asks for again without having read its answer (a run started over
@@ -52,6 +57,7 @@ from .._exceptions import ConfigurationError, ToolError
 from .._plan import OnRepeat, PlanSession
 from ..client._flow import Pick
 from ..client._invoker import AsyncToolInvoker, ToolInvoker, ToolResult
+from ..journal._records import CallRecord
 from ._adapter import (
     call_record,
     check_sources,
@@ -61,8 +67,9 @@ from ._adapter import (
     missing_extra,
     refusal,
     repeat_note,
+    unsettled,
 )
-from ._identity import CallSite, Seen
+from ._identity import CallSite, Seen, adopted, unfinished_elsewhere
 from ._settle import Chooser, Repeat
 
 try:
@@ -151,6 +158,21 @@ def remote_tool(
     policy = check_sources(name, plan_source, step_source, on_repeat, "the ToolContext")
     options: dict[str, Any] = {"path": path, "method": method, "headers": headers}
     records: dict[str, dict[str, Any]] = {}  # call id -> record, until the SDK picks it up
+    default = plan_source is trace_plan
+
+    def _lost(ctx: ToolContext[Any], site: CallSite, digest: str) -> CallRecord | None:
+        """An identical call another trace of this run's group (its conversation: a
+        session's id) sent and never settled: the request re-sent after a crash."""
+        group = _group_id(ctx)
+        if group is None:
+            return None
+        mine = _turn(_context(ctx) or "")
+        return unfinished_elsewhere(
+            site,
+            digest,
+            unsettled(invoker),
+            lambda context: (context or "").endswith(f"{_IN}{group}") and _turn(context) != mine,
+        )
 
     def chooser(ctx: ToolContext[Any], values: Mapping[str, Any], call: _Call) -> Chooser:
         session = plan_source(ctx) if callable(plan_source) else plan_source
@@ -162,11 +184,19 @@ def remote_tool(
         def derive() -> int | Sequence[int]:
             return step_source(ctx, values) if callable(step_source) else step_source
 
+        digest = args_hash(values, profile=session.profile)
+        lost = _lost(ctx, _site(ctx, session, call, values), digest) if default else None
+
+        def site() -> CallSite:
+            if lost is not None:
+                return adopted(_site(ctx, session, call, values), lost)
+            return _site(ctx, session, call, values)
+
         # The site is read at each choice, inside the flow: siblings that arrived meanwhile
         # count too.
         return Chooser(
-            lambda: _site(ctx, session, call, values),
-            args_hash=args_hash(values, profile=session.profile),
+            site,
+            args_hash=digest,
             on_repeat=policy,
             derive=derive,
             args_model=args_schema,
@@ -307,10 +337,28 @@ def _trace_id(ctx: ToolContext[Any]) -> str | None:
     return trace_id or None
 
 
+def _group_id(ctx: ToolContext[Any]) -> str | None:
+    group_id = ctx.run_config.group_id if ctx.run_config is not None else None
+    return group_id or None
+
+
+_IN = " in group "
+
+
 def _context(ctx: ToolContext[Any]) -> str | None:
-    """The journal's ``context`` of a call: the run (its trace) it was asked for in."""
+    """The journal's ``context`` of a call: the run (its trace) it was asked for in, and the
+    group (the conversation, e.g. the session's id) the trace belongs to."""
     trace_id = _trace_id(ctx)
-    return f"openai-agents trace {trace_id}" if trace_id else None
+    if not trace_id:
+        return None
+    group = _group_id(ctx)
+    turn = f"openai-agents trace {trace_id}"
+    return turn if group is None else f"{turn}{_IN}{group}"
+
+
+def _turn(context: str | None) -> str:
+    """The run (trace) a context names."""
+    return (context or "").partition(_IN)[0]
 
 
 def _site(
@@ -341,6 +389,6 @@ def _site(
         call_id=call.call_id,
         siblings=siblings,
         context=context,
-        seen=Seen(answered, frozenset({context} if context else ())),
+        seen=Seen(answered, frozenset({_turn(context)} if context else ()), turn_of=_turn),
         known=known,
     )

@@ -11,6 +11,13 @@ Each call gets its key from what PydanticAI gives the tool in its
   and nothing survives a restart. Inside a durable workflow (Temporal, DBOS,
   Prefect) PydanticAI derives ``run_id`` from the workflow run, so it survives
   the engine's re-executions as is;
+- a run continued from its saved ``message_history`` (PydanticAI refuses the old
+  ``run_id`` there and draws a new one): a call the history shows asked by an
+  earlier run and never answered by the tool (PydanticAI runs it again; or
+  ``repair_messages()`` made up its return and the prompt was sent again, so
+  the model asks anew) keeps that run's plan and its key. A prompt sent again
+  in the same ``conversation_id`` without the history finds an identical call
+  another run of the conversation left unsettled in the journal;
 - step index (:func:`call_step`): ``(slot, call)``, two 32-bit numbers of the
   tool name and of the model's tool call id, so a call's step never depends on
   the calls before it;
@@ -36,6 +43,7 @@ Needs the ``pydantic-ai`` extra (``pip install 'agentkey-idempotency[pydantic-ai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -57,8 +65,9 @@ from ._adapter import (
     missing_extra,
     refusal,
     repeat_note,
+    unsettled,
 )
-from ._identity import CallSite, Seen
+from ._identity import CallSite, Seen, adopted, unfinished_elsewhere
 from ._settle import Chooser, Repeat
 
 try:
@@ -96,7 +105,11 @@ def run_plan(ctx: RunContext[Any]) -> PlanSession:
             "through agent.run(..., run_id=...) (persist the run id to resume after a crash), or "
             "pass plan=PlanSession(...) to remote_tool"
         )
-    return PlanSession.from_external_id(json.dumps(["pydantic-ai", ctx.run_id]))
+    return _run_plan(ctx.run_id)
+
+
+def _run_plan(run_id: str) -> PlanSession:
+    return PlanSession.from_external_id(json.dumps(["pydantic-ai", run_id]))
 
 
 def call_step(ctx: RunContext[Any], tool: str, args: Mapping[str, Any]) -> tuple[int, int]:
@@ -195,13 +208,39 @@ def remote_tool(
                 f"the arguments do not match {args_schema.__name__} "
                 f"({exc.error_count()} error(s)): {first_error(exc)}"
             ) from None
-        session = plan_source(ctx) if callable(plan_source) else plan_source
+        default = plan_source is run_plan
+        origin = _origin(ctx, name, values, args_schema) if default else None
+        if origin is not None:  # the call of an earlier run this one continues
+            session = _run_plan(origin[0])
+        else:
+            session = plan_source(ctx) if callable(plan_source) else plan_source
         if not isinstance(session, PlanSession):
             raise ConfigurationError(
                 f"the plan callable of tool {name!r} returned {session!r}, not a PlanSession"
             )
         site = _site(ctx, session, name, values, args_schema)
+        if step_source is call_step and origin is not None and origin[1] is not None:
+            # The earlier call's key follows from its call id: known without the journal.
+            index = (code(name), code(origin[1]))
+            step = session.step(index, name, site.values, args_model=args_schema, on_repeat="allow")
+            site = dataclasses.replace(site, known={**site.known, origin[1]: step.idempotency_key})
         digest = args_hash(values, profile=session.profile)
+        conversation = getattr(ctx, "conversation_id", None)
+        if default and origin is None and conversation and ctx.run_id:
+            # A run of this conversation that died while it made this call (the journal
+            # shows it unsettled) and that this history does not show: it is asked again.
+            mine = _context(None, ctx.run_id)
+            lost = unfinished_elsewhere(
+                site,
+                digest,
+                unsettled(invoker),
+                lambda context: (
+                    (context or "").endswith(f"{_IN}{conversation}")
+                    and _turn(context or "") != mine
+                ),
+            )
+            if lost is not None:
+                site = adopted(site, lost)
 
         def derive() -> int | Sequence[int]:
             if callable(step_source):
@@ -269,9 +308,75 @@ def _answer(result: ToolResult | Pick, step: Step) -> ToolReturn:
     return ToolReturn(return_value=body, metadata=call_record(result, step))
 
 
-def _context(run_id: str) -> str:
-    """The journal's ``context`` of a call: the run it was asked for in."""
-    return f"pydantic-ai run {run_id}"
+_IN = " in conversation "
+
+
+def _context(conversation_id: str | None, run_id: str) -> str:
+    """The journal's ``context`` of a call: the run (the turn) it was asked for in, and the
+    conversation the run belongs to."""
+    turn = f"pydantic-ai run {run_id}"
+    return turn if conversation_id is None else f"{turn}{_IN}{conversation_id}"
+
+
+def _turn(context: str) -> str:
+    """The run a context names (the turn ``Seen.contexts`` holds)."""
+    return context.partition(_IN)[0]
+
+
+def _synthesized(part: ToolReturnPart) -> bool:
+    """A return PydanticAI made up for a call left without one (``repair_messages()``): the
+    tool never answered it."""
+    metadata = part.metadata
+    return isinstance(metadata, Mapping) and bool(
+        metadata.get("pydantic_ai_synthesized_tool_return")
+    )
+
+
+def _origin(
+    ctx: RunContext[Any], tool: str, values: Mapping[str, Any], schema: type[BaseModel]
+) -> tuple[str, str | None] | None:
+    """``(run id, call id)`` of the oldest call in the history, asked for by an earlier run,
+    that this call continues: this very call (a run resumed from a saved history runs the
+    calls its last response left unanswered), or an identical call (same tool, normalised
+    arguments) the tool never answered (a history repaired with ``repair_messages()``, the
+    user's prompt sent again). None: the call belongs to this run.
+    """
+    messages = ctx.messages
+    answered: set[str] = set()
+    for message in messages:
+        for part in getattr(message, "parts", ()):
+            if isinstance(part, ToolReturnPart) and not _synthesized(part):
+                answered.add(part.tool_call_id)
+            elif isinstance(part, RetryPromptPart) and part.tool_call_id:
+                answered.add(part.tool_call_id)  # refused: nothing ran, asking again is new
+    mine = encode_jsonable(to_jsonable(values), "python")
+    for message in messages:
+        run_id = getattr(message, "run_id", None)
+        if not isinstance(message, ModelResponse) or run_id == ctx.run_id:
+            continue
+        for part in message.parts:
+            if not isinstance(part, ToolCallPart) or part.tool_call_id in answered:
+                continue
+            if part.tool_call_id != ctx.tool_call_id and (
+                part.tool_name != tool or _normalised(part, schema) != mine
+            ):
+                continue
+            if not run_id:
+                raise _unattributed(ctx, tool, part.tool_call_id)
+            return run_id, (None if part.tool_call_id == ctx.tool_call_id else part.tool_call_id)
+    return None
+
+
+def _unattributed(ctx: RunContext[Any], tool: str, call_id: str) -> ConfigurationError:
+    """The refusal of a call whose earlier unanswered twin no run can be named for."""
+    return ConfigurationError(
+        f"tool {tool!r}: the message history holds the same call (tool call id {call_id!r}, "
+        "same arguments), asked for by an earlier run and never answered by the tool, but "
+        "its message carries no run_id, so agentkey cannot tell which key it was sent under "
+        "or whether it ran; nothing was sent. Pass the history as PydanticAI saved it "
+        "(ModelMessagesTypeAdapter keeps each message's run_id), or give the tool a plan "
+        "kept with the job: remote_tool(..., plan=PlanSession.from_external_id(job_id))"
+    )
 
 
 def _site(
@@ -296,14 +401,14 @@ def _site(
     asked: dict[str, tuple[int, int]] = {}
     for place, message in enumerate(messages):
         if message.run_id:
-            contexts.add(_context(message.run_id))
+            contexts.add(_context(None, message.run_id))
         if isinstance(message, ModelResponse):
             for part in message.parts:
                 if isinstance(part, ToolCallPart):
                     asked.setdefault(part.tool_call_id, (0, place))
             continue
         for part in getattr(message, "parts", ()):  # a ModelRequest
-            if isinstance(part, ToolReturnPart):
+            if isinstance(part, ToolReturnPart) and not _synthesized(part):
                 ok = part.outcome == "success"
                 answered[part.tool_call_id] = _text(part) if ok else None
                 key = _key_of(part, tool) if ok else None
@@ -311,9 +416,10 @@ def _site(
                     known[part.tool_call_id] = key.format()
             elif isinstance(part, RetryPromptPart) and part.tool_call_id:
                 answered[part.tool_call_id] = None  # the model read an error: a new call
-    context = _context(ctx.run_id) if ctx.run_id else None
+    conversation = getattr(ctx, "conversation_id", None)
+    context = _context(conversation, ctx.run_id) if ctx.run_id else None
     if context is not None:
-        contexts.add(context)
+        contexts.add(_turn(context))
     return CallSite(
         plan=plan,
         tool=tool,
@@ -321,7 +427,7 @@ def _site(
         call_id=call_id,
         siblings=siblings,
         context=context,
-        seen=Seen(answered, frozenset(contexts), asked),
+        seen=Seen(answered, frozenset(contexts), asked, _turn),
         position=position,
         known=known,
     )

@@ -26,6 +26,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from agentkey import (
     AsyncToolInvoker,
+    ConfigurationError,
     KeyRejected,
     PlanSession,
     StepKey,
@@ -307,3 +308,50 @@ async def test_run_step_v1_gives_the_keys_of_0x(server: tuple[str, ToolApp]) -> 
     (returned,) = _returns(result.all_messages())
     key = StepKey.parse(returned.metadata["idempotency_key"])
     assert key.index == (1, code("charge"), 0)
+
+
+def test_a_history_that_lost_its_run_ids_is_refused_loudly() -> None:
+    """Issue 38: a history whose unanswered earlier charge carries no run_id (rebuilt by hand,
+    or by a UI) is refused with what to pass, and nothing reaches the tool; the same history
+    as PydanticAI saved it (run ids kept) is served, under the earlier call's key."""
+    import uuid
+
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelRequest, ModelResponse, UserPromptPart, repair_messages
+
+    from tests.integrations._race import ARGS, FAST, Charge, tool_server
+
+    def history(run_id: str | None) -> list[Any]:
+        prompt = ModelRequest([UserPromptPart("Charge my order.")], run_id=run_id)
+        asked = ModelResponse([ToolCallPart("charge", dict(ARGS), "call_lost")], run_id=run_id)
+        return repair_messages([prompt, asked])
+
+    def model(messages: list[Any], info: Any) -> ModelResponse:
+        answered = [  # a return of the tool (not one repair_messages() made up)
+            p
+            for p in getattr(messages[-1], "parts", ())
+            if isinstance(p, ToolReturnPart) and "idempotency_key" in (p.metadata or {})
+        ]
+        if answered:
+            return ModelResponse(parts=[TextPart("Charged.")])
+        return ModelResponse(parts=[ToolCallPart("charge", dict(ARGS), f"c{uuid.uuid4().hex}")])
+
+    with (
+        tool_server() as (url, tool),
+        ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker,
+    ):
+        charge = remote_tool(name="charge", description="c", args_schema=Charge, invoker=invoker)
+        agent = Agent(FunctionModel(model), tools=[charge])
+        with pytest.raises(ConfigurationError, match="carries no run_id") as refused:
+            agent.run_sync("Charge my order.", message_history=history(None))
+        assert "ModelMessagesTypeAdapter" in str(refused.value)
+        assert tool.executions["charge"] == 0
+        result = agent.run_sync("Charge my order.", message_history=history(str(uuid.uuid4())))
+        assert tool.executions["charge"] == 1
+        (record,) = [
+            p.metadata
+            for m in result.new_messages()
+            for p in getattr(m, "parts", ())
+            if isinstance(p, ToolReturnPart)
+        ]
+        assert record["repeat_of"] is not None

@@ -146,14 +146,17 @@ def test_durability_exit_with_the_messages_own_id(setup: Setup) -> None:
     assert setup.tool.executions["charge"] == 1
 
 
-def test_durability_exit_without_the_id_is_warned_about(setup: Setup) -> None:
-    """Case 5, re-sent as a new message: agentkey cannot tell it from a new conversation, and
-    says so in a warning that names the fix (the docs say it too)."""
+def test_durability_exit_re_sent_as_a_new_message_charges_once(setup: Setup) -> None:
+    """Case 5, re-sent as a new message (a new id): the journal shows the earlier run on the
+    thread never settled its identical call, so the call takes its key: one charge (two
+    before, with a warning), the model reads the tool's replay marked as a repeat."""
     setup.killed("t6", "--durability", "exit")
-    out = setup.again("t6", "--durability", "exit")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "re-send the user's message with the id it had" in out.stderr
-    assert setup.tool.executions["charge"] == 2  # the documented hazard, loudly warned
+    final = _final(setup.again("t6", "--durability", "exit"))
+    (answer,) = [m for m in final if m["type"] == "tool"]
+    assert answer["artifact"]["repeat_of"] is not None
+    assert answer["artifact"]["replayed"] is True
+    assert answer["content"].startswith("[repeat of ")
+    assert setup.tool.executions["charge"] == 1
 
 
 def test_a_new_conversation_after_a_settled_one_runs_without_warning(setup: Setup) -> None:

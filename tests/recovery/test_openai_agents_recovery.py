@@ -56,3 +56,38 @@ def test_two_tickets_restarted_in_a_new_process_charge_twice(run: Recovery) -> N
     assert run.tool.executions["charge"] == 2
     assert len({o["record"]["idempotency_key"] for o in outputs}) == 2
     assert all(o["record"]["replayed"] for o in outputs)
+
+
+# Issue 38: a conversation kept in the SDK's Session, the message re-sent under a new trace.
+
+OTHER = "trace_0af7651916cd43dd8448eb211c80319c"
+
+
+@pytest.mark.parametrize("tickets", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_a_message_re_sent_in_its_session_under_a_new_trace_charges_once(
+    run: Recovery, tmp_path: Path, tickets: int
+) -> None:
+    """Killed after the charge(s) ran; the app sends the user's message again in the same
+    SQLiteSession, under a new trace_id, its trace linked to the session
+    (RunConfig(group_id=session.session_id)): the journal's unsettled calls of the earlier
+    trace in that group give their keys: each charge runs once (twice before), marked."""
+    session = ["--session", str(tmp_path / "session.sqlite3"), "--group", "--tickets", str(tickets)]
+    run.killed("--trace-id", TRACE, *session, count=tickets)
+    outputs, _ = run.again("--trace-id", OTHER, *session)
+    assert run.tool.executions["charge"] == tickets
+    assert len({o["record"]["idempotency_key"] for o in outputs}) == tickets
+    assert all(o["record"]["replayed"] for o in outputs)
+    assert all(o["output"].startswith("[repeat of ") for o in outputs)
+
+
+@pytest.mark.long
+def test_a_new_message_in_the_session_after_a_finished_run_charges_again(
+    run: Recovery, tmp_path: Path
+) -> None:
+    """No crash: a second request in the session under a new trace, after the first run
+    finished, is a new charge (the earlier call was settled: nothing to take over)."""
+    session = ["--session", str(tmp_path / "session.sqlite3"), "--group"]
+    run.again("--trace-id", TRACE, *session)
+    outputs, _ = run.again("--trace-id", OTHER, *session)
+    assert run.tool.executions["charge"] == 2
+    assert all(o["record"]["repeat_of"] is None for o in outputs)

@@ -55,3 +55,53 @@ def test_a_fixed_run_id_reused_by_a_recurring_job_is_labelled(job: Recovery) -> 
     assert charge["metadata"]["repeat_of"] is None
     assert "run_id of its own" not in stderr
     assert job.tool.executions["charge"] == 2
+
+
+# Issue 38: PydanticAI's own recipe, a run continued from its saved message_history.
+
+
+@pytest.mark.parametrize("conversation", [None, pytest.param("conv-4f1c", marks=pytest.mark.long)])
+def test_a_run_resumed_from_its_saved_history_charges_once(
+    job: Recovery, tmp_path: Path, conversation: str | None
+) -> None:
+    """Killed after the charge; a new process continues from the message_history it saved
+    (PydanticAI draws a new run_id, as it must), with or without conversation_id: PydanticAI
+    runs the dangling call again and it gets its first key: one charge, the tool's replay."""
+    extra = ["--history", str(tmp_path / "history.json")]
+    extra += ["--conversation-id", conversation] if conversation else []
+    job.killed(*extra)
+    returns, _ = job.again(*extra)
+    assert job.tool.executions["charge"] == 1
+    (charge,) = [r for r in returns if r["tool"] == "charge"]
+    assert charge["metadata"]["replayed"] is True
+
+
+@pytest.mark.parametrize("conversation", [None, pytest.param("conv-9a2e", marks=pytest.mark.long)])
+def test_a_repaired_history_with_the_prompt_re_sent_charges_once(
+    job: Recovery, tmp_path: Path, conversation: str | None
+) -> None:
+    """Killed after the charge; the new process repairs the saved history
+    (repair_messages() answers the dangling call with a made-up return) and sends the
+    user's prompt again; its model names the charge anew. One charge, and the model reads
+    the first call's answer marked as a repeat, never the made-up return as an answer."""
+    extra = ["--history", str(tmp_path / "history.json")]
+    extra += ["--conversation-id", conversation] if conversation else []
+    job.killed(*extra)
+    returns, _ = job.again(*extra, "--repair")
+    assert job.tool.executions["charge"] == 1
+    (charge,) = [r for r in returns if r["tool"] == "charge"]
+    assert charge["metadata"]["replayed"] is True
+    assert charge["content"].startswith("[repeat of ")
+
+
+def test_a_prompt_re_sent_in_its_conversation_without_history_charges_once(
+    job: Recovery,
+) -> None:
+    """Killed after the charge; the app kept only the conversation_id and sends the prompt
+    again under it, in a new run (new run_id, no history): the journal's record of the
+    unfinished earlier run of that conversation gives its key: one charge, marked a repeat."""
+    job.killed("--conversation-id", "conv-77d0")
+    returns, _ = job.again("--conversation-id", "conv-77d0")
+    assert job.tool.executions["charge"] == 1
+    (charge,) = [r for r in returns if r["tool"] == "charge"]
+    assert charge["content"].startswith("[repeat of ")
