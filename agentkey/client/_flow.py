@@ -88,6 +88,7 @@ from ._hooks import (
 from ._net import origin_of, redact_url, scrub_json
 from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
+    MARKS_REPLAYS,
     PROTECTED_HEADER,
     Action,
     CallContext,
@@ -99,6 +100,7 @@ from ._protocol import (
     key_evidence,
     parse_json,
     poll_target,
+    ran_marker,
     short_reason,
 )
 
@@ -121,6 +123,10 @@ __all__ = [
 ]
 
 KEY_HEADER = "Idempotency-Key"
+#: The verdicts on how a step's answer came about: it ran the step now, it replayed an
+#: earlier run's outcome, or it answered and nothing showed which (the tool marks no
+#: replays, and the invoker has not seen it mark one).
+OUTCOMES = ("executed", "replayed", "answered")
 #: The header of the OPTIONS probe that names the call's method (a CORS preflight's).
 PREFLIGHT_HEADER = "Access-Control-Request-Method"
 MAX_POLL_REDIRECTS = 10
@@ -239,7 +245,9 @@ class Finished:
 
     ``source`` is where the answer came from: ``"tool"`` (an HTTP answer),
     ``"journal"`` (kept from an earlier run of this call; nothing was sent) or
-    ``"verify"`` (the reconcile hook found the call had run).
+    ``"verify"`` (the reconcile hook found the call had run). ``outcome`` is the
+    verdict (:data:`OUTCOMES`): ``"replayed"``, ``"executed"``, or ``"answered"`` when
+    nothing showed which (``replayed`` is ``outcome == "replayed"``).
     """
 
     answer: Answer
@@ -252,6 +260,7 @@ class Finished:
     status_url: str | None
     source: str = "tool"
     repeat_of: str | None = None
+    outcome: str = "answered"
 
 
 Flow: TypeAlias = Generator[Effect, Any, Finished]
@@ -465,10 +474,11 @@ class _Run:
                 )
             raise
         if ends:
-            outcome = "replayed" if done.replayed else "executed"
             status = done.answer.status_code
             yield Emit(
-                CallEndEvent(call.key, call.label, outcome, done.attempts, done.polls, status, None)
+                CallEndEvent(
+                    call.key, call.label, done.outcome, done.attempts, done.polls, status, None
+                )
             )
         return done
 
@@ -532,24 +542,43 @@ class _Run:
     def finish(
         self,
         answer: Answer,
-        replayed: bool,
+        outcome: str,
         status_url: str | None,
         source: str = "tool",
     ) -> Finished:
+        """The flow's end: ``answer``, and the verdict on it (one of :data:`OUTCOMES`)."""
         elapsed = self.s.clock() - self.start
         call = self.call
         return Finished(
             answer,
             call.key,
             call.label,
-            replayed,
+            outcome == "replayed",
             self.attempts,
             self.polls,
             elapsed,
             status_url,
             source,
             call.repeat_of,
+            outcome,
         )
+
+    def verdict(self, answer: Answer, replayed: bool, after_in_flight: bool) -> str:
+        """How the step's final ``answer`` came about (one of :data:`OUTCOMES`).
+
+        A replay marker says "replayed"; an answer that says it ran (the protection
+        header, a replay header with another value), or one from a route that has
+        shown it marks its replays, says "executed". Otherwise an answer after one
+        that said the same key was in flight (409/423) in this call is the earlier
+        attempt's outcome: "replayed". Anything else is "answered": the tool may
+        have run the step now or replayed it, and said neither.
+        """
+        if replayed:
+            return "replayed"
+        cfg = self.s.protocol
+        if cfg.replay_headers and (ran_marker(answer, cfg) or self.evidence in MARKS_REPLAYS):
+            return "executed"
+        return "replayed" if after_in_flight else "answered"
 
     def honoured(self) -> bool:
         """Whether a request of this call that may have run can be sent again."""
@@ -591,7 +620,7 @@ class _Run:
         """What this invoker learnt lately about the target's route (probed: asked)."""
         known, evidence = self.s.memory.get(self.route(), self.s.clock())
         self.probed = known
-        self.evidence = self.evidence or evidence
+        self.evidence = _stronger(self.evidence, evidence)
 
     def follow(self, url: str) -> None:
         """The step moves to ``url`` (a same-origin redirect): what the first route showed
@@ -607,9 +636,9 @@ class _Run:
             return
         route, now = route_of(self.call.method, answer.url), self.s.clock()
         if route == self.route():
-            self.evidence = self.evidence or found
+            self.evidence = _stronger(self.evidence, found)
         known, remembered = self.s.memory.get(route, now)
-        if known and remembered is not None:
+        if known and remembered is not None and _stronger(remembered, found) == remembered:
             return  # learnt lately: the journal heard it then (refreshed once a TTL)
         self.s.memory.put(route, found, now)
         if self.s.journal:  # refreshes the journal's "last seen" too
@@ -780,7 +809,7 @@ class _Run:
             answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
             if ReplayEvent in self.s.events:
                 yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
-            return self.finish(answer, True, earlier.status_url, "journal")
+            return self.finish(answer, "replayed", earlier.status_url, "journal")
         if earlier.state is CallState.FAILED and not honoured:
             raise _already_failed(call, earlier)
         if earlier.state is CallState.PENDING and live:
@@ -870,7 +899,7 @@ class _Run:
             yield from self.close_record(
                 CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
             )
-        return self.finish(answer, True, None, "verify")
+        return self.finish(answer, "replayed", None, "verify")
 
     def probe(self) -> Generator[Effect, Any, None]:
         """Ask the route, with a harmless OPTIONS, whether it honours keys for this method.
@@ -887,7 +916,7 @@ class _Run:
         call, route = self.call, self.route()
         known, evidence = self.s.memory.get(route, self.s.clock())
         if known:  # another call of this invoker asked (or learnt) lately
-            self.evidence = self.evidence or evidence
+            self.evidence = _stronger(self.evidence, evidence)
             return
         headers = (*call.headers, (PREFLIGHT_HEADER, call.method))
         reply = yield Outgoing("OPTIONS", self.target, headers, None, True, self.deadline)
@@ -928,16 +957,16 @@ class _Run:
             assert decision.error is not None
             raise decision.error
         assert isinstance(reply, Answer)
-        outcome = "replayed" if decision.replayed else "executed"
+        outcome = self.verdict(reply, decision.replayed, sending.in_flight)
         if decision.action is Action.DONE:
             yield from self.close_record(CallState.ANSWERED, answer=reply, outcome=outcome)
-            return self.finish(reply, decision.replayed, None)
+            return self.finish(reply, outcome, None)
         assert decision.url is not None
         if decision.action is Action.FETCH:  # 303: the result is there already
-            done = yield from self.poll(decision.url, decision.replayed, result_only=True)
+            done = yield from self.poll(decision.url, outcome, result_only=True)
         else:
             hint = interpret_poll(reply, self.ctx(), s.protocol).retry_after
-            done = yield from self.poll(decision.url, decision.replayed, wait_first=True, hint=hint)
+            done = yield from self.poll(decision.url, outcome, wait_first=True, hint=hint)
         yield from self.close_record(
             CallState.ANSWERED, answer=done.answer, outcome=outcome, status_url=done.status_url
         )
@@ -970,7 +999,7 @@ class _Run:
             yield from self.close_record(
                 CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
             )
-            return self.finish(answer, True, None, "verify")
+            return self.finish(answer, "replayed", None, "verify")
         return True
 
     def stop_in_doubt(self, decision: Decision) -> Generator[Effect, Any, InvokeError]:
@@ -1003,7 +1032,8 @@ class _Run:
         earlier: CallRecord | None = None
         if self.s.journal:
             earlier = yield Journaled("get", (self.call.key,))
-        done = yield from self.poll(self.call.url, False)
+        known = earlier.outcome if earlier is not None else None
+        done = yield from self.poll(self.call.url, known if known in OUTCOMES else "answered")
         if earlier is not None:
             taken = self.taken_from(earlier)
             if (yield Journaled("take_over", (taken, earlier))):
@@ -1017,7 +1047,7 @@ class _Run:
     def poll(
         self,
         status_url: str,
-        replayed: bool,
+        outcome: str,
         *,
         wait_first: bool = False,
         hint: float | None = None,
@@ -1027,7 +1057,7 @@ class _Run:
         # Polls end at the poll deadline or the caller's deadline, whichever comes first.
         call, s = self.call, self.s
         deadline = min(s.clock() + s.polling.deadline, self.deadline)
-        polling = _Polling(self, status_url, replayed, deadline, result_only)
+        polling = _Polling(self, status_url, outcome, deadline, result_only)
         wait = self.wait(s.polls, 1, hint, deadline) if wait_first else None
         if wait is not None:
             if PollEvent in s.events:  # the wait between the 202 and the first poll
@@ -1213,7 +1243,7 @@ class _Beginning(Exchange["Finished | None"]):
     def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
         run, record = self.run, self.record
         assert record is not None
-        run.evidence = run.evidence or begun.evidence
+        run.evidence = _stronger(run.evidence, begun.evidence)
         earlier = begun.existing
         if earlier is None:
             run.record = record
@@ -1239,6 +1269,14 @@ class _Beginning(Exchange["Finished | None"]):
         return Again(wait)
 
 
+def _stronger(known: str | None, found: str | None) -> str | None:
+    """The evidence to keep of ``known`` and ``found``: the first seen, unless only the
+    other shows that the route marks its replays (:data:`MARKS_REPLAYS`)."""
+    if known is None or (found in MARKS_REPLAYS and known not in MARKS_REPLAYS):
+        return found
+    return known
+
+
 #: A request that failed this close to the call's deadline (seconds) was ended by it.
 _DEADLINE_SLACK = 0.01
 
@@ -1249,7 +1287,7 @@ class _Polling(Exchange[Finished]):
     __slots__ = (
         "deadline",
         "hops",
-        "replayed",
+        "outcome",
         "result_only",
         "run",
         "same_origin",
@@ -1260,9 +1298,9 @@ class _Polling(Exchange[Finished]):
     )
 
     def __init__(
-        self, run: _Run, status_url: str, replayed: bool, deadline: float, result_only: bool
+        self, run: _Run, status_url: str, outcome: str, deadline: float, result_only: bool
     ) -> None:
-        self.run, self.status_url, self.replayed = run, status_url, replayed
+        self.run, self.status_url, self.outcome = run, status_url, outcome
         self.deadline, self.result_only = deadline, result_only
         self.url, self.hops = status_url, 0
         self.same_origin = poll_target(status_url, run.ctx(), run.s.protocol)  # or UnsafeRedirect
@@ -1323,7 +1361,7 @@ class _Polling(Exchange[Finished]):
         self._note(reply, decision)
         if decision.action is Action.DONE:
             assert isinstance(reply, Answer)
-            return run.finish(reply, self.replayed, self.status_url)
+            return run.finish(reply, self.outcome, self.status_url)
         if decision.action is Action.RAISE:
             assert decision.error is not None
             raise decision.error

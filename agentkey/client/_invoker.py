@@ -108,12 +108,24 @@ _BAD_PATH = re.compile(r"://|^//|[?#\x00-\x1f\x7f]")
 
 
 class Outcome(str, enum.Enum):
-    """Whether this call ran the step or received the stored outcome of an earlier run."""
+    """Whether this call ran the step, received the stored outcome of an earlier run, or
+    got an answer that does not show which."""
 
+    #: The tool ran the step now: its answer says so (no replay marker from a tool that
+    #: marks replays: agentkey's middleware, or a route seen marking one).
     EXECUTED = "executed"
+    #: The stored outcome of an earlier run: a replay marker, an answer after one that
+    #: said the same key was in flight (409/423), or the journal's copy.
     REPLAYED = "replayed"
-    #: The server marks no replays (``replay_headers=()``): this answer may be either.
-    UNKNOWN = "unknown"
+    #: The tool answered and did not show whether it ran the step now or replayed it (it
+    #: marks no replays, as pyidempotent and idemgate, or ``replay_headers=()``).
+    ANSWERED = "answered"
+    #: The former name of :attr:`ANSWERED` (the same member).
+    UNKNOWN = "answered"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Outcome | None:
+        return cls.ANSWERED if value == "unknown" else None  # the former value
 
 
 class ToolResult(BaseModel):
@@ -148,8 +160,8 @@ class ToolResult(BaseModel):
     def replayed(self) -> bool:
         """True when the tool replayed a stored outcome instead of running the step now.
 
-        False when it ran the step, or when the server marks no replays (``outcome``
-        is then ``Outcome.UNKNOWN``).
+        False when it ran the step, or when the answer does not show which (``outcome``
+        is then ``Outcome.ANSWERED``).
         """
         return self.outcome is Outcome.REPLAYED
 
@@ -219,7 +231,6 @@ class _InvokerBase:
                 "the value true marks a replay) or 'Name: value' entries ('X-Ichido-Status: "
                 f"replayed'), or () for a server that marks none; got {replay_headers!r}"
             )
-        self._unmarked = Outcome.EXECUTED if replay_headers else Outcome.UNKNOWN
         if isinstance(allowed_poll_origins, str) or not isinstance(allowed_poll_origins, Iterable):
             raise ConfigurationError(
                 "allowed_poll_origins must be a list of origins like "
@@ -481,7 +492,7 @@ class _InvokerBase:
             status_code=answer.status_code,
             body=parse_json(answer.content),
             headers=dict(answer.headers),
-            outcome=Outcome.REPLAYED if done.replayed else self._unmarked,
+            outcome=Outcome(done.outcome),
             idempotency_key=done.key,
             label=done.label,
             attempts=done.attempts,
