@@ -73,6 +73,7 @@ from ._effects import (
     Verify,
 )
 from ._evidence import RouteMemory
+from ._honours import Declarations
 from ._hooks import (
     EVENT_TYPES,
     AttemptEvent,
@@ -220,6 +221,9 @@ class Settings:
     journal: bool = False  # whether a journal records the calls
     journal_max_body: int = 0  # answers larger than this are not kept in the journal
     honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
+    #: ``honours_keys=`` given as a mapping of origins and route patterns (then the bool
+    #: above is None: what the mapping does not name is learnt).
+    declarations: Declarations | None = field(default=None, compare=False)
     #: The event types the hooks listen to (only these are built); none without hooks.
     events: frozenset[type] = EVENT_TYPES
     #: What this invoker's flows learnt about its routes (shared by them: one probe a route).
@@ -227,6 +231,12 @@ class Settings:
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
     in_flight: Backoff = field(init=False)
+
+    def declared(self, url: str) -> bool | None:
+        """What the invoker was told about ``url``'s route honouring keys (None: nothing)."""
+        if self.declarations is not None:
+            return self.declarations.of(url)
+        return self.honours_keys
 
     def __post_init__(self) -> None:
         retry = self.retry
@@ -433,6 +443,7 @@ class _Run:
         self.reached = False  # some request reached the tool (or may have)
         self.record: CallRecord | None = None  # this call's journal record, while it owns it
         self.target = call.url  # where the step is sent now (a same-origin 307/308 moves it)
+        self.declared = settings.declared(call.url)  # honours_keys= for the target's route
         self.evidence: str | None = None  # how the target's route showed it honours keys
         self.probed = False  # the target's route was asked (or is known) this run
         self.refused = 0  # answers that said the server refused the request, nothing ran
@@ -582,7 +593,7 @@ class _Run:
 
     def honoured(self) -> bool:
         """Whether a request of this call that may have run can be sent again."""
-        declared = self.s.honours_keys
+        declared = self.declared
         return declared is True or (declared is None and self.evidence is not None)
 
     # --- the journal -----------------------------------------------------------------------
@@ -626,6 +637,7 @@ class _Run:
         """The step moves to ``url`` (a same-origin redirect): what the first route showed
         is that route's, never the target's."""
         self.target, self.evidence = url, None
+        self.declared = self.s.declared(url)
         self.recall()
 
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
@@ -817,7 +829,7 @@ class _Run:
         in_doubt = earlier.state in (CallState.IN_DOUBT, CallState.PENDING)
         if in_doubt and not honoured:
             verdict = yield from self.reconcile(earlier, self.quiet_since(earlier))
-            if verdict is None and self.s.honours_keys is None:
+            if verdict is None and self.declared is None:
                 yield from self.probe()
                 honoured = self.honoured()
             if verdict is not None and verdict.happened is True:
@@ -978,7 +990,7 @@ class _Run:
         True: resend (the route showed it honours keys after all, or the reconcile hook
         says the call did not run); a Finished: the hook says it ran; False: stop.
         """
-        if self.s.honours_keys is None:
+        if self.declared is None:
             yield from self.probe()
             if self.honoured():
                 return True
@@ -1006,7 +1018,7 @@ class _Run:
         """The error that ends a call in doubt which agentkey must not send again."""
         call = self.call
         ctx = self.ctx()
-        declared = self.s.honours_keys is False
+        declared = self.declared is False
         why = (
             "the invoker was told the tool does not honour Idempotency-Key (honours_keys=False)"
             if declared
@@ -1020,7 +1032,8 @@ class _Run:
             f"{why}, so agentkey did not send it again (a second send could run it twice).{asked} "
             "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
             "or give the invoker a verify= hook; if the tool does honour the key, say so with "
-            "honours_keys=True",
+            f"honours_keys=True, or once for its origin: honours_keys={{{_origin(self.target)!r}: "
+            "True}, or record a passing check: agentkey check <url> --remember",
             status_code=decision.status_code,
         )
         return (yield from self.give_up(decision.reason, error))
@@ -1258,7 +1271,7 @@ class _Beginning(Exchange["Finished | None"]):
             # its outcome after this read. Read once more before calling the call in doubt.
             self.reread = True
             return Again()
-        if begun.live and not run.honoured() and run.s.honours_keys is None:
+        if begun.live and not run.honoured() and run.declared is None:
             yield from run.probe()  # a send in flight elsewhere: ask the route first
         if not (begun.live and not run.honoured()):
             return (yield from run.settle_earlier(earlier, begun.live))
@@ -1267,6 +1280,17 @@ class _Beginning(Exchange["Finished | None"]):
         if wait is None:
             raise _still_pending(run.call, earlier, run.s.wall())
         return Again(wait)
+
+
+def _origin(url: str) -> str:
+    """``scheme://host[:port]`` of ``url`` as a user writes it (the default port left out)."""
+    origin = origin_of(url)
+    if origin is None:
+        return redact_url(url)
+    default = 443 if origin.scheme == "https" else 80
+    host = f"[{origin.host}]" if ":" in origin.host else origin.host
+    port = "" if origin.port == default else f":{origin.port}"
+    return f"{origin.scheme}://{host}{port}"
 
 
 def _stronger(known: str | None, found: str | None) -> str | None:
