@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from agentkey import Outcome, OutcomeUnknown, PlanSession, ToolResult
+from agentkey.cli import main
+from agentkey.journal._default import resolve_journal
 from tests._loopback import RedisServer
 
 from ._peers import PEERS, serve_peer
@@ -24,6 +26,7 @@ from ._support import Called, Served, invoke_all
 pytestmark = pytest.mark.redis
 
 PEER = next(p for p in PEERS if p.name == "fastapi-idempotency")
+PYIDEMPOTENT = next(p for p in PEERS if p.name == "pyidempotent")
 PATH = "/tools/charge"
 
 
@@ -97,3 +100,68 @@ def test_a_route_declared_false_is_never_resent_under_a_true_origin(served: Serv
     assert isinstance(called, OutcomeUnknown), called
     assert "honours_keys=False" in str(called)
     assert served.tool.executions() == 1
+
+
+def check(served: Served, *extra: str) -> int:
+    """`agentkey check` against the served peer's charge route (in this process)."""
+    argv = [
+        "check", served.url, "--path", PATH, "--args", '{"amount": 1}',
+        "--concurrency", "4", "--timeout", "30", *extra,
+    ]  # fmt: skip
+    return main(argv)
+
+
+def test_a_remembered_check_is_believed_until_forgotten(
+    served: Served, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`agentkey check --remember` passes and writes the route's evidence (7 days): a lost
+    answer is then resent with the same key and replayed (before: OutcomeUnknown), the key
+    runs once; forgotten, a lost answer is in doubt again."""
+    served.tool.delay = 0.1  # the checker's burst arrives while the first request runs
+    route = f"POST {served.url.rstrip('/')}{PATH}"
+    assert check(served, "--remember") == 0
+    assert f"remembered: {route} honours Idempotency-Key until " in capsys.readouterr().err
+    journal = resolve_journal(None)
+    assert journal is not None
+    (evidence,) = [e for e in journal.evidence() if e.route == route]
+    assert evidence.marker == "agentkey check passed"
+    assert evidence.expires_at - evidence.last_seen == 7 * 86400.0
+    # As `agentkey journal evidence --forget` does (another process sees it within a minute).
+    assert journal.forget(route) is True
+    served.tool.delay = 0.0
+    assert isinstance(lost_answer(served), OutcomeUnknown)  # forgotten: not believed
+    served.tool.delay = 0.1
+    assert check(served, "--remember") == 0
+    served.tool.delay = 0.0
+    before = served.tool.executions()
+    called = lost_answer(served)
+    assert isinstance(called, ToolResult), called
+    assert called.outcome is Outcome.REPLAYED
+    assert called.attempts == 2
+    assert served.tool.executions() == before + 1
+    assert served.tool.seen_keys().count(called.idempotency_key) == 1
+
+
+def test_a_check_that_fails_is_never_remembered(
+    redis_proc: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pyidempotent fails a contract row (it replays another route's answer): --remember
+    writes nothing, and a lost answer there stays in doubt."""
+    with serve_peer(PYIDEMPOTENT, redis_proc) as served:
+        assert check(served, "--remember", "--other-path", "/v2/tools/charge") == 1
+        assert "not remembered: the check did not pass" in capsys.readouterr().err
+        journal = resolve_journal(None)
+        assert journal is not None
+        assert journal.evidence() == []
+        assert isinstance(lost_answer(served), OutcomeUnknown)
+
+
+def test_remember_days_are_checked_before_anything_is_sent(
+    served: Served, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--remember-days 0 is a usage error (exit 2) before any request reaches the tool."""
+    with pytest.raises(SystemExit) as exited:
+        check(served, "--remember", "--remember-days", "0")
+    assert exited.value.code == 2
+    assert "--remember-days" in capsys.readouterr().err
+    assert served.wire.answers == []
