@@ -579,17 +579,22 @@ class _Run:
 
         A replay marker says "replayed"; an answer that says it ran (the protection
         header, a replay header with another value), or one from a route that has
-        shown it marks its replays, says "executed". Otherwise an answer after one
-        that said the same key was in flight (409/423) in this call is the earlier
-        attempt's outcome: "replayed". Anything else is "answered": the tool may
-        have run the step now or replayed it, and said neither.
+        shown it marks its replays, says "executed". To a tool declared to mark no
+        replays (``replay_headers=()``), an answer after one that said the same key was
+        in flight (409/423) in this call is the earlier attempt's outcome: "replayed".
+        Anything else is "answered": the tool may have run the step now or replayed
+        it, and said neither. (Where the tool may mark replays, an unmarked answer
+        after a 409 may be a second run: a server that races, or a holder that failed
+        and freed the key; it is never called a replay then.)
         """
         if replayed:
             return "replayed"
         cfg = self.s.protocol
-        if cfg.replay_headers and (ran_marker(answer, cfg) or self.evidence in MARKS_REPLAYS):
+        if not cfg.replay_headers:
+            return "replayed" if after_in_flight else "answered"
+        if ran_marker(answer, cfg) or self.evidence in MARKS_REPLAYS:
             return "executed"
-        return "replayed" if after_in_flight else "answered"
+        return "answered"
 
     def honoured(self) -> bool:
         """Whether a request of this call that may have run can be sent again."""

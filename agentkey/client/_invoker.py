@@ -116,8 +116,8 @@ class Outcome(str, enum.Enum):
     #: The tool ran the step now: its answer says so (no replay marker from a tool that
     #: marks replays: agentkey's middleware, or a route seen marking one).
     EXECUTED = "executed"
-    #: The stored outcome of an earlier run: a replay marker, an answer after one that
-    #: said the same key was in flight (409/423), or the journal's copy.
+    #: The stored outcome of an earlier run: a replay marker, the journal's copy, or (from
+    #: a tool declared to mark no replays) an answer after a 409/423 "in flight".
     REPLAYED = "replayed"
     #: The tool answered and did not show whether it ran the step now or replayed it (it
     #: marks no replays, as pyidempotent and idemgate, or ``replay_headers=()``).
