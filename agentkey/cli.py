@@ -239,6 +239,17 @@ def _json_object(text: str, option: str) -> dict[str, object] | None:
     return value
 
 
+def _remember_days(text: str) -> float:
+    """``--remember-days``: more than 0, at most a year (checked before any request)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 365:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 365, got {text!r}")
+    return value
+
+
 def _cmd_check(ns: argparse.Namespace) -> int:
     from ._canonical import canonical_json
     from .client._checker import check_options, check_server  # the checker loads only when used
@@ -285,6 +296,16 @@ def _cmd_check(ns: argparse.Namespace) -> int:
         print(f"agentkey: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(_report_json(report), indent=2) if ns.json else report.table())
+    if ns.remember:  # a pass becomes the route's evidence in the journal (docs/journal.md)
+        from .client._remember import remember_from_cli
+
+        try:
+            remember_from_cli(
+                report, ns.url, ns.path, ns.remember_days, getattr(ns, "journal", None)
+            )
+        except AgentKeyError as exc:
+            print(f"agentkey: --remember: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if report.unreachable is not None or report.no_verdict is not None:
         return EXIT_UNREACHABLE
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -479,6 +500,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=argparse.SUPPRESS,
         help="print the report as one JSON object (schema in docs/cli.md) instead of the table",
+    )
+    check.add_argument(
+        "--remember",
+        action="store_true",
+        help="when the check passes, write it into the journal as evidence that this route "
+        "honours keys, so invokers resend a call that may have run there (a failed check "
+        "writes nothing)",
+    )
+    check.add_argument(
+        "--remember-days",
+        type=_remember_days,
+        default=7.0,
+        metavar="DAYS",
+        help="how long a remembered pass counts (default 7, at most 365)",
     )
     check.set_defaults(func=_cmd_check)
 

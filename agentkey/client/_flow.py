@@ -73,6 +73,7 @@ from ._effects import (
     Verify,
 )
 from ._evidence import RouteMemory
+from ._honours import Declarations
 from ._hooks import (
     EVENT_TYPES,
     AttemptEvent,
@@ -88,6 +89,7 @@ from ._hooks import (
 from ._net import origin_of, redact_url, scrub_json
 from ._policies import PollPolicy, RetryPolicy
 from ._protocol import (
+    MARKS_REPLAYS,
     PROTECTED_HEADER,
     Action,
     CallContext,
@@ -99,6 +101,7 @@ from ._protocol import (
     key_evidence,
     parse_json,
     poll_target,
+    ran_marker,
     short_reason,
 )
 
@@ -121,6 +124,10 @@ __all__ = [
 ]
 
 KEY_HEADER = "Idempotency-Key"
+#: The verdicts on how a step's answer came about: it ran the step now, it replayed an
+#: earlier run's outcome, or it answered and nothing showed which (the tool marks no
+#: replays, and the invoker has not seen it mark one).
+OUTCOMES = ("executed", "replayed", "answered")
 #: The header of the OPTIONS probe that names the call's method (a CORS preflight's).
 PREFLIGHT_HEADER = "Access-Control-Request-Method"
 MAX_POLL_REDIRECTS = 10
@@ -214,6 +221,9 @@ class Settings:
     journal: bool = False  # whether a journal records the calls
     journal_max_body: int = 0  # answers larger than this are not kept in the journal
     honours_keys: bool | None = None  # declared; None: learnt from the tool's answers
+    #: ``honours_keys=`` given as a mapping of origins and route patterns (then the bool
+    #: above is None: what the mapping does not name is learnt).
+    declarations: Declarations | None = field(default=None, compare=False)
     #: The event types the hooks listen to (only these are built); none without hooks.
     events: frozenset[type] = EVENT_TYPES
     #: What this invoker's flows learnt about its routes (shared by them: one probe a route).
@@ -221,6 +231,12 @@ class Settings:
     steps: Backoff = field(init=False)
     polls: Backoff = field(init=False)
     in_flight: Backoff = field(init=False)
+
+    def declared(self, url: str) -> bool | None:
+        """What the invoker was told about ``url``'s route honouring keys (None: nothing)."""
+        if self.declarations is not None:
+            return self.declarations.of(url)
+        return self.honours_keys
 
     def __post_init__(self) -> None:
         retry = self.retry
@@ -239,7 +255,9 @@ class Finished:
 
     ``source`` is where the answer came from: ``"tool"`` (an HTTP answer),
     ``"journal"`` (kept from an earlier run of this call; nothing was sent) or
-    ``"verify"`` (the reconcile hook found the call had run).
+    ``"verify"`` (the reconcile hook found the call had run). ``outcome`` is the
+    verdict (:data:`OUTCOMES`): ``"replayed"``, ``"executed"``, or ``"answered"`` when
+    nothing showed which (``replayed`` is ``outcome == "replayed"``).
     """
 
     answer: Answer
@@ -252,6 +270,7 @@ class Finished:
     status_url: str | None
     source: str = "tool"
     repeat_of: str | None = None
+    outcome: str = "answered"
 
 
 Flow: TypeAlias = Generator[Effect, Any, Finished]
@@ -424,6 +443,7 @@ class _Run:
         self.reached = False  # some request reached the tool (or may have)
         self.record: CallRecord | None = None  # this call's journal record, while it owns it
         self.target = call.url  # where the step is sent now (a same-origin 307/308 moves it)
+        self.declared = settings.declared(call.url)  # honours_keys= for the target's route
         self.evidence: str | None = None  # how the target's route showed it honours keys
         self.probed = False  # the target's route was asked (or is known) this run
         self.refused = 0  # answers that said the server refused the request, nothing ran
@@ -465,10 +485,11 @@ class _Run:
                 )
             raise
         if ends:
-            outcome = "replayed" if done.replayed else "executed"
             status = done.answer.status_code
             yield Emit(
-                CallEndEvent(call.key, call.label, outcome, done.attempts, done.polls, status, None)
+                CallEndEvent(
+                    call.key, call.label, done.outcome, done.attempts, done.polls, status, None
+                )
             )
         return done
 
@@ -532,28 +553,52 @@ class _Run:
     def finish(
         self,
         answer: Answer,
-        replayed: bool,
+        outcome: str,
         status_url: str | None,
         source: str = "tool",
     ) -> Finished:
+        """The flow's end: ``answer``, and the verdict on it (one of :data:`OUTCOMES`)."""
         elapsed = self.s.clock() - self.start
         call = self.call
         return Finished(
             answer,
             call.key,
             call.label,
-            replayed,
+            outcome == "replayed",
             self.attempts,
             self.polls,
             elapsed,
             status_url,
             source,
             call.repeat_of,
+            outcome,
         )
+
+    def verdict(self, answer: Answer, replayed: bool, after_in_flight: bool) -> str:
+        """How the step's final ``answer`` came about (one of :data:`OUTCOMES`).
+
+        A replay marker says "replayed"; an answer that says it ran (the protection
+        header, a replay header with another value), or one from a route that has
+        shown it marks its replays, says "executed". To a tool declared to mark no
+        replays (``replay_headers=()``), an answer after one that said the same key was
+        in flight (409/423) in this call is the earlier attempt's outcome: "replayed".
+        Anything else is "answered": the tool may have run the step now or replayed
+        it, and said neither. (Where the tool may mark replays, an unmarked answer
+        after a 409 may be a second run: a server that races, or a holder that failed
+        and freed the key; it is never called a replay then.)
+        """
+        if replayed:
+            return "replayed"
+        cfg = self.s.protocol
+        if not cfg.replay_headers:
+            return "replayed" if after_in_flight else "answered"
+        if ran_marker(answer, cfg) or self.evidence in MARKS_REPLAYS:
+            return "executed"
+        return "answered"
 
     def honoured(self) -> bool:
         """Whether a request of this call that may have run can be sent again."""
-        declared = self.s.honours_keys
+        declared = self.declared
         return declared is True or (declared is None and self.evidence is not None)
 
     # --- the journal -----------------------------------------------------------------------
@@ -591,12 +636,13 @@ class _Run:
         """What this invoker learnt lately about the target's route (probed: asked)."""
         known, evidence = self.s.memory.get(self.route(), self.s.clock())
         self.probed = known
-        self.evidence = self.evidence or evidence
+        self.evidence = _stronger(self.evidence, evidence)
 
     def follow(self, url: str) -> None:
         """The step moves to ``url`` (a same-origin redirect): what the first route showed
         is that route's, never the target's."""
         self.target, self.evidence = url, None
+        self.declared = self.s.declared(url)
         self.recall()
 
     def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
@@ -607,9 +653,9 @@ class _Run:
             return
         route, now = route_of(self.call.method, answer.url), self.s.clock()
         if route == self.route():
-            self.evidence = self.evidence or found
+            self.evidence = _stronger(self.evidence, found)
         known, remembered = self.s.memory.get(route, now)
-        if known and remembered is not None:
+        if known and remembered is not None and _stronger(remembered, found) == remembered:
             return  # learnt lately: the journal heard it then (refreshed once a TTL)
         self.s.memory.put(route, found, now)
         if self.s.journal:  # refreshes the journal's "last seen" too
@@ -780,7 +826,7 @@ class _Run:
             answer = Answer(earlier.status_code or 200, {}, earlier.body, call.url)
             if ReplayEvent in self.s.events:
                 yield Emit(ReplayEvent(call.key, call.label, answer.status_code))
-            return self.finish(answer, True, earlier.status_url, "journal")
+            return self.finish(answer, "replayed", earlier.status_url, "journal")
         if earlier.state is CallState.FAILED and not honoured:
             raise _already_failed(call, earlier)
         if earlier.state is CallState.PENDING and live:
@@ -788,7 +834,7 @@ class _Run:
         in_doubt = earlier.state in (CallState.IN_DOUBT, CallState.PENDING)
         if in_doubt and not honoured:
             verdict = yield from self.reconcile(earlier, self.quiet_since(earlier))
-            if verdict is None and self.s.honours_keys is None:
+            if verdict is None and self.declared is None:
                 yield from self.probe()
                 honoured = self.honoured()
             if verdict is not None and verdict.happened is True:
@@ -870,7 +916,7 @@ class _Run:
             yield from self.close_record(
                 CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
             )
-        return self.finish(answer, True, None, "verify")
+        return self.finish(answer, "replayed", None, "verify")
 
     def probe(self) -> Generator[Effect, Any, None]:
         """Ask the route, with a harmless OPTIONS, whether it honours keys for this method.
@@ -887,7 +933,7 @@ class _Run:
         call, route = self.call, self.route()
         known, evidence = self.s.memory.get(route, self.s.clock())
         if known:  # another call of this invoker asked (or learnt) lately
-            self.evidence = self.evidence or evidence
+            self.evidence = _stronger(self.evidence, evidence)
             return
         headers = (*call.headers, (PREFLIGHT_HEADER, call.method))
         reply = yield Outgoing("OPTIONS", self.target, headers, None, True, self.deadline)
@@ -928,16 +974,16 @@ class _Run:
             assert decision.error is not None
             raise decision.error
         assert isinstance(reply, Answer)
-        outcome = "replayed" if decision.replayed else "executed"
+        outcome = self.verdict(reply, decision.replayed, sending.in_flight)
         if decision.action is Action.DONE:
             yield from self.close_record(CallState.ANSWERED, answer=reply, outcome=outcome)
-            return self.finish(reply, decision.replayed, None)
+            return self.finish(reply, outcome, None)
         assert decision.url is not None
         if decision.action is Action.FETCH:  # 303: the result is there already
-            done = yield from self.poll(decision.url, decision.replayed, result_only=True)
+            done = yield from self.poll(decision.url, outcome, result_only=True)
         else:
             hint = interpret_poll(reply, self.ctx(), s.protocol).retry_after
-            done = yield from self.poll(decision.url, decision.replayed, wait_first=True, hint=hint)
+            done = yield from self.poll(decision.url, outcome, wait_first=True, hint=hint)
         yield from self.close_record(
             CallState.ANSWERED, answer=done.answer, outcome=outcome, status_url=done.status_url
         )
@@ -949,7 +995,7 @@ class _Run:
         True: resend (the route showed it honours keys after all, or the reconcile hook
         says the call did not run); a Finished: the hook says it ran; False: stop.
         """
-        if self.s.honours_keys is None:
+        if self.declared is None:
             yield from self.probe()
             if self.honoured():
                 return True
@@ -970,14 +1016,14 @@ class _Run:
             yield from self.close_record(
                 CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
             )
-            return self.finish(answer, True, None, "verify")
+            return self.finish(answer, "replayed", None, "verify")
         return True
 
     def stop_in_doubt(self, decision: Decision) -> Generator[Effect, Any, InvokeError]:
         """The error that ends a call in doubt which agentkey must not send again."""
         call = self.call
         ctx = self.ctx()
-        declared = self.s.honours_keys is False
+        declared = self.declared is False
         why = (
             "the invoker was told the tool does not honour Idempotency-Key (honours_keys=False)"
             if declared
@@ -991,7 +1037,8 @@ class _Run:
             f"{why}, so agentkey did not send it again (a second send could run it twice).{asked} "
             "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
             "or give the invoker a verify= hook; if the tool does honour the key, say so with "
-            "honours_keys=True",
+            f"honours_keys=True, or once for its origin: honours_keys={{{_origin(self.target)!r}: "
+            "True}, or record a passing check: agentkey check <url> --remember",
             status_code=decision.status_code,
         )
         return (yield from self.give_up(decision.reason, error))
@@ -1003,7 +1050,8 @@ class _Run:
         earlier: CallRecord | None = None
         if self.s.journal:
             earlier = yield Journaled("get", (self.call.key,))
-        done = yield from self.poll(self.call.url, False)
+        known = earlier.outcome if earlier is not None else None
+        done = yield from self.poll(self.call.url, known if known in OUTCOMES else "answered")
         if earlier is not None:
             taken = self.taken_from(earlier)
             if (yield Journaled("take_over", (taken, earlier))):
@@ -1017,7 +1065,7 @@ class _Run:
     def poll(
         self,
         status_url: str,
-        replayed: bool,
+        outcome: str,
         *,
         wait_first: bool = False,
         hint: float | None = None,
@@ -1027,7 +1075,7 @@ class _Run:
         # Polls end at the poll deadline or the caller's deadline, whichever comes first.
         call, s = self.call, self.s
         deadline = min(s.clock() + s.polling.deadline, self.deadline)
-        polling = _Polling(self, status_url, replayed, deadline, result_only)
+        polling = _Polling(self, status_url, outcome, deadline, result_only)
         wait = self.wait(s.polls, 1, hint, deadline) if wait_first else None
         if wait is not None:
             if PollEvent in s.events:  # the wait between the 202 and the first poll
@@ -1214,7 +1262,7 @@ class _Beginning(Exchange["Finished | None"]):
     def judge(self, begun: Begun) -> Generator[Effect, Any, Finished | Again | None]:
         run, record = self.run, self.record
         assert record is not None
-        run.evidence = run.evidence or begun.evidence
+        run.evidence = _stronger(run.evidence, begun.evidence)
         earlier = begun.existing
         if earlier is None:
             run.record = record
@@ -1229,7 +1277,7 @@ class _Beginning(Exchange["Finished | None"]):
             # its outcome after this read. Read once more before calling the call in doubt.
             self.reread = True
             return Again()
-        if begun.live and not run.honoured() and run.s.honours_keys is None:
+        if begun.live and not run.honoured() and run.declared is None:
             yield from run.probe()  # a send in flight elsewhere: ask the route first
         if not (begun.live and not run.honoured()):
             try:
@@ -1252,6 +1300,25 @@ class _TakenOver(StepInProgress):
     """Another sender took over the record this flow meant to take over."""
 
 
+def _origin(url: str) -> str:
+    """``scheme://host[:port]`` of ``url`` as a user writes it (the default port left out)."""
+    origin = origin_of(url)
+    if origin is None:
+        return redact_url(url)
+    default = 443 if origin.scheme == "https" else 80
+    host = f"[{origin.host}]" if ":" in origin.host else origin.host
+    port = "" if origin.port == default else f":{origin.port}"
+    return f"{origin.scheme}://{host}{port}"
+
+
+def _stronger(known: str | None, found: str | None) -> str | None:
+    """The evidence to keep of ``known`` and ``found``: the first seen, unless only the
+    other shows that the route marks its replays (:data:`MARKS_REPLAYS`)."""
+    if known is None or (found in MARKS_REPLAYS and known not in MARKS_REPLAYS):
+        return found
+    return known
+
+
 #: A request that failed this close to the call's deadline (seconds) was ended by it.
 _DEADLINE_SLACK = 0.01
 
@@ -1262,7 +1329,7 @@ class _Polling(Exchange[Finished]):
     __slots__ = (
         "deadline",
         "hops",
-        "replayed",
+        "outcome",
         "result_only",
         "run",
         "same_origin",
@@ -1273,9 +1340,9 @@ class _Polling(Exchange[Finished]):
     )
 
     def __init__(
-        self, run: _Run, status_url: str, replayed: bool, deadline: float, result_only: bool
+        self, run: _Run, status_url: str, outcome: str, deadline: float, result_only: bool
     ) -> None:
-        self.run, self.status_url, self.replayed = run, status_url, replayed
+        self.run, self.status_url, self.outcome = run, status_url, outcome
         self.deadline, self.result_only = deadline, result_only
         self.url, self.hops = status_url, 0
         self.same_origin = poll_target(status_url, run.ctx(), run.s.protocol)  # or UnsafeRedirect
@@ -1336,7 +1403,7 @@ class _Polling(Exchange[Finished]):
         self._note(reply, decision)
         if decision.action is Action.DONE:
             assert isinstance(reply, Answer)
-            return run.finish(reply, self.replayed, self.status_url)
+            return run.finish(reply, self.outcome, self.status_url)
         if decision.action is Action.RAISE:
             assert decision.error is not None
             raise decision.error

@@ -73,7 +73,8 @@ class AttemptEvent:
 
 @dataclass(frozen=True, slots=True)
 class CallEndEvent:
-    """The call ended: with a result (``outcome`` "executed" or "replayed") or an ``error``.
+    """The call ended: with a result (``outcome`` "executed", "replayed" or "answered": the
+    server showed neither) or an ``error``.
 
     ``error`` is the class name of the exception leaving ``invoke`` (None on success);
     ``status_code`` is that of the final answer, or of the error when it has one.

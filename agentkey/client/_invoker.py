@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
     from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
     from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
     from ._flow import Call, Finished, Flow, Identity, Pick, Settings, Verifier, check_headers
+    from ._honours import honours_option
     from ._hooks import InvokeHook, LoggingHook, listened
     from ._http import Auth, Timeout, send_async, send_sync
     from ._httpx2 import AsyncClient, Client
@@ -68,7 +69,7 @@ def _load_engine() -> None:
     global LoggingHook, listened, AsyncClient, Auth, Client, make_async_client, make_client
     global make_max_response_bytes, make_timeout, send_async, send_sync, is_loopback
     global origin_of, redact_url, ProtocolConfig, parse_json, replay_markers
-    global current_owner, in_flight, resolve_journal, HttpLookup
+    global current_owner, in_flight, resolve_journal, HttpLookup, honours_option
     if _engine_loaded:
         return
     import asyncio
@@ -81,6 +82,7 @@ def _load_engine() -> None:
     from ._drive import async_carrier, carrier, run_async, run_sync
     from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
     from ._flow import Call, Settings, check_headers
+    from ._honours import honours_option
     from ._hooks import LoggingHook, listened
     from ._http import Auth, send_async, send_sync
     from ._httpx2 import AsyncClient, Client
@@ -108,12 +110,24 @@ _BAD_PATH = re.compile(r"://|^//|[?#\x00-\x1f\x7f]")
 
 
 class Outcome(str, enum.Enum):
-    """Whether this call ran the step or received the stored outcome of an earlier run."""
+    """Whether this call ran the step, received the stored outcome of an earlier run, or
+    got an answer that does not show which."""
 
+    #: The tool ran the step now: its answer says so (no replay marker from a tool that
+    #: marks replays: agentkey's middleware, or a route seen marking one).
     EXECUTED = "executed"
+    #: The stored outcome of an earlier run: a replay marker, the journal's copy, or (from
+    #: a tool declared to mark no replays) an answer after a 409/423 "in flight".
     REPLAYED = "replayed"
-    #: The server marks no replays (``replay_headers=()``): this answer may be either.
-    UNKNOWN = "unknown"
+    #: The tool answered and did not show whether it ran the step now or replayed it (it
+    #: marks no replays, as pyidempotent and idemgate, or ``replay_headers=()``).
+    ANSWERED = "answered"
+    #: The former name of :attr:`ANSWERED` (the same member).
+    UNKNOWN = "answered"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Outcome | None:
+        return cls.ANSWERED if value == "unknown" else None  # the former value
 
 
 class ToolResult(BaseModel):
@@ -148,8 +162,8 @@ class ToolResult(BaseModel):
     def replayed(self) -> bool:
         """True when the tool replayed a stored outcome instead of running the step now.
 
-        False when it ran the step, or when the server marks no replays (``outcome``
-        is then ``Outcome.UNKNOWN``).
+        False when it ran the step, or when the answer does not show which (``outcome``
+        is then ``Outcome.ANSWERED``).
         """
         return self.outcome is Outcome.REPLAYED
 
@@ -177,7 +191,7 @@ class _InvokerBase:
         hooks: Sequence[InvokeHook] | None,
         max_response_bytes: int,
         journal: JournalOption,
-        honours_keys: bool | None,
+        honours_keys: bool | Mapping[str, bool] | None,
         verify: Verifier | Mapping[str, Verifier] | None,
     ) -> None:
         _load_engine()
@@ -219,7 +233,6 @@ class _InvokerBase:
                 "the value true marks a replay) or 'Name: value' entries ('X-Ichido-Status: "
                 f"replayed'), or () for a server that marks none; got {replay_headers!r}"
             )
-        self._unmarked = Outcome.EXECUTED if replay_headers else Outcome.UNKNOWN
         if isinstance(allowed_poll_origins, str) or not isinstance(allowed_poll_origins, Iterable):
             raise ConfigurationError(
                 "allowed_poll_origins must be a list of origins like "
@@ -258,12 +271,7 @@ class _InvokerBase:
         hooks = (LoggingHook(),) if hooks is None else tuple(hooks)
         if not all(callable(h) for h in hooks):
             raise ConfigurationError(f"hooks must be callables taking one event, got {hooks!r}")
-        if honours_keys not in (True, False, None):
-            raise ConfigurationError(
-                "honours_keys must be True (the tool honours Idempotency-Key: resend what may "
-                "have run), False (never resend it) or None (learn it from the tool's answers), "
-                f"got {honours_keys!r}"
-            )
+        declared, declarations = honours_option(honours_keys)
         self._verify = _check_verify(verify)
         self._base_url = base_url.rstrip("/")
         self._auth = auth
@@ -292,7 +300,8 @@ class _InvokerBase:
             self._wall,
             journal=self._journal is not None,
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
-            honours_keys=honours_keys,
+            honours_keys=declared,
+            declarations=declarations,
         )
         self._by_events: dict[frozenset[type], Settings] = {}
         self._closed = False
@@ -481,7 +490,7 @@ class _InvokerBase:
             status_code=answer.status_code,
             body=parse_json(answer.content),
             headers=dict(answer.headers),
-            outcome=Outcome.REPLAYED if done.replayed else self._unmarked,
+            outcome=Outcome(done.outcome),
             idempotency_key=done.key,
             label=done.label,
             attempts=done.attempts,
@@ -648,7 +657,7 @@ class ToolInvoker(_InvokerBase):
         hooks: Sequence[InvokeHook] | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         journal: JournalOption = None,
-        honours_keys: bool | None = None,
+        honours_keys: bool | Mapping[str, bool] | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
         _load_engine()
@@ -760,7 +769,7 @@ class AsyncToolInvoker(_InvokerBase):
         hooks: Sequence[InvokeHook] | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         journal: JournalOption = None,
-        honours_keys: bool | None = None,
+        honours_keys: bool | Mapping[str, bool] | None = None,
         verify: Verifier | Mapping[str, Verifier] | None = None,
     ) -> None:
         _load_engine()

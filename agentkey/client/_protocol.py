@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_REPLAY_HEADERS",
     "DEFAULT_STATUS_URL_STRATEGIES",
     "IN_FLIGHT_STATUSES",
+    "MARKS_REPLAYS",
     "PROBLEM_CODES",
     "Action",
     "Answer",
@@ -71,6 +72,7 @@ __all__ = [
     "parse_json",
     "poll_target",
     "problem_code",
+    "ran_marker",
     "replay_header",
     "replay_markers",
     "retry_after",
@@ -1049,6 +1051,27 @@ def _protected(answer: Answer) -> bool:
     gateway's copy of a downstream service's answer, after its own side effect)."""
     said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
     return any(part.strip() in ("true", "?1", "1") for part in said)
+
+
+#: The kinds of evidence (:func:`key_evidence`) that show a route marks its replays: an
+#: answer of such a route without a replay marker ran the step now.
+MARKS_REPLAYS = frozenset({"protection header", "replay marker"})
+
+
+def ran_marker(answer: Answer, cfg: ProtocolConfig) -> bool:
+    """Whether ``answer`` itself says it ran the step now (it is no replay).
+
+    Either the protection header (agentkey's middleware marks every replay), or a
+    configured replay header present with another value (ichido's ``X-Ichido-Status:
+    executed``, an ``Idempotent-Replayed: false``). Never when the invoker knows no
+    replay header (``replay_headers=()``): a replay could not be seen then.
+    """
+    if not cfg.replay_headers or replay_header(answer, cfg.replay_headers) is not None:
+        return False
+    if _protected(answer):
+        return True
+    headers = answer.headers
+    return any(headers.get(name) is not None for name, _, _ in replay_markers(cfg.replay_headers))
 
 
 def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:

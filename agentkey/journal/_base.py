@@ -101,10 +101,10 @@ class Journal(Protocol):
         """Records, newest first, of one plan or all, in the given states."""
         ...
 
-    def learn(self, route: str, evidence: str) -> None:
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         """Remember that ``route`` showed it honours keys (``evidence`` says how): an
-        :class:`Evidence` record, first seen now or earlier, expiring ``EVIDENCE_TTL``
-        (30 days) after it was last seen."""
+        :class:`Evidence` record, first seen now or earlier, expiring ``ttl`` seconds
+        (default ``EVIDENCE_TTL``, 30 days) after it was last seen."""
         ...
 
     def evidence(self) -> list[Evidence]:
@@ -147,7 +147,7 @@ class Journal(Protocol):
     async def afind(self, plan: str, *, tool: str | None = None, args_hash: str | None = None,
                     call_id: str | None = None) -> list[CallRecord]: ...  # fmt: skip
 
-    async def alearn(self, route: str, evidence: str) -> None: ...
+    async def alearn(self, route: str, evidence: str, *, ttl: float | None = None) -> None: ...
 
     async def aclose(self) -> None: ...
 

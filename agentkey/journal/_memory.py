@@ -70,7 +70,7 @@ class SyncJournal(ABC):
     ) -> list[CallRecord]: ...
 
     @abstractmethod
-    def learn(self, route: str, evidence: str) -> None: ...
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None: ...
 
     @abstractmethod
     def evidence(self) -> list[Evidence]: ...
@@ -110,8 +110,8 @@ class SyncJournal(ABC):
     ) -> list[CallRecord]:
         return self.find(plan, tool=tool, args_hash=args_hash, call_id=call_id)
 
-    async def alearn(self, route: str, evidence: str) -> None:
-        self.learn(route, evidence)
+    async def alearn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        self.learn(route, evidence, ttl=ttl)
 
     async def aclose(self) -> None:
         self.close()
@@ -215,12 +215,13 @@ class MemoryJournal(SyncJournal):
             ]
         return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
-    def learn(self, route: str, evidence: str) -> None:
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         now = self.clock()
+        expires = now + (EVIDENCE_TTL if ttl is None else ttl)
         with self._lock:
             known = self._evidence.get(route)
             first = known.first_seen if known is not None and now <= known.expires_at else now
-            self._evidence[route] = Evidence(route, evidence, first, now, now + EVIDENCE_TTL)
+            self._evidence[route] = Evidence(route, evidence, first, now, expires)
 
     def evidence(self) -> list[Evidence]:
         now = self.clock()

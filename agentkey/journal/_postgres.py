@@ -71,6 +71,9 @@ _TYPES = {
     "state": "TEXT NOT NULL",
 }
 _TABLE = re.compile(r"[a-z_][a-z0-9_]{0,40}")
+#: When a row of evidence expires: its ``expires_at`` (``learn(ttl=)``), else EVIDENCE_TTL
+#: after it was last seen (rows written before the column). A constant, never user data.
+assert EVIDENCE_TTL == 2592000.0  # the SQL below spells it out
 _COLS = sql.SQL(", ").join(map(sql.Identifier, COLUMNS))
 _QUALIFIED = sql.SQL(", ").join(sql.Identifier("c", c) for c in COLUMNS)
 _PLACES = sql.SQL(", ").join(sql.Placeholder() * len(COLUMNS))
@@ -122,7 +125,8 @@ class _Sql:
             "CREATE INDEX IF NOT EXISTS {by_time} ON {calls} (updated_at); "
             "CREATE TABLE IF NOT EXISTS {evidence} (route TEXT PRIMARY KEY, "
             "evidence TEXT NOT NULL, seen_at DOUBLE PRECISION NOT NULL); "
-            "ALTER TABLE {evidence} ADD COLUMN IF NOT EXISTS first_seen DOUBLE PRECISION"
+            "ALTER TABLE {evidence} ADD COLUMN IF NOT EXISTS first_seen DOUBLE PRECISION; "
+            "ALTER TABLE {evidence} ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION"
         )
         # The record unless its key exists; then the existing row; and the route's evidence.
         # One statement: the SELECT of the existing row sees the table as it was before.
@@ -130,7 +134,8 @@ class _Sql:
             "WITH inserted AS (INSERT INTO {calls} ({cols}) VALUES ({places}) "
             "ON CONFLICT (key) DO NOTHING RETURNING key) "
             "SELECT (SELECT count(*) FROM inserted), "
-            "(SELECT evidence FROM {evidence} WHERE route = %s AND seen_at >= %s), "
+            "(SELECT evidence FROM {evidence} WHERE route = %s "
+            "AND coalesce(expires_at, seen_at + 2592000.0) >= %s), "
             "{qualified} FROM (SELECT 1) AS one LEFT JOIN {calls} c ON c.key = %s"
         )
         # The begin that looks for the same call at another step: BEGIN, an advisory lock on
@@ -153,18 +158,22 @@ class _Sql:
         self.select = q("SELECT {cols} FROM {calls}")
         self.by_key = q("SELECT {cols} FROM {calls} WHERE key = %s")
         self.learn = q(
-            "INSERT INTO {evidence} AS e (route, evidence, seen_at, first_seen) "
-            "VALUES (%s, %s, %s, %s) ON CONFLICT (route) DO UPDATE SET "
-            "evidence = excluded.evidence, first_seen = CASE WHEN e.seen_at >= %s "
+            "INSERT INTO {evidence} AS e (route, evidence, seen_at, first_seen, expires_at) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (route) DO UPDATE SET "
+            "evidence = excluded.evidence, first_seen = CASE WHEN "
+            "coalesce(e.expires_at, e.seen_at + 2592000.0) >= %s "
             "THEN coalesce(e.first_seen, e.seen_at) ELSE excluded.first_seen END, "
-            "seen_at = excluded.seen_at"
+            "seen_at = excluded.seen_at, expires_at = excluded.expires_at"
         )
         self.evidence = q(
-            "SELECT route, evidence, coalesce(first_seen, seen_at), seen_at FROM {evidence} "
-            "WHERE seen_at >= %s ORDER BY seen_at DESC, route"
+            "SELECT route, evidence, coalesce(first_seen, seen_at), seen_at, "
+            "coalesce(expires_at, seen_at + 2592000.0) FROM {evidence} "
+            "WHERE coalesce(expires_at, seen_at + 2592000.0) >= %s ORDER BY seen_at DESC, route"
         )
         self.forget = q("DELETE FROM {evidence} WHERE route = %s")
-        self.expire_evidence = q("DELETE FROM {evidence} WHERE seen_at < %s")
+        self.expire_evidence = q(
+            "DELETE FROM {evidence} WHERE coalesce(expires_at, seen_at + 2592000.0) < %s"
+        )
         self.prune = q("DELETE FROM {calls} WHERE updated_at < %s AND state = ANY(%s)")
         self.unsettled = q(
             "SELECT {cols} FROM {calls} WHERE updated_at < %s AND NOT state = ANY(%s)"
@@ -348,14 +357,14 @@ class PostgresJournal:
         rows = self._run(query, [*params, max(0, int(limit))], rows=True)
         return records_of_rows(rows, repr(self))
 
-    def learn(self, route: str, evidence: str) -> None:
-        self._run(self._sql.learn, self._learn_params(route, evidence))
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        self._run(self._sql.learn, self._learn_params(route, evidence, ttl))
 
     def evidence(self) -> list[Evidence]:
         now = self.clock()
-        self._run(self._sql.expire_evidence, (now - EVIDENCE_TTL,))
-        rows = self._run(self._sql.evidence, (now - EVIDENCE_TTL,), rows=True)
-        return [Evidence(r, str(m), f, s, s + EVIDENCE_TTL) for r, m, f, s in rows]
+        self._run(self._sql.expire_evidence, (now,))
+        rows = self._run(self._sql.evidence, (now,), rows=True)
+        return [Evidence(r, str(m), f, s, e) for r, m, f, s, e in rows]
 
     def forget(self, route: str) -> bool:
         return bool(self._run(self._sql.forget, (route,)))
@@ -465,8 +474,8 @@ class PostgresJournal:
         query, params = self._sql.find(plan, tool, args_hash, call_id)
         return records_of_rows(await self._arun(query, params, rows=True), repr(self))
 
-    async def alearn(self, route: str, evidence: str) -> None:
-        await self._arun(self._sql.learn, self._learn_params(route, evidence))
+    async def alearn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        await self._arun(self._sql.learn, self._learn_params(route, evidence, ttl))
 
     async def aclose(self) -> None:
         if self._apool is not None:
@@ -475,9 +484,9 @@ class PostgresJournal:
 
     # --- shared --------------------------------------------------------------------------
 
-    def _learn_params(self, route: str, evidence: str) -> tuple[Any, ...]:
+    def _learn_params(self, route: str, evidence: str, ttl: float | None) -> tuple[Any, ...]:
         now = self.clock()
-        return (route, evidence, now, now, now - EVIDENCE_TTL)
+        return (route, evidence, now, now, now + (EVIDENCE_TTL if ttl is None else ttl), now)
 
     def _lock_id(self, record: CallRecord) -> int:
         """The advisory lock of the record's table, plan and arguments."""
@@ -491,7 +500,7 @@ class PostgresJournal:
         return query, (self._lock_id(record), record.plan, record.args_hash, record.key)
 
     def _begin_params(self, record: CallRecord) -> tuple[Any, ...]:
-        return (*row_of_record(record), record.route, self.clock() - EVIDENCE_TTL, record.key)
+        return (*row_of_record(record), record.route, self.clock(), record.key)
 
     @staticmethod
     def _take_over_params(record: CallRecord, previous: CallRecord) -> tuple[Any, ...]:

@@ -158,7 +158,9 @@ end
 return 1
 """
 #: Remember a route's evidence (KEYS[1]) for ARGV[3] ms, keeping when it was first seen
-#: while it lasted; list it in KEYS[2] by expiry (ARGV[4]) and drop the expired ones.
+#: while it lasted; list it in KEYS[2] by expiry (ARGV[4]) and drop the expired ones. The
+#: index lives as long as its longest entry (ARGV[6] ms at least): a short-lived entry
+#: (``learn(ttl=)``) never shortens it.
 _LEARN = """
 local first = tonumber(ARGV[5])
 local known = redis.call('GET', KEYS[1])
@@ -173,7 +175,7 @@ local value = cjson.encode({marker = ARGV[1], first_seen = first, last_seen = to
 redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[6]) then redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
 return 1
 """
 
@@ -379,11 +381,15 @@ class RedisJournal:
         found = self._evidence_data("", raw)
         return None if found is None else found.marker
 
-    def _learn_args(self, route: str, evidence: str) -> tuple[list[str], list[Any]]:
+    def _learn_args(
+        self, route: str, evidence: str, ttl: float | None = None
+    ) -> tuple[list[str], list[Any]]:
         now = self.clock()
         keys = [self._evidence_key(route), self._evidence_index]
-        ttl_ms = int(EVIDENCE_TTL * 1000)
-        return keys, [evidence, route, ttl_ms, repr(now + EVIDENCE_TTL), repr(now)]
+        ttl = EVIDENCE_TTL if ttl is None else ttl
+        ttl_ms = max(1, int(ttl * 1000))
+        index_ms = max(ttl_ms, int(EVIDENCE_TTL * 1000))
+        return keys, [evidence, route, ttl_ms, repr(now + ttl), repr(now), index_ms]
 
     def _wrap(self, exc: RedisError) -> JournalError:
         return JournalError(
@@ -479,8 +485,8 @@ class RedisJournal:
         found = [r for r in found if wanted is None or r.state in wanted]
         return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
-    def learn(self, route: str, evidence: str) -> None:
-        keys, args = self._learn_args(route, evidence)
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        keys, args = self._learn_args(route, evidence, ttl)
         self._client().eval(_LEARN, len(keys), *keys, *args)
 
     def evidence(self) -> list[Evidence]:
@@ -597,8 +603,8 @@ class RedisJournal:
         raws = await client.mget([self._record_key(plan, _text(k)) for k in keys]) if keys else []
         return _filtered(_decoded(raws, repr(self)), tool, args_hash, call_id)
 
-    async def alearn(self, route: str, evidence: str) -> None:
-        keys, args = self._learn_args(route, evidence)
+    async def alearn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        keys, args = self._learn_args(route, evidence, ttl)
         await self._aclient().eval(_LEARN, len(keys), *keys, *args)
 
     async def aclose(self) -> None:

@@ -101,14 +101,24 @@ CREATE TABLE IF NOT EXISTS agentkey_evidence (
 """
 #: Evidence records when it was first seen (a column added after the table).
 _FIRST_SEEN = "ALTER TABLE agentkey_evidence ADD COLUMN first_seen REAL"
+#: ... and when it expires (``learn(ttl=)``; a row without one expires EVIDENCE_TTL after
+#: it was last seen).
+_EXPIRES_AT = "ALTER TABLE agentkey_evidence ADD COLUMN expires_at REAL"
+#: The evidence in force: a row whose expiry is at or after the parameter ``now``.
+_IN_FORCE = "coalesce(expires_at, seen_at + 2592000.0) >= ?"
+_EXPIRY = "coalesce(expires_at, seen_at + 2592000.0)"
+assert EVIDENCE_TTL == 2592000.0  # the SQL above spells it out
 _ENDED = tuple(sorted(s.value for s in SETTLED))
 _ENDED_IN = f"state IN ({', '.join('?' * len(_ENDED))})"
 _LEARN = (
-    "INSERT INTO agentkey_evidence (route, evidence, seen_at, first_seen) VALUES (?, ?, ?, ?) "
+    "INSERT INTO agentkey_evidence (route, evidence, seen_at, first_seen, expires_at) "
+    "VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (route) DO UPDATE SET evidence = excluded.evidence, "
-    "first_seen = CASE WHEN agentkey_evidence.seen_at >= ? "
+    "first_seen = CASE WHEN coalesce(agentkey_evidence.expires_at, "
+    "agentkey_evidence.seen_at + 2592000.0) >= ? "
     "THEN coalesce(agentkey_evidence.first_seen, agentkey_evidence.seen_at) "
-    "ELSE excluded.first_seen END, seen_at = excluded.seen_at"
+    "ELSE excluded.first_seen END, seen_at = excluded.seen_at, "
+    "expires_at = excluded.expires_at"
 )
 
 # Statements built once from the column list (constants: never user data).
@@ -357,6 +367,8 @@ class SQLiteJournal(SyncJournal):
             columns = {row[1] for row in conn.execute("PRAGMA table_info(agentkey_evidence)")}
             if "first_seen" not in columns:
                 conn.execute(_FIRST_SEEN)
+            if "expires_at" not in columns:
+                conn.execute(_EXPIRES_AT)
         except (sqlite3.Error, OSError, ConfigurationError) as exc:
             if conn is not None:
                 conn.close()  # a file that is not a database: nothing is left open
@@ -381,7 +393,7 @@ class SQLiteJournal(SyncJournal):
             f"DELETE FROM agentkey_calls WHERE updated_at < ? AND {_ENDED_IN}",  # noqa: S608
             (now - self.retention, *_ENDED),
         )
-        conn.execute("DELETE FROM agentkey_evidence WHERE seen_at < ?", (now - EVIDENCE_TTL,))
+        conn.execute(f"DELETE FROM agentkey_evidence WHERE {_EXPIRY} < ?", (now,))  # noqa: S608
         return cursor.rowcount
 
     def _evidence(self, conn: sqlite3.Connection, route: str) -> str | None:
@@ -392,8 +404,8 @@ class SQLiteJournal(SyncJournal):
         if len(self._evidence_cache) >= _EVIDENCE_CACHE:
             self._evidence_cache.clear()
         row = conn.execute(
-            "SELECT evidence FROM agentkey_evidence WHERE route = ? AND seen_at >= ?",
-            (route, now - EVIDENCE_TTL),
+            f"SELECT evidence FROM agentkey_evidence WHERE route = ? AND {_IN_FORCE}",  # noqa: S608
+            (route, now),
         ).fetchone()
         found = None if row is None else str(row[0])
         self._evidence_cache[route] = (found, now)
@@ -516,21 +528,22 @@ class SQLiteJournal(SyncJournal):
             rows = self._connection().execute(sql, [*params, max(0, int(limit))]).fetchall()
         return records_of_rows(rows, repr(self))
 
-    def learn(self, route: str, evidence: str) -> None:
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         now = self.clock()
+        expires = now + (EVIDENCE_TTL if ttl is None else ttl)
         with self._lock:
             self._evidence_cache[route] = (evidence, now)
-            self._connection().execute(_LEARN, (route, evidence, now, now, now - EVIDENCE_TTL))
+            self._connection().execute(_LEARN, (route, evidence, now, now, expires, now))
 
     def evidence(self) -> list[Evidence]:
         now = self.clock()
         with self._lock:
             rows = self._connection().execute(
-                "SELECT route, evidence, coalesce(first_seen, seen_at), seen_at "
-                "FROM agentkey_evidence WHERE seen_at >= ? ORDER BY seen_at DESC, route",
-                (now - EVIDENCE_TTL,),
+                f"SELECT route, evidence, coalesce(first_seen, seen_at), seen_at, {_EXPIRY} "  # noqa: S608
+                f"FROM agentkey_evidence WHERE {_IN_FORCE} ORDER BY seen_at DESC, route",
+                (now,),
             )
-            return [Evidence(r, str(m), f, s, s + EVIDENCE_TTL) for r, m, f, s in rows]
+            return [Evidence(r, str(m), f, s, e) for r, m, f, s, e in rows]
 
     def forget(self, route: str) -> bool:
         with self._lock:

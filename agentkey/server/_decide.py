@@ -132,9 +132,14 @@ _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 _INDEX = r"(?:[0-9]{3}|[1-9][0-9]{3,})"
 _RAW_KEY = re.compile(rf"([A-Za-z0-9._~-]{{1,64}}):step_({_INDEX}(?:\.{_INDEX})*):([0-9a-f]{{64}})")
 _OPAQUE_RULE = (
-    f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key "
-    "containing ':' must be an agentkey key <plan_session_id>:<step>:<args_hash>"
+    f"an Idempotency-Key is 1 to {MAX_KEY_LENGTH} printable ASCII characters; a key of "
+    "three ':'-separated parts whose middle starts with 'step_' or whose last is 64 hex "
+    "digits must be an agentkey key <plan_session_id>:<step>:<args_hash>"
 )
+# What claims agentkey's key format (and so must parse as one): three ':'-separated parts,
+# the middle a step label (``step_...``) or the last a 64-hex digest in either case.
+_CLAIMS_STEP = re.compile(r"step_", re.IGNORECASE)
+_CLAIMS_HASH = re.compile(r"[0-9a-fA-F]{64}")
 _TITLES = {
     "idempotency_key_missing": "Idempotency-Key missing",
     "idempotency_key_invalid": "Idempotency-Key malformed",
@@ -683,10 +688,12 @@ class OpaqueKey:
 def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey | OpaqueKey | str:
     """The parsed key, or the 400 message.
 
-    A key containing ``:`` claims agentkey's format and must parse as one, so a
-    broken agentkey client gets a precise 400 rather than losing its hash check.
-    Any other key of 1-255 printable ASCII characters is opaque (when allowed).
-    Both header styles, raw and RFC 8941 sf-string, name the same key.
+    A key that claims agentkey's format (:func:`_claims_agentkey`: three parts, a
+    ``step_`` label or a 64-hex digest) must parse as one, so a broken agentkey client
+    gets a precise 400 rather than losing its hash check. Any other key of 1-255
+    printable ASCII characters is opaque (when allowed), ``:`` or not: justonce's
+    ``charge:v1:run:0``, DBOS's ``<workflow>:<step>``. Both header styles, raw and
+    RFC 8941 sf-string, name the same key.
     """
     if len(values) > 1:
         return "send exactly one Idempotency-Key header"
@@ -701,9 +708,11 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
         if fast is not None:  # the common raw form, every part validated by one match
             plan, steps, args_hash = fast.groups()
             return StepKey._trusted(plan, tuple(map(int, steps.split("."))), args_hash)
-        if ":" in text or not opaque:
+        if not opaque:
             return StepKey.parse(text)
         value = parse_sf_item(text) if text.startswith('"') else text
+        if _claims_agentkey(value):
+            return StepKey.parse(value)
     except InvalidKey as exc:
         return _without_key(str(exc), text) + (
             "" if opaque else "; this server accepts only agentkey keys (key_format='agentkey')"
@@ -711,6 +720,20 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
     if not value.strip(" ") or len(value) > MAX_KEY_LENGTH or not _PRINTABLE.fullmatch(value):
         return _OPAQUE_RULE
     return OpaqueKey(value)
+
+
+def _claims_agentkey(value: str) -> bool:
+    """Whether ``value`` looks like agentkey's ``<plan_session_id>:<step>:<args_hash>``.
+
+    Three ``:``-separated parts, the middle a step label (``step_...``, any case) or
+    the last 64 hex digits (any case). Such a key is agentkey's, malformed or not: read
+    as opaque, a broken client's key would lose its args_hash check (the body would be
+    bound by a digest of its own instead). Any other key is opaque, however many ``:``.
+    """
+    parts = value.split(":")
+    if len(parts) != 3:
+        return False
+    return bool(_CLAIMS_STEP.match(parts[1]) or _CLAIMS_HASH.fullmatch(parts[2].strip()))
 
 
 def _without_key(message: str, text: str) -> str:

@@ -128,9 +128,12 @@ def _ichido(tool: Tool, url: str, prefix: str) -> tuple[ASGIApp, _Closer]:
     )
 
 
-def _pyidempotent(tool: Tool, url: str, prefix: str) -> tuple[ASGIApp, _Closer]:
+def _pyidempotent(
+    tool: Tool, url: str, prefix: str, *, wait_on_processing: bool = True
+) -> tuple[ASGIApp, _Closer]:
     """pyidempotent is a decorator: the app maps its exceptions to answers, as its README
-    shows (409 for a request in progress, 422 for another payload, 400 for no key)."""
+    shows (409 for a request in progress, 422 for another payload, 400 for no key).
+    ``wait_on_processing=False`` (its option) answers a duplicate 409 at once."""
     client = aioredis.Redis.from_url(url)
     backend = PyidempotentRedis(client, prefix=f"{prefix}:")
     app = FastAPI()
@@ -141,7 +144,8 @@ def _pyidempotent(tool: Tool, url: str, prefix: str) -> tuple[ASGIApp, _Closer]:
         key = request.headers.get("idempotency-key")
         return await tool.run(name, request.url.path, key, args)
 
-    protected = pyidempotent.idempotent(backend)(tool_route)
+    decorate = pyidempotent.idempotent(backend, wait_on_processing=wait_on_processing)
+    protected = decorate(tool_route)
     for path in ("/tools/{name}", "/v2/tools/{name}"):
         app.post(path, status_code=201)(protected)
     statuses = {

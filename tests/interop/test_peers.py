@@ -51,28 +51,36 @@ def step_of(tool: str, **args: object) -> Step:
 def test_a_resent_step_runs_once_and_says_how_it_was_answered(
     peer: Peer, redis_proc: RedisServer, driver: Driver
 ) -> None:
-    """Fresh then resent: one execution; the resend is "replayed", or "unknown" when the
-    peer marks nothing (never "executed")."""
-    step = step_of("create_db")
+    """Fresh then resent: one execution; the resend is "replayed", or "answered" when the
+    peer marks nothing; "executed" only once the answer or its route shows a run."""
+    step, later = step_of("create_db"), step_of("create_db", gb=40)
     with serve_peer(peer, redis_proc) as served:
         first, again = (invoke_all(driver, served.url, [step], **options(peer))[0] for _ in "12")
-    assert served.tool.executions() == 1
+        (third,) = invoke_all(driver, served.url, [later], **options(peer))
+    # Only ichido marks a first run ("X-Ichido-Status: executed"); the others say nothing.
+    runs = Outcome.EXECUTED if peer.name == "ichido" else Outcome.ANSWERED
+    assert served.tool.executions() == 2
     if not peer.replays:
-        assert result(first).outcome is Outcome.EXECUTED
+        assert result(first).outcome is runs
         assert isinstance(again, PayloadMismatch), f"the call gave {again!r}"
         assert again.attempts == 1  # final at once: never waited out as "in flight"
         return
-    first, again = result(first), result(again)
+    first, again, third = result(first), result(again), result(third)
     assert first.body == again.body
-    if peer.replay_marker is None:
-        assert (first.outcome, again.outcome) == (Outcome.UNKNOWN, Outcome.UNKNOWN)
+    if peer.replay_marker is None:  # it never shows whether it ran: never "executed"
+        assert [r.outcome for r in (first, again, third)] == [Outcome.ANSWERED] * 3
     else:
-        assert (first.outcome, again.outcome) == (Outcome.EXECUTED, Outcome.REPLAYED)
+        # The route marked a replay (the journal keeps that): its unmarked answers ran.
+        assert [r.outcome for r in (first, again, third)] == [
+            runs,
+            Outcome.REPLAYED,
+            Outcome.EXECUTED,
+        ]
         name, value = peer.replay_marker
-        replay = served.wire.on("/tools/create_db")[-1]
+        replay = served.wire.on("/tools/create_db")[1]
         assert replay.headers.get(name, "").lower() == value
     seen = served.tool.seen_keys()
-    assert seen == [step.key.header_value(peer.style)]
+    assert seen == [step.key.header_value(peer.style), later.key.header_value(peer.style)]
 
 
 def test_concurrent_duplicates_run_once(peer: Peer, redis_proc: RedisServer) -> None:

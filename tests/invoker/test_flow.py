@@ -219,7 +219,7 @@ def test_events_frame_the_call_and_hooks_add_trace_headers() -> None:
     assert kinds == ["CallStartEvent", "AttemptEvent", "RetryEvent", "AttemptEvent", "CallEndEvent"]
     assert run.of(CallStartEvent) == [CallStartEvent(KEY, "step_004", "POST", CALL.url)]
     assert [dict(o.headers)["traceparent"][-4:] for o in run.sent] == ["1-01", "2-01"]
-    assert run.of(CallEndEvent) == [CallEndEvent(KEY, "step_004", "executed", 2, 0, 200, None)]
+    assert run.of(CallEndEvent) == [CallEndEvent(KEY, "step_004", "answered", 2, 0, 200, None)]
 
 
 @pytest.mark.parametrize("name", ["Authorization", "idempotency-key", "Cookie", "Content-Type"])

@@ -259,7 +259,7 @@ def test_user_client_auth_and_redirects_do_not_apply() -> None:
 def test_result_model() -> None:
     """ToolResult is frozen and exposes replayed from the outcome."""
     result = run_invoke("sync", Script([ok()]), make_step())
-    assert result.outcome is Outcome.EXECUTED
+    assert result.outcome is Outcome.ANSWERED  # the answer shows no sign either way
     assert result.model_dump()["replayed"] is False
     assert result.label == "step_003"
     assert "step" not in result.model_dump()  # one name for the label: .label

@@ -48,6 +48,7 @@ from ._support import (
 )
 
 REPLAYED = {"Idempotent-Replayed": "true"}
+PROTECTED = {"Idempotency-Protected": "true"}
 FOREIGN = "https://elsewhere.test"
 
 
@@ -74,7 +75,7 @@ class Row:
     id: str
     answers: list[Any]
     error: type[InvokeError] | None = None
-    outcome: Outcome = Outcome.EXECUTED
+    outcome: Outcome = Outcome.ANSWERED  # the scripted answers mark nothing
     posts: int = 1
     gets: int = 0
     result_status: int = 200
@@ -185,6 +186,43 @@ ROWS = [
     # -- contract section 3, row by row --
     Row("2xx-done", [ok(201)], result_status=201),
     Row("2xx-replayed", [ok(200, REPLAYED)], outcome=Outcome.REPLAYED, check=replay_seen),
+    # -- the verdict: "executed" only where the answer (or its route) shows it ran now --
+    Row("2xx-protected", [ok(200, PROTECTED)], outcome=Outcome.EXECUTED),
+    Row(
+        "2xx-marker-says-run",
+        [ok(201, {"X-Ichido-Status": "executed"})],
+        outcome=Outcome.EXECUTED,
+        result_status=201,
+    ),
+    Row("2xx-marker-false", [ok(200, {"Idempotent-Replayed": "false"})], outcome=Outcome.EXECUTED),
+    # The route showed it marks replays (the 503's protection header): no marker is a run.
+    Row(
+        "protected-503-then-ok",
+        [status(503, "0", **PROTECTED), ok()],
+        posts=2,
+        outcome=Outcome.EXECUTED,
+    ),
+    # The tool marks replays: a 2xx after its 409 without a marker ran now (the holder failed).
+    Row(
+        "protected-409-then-ok",
+        [status(409, "0", **PROTECTED), ok(200, PROTECTED)],
+        posts=2,
+        outcome=Outcome.EXECUTED,
+    ),
+    Row(
+        "423-then-ok-no-markers",
+        [status(423, "0"), ok()],
+        posts=2,
+        outcome=Outcome.REPLAYED,
+        options={"replay_headers": ()},
+    ),
+    # replay_headers=(): no replay can be seen, so the protection header proves nothing.
+    Row(
+        "2xx-protected-no-replay-headers",
+        [ok(200, PROTECTED)],
+        outcome=Outcome.ANSWERED,
+        options={"replay_headers": ()},
+    ),
     Row(
         "2xx-replayed-x-header",
         [ok(200, {"X-Idempotency-Replayed": "TRUE"})],
@@ -196,7 +234,17 @@ ROWS = [
         gets=2,
         check=polls_seen,
     ),
+    # An unmarked answer after "the same key is in flight": from a tool that may mark
+    # replays it may be a second run (never "replayed"); from one declared to mark none
+    # (replay_headers=()) it is the earlier attempt's outcome.
     Row("409-then-ok", [status(409, "0"), ok()], posts=2, check=in_flight_floor),
+    Row(
+        "409-then-ok-no-markers",
+        [status(409, "0"), ok()],
+        posts=2,
+        outcome=Outcome.REPLAYED,
+        options={"replay_headers": ()},
+    ),
     Row("429-then-ok", [status(429, "120"), ok()], posts=2, check=waits_capped),
     Row("503-then-ok", [status(503, "1"), ok()], posts=2, check=waits_capped),
     Row("500-then-ok", [status(500), ok()], posts=2),
@@ -488,7 +536,12 @@ ROWS = [
         check=says_not_resent,
     ),
     # -- hostile Retry-After values: capped, never OverflowError or ValueError --
-    Row("retry-after-400-digits", [status(409, "9" * 400), ok()], posts=2, check=in_flight_capped),
+    Row(
+        "retry-after-400-digits",
+        [status(409, "9" * 400), ok()],
+        posts=2,
+        check=in_flight_capped,
+    ),
     Row("retry-after-5000-digits", [status(503, "7" * 5000), ok()], posts=2, check=waits_capped),
     Row(
         "poll-retry-after-5000-digits",

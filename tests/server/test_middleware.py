@@ -108,7 +108,7 @@ def _key_for(body: bytes) -> str:
 _GOOD = canonical_json({"amount": 5})
 _REQUEST_TABLE: list[tuple[str, str | None, bytes, int, str]] = [
     ("missing key", None, _GOOD, 400, "idempotency_key_missing"),
-    ("garbage key with a colon", "hel:lo", _GOOD, 400, "idempotency_key_invalid"),
+    ("garbage agentkey-shaped key", "hel:step_lo:x", _GOOD, 400, "idempotency_key_invalid"),
     ("empty sf-string", '""', _GOOD, 400, "idempotency_key_invalid"),
     ("blank sf-string", '" "', _GOOD, 400, "idempotency_key_invalid"),
     ("uppercase hash", _key_for(_GOOD).upper(), _GOOD, 400, "idempotency_key_invalid"),
