@@ -497,12 +497,12 @@ class CountingJournal(MemoryJournal):
         super().__init__()
         self.learnt: list[tuple[str, str]] = []
 
-    def learn(self, route: str, evidence: str) -> None:
+    def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         self.learnt.append((route, evidence))
-        super().learn(route, evidence)
+        super().learn(route, evidence, ttl=ttl)
 
-    async def alearn(self, route: str, evidence: str) -> None:
-        self.learn(route, evidence)
+    async def alearn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
+        self.learn(route, evidence, ttl=ttl)
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
