@@ -21,7 +21,9 @@ run again with ``flow.kickoff(inputs={"id": state_id})`` gets its state back,
   its own state id if it was in fact a new one. A call the agent asks for again
   after reading its answer (a guardrail's retry of the task, an agent's
   ``max_retry_limit`` retry, a second task asking the same) follows
-  ``on_repeat``: by default the earlier answer, marked, nothing sent.
+  ``on_repeat``: by default the earlier answer, marked, nothing sent. What the agent
+  read is kept per plan: one tool object serves many jobs, and a job never reads
+  another's answer.
 
 Two copies of one job (the same state id) racing send their first identical
 call under one key: the tool server runs it once.
