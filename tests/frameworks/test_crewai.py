@@ -189,7 +189,7 @@ def test_a_job_resumed_after_another_job_is_marked(
 ) -> None:
     """Job B's call is answered, then its worker dies; a new worker runs job A on its tool
     object, then resumes job B: B's call keeps its key, the tool server replays B's own
-    answer and it is marked as a repeat (not passed off as new): 2 charges, not 3."""
+    answer and it is marked as a repeat (on main it came back unmarked, as if new): 2 charges."""
     url, tool_app = server
     plans = {"A": PlanSession.new(), "B": PlanSession.new()}
     job = ["B"]
