@@ -21,7 +21,9 @@ run again with ``flow.kickoff(inputs={"id": state_id})`` gets its state back,
   its own state id if it was in fact a new one. A call the agent asks for again
   after reading its answer (a guardrail's retry of the task, an agent's
   ``max_retry_limit`` retry, a second task asking the same) follows
-  ``on_repeat``: by default the earlier answer, marked, nothing sent.
+  ``on_repeat``: by default the earlier answer, marked, nothing sent. What the agent
+  read is kept per plan: one tool object serves many jobs, and a job never reads
+  another's answer.
 
 Two copies of one job (the same state id) racing send their first identical
 call under one key: the tool server runs it once.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, cast
 
@@ -182,15 +184,17 @@ def remote_tool(
             )
         except ToolError as exc:
             text = refusal(name, exc, errors_to_model)
-            memory.answered(call_id, None, None)
+            memory.answered(session.id, call_id, None, None)
             return text
         if isinstance(result, Pick):
             repeat: Repeat = result.answer
-            memory.answered(call_id, repeat.content, repeat.record.get("idempotency_key"))
+            memory.answered(
+                session.id, call_id, repeat.content, repeat.record.get("idempotency_key")
+            )
             tool._records.append(repeat.record)
             return repeat.content
         text = _text(result)
-        memory.answered(call_id, text, result.idempotency_key)
+        memory.answered(session.id, call_id, text, result.idempotency_key)
         tool._records.append(call_record(result, template))
         return text
 
@@ -211,30 +215,52 @@ def _text(result: ToolResult) -> str:
 
 
 class _Memory:
-    """The calls one tool made, in this process: their ids, and what the agent read."""
+    """The calls one tool made in this process, per plan: their ids, and what the agent read.
 
-    def __init__(self) -> None:
+    A tool object is shared by every job (plan) of the process, and a call id
+    (``crewai:{tool}:{digest}:{n}``) names no plan, so everything is kept per plan: one
+    job's answers are never another's, read or unread. The plans kept are bounded
+    (least recently used first out); a job whose plan was dropped numbers its calls from
+    0 again, and so meets its own earlier calls in the journal, answered as repeats.
+    """
+
+    #: How many plans (jobs) one tool remembers.
+    PLANS = 1024
+
+    def __init__(self, plans: int = PLANS) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[tuple[str, str, str]] = Counter()
-        self._answered: dict[str, tuple[str | None, str | None]] = {}  # id -> (text, key)
+        self._limit = plans
+        self._plans: OrderedDict[str, _PlanCalls] = OrderedDict()
+
+    def _of(self, plan: str) -> _PlanCalls:
+        """The plan's calls (the caller holds the lock), now the most recently used."""
+        calls = self._plans.get(plan)
+        if calls is None:
+            calls = self._plans[plan] = _PlanCalls()
+            while len(self._plans) > self._limit:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(plan)
+        return calls
 
     def next_id(self, plan: str, tool: str, digest: str) -> str:
         """The id of the next identical call (same tool and arguments) of ``plan``: the same
         in every process that makes its calls in the same order."""
         with self._lock:
-            number = self._counts[(plan, tool, digest)]
-            self._counts[(plan, tool, digest)] += 1
+            counts = self._of(plan).counts
+            number = counts[(tool, digest)]
+            counts[(tool, digest)] += 1
         return f"crewai:{tool}:{digest[:16]}:{number}"
 
-    def answered(self, call_id: str, text: str | None, key: Any) -> None:
+    def answered(self, plan: str, call_id: str, text: str | None, key: Any) -> None:
         with self._lock:
-            self._answered[call_id] = (text, key if isinstance(key, str) else None)
+            self._of(plan).answered[call_id] = (text, key if isinstance(key, str) else None)
 
     def site(
         self, plan: PlanSession, tool: str, values: Mapping[str, Any], call_id: str
     ) -> CallSite:
         with self._lock:
-            answered = dict(self._answered)
+            answered = dict(self._of(plan.id).answered)
         known = {c: k for c, (text, k) in answered.items() if text is not None and k is not None}
         return CallSite(
             plan=plan,
@@ -245,3 +271,13 @@ class _Memory:
             seen=Seen({c: text for c, (text, _) in answered.items()}),
             known=known,
         )
+
+
+class _PlanCalls:
+    """One plan's calls of one tool: how many of each, and what the agent read of each."""
+
+    __slots__ = ("answered", "counts")
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.answered: dict[str, tuple[str | None, str | None]] = {}  # id -> (text, key)

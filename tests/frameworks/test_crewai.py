@@ -7,6 +7,7 @@ behind agentkey's middleware on loopback, which counts its executions.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -151,3 +152,112 @@ def test_two_copies_of_one_job_charge_once(
         assert len({r["idempotency_key"] for r in kept}) == 1, kept
         assert sorted(bool(r["replayed"]) for r in kept) == [False, True], kept
     assert runs == [1] * TRIALS
+
+
+def test_two_jobs_on_one_tool_object_keep_their_own_answers(
+    server: tuple[str, PlainTool],
+) -> None:
+    """Two jobs (plans) interleaving on one tool object, same arguments: each job's first call
+    runs (2 charges), and each job's repeat reads its own job's answer, marked; never the other
+    job's."""
+    url, tool_app = server
+    plans = {"A": PlanSession.new(), "B": PlanSession.new()}
+    job = ["A"]
+    with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
+        tool = remote_tool(
+            name="charge",
+            description="Charge.",
+            args_schema=Charge,
+            invoker=invoker,
+            plan=lambda: plans[job[0]],
+        )
+        answers: dict[str, list[str]] = {"A": [], "B": []}
+        for name in ("A", "B", "B", "A"):
+            job[0] = name
+            answers[name].append(str(tool.run(amount=5)))
+    assert tool_app.executions["charge"] == 2
+    for name in ("A", "B"):
+        first, again = answers[name]
+        assert not first.startswith("[repeat of "), first
+        assert again.startswith("[repeat of "), again
+        assert again.endswith(first), (first, again)
+    assert json.loads(answers["A"][0]) != json.loads(answers["B"][0])
+
+
+def test_a_job_resumed_after_another_job_is_marked(
+    server: tuple[str, PlainTool], journal: SQLiteJournal
+) -> None:
+    """Job B's call is answered, then its worker dies; a new worker runs job A on its tool
+    object, then resumes job B: B's call keeps its key, the tool server replays B's own
+    answer and it is marked as a repeat (on main it came back unmarked, as if new): 2 charges."""
+    url, tool_app = server
+    plans = {"A": PlanSession.new(), "B": PlanSession.new()}
+    job = ["B"]
+
+    def worker() -> Any:
+        return remote_tool(
+            name="charge",
+            description="Charge.",
+            args_schema=Charge,
+            invoker=invoker,
+            plan=lambda: plans[job[0]],
+        )
+
+    with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST, journal=journal) as invoker:
+        crashed = str(worker().run(amount=5))
+        tool = worker()  # the new worker's tool object
+        job[0] = "A"
+        other = str(tool.run(amount=5))
+        job[0] = "B"
+        resumed = str(tool.run(amount=5))
+    assert tool_app.executions["charge"] == 2
+    assert not other.startswith("[repeat of ")
+    assert json.loads(other) != json.loads(crashed)
+    assert resumed.startswith("[repeat of "), resumed
+    assert resumed.endswith(crashed), (crashed, resumed)
+    *_, record = cast(Any, tool).records
+    assert record["repeat_of"] is not None
+    assert record["replayed"] is True
+
+
+def test_two_jobs_in_threads_on_one_tool_object(server: tuple[str, PlainTool]) -> None:
+    """Two jobs in two threads at once on one tool object, each calling the charge twice (both
+    first calls answered before either repeat): 2 charges, and each repeat is its own job's
+    answer, marked."""
+    url, tool_app = server
+    mine = threading.local()
+    meeting = threading.Barrier(2)
+    with ToolInvoker(url, route_template="/tools/{tool}", retry=FAST) as invoker:
+        tool = remote_tool(
+            name="charge",
+            description="Charge.",
+            args_schema=Charge,
+            invoker=invoker,
+            plan=lambda: cast(PlanSession, mine.plan),
+        )
+
+        def job() -> tuple[str, str]:
+            mine.plan = PlanSession.new()
+            first = str(tool.run(amount=5))
+            meeting.wait(timeout=60)
+            return first, str(tool.run(amount=5))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            done = [f.result() for f in [pool.submit(job) for _ in range(2)]]
+    assert tool_app.executions["charge"] == 2
+    assert {json.loads(first)["run"] for first, _ in done} == {1, 2}
+    for first, again in done:
+        assert again.startswith("[repeat of "), again
+        assert again.endswith(first), (first, again)
+
+
+def test_the_memory_keeps_a_bounded_number_of_plans() -> None:
+    """The tool's memory keeps the most recently used plans only: the oldest plan's calls are
+    dropped (its numbering starts again), the others' are kept."""
+    from agentkey.integrations.crewai import _Memory
+
+    memory = _Memory(plans=2)
+    for plan in ("A", "B", "A", "C"):
+        memory.next_id(plan, "charge", "d" * 64)
+    assert memory.next_id("A", "charge", "d" * 64).endswith(":2")
+    assert memory.next_id("B", "charge", "d" * 64).endswith(":0")
