@@ -16,10 +16,19 @@ another port or a subdomain); a path is matched whole, and ``/*`` only at its en
 matches the paths below it. The most specific entry wins (a path, then the longest
 pattern, then the origin); a route no entry names is learnt from the tool's answers
 as with ``None``. Nothing here does I/O.
+
+A call's path is matched as it is sent: its dot segments removed (RFC 3986 5.2.4, as
+httpx does), so ``/v1/charges/../refunds`` is ``/v1/refunds``. A path a server may read
+otherwise (a percent-encoded dot segment ``%2e%2e``, which httpx sends as is and many
+servers decode, or an encoded ``/``) is matched in each reading; when the readings are
+declared differently the route is left undeclared (learnt from the answers), so such
+a path never gains a declaration that another reading of it does not have. An entry
+with a dot segment in its path is refused.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -68,13 +77,52 @@ class Declarations:
         origin = origin_of(url)
         if origin is None:
             return None
-        path = urlsplit(url).path or "/"
+        said = {self._of(origin, path) for path in _readings(urlsplit(url).path)}
+        return said.pop() if len(said) == 1 else None  # readings that disagree: undeclared
+
+    def _of(self, origin: Origin, path: str) -> bool | None:
         best: tuple[int, bool] | None = None
         for entry in self._entries:
             rank = entry.rank(origin, path)
             if rank is not None and (best is None or rank > best[0]):
                 best = (rank, entry.honours)
         return None if best is None else best[1]
+
+
+_ENCODED_DOT = re.compile("%2e", re.IGNORECASE)
+_ENCODED_SLASH = re.compile("%2f", re.IGNORECASE)
+
+
+def _without_dots(path: str, *, rfc: bool = False) -> str:
+    """``path`` with its ``.`` and ``..`` segments removed (RFC 3986 5.2.4).
+
+    As httpx does (``/a/b/..`` is ``/a``), or with ``rfc=True`` as the RFC's algorithm
+    does (``/a/b/..`` is ``/a/``)."""
+    segments = path.split("/")
+    if "." not in segments and ".." not in segments:
+        return path or "/"
+    kept: list[str] = []
+    for segment in segments:
+        if segment == "..":
+            if kept and kept != [""]:
+                kept.pop()
+        elif segment != ".":
+            kept.append(segment)
+    if rfc and segments[-1] in (".", "..") and kept and kept[-1] != "":
+        kept.append("")
+    joined = "/".join(kept)
+    return joined if joined.startswith("/") else "/" + joined
+
+
+def _readings(path: str) -> set[str]:
+    """Each path a server may take ``path`` (as written in a URL) for: as httpx sends it,
+    as the RFC reads it, and with percent-encoded dot segments and slashes decoded."""
+    decoded = "/".join(
+        _ENCODED_DOT.sub(".", segment) if _ENCODED_DOT.sub("", segment) in ("", ".") else segment
+        for segment in path.split("/")
+    )
+    slashes = _ENCODED_SLASH.sub("/", decoded)
+    return {_without_dots(p, rfc=rfc) for p in (path, decoded, slashes) for rfc in (False, True)}
 
 
 def _entry(pattern: object, honours: object) -> _Entry:
@@ -95,6 +143,12 @@ def _entry(pattern: object, honours: object) -> _Entry:
             f"honours_keys entry {pattern!r} carries user:password@; name the origin alone"
         )
     path = parts.path
+    if _readings(path) != {path or "/"}:
+        raise ConfigurationError(
+            f"honours_keys entry {pattern!r} has a dot segment ('.', '..', '%2e') or an "
+            "encoded '/' in its path: name the route as it is sent, e.g. "
+            "'https://api.example/v1/refunds'"
+        )
     if path in ("", "/", "/*"):
         return _Entry(origin, None, False, honours)
     prefix = path.endswith("/*")

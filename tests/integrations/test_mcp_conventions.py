@@ -29,6 +29,7 @@ from agentkey.integrations.mcp import (
     IdempotentToolsMiddleware,
     connect,
 )
+from agentkey.integrations.mcp._wire import with_key
 from agentkey.server import MemoryStore
 from tests.integrations._mcp_app import running
 
@@ -276,3 +277,49 @@ async def test_an_argument_key_without_a_caller_scope_is_refused_unless_left_out
             await _argument(s, "transfer", {"amount": 2}, "k-1")
             await _argument(s, "transfer", {"amount": 2}, "k-1")
         assert old.runs["transfer"] == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "tool", "plain", "own"),
+    [
+        ("argument", "transfer", {"amount": 5}, {"idempotency_key": "order-42"}),
+        ("ucp", "checkout", {"cart": "c-9"}, {"meta": {"idempotency-key": "order-43"}}),
+    ],
+)
+async def test_the_client_never_overwrites_the_callers_own_key_field(
+    name: str, tool: str, plain: dict[str, Any], own: dict[str, Any]
+) -> None:
+    """A server that reads the key only where the call already holds the caller's own value:
+    the client refuses with ConfigurationError and sends nothing (1 execution: the first,
+    plain call); before, the caller's value was replaced by agentkey's key and the tool ran
+    a second time."""
+    with running(MemoryStore(), require_key=True, key_conventions=[name]) as lab:
+        async with connect(lab.url + "/mcp") as s:
+            tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
+            await tools.call_tool(tool, plain)  # learns where this server reads the key
+            with pytest.raises(ConfigurationError, match="will not overwrite") as caught:
+                await tools.call_tool(tool, {**plain, **own})
+        assert lab.runs[tool] == 1
+    assert "order-4" not in str(caught.value)
+    assert repr(name) in str(caught.value)
+
+
+def test_with_key_refuses_another_value_in_each_field_it_writes() -> None:
+    """Pure rule: each convention's field holding another value is refused (the tool named);
+    the same value, or an empty field, is filled as before."""
+    cases: list[tuple[Any, dict[str, Any], dict[str, Any]]] = [
+        ("agentkey", {}, {KEY_FIELD: "other"}),
+        ("sep-3182-meta", {}, {"idempotencyKey": "other"}),
+        ("ucp", {"meta": {"idempotency-key": "other"}}, {}),
+        ("ucp", {"meta": "not an object"}, {}),
+        ("argument", {"idempotency_key": "other"}, {}),
+    ]
+    for convention, arguments, meta in cases:
+        with pytest.raises(ConfigurationError, match="'pay'"):
+            with_key(convention, "K", arguments, meta, tool="pay")
+    args, _, _ = with_key("argument", "K", {"idempotency_key": "K", "a": 1}, {})
+    assert args == {"idempotency_key": "K", "a": 1}
+    args, _, _ = with_key("ucp", "K", {"meta": {"x": 1}}, {})
+    assert args == {"meta": {"x": 1, "idempotency-key": "K"}}
+    args, meta, _ = with_key("agentkey", "K", {"idempotency_key": "theirs"}, {})
+    assert (args, meta) == ({"idempotency_key": "theirs"}, {KEY_FIELD: "K"})

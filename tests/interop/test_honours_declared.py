@@ -102,6 +102,21 @@ def test_a_route_declared_false_is_never_resent_under_a_true_origin(served: Serv
     assert served.tool.executions() == 1
 
 
+def test_a_dot_segment_route_is_declared_as_the_path_it_is_sent_to(served: Served) -> None:
+    """A route template with ``x/..`` is sent (by httpx) to the charge route declared False:
+    that False applies, not the origin's True (before: the unnormalised path matched only
+    the origin, the lost answer was resent as honoured); one execution on the server."""
+    origin = served.url.rstrip("/")
+    called = lost_answer(
+        served,
+        honours_keys={origin: True, f"{origin}{PATH}": False},
+        route_template="/tools/x/../{tool}",
+    )
+    assert isinstance(called, OutcomeUnknown), called
+    assert "honours_keys=False" in str(called)
+    assert served.tool.executions() == 1
+
+
 def check(served: Served, *extra: str) -> int:
     """`agentkey check` against the served peer's charge route (in this process)."""
     argv = [

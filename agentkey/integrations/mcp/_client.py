@@ -531,6 +531,15 @@ class IdempotentSession:
         if journal not in (True, False):
             raise ConfigurationError(f"journal must be True or False for one call: {journal!r}")
         key = planned.key
+        # The caller's own value in the field the key would go in: refused before anything
+        # is journaled or sent (the same check guards a convention learnt while sending).
+        with_key(
+            self._convention(planned.tool),
+            planned.idempotency_key,
+            planned.args,
+            dict(meta or {}),
+            tool=planned.tool,
+        )
         where = await self._where()
         call = Call(
             f"{where}/tools/{planned.tool}",
@@ -634,7 +643,9 @@ class _Carrier:
         """One ``tools/call`` of the step, its key in ``convention``."""
         planned = self.planned
         self.sent_as = convention
-        args, meta, params = with_key(convention, key, planned.args, {**extra, **self.meta})
+        args, meta, params = with_key(
+            convention, key, planned.args, {**extra, **self.meta}, tool=planned.tool
+        )
         wire_meta = cast(RequestParamsMeta, meta)
         if not params:
             return await session.call_tool(

@@ -216,9 +216,18 @@ def with_key(
     key: str,
     arguments: Mapping[str, Any],
     meta: Mapping[str, Any],
+    *,
+    tool: str = "",
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``(arguments, _meta, other params)`` of a call that carries ``key`` in ``convention``."""
+    """``(arguments, _meta, other params)`` of a call that carries ``key`` in ``convention``.
+
+    Raises :class:`~agentkey.ConfigurationError`, and nothing is sent, when the field the
+    convention writes already holds another value the caller put there (a tool's own
+    ``idempotency_key`` argument, a UCP ``meta["idempotency-key"]``, a ``_meta`` key):
+    the caller's value is never silently replaced by agentkey's key.
+    """
     args, extra_meta, params = dict(arguments), dict(meta), {}
+    _refuse_overwrite(convention, key, args, extra_meta, tool)
     if convention == "agentkey":
         extra_meta[KEY_FIELD] = key
     elif convention == "sep-3182":
@@ -231,3 +240,36 @@ def with_key(
     else:
         args[_ARGUMENT_FIELD] = key
     return args, extra_meta, params
+
+
+def _refuse_overwrite(
+    convention: KeyConvention,
+    key: str,
+    args: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    tool: str,
+) -> None:
+    """Raise when ``convention``'s field already holds a value other than ``key``."""
+    held: object = None
+    if convention == "agentkey":
+        held = meta.get(KEY_FIELD)
+    elif convention == "sep-3182-meta":
+        held = meta.get(_SEP_FIELD)
+    elif convention == "ucp":
+        inner = args.get("meta")
+        held = inner.get(_UCP_FIELD) if isinstance(inner, Mapping) else None
+        if inner is not None and not isinstance(inner, Mapping):
+            held = inner  # a "meta" argument that is not an object cannot take the key
+    elif convention == "argument":
+        held = args.get(_ARGUMENT_FIELD)
+    if held is None or held == key:
+        return
+    named = f"tool {tool!r}" if tool else "the tool"
+    raise ConfigurationError(
+        f"not sent: the server reads the idempotency key of {named} from "
+        f"{FIELD_NAMES[convention]} (key convention {convention!r}), and the call already "
+        "carries a value of its own there; agentkey will not overwrite it. Leave that "
+        "field out of the call (agentkey puts its key there), or have the server read "
+        "another convention (IdempotentToolsMiddleware(key_conventions=[...]) without "
+        f"{convention!r}) if the value is the tool's own business argument"
+    )
