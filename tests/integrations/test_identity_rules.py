@@ -15,6 +15,8 @@ from agentkey.integrations._identity import (
     Seen,
     adopted,
     decide,
+    in_thread,
+    lost_turns,
     unfinished_elsewhere,
 )
 from agentkey.journal import CallRecord
@@ -84,3 +86,20 @@ def test_a_key_the_history_knows_counts_beside_a_copys_record_of_it() -> None:
         position=(0, 3), known={"c1": key},
     )  # fmt: skip
     assert decide(site, copy, "replay", DIGEST).key == key
+
+
+def test_a_thread_never_adopts_the_unsettled_call_of_a_thread_named_after_it() -> None:
+    """Thread "acme" never takes (nor warns of) the unsettled call of thread "acme#bob"
+    (context "acme#bob#m1"), nor "acme#bob" that of thread "acme" with message "bob#m1":
+    an ambiguous context is missed; an unambiguous one of the same thread is still found."""
+    bob = PlanSession.from_external_id("acme#bob")
+    ambiguous = _record(bob, 7, "call-bob", "acme#bob#m1")
+    for thread in ("acme", "acme#bob"):
+        mine = PlanSession.from_external_id(f"{thread} now")
+        site = CallSite(mine, "charge", ARGS, "c9", context=f"{thread}#m9", fresh_thread=thread)
+        assert unfinished_elsewhere(site, DIGEST, [ambiguous], in_thread(thread)) is None
+        assert lost_turns(site, DIGEST, [ambiguous]) == []
+    own = _record(PlanSession.from_external_id("acme"), 1, "c1", "acme#m1")
+    site = CallSite(bob, "charge", ARGS, "c9", context="acme#m9", fresh_thread="acme")
+    assert unfinished_elsewhere(site, DIGEST, [ambiguous, own], in_thread("acme")) == own
+    assert lost_turns(site, DIGEST, [ambiguous, own]) == ["step_1"]
