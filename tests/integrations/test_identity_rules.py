@@ -7,8 +7,14 @@ server in ``tests/recovery/`` and ``tests/integrations/test_identity_recipes_rac
 
 from __future__ import annotations
 
-from agentkey import PlanSession
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+
+from agentkey import AsyncToolInvoker, PlanSession
 from agentkey._canonical import args_hash
+from agentkey.integrations._adapter import unsettled
 from agentkey.integrations._identity import (
     CallSite,
     Earlier,
@@ -19,7 +25,7 @@ from agentkey.integrations._identity import (
     lost_turns,
     unfinished_elsewhere,
 )
-from agentkey.journal import CallRecord
+from agentkey.journal import CallRecord, RedisJournal
 from agentkey.journal._records import CallState
 
 ARGS = {"amount": 5}
@@ -103,3 +109,19 @@ def test_a_thread_never_adopts_the_unsettled_call_of_a_thread_named_after_it() -
     site = CallSite(bob, "charge", ARGS, "c9", context="acme#m9", fresh_thread="acme")
     assert unfinished_elsewhere(site, DIGEST, [ambiguous, own], in_thread("acme")) == own
     assert lost_turns(site, DIGEST, [ambiguous, own]) == ["step_1"]
+
+
+def test_an_async_only_journal_says_once_that_the_lost_call_recovery_is_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """unsettled() on a journal it cannot read synchronously (RedisJournal on redis.asyncio)
+    finds nothing, and says so once per journal (which recovery is off, what to pass)."""
+    journal = RedisJournal(aioredis.Redis(host="127.0.0.1", port=1))  # never contacted
+    invoker = AsyncToolInvoker("http://127.0.0.1:9", journal=journal)
+    with caplog.at_level(logging.WARNING, logger="agentkey"):
+        assert unsettled(invoker) == []
+        assert unsettled(invoker) == []
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "RedisJournal" in said
+    assert "cannot be read synchronously" in said
+    assert "redis.Redis" in said
