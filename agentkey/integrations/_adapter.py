@@ -7,6 +7,8 @@ Agents SDK, MCP or OpenTelemetry, so each adapter pays only for its own extra.
 from __future__ import annotations
 
 import hashlib
+import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -142,16 +144,41 @@ def call_record(result: ToolResult, step: Step, *, body: bool = False) -> dict[s
     return {"tool": step.tool, **record}
 
 
+_logger = logging.getLogger("agentkey")
+_unreadable: weakref.WeakSet[Any] = weakref.WeakSet()  # journals already warned about
+
+
 def unsettled(invoker: ToolInvoker | AsyncToolInvoker) -> list[CallRecord]:
     """The calls the invoker's journal shows never settled: in doubt, or pending with their
     sender gone (a process that died while it made them). Empty without a journal, or with
     one that cannot be read synchronously."""
     journal = invoker.journal
-    if journal is None or not journal.supports_sync:
+    if journal is None:
+        return []
+    if not journal.supports_sync:
+        _warn_unreadable(journal)
         return []
     found = journal.calls(states=[CallState.IN_DOUBT, CallState.PENDING], limit=200)
     now = invoker._wall()
     return [r for r in found if not is_live(r, now)]
+
+
+def _warn_unreadable(journal: Any) -> None:
+    """Say once per journal that the recoveries reading its unsettled calls are off."""
+    try:
+        if journal in _unreadable:
+            return
+        _unreadable.add(journal)
+    except TypeError:  # a journal without weak references: said each time
+        pass
+    _logger.warning(
+        "agentkey: the invoker's journal (%s) cannot be read synchronously (an asyncio "
+        "client), so the recovery of a call another run left unsettled (a request re-sent "
+        "after a crash under a new message id, run id or trace id) is off: such a call runs "
+        "again. To keep it, pass a journal that also reads synchronously (RedisJournal on a "
+        "redis.Redis client, PostgresJournal, SQLiteJournal)",
+        type(journal).__name__,
+    )
 
 
 def server_reason(exc: ToolError) -> str | None:

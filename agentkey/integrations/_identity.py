@@ -69,7 +69,9 @@ __all__ = [
     "adopted",
     "decide",
     "earlier_of",
+    "in_thread",
     "lost_turns",
+    "scope_parts",
     "step_of",
     "unfinished_elsewhere",
 ]
@@ -218,8 +220,31 @@ def lost_turns(site: CallSite, args_hash: str, unsettled: Sequence[CallRecord]) 
         if r.tool == site.tool
         and r.args_hash == args_hash
         and r.plan != site.plan.id
-        and (r.context or "").startswith(f"{thread}#")
+        and _in_thread(r.context, thread)
     ]
+
+
+def scope_parts(context: str | None, separator: str) -> tuple[str, str] | None:
+    """The two sides of a journal ``context`` made as ``f"{a}{separator}{b}"`` (a thread and
+    a message id, a run and its conversation), or None when ``separator`` does not occur in
+    it exactly once: an id holding the separator makes the context ambiguous (thread ``acme``
+    with message ``bob#m1`` reads as thread ``acme#bob`` with ``m1``), and an ambiguous
+    context is never matched to a scope: its recovery is missed, never taken across scopes."""
+    if context is None:
+        return None
+    parts = context.split(separator)
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def _in_thread(context: str | None, thread: str) -> bool:
+    """Whether ``context`` (``f"{thread}#{message id}"``) surely names a turn of ``thread``."""
+    parts = scope_parts(context, "#")
+    return parts is not None and parts[0] == thread
+
+
+def in_thread(thread: str) -> Callable[[str | None], bool]:
+    """The ``same_scope`` test of :func:`unfinished_elsewhere` for a LangGraph thread."""
+    return lambda context: _in_thread(context, thread)
 
 
 def unfinished_elsewhere(

@@ -66,7 +66,7 @@ from ._adapter import (
     server_reason,
     unsettled,
 )
-from ._identity import CallSite, adopted, unfinished_elsewhere
+from ._identity import CallSite, adopted, in_thread, unfinished_elsewhere
 from ._settle import NOT_SENT, Chooser, Repeat
 
 try:
@@ -529,9 +529,7 @@ class _Call:
         thread = site.fresh_thread
         if thread is None:
             return site
-        lost = unfinished_elsewhere(
-            site, digest, unsettled(self._invoker), lambda c: (c or "").startswith(f"{thread}#")
-        )
+        lost = unfinished_elsewhere(site, digest, unsettled(self._invoker), in_thread(thread))
         if lost is None:
             return site
         _logger.info(

@@ -69,7 +69,7 @@ from ._adapter import (
     repeat_note,
     unsettled,
 )
-from ._identity import CallSite, Seen, adopted, unfinished_elsewhere
+from ._identity import CallSite, Seen, adopted, scope_parts, unfinished_elsewhere
 from ._settle import Chooser, Repeat
 
 try:
@@ -171,7 +171,7 @@ def remote_tool(
             site,
             digest,
             unsettled(invoker),
-            lambda context: (context or "").endswith(f"{_IN}{group}") and _turn(context) != mine,
+            lambda context: _in_group(context, group, mine),
         )
 
     def chooser(ctx: ToolContext[Any], values: Mapping[str, Any], call: _Call) -> Chooser:
@@ -353,12 +353,23 @@ def _context(ctx: ToolContext[Any]) -> str | None:
         return None
     group = _group_id(ctx)
     turn = f"openai-agents trace {trace_id}"
+    if _IN in turn:  # ambiguous with a group or without: never matched (scope_parts)
+        return f"{turn}{_IN}{group or ''}"
     return turn if group is None else f"{turn}{_IN}{group}"
 
 
 def _turn(context: str | None) -> str:
-    """The run (trace) a context names."""
-    return (context or "").partition(_IN)[0]
+    """The run (trace) a context names; an ambiguous context (a trace or group id holding the
+    separator) is its own turn, never another trace's."""
+    parts = scope_parts(context, _IN)
+    return (context or "") if parts is None else parts[0]
+
+
+def _in_group(context: str | None, group: str, mine: str) -> bool:
+    """Whether ``context`` surely names another trace of ``group`` than ``mine``: an ambiguous
+    context is never matched (a missed recovery, never another conversation's)."""
+    parts = scope_parts(context, _IN)
+    return parts is not None and parts[1] == group and parts[0] != mine
 
 
 def _site(

@@ -67,7 +67,7 @@ from ._adapter import (
     repeat_note,
     unsettled,
 )
-from ._identity import CallSite, Seen, adopted, unfinished_elsewhere
+from ._identity import CallSite, Seen, adopted, scope_parts, unfinished_elsewhere
 from ._settle import Chooser, Repeat
 
 try:
@@ -234,10 +234,7 @@ def remote_tool(
                 site,
                 digest,
                 unsettled(invoker),
-                lambda context: (
-                    (context or "").endswith(f"{_IN}{conversation}")
-                    and _turn(context or "") != mine
-                ),
+                lambda context: _in_conversation(context, conversation, mine),
             )
             if lost is not None:
                 site = adopted(site, lost)
@@ -315,12 +312,23 @@ def _context(conversation_id: str | None, run_id: str) -> str:
     """The journal's ``context`` of a call: the run (the turn) it was asked for in, and the
     conversation the run belongs to."""
     turn = f"pydantic-ai run {run_id}"
+    if _IN in turn:  # ambiguous with a conversation or without: never matched (scope_parts)
+        return f"{turn}{_IN}{conversation_id or ''}"
     return turn if conversation_id is None else f"{turn}{_IN}{conversation_id}"
 
 
 def _turn(context: str) -> str:
-    """The run a context names (the turn ``Seen.contexts`` holds)."""
-    return context.partition(_IN)[0]
+    """The run a context names (the turn ``Seen.contexts`` holds); an ambiguous context (a run
+    or conversation id holding the separator) is its own turn, never another run's."""
+    parts = scope_parts(context, _IN)
+    return context if parts is None else parts[0]
+
+
+def _in_conversation(context: str | None, conversation: str, mine: str) -> bool:
+    """Whether ``context`` surely names another run of ``conversation`` than ``mine``: an
+    ambiguous context is never matched (a missed recovery, never another conversation's)."""
+    parts = scope_parts(context, _IN)
+    return parts is not None and parts[1] == conversation and parts[0] != mine
 
 
 def _synthesized(part: ToolReturnPart) -> bool:
@@ -389,6 +397,7 @@ def _site(
     """The call as ``ctx.messages`` shows it (see ``_identity``)."""
     messages = ctx.messages
     call_id = ctx.tool_call_id
+    conversation = getattr(ctx, "conversation_id", None)
     siblings: tuple[str, ...] = ()
     position: tuple[int, int] | None = None
     found = _holder(messages, call_id) if call_id is not None else None
@@ -401,7 +410,7 @@ def _site(
     asked: dict[str, tuple[int, int]] = {}
     for place, message in enumerate(messages):
         if message.run_id:
-            contexts.add(_context(None, message.run_id))
+            contexts.add(_turn(_context(conversation, message.run_id)))
         if isinstance(message, ModelResponse):
             for part in message.parts:
                 if isinstance(part, ToolCallPart):
@@ -416,7 +425,6 @@ def _site(
                     known[part.tool_call_id] = key.format()
             elif isinstance(part, RetryPromptPart) and part.tool_call_id:
                 answered[part.tool_call_id] = None  # the model read an error: a new call
-    conversation = getattr(ctx, "conversation_id", None)
     context = _context(conversation, ctx.run_id) if ctx.run_id else None
     if context is not None:
         contexts.add(_turn(context))

@@ -7,17 +7,25 @@ server in ``tests/recovery/`` and ``tests/integrations/test_identity_recipes_rac
 
 from __future__ import annotations
 
-from agentkey import PlanSession
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+
+from agentkey import AsyncToolInvoker, PlanSession
 from agentkey._canonical import args_hash
+from agentkey.integrations._adapter import unsettled
 from agentkey.integrations._identity import (
     CallSite,
     Earlier,
     Seen,
     adopted,
     decide,
+    in_thread,
+    lost_turns,
     unfinished_elsewhere,
 )
-from agentkey.journal import CallRecord
+from agentkey.journal import CallRecord, RedisJournal
 from agentkey.journal._records import CallState
 
 ARGS = {"amount": 5}
@@ -84,3 +92,36 @@ def test_a_key_the_history_knows_counts_beside_a_copys_record_of_it() -> None:
         position=(0, 3), known={"c1": key},
     )  # fmt: skip
     assert decide(site, copy, "replay", DIGEST).key == key
+
+
+def test_a_thread_never_adopts_the_unsettled_call_of_a_thread_named_after_it() -> None:
+    """Thread "acme" never takes (nor warns of) the unsettled call of thread "acme#bob"
+    (context "acme#bob#m1"), nor "acme#bob" that of thread "acme" with message "bob#m1":
+    an ambiguous context is missed; an unambiguous one of the same thread is still found."""
+    bob = PlanSession.from_external_id("acme#bob")
+    ambiguous = _record(bob, 7, "call-bob", "acme#bob#m1")
+    for thread in ("acme", "acme#bob"):
+        mine = PlanSession.from_external_id(f"{thread} now")
+        site = CallSite(mine, "charge", ARGS, "c9", context=f"{thread}#m9", fresh_thread=thread)
+        assert unfinished_elsewhere(site, DIGEST, [ambiguous], in_thread(thread)) is None
+        assert lost_turns(site, DIGEST, [ambiguous]) == []
+    own = _record(PlanSession.from_external_id("acme"), 1, "c1", "acme#m1")
+    site = CallSite(bob, "charge", ARGS, "c9", context="acme#m9", fresh_thread="acme")
+    assert unfinished_elsewhere(site, DIGEST, [ambiguous, own], in_thread("acme")) == own
+    assert lost_turns(site, DIGEST, [ambiguous, own]) == ["step_1"]
+
+
+def test_an_async_only_journal_says_once_that_the_lost_call_recovery_is_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """unsettled() on a journal it cannot read synchronously (RedisJournal on redis.asyncio)
+    finds nothing, and says so once per journal (which recovery is off, what to pass)."""
+    journal = RedisJournal(aioredis.Redis(host="127.0.0.1", port=1))  # never contacted
+    invoker = AsyncToolInvoker("http://127.0.0.1:9", journal=journal)
+    with caplog.at_level(logging.WARNING, logger="agentkey"):
+        assert unsettled(invoker) == []
+        assert unsettled(invoker) == []
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "RedisJournal" in said
+    assert "cannot be read synchronously" in said
+    assert "redis.Redis" in said

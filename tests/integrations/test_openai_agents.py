@@ -315,3 +315,14 @@ async def test_a_refused_call_asked_again_is_a_new_call(
     assert not answer.output.startswith("[repeat of")
     assert "refused" not in answer.output
     assert sum(tools.executions.values()) == 1
+
+
+def test_a_trace_or_group_id_holding_the_separator_is_never_read_as_another_scope() -> None:
+    """Group "x in group g" never reads as group "g", nor trace "t in group g" as a trace of
+    group "g": ambiguous contexts are their own turn and match no group."""
+    from agentkey.integrations.openai_agents import _in_group, _turn
+
+    assert not _in_group("openai-agents trace t in group x in group g", "g", "mine")
+    assert not _in_group("openai-agents trace t in group g in group ", "g", "mine")
+    assert _turn("openai-agents trace t in group g in group ") != "openai-agents trace t"
+    assert _in_group("openai-agents trace t in group g", "g", "mine")

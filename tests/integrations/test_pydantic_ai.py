@@ -355,3 +355,18 @@ def test_a_history_that_lost_its_run_ids_is_refused_loudly() -> None:
             if isinstance(p, ToolReturnPart)
         ]
         assert record["repeat_of"] is not None
+
+
+def test_a_run_or_conversation_id_holding_the_separator_is_never_read_as_another_scope() -> None:
+    """Run "r in conversation b" (no conversation) never reads as run "r" of conversation
+    "b", nor conversation "a in conversation b" as conversation "b": ambiguous contexts are
+    their own turn and match no conversation; plain ones still match theirs."""
+    from agentkey.integrations.pydantic_ai import _context, _in_conversation, _turn
+
+    other = _context(None, "other")
+    odd_run = _context(None, "r in conversation b")
+    assert _turn(odd_run) != _turn(_context("b", "r"))
+    assert not _in_conversation(odd_run, "b", other)
+    assert not _in_conversation(_context("a in conversation b", "r"), "b", other)
+    assert _in_conversation(_context("b", "r"), "b", other)
+    assert not _in_conversation(_context("b", "r"), "b", _context(None, "r"))

@@ -169,3 +169,15 @@ def test_a_new_conversation_after_a_settled_one_runs_without_warning(setup: Setu
     _final(out)
     assert "re-send the user's message" not in out.stderr
     assert setup.tool.executions["charge"] == 2
+
+
+def test_a_thread_never_takes_the_lost_call_of_a_thread_named_after_it(setup: Setup) -> None:
+    """Threads "acme" and "acme#bob": the call "acme#bob" left unsettled (killed) is never
+    taken by "acme"'s new conversation: "acme" charges on its own, unmarked (the context
+    "acme#bob#<message>" is ambiguous, so its recovery is missed, never adopted)."""
+    setup.killed("acme#bob", "--durability", "exit")
+    final = _final(setup.again("acme", "--durability", "exit"))
+    (answer,) = [m for m in final if m["type"] == "tool"]
+    assert answer["artifact"]["repeat_of"] is None
+    assert not answer["content"].startswith("[repeat of ")
+    assert setup.tool.executions["charge"] == 2

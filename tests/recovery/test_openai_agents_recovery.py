@@ -91,3 +91,30 @@ def test_a_new_message_in_the_session_after_a_finished_run_charges_again(
     outputs, _ = run.again("--trace-id", OTHER, *session)
     assert run.tool.executions["charge"] == 2
     assert all(o["record"]["repeat_of"] is None for o in outputs)
+
+
+def test_a_session_never_takes_the_lost_call_of_a_group_named_after_it(
+    run: Recovery, tmp_path: Path
+) -> None:
+    """Group "x in group g" killed after the charge; a message in group "g" (another
+    session) never takes its unsettled call (context ambiguous: missed, never adopted):
+    two charges, "g"'s unmarked."""
+    run.killed("--trace-id", TRACE, "--session", str(tmp_path / "a.sqlite3"), "--group",
+               "--session-id", "x in group g")  # fmt: skip
+    outputs, _ = run.again("--trace-id", OTHER, "--session", str(tmp_path / "b.sqlite3"),
+                           "--group", "--session-id", "g")  # fmt: skip
+    assert run.tool.executions["charge"] == 2
+    assert all(o["record"]["repeat_of"] is None for o in outputs)
+
+
+def test_a_session_never_takes_the_lost_call_of_a_trace_named_after_it(
+    run: Recovery, tmp_path: Path
+) -> None:
+    """Trace "<id> in group g" (no group) killed after the charge; a message in group "g"
+    never takes its unsettled call (its context reads as a trace of "g" before): two
+    charges, "g"'s unmarked."""
+    run.killed("--trace-id", f"{TRACE} in group g")
+    outputs, _ = run.again("--trace-id", OTHER, "--session", str(tmp_path / "b.sqlite3"),
+                           "--group", "--session-id", "g")  # fmt: skip
+    assert run.tool.executions["charge"] == 2
+    assert all(o["record"]["repeat_of"] is None for o in outputs)

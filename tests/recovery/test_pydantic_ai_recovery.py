@@ -105,3 +105,14 @@ def test_a_prompt_re_sent_in_its_conversation_without_history_charges_once(
     assert job.tool.executions["charge"] == 1
     (charge,) = [r for r in returns if r["tool"] == "charge"]
     assert charge["content"].startswith("[repeat of ")
+
+
+def test_a_conversation_never_takes_the_lost_call_of_one_named_after_it(job: Recovery) -> None:
+    """Conversation "a in conversation b" killed after the charge; a prompt in conversation
+    "b" never takes its unsettled call (context ambiguous: missed, never adopted): two
+    charges, "b"'s unmarked."""
+    job.killed("--conversation-id", "a in conversation b")
+    returns, _ = job.again("--conversation-id", "b")
+    assert job.tool.executions["charge"] == 2
+    (charge,) = [r for r in returns if r["tool"] == "charge"]
+    assert not charge["content"].startswith("[repeat of ")
