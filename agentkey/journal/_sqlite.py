@@ -21,6 +21,7 @@ import sqlite3
 import stat
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ __all__ = [
 
 #: The record's fields, in column order (the SQL journals share it).
 COLUMNS: tuple[str, ...] = FIELDS
+_BUSY_TIMEOUT = 5.0  # seconds a statement waits for another connection's write lock
 _PRUNE_EVERY = 600.0  # seconds between opportunistic prunes
 _EVIDENCE_READ_EVERY = 60.0  # seconds a route's evidence is trusted from memory
 _EVIDENCE_CACHE = 4096  # routes remembered in memory at most
@@ -104,6 +106,7 @@ _FIRST_SEEN = "ALTER TABLE agentkey_evidence ADD COLUMN first_seen REAL"
 #: ... and when it expires (``learn(ttl=)``; a row without one expires EVIDENCE_TTL after
 #: it was last seen).
 _EXPIRES_AT = "ALTER TABLE agentkey_evidence ADD COLUMN expires_at REAL"
+_COLUMNS = (("first_seen", _FIRST_SEEN), ("expires_at", _EXPIRES_AT))
 #: The evidence in force: a row whose expiry is at or after the parameter ``now``.
 _IN_FORCE = "coalesce(expires_at, seen_at + 2592000.0) >= ?"
 _EXPIRY = "coalesce(expires_at, seen_at + 2592000.0)"
@@ -219,6 +222,42 @@ def _lstat(path: Path) -> os.stat_result | None:
 def _not_private(info: os.stat_result) -> bool:
     """Owned by another user, or readable or writable by others."""
     return hasattr(os, "getuid") and (info.st_uid != os.getuid() or bool(info.st_mode & 0o077))
+
+
+def _wal(conn: sqlite3.Connection) -> None:
+    """Put the file in WAL mode. Two processes opening a new journal file at once: SQLite
+    answers the second one's switch "database is locked" at once, without waiting in its
+    busy handler, so this waits for the first one's switch (at most the busy timeout)."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.005)
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Add the evidence columns an older journal file lacks, in one write transaction: two
+    processes opening one old file at once then add each column once (before, the second
+    one's ``ALTER TABLE`` failed with "duplicate column name")."""
+
+    def missing() -> list[str]:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(agentkey_evidence)")}
+        return [sql for name, sql in _COLUMNS if name not in columns]
+
+    if not missing():
+        return  # the usual case: one read, no write lock
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for sql in missing():
+            conn.execute(sql)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def _prepare(path: Path, *, create: bool, private: bool) -> bool:
@@ -343,7 +382,7 @@ class SQLiteJournal(SyncJournal):
             conn = sqlite3.connect(
                 f"{self.path.absolute().as_uri()}?mode={mode}",
                 uri=True,
-                timeout=5.0,
+                timeout=_BUSY_TIMEOUT,
                 isolation_level=None,
                 check_same_thread=False,
             )
@@ -361,14 +400,10 @@ class SQLiteJournal(SyncJournal):
                     f"{str(self.path)!r} is a SQLite database but not an agentkey journal; "
                     "check the path (--journal, AGENTKEY_JOURNAL). Nothing was changed"
                 )
-            conn.execute("PRAGMA journal_mode=WAL")
+            _wal(conn)
             conn.execute(f"PRAGMA synchronous={'FULL' if self.durable else 'NORMAL'}")
             conn.executescript(_SCHEMA)
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(agentkey_evidence)")}
-            if "first_seen" not in columns:
-                conn.execute(_FIRST_SEEN)
-            if "expires_at" not in columns:
-                conn.execute(_EXPIRES_AT)
+            _add_columns(conn)
         except (sqlite3.Error, OSError, ConfigurationError) as exc:
             if conn is not None:
                 conn.close()  # a file that is not a database: nothing is left open

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import traceback
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -234,11 +235,29 @@ def copies_in_a_process(
     meeting: Meeting,
     job_ids: list[str],
     table: str | None = None,
+    failure: str | None = None,
 ) -> None:
     """A process running one copy of each job in ``job_ids`` (its trace id, run id, or thread
     and message id), one after the other; the other process runs the other copies
     (``multiprocessing`` target). Each copy opens the shared SQLite journal file itself, or
-    with ``table``, a PostgresJournal on that table of the database ``journal_path`` names."""
+    with ``table``, a PostgresJournal on that table of the database ``journal_path`` names.
+    A copy that fails writes its traceback to the file ``failure`` (the test shows it)."""
+    try:
+        _copies(framework, url, journal_path, meeting, job_ids, table)
+    except BaseException:
+        if failure is not None:
+            Path(failure).write_text(traceback.format_exc())
+        raise
+
+
+def _copies(
+    framework: str,
+    url: str,
+    journal_path: str,
+    meeting: Meeting,
+    job_ids: list[str],
+    table: str | None,
+) -> None:
     for job_id in job_ids:
         journal: Any
         if table is None:

@@ -241,14 +241,15 @@ def test_copies_in_two_processes_on_one_journal_charge_once(
         processes = [
             context.Process(
                 target=_race.copies_in_a_process,
-                args=(framework, url, path, meeting, job_ids, table),
+                args=(framework, url, path, meeting, job_ids, table, str(tmp_path / f"fail{n}")),
             )
-            for _ in range(2)
+            for n in range(2)
         ]
         for process in processes:
             process.start()
         for process in processes:
             process.join(100 + 2 * trials)
-        assert [p.exitcode for p in processes] == [0, 0]
+        failures = [f.read_text() for f in sorted(tmp_path.glob("fail*"))]
+        assert [p.exitcode for p in processes] == [0, 0], "\n".join(failures)
         assert tool.executions["charge"] == trials
         assert len(tool.answers) == trials  # one key per job

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from agentkey.journal import SQLiteJournal
+from agentkey.journal._sqlite import _SCHEMA as _OLD_SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = Path(__file__).with_name("_sqlite_agent.py")
@@ -101,3 +105,50 @@ def test_processes_threads_objects_and_the_command_at_once_lose_nothing(tmp_path
         assert command.returncode in (0, 1), err
     assert _cli(path, "list").returncode == 0
     assert _plans(path) == {"agent0": 61, "agent1": 61}
+
+
+def _opened_while_held(path: Path, hold: str, copies: int) -> list[str]:
+    """``copies`` threads opening the journal file ``path`` (a journal object, one connection
+    each) while another connection holds it with ``hold`` for half a second; the errors."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute(hold)
+    holder.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    errors: list[str] = []
+
+    def open_it() -> None:
+        try:
+            SQLiteJournal(path).close()
+        except Exception as exc:  # the test counts every failure
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    workers = [threading.Thread(target=open_it) for _ in range(copies)]
+    for worker in workers:
+        worker.start()
+    time.sleep(0.5)  # the workers reach the held lock (if not, they meet no lock: no failure)
+    holder.execute("COMMIT")
+    holder.close()
+    for worker in workers:
+        worker.join(30)
+    return errors
+
+
+def test_workers_opening_one_file_another_holds_all_open_it(tmp_path: Path) -> None:
+    """Workers starting together on a journal file an older agentkey wrote (while a write is
+    under way), or on a new file another connection writes to, all open it, and the file
+    gets its new columns once. Before, they failed with ConfigurationError: "duplicate
+    column name" (two workers adding one column) or "database is locked" (SQLite refuses a
+    switch to WAL at once, without waiting, while another connection writes)."""
+    old = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(old, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.executescript(_OLD_SCHEMA)  # no first_seen or expires_at column
+    conn.close()
+    errors = _opened_while_held(old, "BEGIN IMMEDIATE", 3)
+    conn = sqlite3.connect(old)
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(agentkey_evidence)")]
+    conn.close()
+    assert columns == ["route", "evidence", "seen_at", "first_seen", "expires_at"]
+    new = tmp_path / "new.sqlite3"
+    sqlite3.connect(new).close()  # an empty database file, as SQLite leaves a new one
+    errors += _opened_while_held(new, "BEGIN IMMEDIATE", 2)
+    assert errors == []
