@@ -57,6 +57,7 @@ _CLIENT = (
 MEASURES: dict[str, tuple[str, ...]] = {
     "server": _SERVER,
     "postgres": _SERVER,
+    "pg_driver": ("agentkey/server/_postgres.py",),
     "body": _SERVER,
     "invoker": _CLIENT,
     "hooks": _CLIENT,
@@ -230,6 +231,34 @@ def inflight_table(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+#: The statements of bench_pg_driver.py.
+STATEMENTS = {"read": "replay's read", "claim": "claim of a new key (commits)"}
+
+
+def driver_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_pg_driver.py: CPU per statement of each driver path (ratio to psycopg's)."""
+    names = list(dict.fromkeys(r["agentkey"] for r in data["rows"]))
+    lines = ["| statement | c | " + " | ".join(names) + " | N |", "|---" * (len(names) + 3) + "|"]
+    groups: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
+    for r in data["rows"]:
+        groups.setdefault((r["what"], r["concurrency"]), {})[r["agentkey"]] = r
+    for (what, concurrency), got in groups.items():
+        cells = []
+        for name in names:
+            r = got.get(name)
+            if r is None:
+                cells.append("")
+            elif name == r["baseline"]:
+                cells.append(f"{r['cpu_us']:.0f} µs")
+            else:
+                cells.append(f"{r['cpu_us']:.0f} µs ({r['cpu_ratio']['median']:.2f}×)")
+        n = max(r["N"] for r in got.values())
+        lines.append(
+            f"| {STATEMENTS.get(what, what)} | {concurrency} | {' | '.join(cells)} | {n} |"
+        )
+    return lines
+
+
 def generic_table(data: Mapping[str, Any]) -> list[str]:
     """Any results file with rows: each row's name and its medians (IQR), and N."""
     rows = [r for r in data.get("rows", []) if isinstance(r, Mapping)]
@@ -249,6 +278,7 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "server": server_table,
     "server-idemkit": server_table,
     "postgres": server_table,
+    "pg_driver": driver_table,
     "invoker": invoker_table,
     "inflight": inflight_table,
 }
