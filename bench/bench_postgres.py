@@ -27,6 +27,8 @@ counted).
     python bench/bench_postgres.py          # about 3.5 minutes, writes bench/results/postgres.json
     python bench/bench_postgres.py --smoke  # a few seconds, for CI (writes nothing)
     python bench/bench_postgres.py --against 094632a  # adds PostgresStore at that commit
+    python bench/bench_postgres.py --floor-only --rounds 20  # the floor rows alone:
+                                              # writes bench/results/postgres-floor.json
 """
 
 from __future__ import annotations
@@ -216,6 +218,12 @@ def main() -> None:
         metavar="REV",
         help="also run PostgresStore from git revision REV, interleaved: a before/after row",
     )
+    parser.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="only PostgresStore, its floor and the bare endpoint (for the loadgen row), so "
+        "the two sit next to each other in every round; writes postgres-floor.json",
+    )
     ns = parser.parse_args()
     at_start = machine()
     rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
@@ -226,8 +234,12 @@ def main() -> None:
             conn.execute("CREATE TABLE bench_charges (id serial PRIMARY KEY, amount int)")
             conn.execute(PostgresStore(pg.dsn, table=FLOOR_TABLE).schema_sql())  # same shape
         env = {"BENCH_PG_DSN": pg.dsn}
-        configs = ["bare", "postgres", "bare_insert", "postgres_insert"]
-        if shutil.which("redis-server") and not ns.smoke:  # bench_server's smoke runs Redis
+        configs = ["bare", "postgres"]
+        if not ns.floor_only:
+            configs += ["bare_insert", "postgres_insert"]
+        if (
+            shutil.which("redis-server") and not ns.smoke and not ns.floor_only
+        ):  # bench_server's smoke runs Redis
             env["BENCH_REDIS"] = stack.enter_context(redis_server()).url
             configs.insert(1, "redis")
         running = stack.enter_context(servers(configs, env))
@@ -263,6 +275,8 @@ def main() -> None:
 
             block = run_block(Block(mode, connections), rounds, slot, configs)
             for what, ours, base in rows_for:
+                if ns.floor_only and base != "floor":
+                    continue
                 if ours in configs and base in configs:
                     rows.append(block.row(what, ours, base))
                     print_row(rows[-1])
@@ -273,8 +287,9 @@ def main() -> None:
 
     if not ns.smoke or ns.out:
         path = write_results(
-            "postgres",
+            "postgres-floor" if ns.floor_only else "postgres",
             {
+                "bench": "bench/bench_postgres.py" + (" --floor-only" if ns.floor_only else ""),
                 "method": "each configuration in its own uvicorn process (1 worker, loopback); "
                 "palindromic (ABBA) rounds; ratio per round = agentkey/baseline; "
                 "CPU from /proc/<pid>/stat of the uvicorn process; PostgreSQL with fsync on",
