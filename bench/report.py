@@ -298,7 +298,7 @@ def table(name: str, root: Path = ROOT) -> str:
     if only_header:
         return head
     try:
-        rows = TABLES.get(name, generic_table)(data)
+        rows = TABLES.get(name, TABLES.get(name.split("-")[0], generic_table))(data)
     except (KeyError, TypeError, ValueError):  # a results file of a newer shape
         rows = generic_table(data)
     return "\n".join([head, "", *rows])
