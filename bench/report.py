@@ -165,6 +165,10 @@ def server_table(data: Mapping[str, Any]) -> list[str]:
             or SERVER_TARGETS.get((r["agentkey"], r["baseline"], r["mode"], r["concurrency"]))
             or SERVER_TARGETS.get((r["agentkey"], r["baseline"], r["mode"], None), "")
         )
+        bound = re.fullmatch(r"CPU ≤ ([0-9.]+)×", target)
+        if bound:  # a CPU target: the median of the per-round ratios against it
+            met = r["server_cpu_per_request_ratio"]["median"] <= float(bound[1])
+            target += ": met" if met else ": **not met**"
         lines.append(
             f"| {r['what']} | {r['mode']} | {r['concurrency']} | {r['agentkey_rps']} "
             f"| {r['baseline_rps']} | {ratio(r['throughput_ratio'])} "
