@@ -46,8 +46,33 @@ _TICK = os.sysconf("SC_CLK_TCK")
 # --------------------------------------------------------------------------- machine
 
 
+def commit() -> str:
+    """The checkout's commit (``git rev-parse --short HEAD``), ``+dirty`` when a tracked file
+    differs from it; ``unknown`` outside a git checkout. ``report.py`` compares it with the
+    last commit of the code a bench measures, to mark figures older than that code."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],  # noqa: S607
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],  # noqa: S607
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if changed else "")
+
+
 def machine() -> dict[str, Any]:
-    """What a reader needs to weigh the figures: CPU, cores, Python, packages, load."""
+    """What a reader needs to weigh the figures: CPU, cores, Python, packages, the commit,
+    and the date and load average at the start (:func:`write_results` adds the end's)."""
     model = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -66,8 +91,19 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "packages": versions,
         "sniffio_installed": importlib.util.find_spec("sniffio") is not None,
+        "commit": commit(),
+        "date_at_start": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "loadavg_at_start": list(os.getloadavg()),
     }
+
+
+def load_line(at_start: Mapping[str, Any]) -> str:
+    """``commit 1a2b3c4, load average 3.1 at start, now 3.4``: printed with every table."""
+    now = os.getloadavg()[0]
+    return (
+        f"commit {at_start.get('commit', 'unknown')}, load average "
+        f"{at_start['loadavg_at_start'][0]:.1f} at start, {now:.1f} now"
+    )
 
 
 def _version(name: str) -> str | None:
@@ -81,12 +117,14 @@ def write_results(
     name: str, payload: dict[str, Any], out: Path | None, at_start: dict[str, Any]
 ) -> Path:
     """Write ``bench/results/<name>.json`` (or ``out``): ``at_start`` is :func:`machine`'s
-    answer when the run began; the date is the run's end."""
+    answer when the run began (commit, start date and load); the date is the run's end,
+    and the load average at the end is added. The commit is also at the top level."""
     path = out or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "bench": f"bench/bench_{name}.py",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": at_start.get("commit", "unknown"),
         "machine": dict(at_start),
         **payload,
     }
@@ -545,8 +583,10 @@ def loadgen_row(load: Load, server: Server, rounds: int, seconds: float) -> dict
 
 
 def print_row(row: Mapping[str, Any]) -> None:
+    """One printed row: what, then ``agentkey vs baseline`` (the configurations by name)."""
     print(
-        f"  {row['what']:<56} c={row['concurrency']:<3} {row['mode']:<6} "
+        f"  {row['what']:<56} [{row['agentkey']} vs {row['baseline']}] "
+        f"c={row['concurrency']:<3} {row['mode']:<6} "
         f"thr {fmt(row['throughput_ratio']):<18} "
         f"cpu/req {fmt(row['server_cpu_per_request_ratio']):<18} "
         f"{row['agentkey_rps']:>6}/{row['baseline_rps']:<6} req/s  "

@@ -15,8 +15,8 @@ In one process, on a throwaway PostgreSQL with fsync on, the process CPU per sta
 One statement at a time (``c=1``) and 64 tasks at once (``c=64``). Rows are loaded in
 palindromic (ABBA) rounds; a row's ratio is its CPU over psycopg's, paired by round.
 
-    python bench/bench_pg_driver.py           # about a minute
-    python bench/bench_pg_driver.py --smoke   # a few seconds, for CI
+    python bench/bench_pg_driver.py           # about a minute: writes bench/results/pg_driver.json
+    python bench/bench_pg_driver.py --smoke   # a few seconds, for CI (writes nothing)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # agentkey, ben
 
 from agentkey.server._postgres import PostgresStore
 from agentkey.server._records import encode_in_progress
-from bench._harness import palindrome
+from bench._harness import load_line, machine, palindrome, spread, write_results
 from tests._postgres import postgres_server
 
 TABLE = "driver_records"
@@ -53,7 +53,7 @@ def _asyncpg() -> Any:
         return None
 
 
-async def measure(dsn: str, rounds: int, calls: int) -> None:
+async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
     store = PostgresStore(dsn, table=TABLE, max_size=64)
     await store.create_table()
     value = encode_in_progress(secrets.token_hex(16), 1)
@@ -118,7 +118,11 @@ async def measure(dsn: str, rounds: int, calls: int) -> None:
         await asyncio.gather(*(task(t) for t in range(concurrency)))
         return (time.process_time() - cpu) / (per_task * concurrency) * 1e6
 
-    print(f"bench_pg_driver: {rounds} rounds; process CPU per statement (per key for batches)")
+    print(
+        f"bench_pg_driver: {rounds} rounds; process CPU per statement (per key for batches); "
+        "baseline: psycopg `execute` on a plain autocommit connection"
+    )
+    rows: list[dict[str, Any]] = []
     try:
         for kind, sides in ops.items():
             for concurrency in (1, 64):
@@ -142,22 +146,44 @@ async def measure(dsn: str, rounds: int, calls: int) -> None:
                         f"{statistics.median(paired):.2f}x psycopg "
                         f"({min(paired):.2f}-{max(paired):.2f})"
                     )
+                    rows.append(
+                        {
+                            "what": kind,
+                            "concurrency": concurrency,
+                            "agentkey": name,
+                            "baseline": "psycopg",
+                            "N": rounds,
+                            "cpu_us": round(statistics.median(values), 1),
+                            "cpu_ratio": spread(paired),
+                        }
+                    )
     finally:
         for conn in conns:
             await conn.close()
         for aconn in aconns:
             await aconn.close()
         await store.aclose()
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds per row")
+    parser.add_argument("--out", type=Path, help="where to write the JSON results")
     ns = parser.parse_args()
+    at_start = machine()
     rounds, calls = (1, 8) if ns.smoke else (ns.rounds, 300)
     with postgres_server(durable=True) as pg:
-        asyncio.run(measure(pg.dsn, rounds, calls))
+        rows = asyncio.run(measure(pg.dsn, rounds, calls))
+    print(f"  {load_line(at_start)}")
+    if not ns.smoke or ns.out:
+        method = (
+            "one process; process CPU per statement (per key for batches); palindromic (ABBA) "
+            "rounds; ratio per round = row / psycopg execute; PostgreSQL with fsync on"
+        )
+        payload = {"method": method, "calls": calls, "rows": rows}
+        print(f"wrote {write_results('pg_driver', payload, ns.out, at_start)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,15 @@
-"""PostgresStore cost: the tool bare, on Redis, on PostgreSQL, and an INSERT in one transaction.
+"""PostgresStore against its floor: the same claim and finish statements written by hand.
 
 Configurations, each a uvicorn process of its own (one worker, loopback; see ``bench/_apps.py``):
 
+- ``floor``: the baseline the target is set against (issue 39: "≤ 1.1× the floor"). The
+  charge tool behind a hand-written ASGI middleware (:class:`Floor`, below) that runs
+  PostgresStore's own claim and finish statements on a ``psycopg_pool`` pool of
+  autocommit connections (``pool.connection()``, ``connection.execute``), on a table of
+  the same shape, in the same database: a fresh request claims (one round trip), runs the
+  tool and writes its answer (one more); a replay reads the stored answer with the claim.
+  It keeps what a correct store needs (an owner-fenced finish, a fingerprint of the body,
+  leases that expire) and nothing else: no error handling, recovery or sweeps.
 - ``bare``, ``redis``, ``postgres``: the charge tool alone, and behind the middleware on
   RedisStore and PostgresStore;
 - ``bare_insert`` / ``postgres_insert``: a tool whose side effect is one INSERT, autocommit,
@@ -19,11 +27,16 @@ counted).
     python bench/bench_postgres.py          # about 3.5 minutes, writes bench/results/postgres.json
     python bench/bench_postgres.py --smoke  # a few seconds, for CI (writes nothing)
     python bench/bench_postgres.py --against 094632a  # adds PostgresStore at that commit
+    python bench/bench_postgres.py --floor-only --rounds 20  # the floor rows alone:
+                                              # writes bench/results/postgres-floor.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -37,12 +50,14 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harness, tests._*
 
+from agentkey.server._postgres import PostgresStore
 from bench._harness import (
     ROOT,
     Block,
     Load,
     Server,
     Slot,
+    load_line,
     loadgen_row,
     machine,
     measure,
@@ -54,12 +69,131 @@ from bench._harness import (
 from tests._loopback import redis_server
 from tests._postgres import postgres_server
 
+FLOOR_APP = "bench.bench_postgres:floor_app"
+FLOOR_TABLE = "floor_records"
 ROWS = [
+    ("middleware + PostgresStore / hand-written floor", "postgres", "floor"),
     ("middleware + PostgresStore / bare endpoint", "postgres", "bare"),
     ("middleware + PostgresStore / RedisStore", "postgres", "redis"),
     ("PostgresStore, INSERT + record in one tx / bare INSERT", "postgres_insert", "bare_insert"),
 ]
 BLOCKS = [("fresh", 1), ("fresh", 64), ("replay", 1), ("replay", 64)]
+
+
+class Floor:
+    """The floor, an ASGI middleware written by hand: PostgresStore's claim and finish
+    statements (the same text, from its module) on a ``psycopg_pool`` pool, nothing more.
+
+    Records: ``P:<owner>:<body sha256>`` while the tool runs (the lease, 30 s), then
+    ``C:<body sha256>:<status>:<body>`` for a day. A replay whose body differs gets 422;
+    a key in progress 409.
+    """
+
+    def __init__(self, app: Any, dsn: str, table: str = FLOOR_TABLE) -> None:
+        from psycopg import sql
+        from psycopg_pool import AsyncConnectionPool
+
+        from agentkey.server import _postgres
+
+        self.app = app
+        ident = sql.Identifier(table)
+        self.claim = sql.SQL(_postgres._CLAIM).format(t=ident).as_bytes(None)
+        self.finish = sql.SQL(_postgres._FINISH).format(t=ident).as_bytes(None)
+        self.pool: Any = AsyncConnectionPool(
+            dsn, min_size=1, max_size=20, open=False, kwargs={"autocommit": True}
+        )
+        self.ready = False
+        self.opening: asyncio.Lock | None = None
+
+    async def _open(self) -> None:
+        self.opening = self.opening or asyncio.Lock()
+        async with self.opening:
+            if not self.ready:
+                await self.pool.open()
+                self.ready = True
+
+    async def _one(self, query: bytes, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query, params)
+            rows: list[tuple[Any, ...]] = await cur.fetchall()
+            return rows
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self.ready:
+            await self._open()
+        key = dict(scope["headers"]).get(b"idempotency-key", b"").decode("ascii")
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        fp = hashlib.sha256(body).hexdigest().encode()
+        if not key:
+            await _answer(send, 400, b'{"error":"Idempotency-Key is required"}')
+            return
+        owner = os.urandom(16).hex()
+        prefix = b"P:" + owner.encode() + b":"
+        rows = await self._one(self.claim, {"k": key, "v": prefix + fp, "ttl": 30_000})
+        won = rows[0][1] if rows else False  # no row: a racing claim; answer 409 (rare)
+        if not won:
+            stored = bytes(rows[0][0]) if rows else b"P:"
+            if stored.startswith(b"P:"):
+                await _answer(send, 409, b'{"error":"in progress"}')
+                return
+            _, stored_fp, status, answer = stored.split(b":", 3)
+            if stored_fp != fp:
+                await _answer(send, 422, b'{"error":"payload mismatch"}')
+                return
+            await _answer(send, int(status), answer, replayed=True)
+            return
+        started: dict[str, Any] = {}
+        parts: list[bytes] = []
+        sent = False
+
+        async def body_once() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def capture(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.update(message)
+            else:
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, body_once, capture)
+        answer = b"".join(parts)
+        status = started["status"]
+        value = b"C:" + fp + b":%d:" % status + answer
+        params = {"k": key, "p": prefix, "n": len(prefix), "o": owner, "v": value}
+        if not (await self._one(self.finish, {**params, "ttl": 86_400_000}))[0][0]:
+            await _answer(send, 500, b'{"error":"lost the claim"}')
+            return
+        await send(started)
+        await send({"type": "http.response.body", "body": answer})
+
+
+async def _answer(send: Any, status: int, body: bytes, *, replayed: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if replayed:
+        headers.append((b"idempotent-replayed", b"true"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def floor_app() -> Any:
+    """The ``floor`` server: the charge tool of ``bench/_apps.py`` behind :class:`Floor`."""
+    from bench._apps import app
+
+    os.environ["BENCH_APP"] = "bare"
+    return Floor(app(), os.environ["BENCH_PG_DSN"])
 
 
 @contextmanager
@@ -84,6 +218,12 @@ def main() -> None:
         metavar="REV",
         help="also run PostgresStore from git revision REV, interleaved: a before/after row",
     )
+    parser.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="only PostgresStore, its floor and the bare endpoint (for the loadgen row), so "
+        "the two sit next to each other in every round; writes postgres-floor.json",
+    )
     ns = parser.parse_args()
     at_start = machine()
     rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
@@ -92,12 +232,23 @@ def main() -> None:
         pg = stack.enter_context(postgres_server(durable=True))
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_charges (id serial PRIMARY KEY, amount int)")
+            conn.execute(PostgresStore(pg.dsn, table=FLOOR_TABLE).schema_sql())  # same shape
         env = {"BENCH_PG_DSN": pg.dsn}
-        configs = ["bare", "postgres", "bare_insert", "postgres_insert"]
-        if shutil.which("redis-server"):
+        configs = ["bare", "postgres"]
+        if not ns.floor_only:
+            configs += ["bare_insert", "postgres_insert"]
+        if (
+            shutil.which("redis-server") and not ns.smoke and not ns.floor_only
+        ):  # bench_server's smoke runs Redis
             env["BENCH_REDIS"] = stack.enter_context(redis_server()).url
             configs.insert(1, "redis")
         running = stack.enter_context(servers(configs, env))
+        floor = Server("floor", env, app=FLOOR_APP)
+        stack.callback(floor.stop)
+        floor.start()
+        floor.wait_ready()
+        running["floor"] = floor
+        configs.insert(0, "floor")
         rows_for = list(ROWS)
         if ns.against:
             before = Server("postgres", env, root=stack.enter_context(tree_at(ns.against)))
@@ -115,25 +266,30 @@ def main() -> None:
             f"bench_postgres: {rounds} rounds x {len(configs) * 2} slots of {seconds} s per "
             "block; ratio = agentkey / baseline, median (IQR)"
         )
+        print(f"  baseline of the target: floor (hand-written statements); {load_line(at_start)}")
         rows: list[dict[str, Any]] = []
-        for mode, connections in BLOCKS:
+        for mode, connections in [BLOCKS[0], BLOCKS[-1]] if ns.smoke else BLOCKS:
 
             def slot(name: str, mode: str = mode, connections: int = connections) -> Slot:
                 return measure(load, running[name], mode, connections, seconds)
 
             block = run_block(Block(mode, connections), rounds, slot, configs)
             for what, ours, base in rows_for:
+                if ns.floor_only and base != "floor":
+                    continue
                 if ours in configs and base in configs:
                     rows.append(block.row(what, ours, base))
                     print_row(rows[-1])
 
         rows.append(loadgen_row(load, running["bare"], rounds, seconds))
         print_row(rows[-1])
+        print(f"  {load_line(at_start)}")
 
     if not ns.smoke or ns.out:
         path = write_results(
-            "postgres",
+            "postgres-floor" if ns.floor_only else "postgres",
             {
+                "bench": "bench/bench_postgres.py" + (" --floor-only" if ns.floor_only else ""),
                 "method": "each configuration in its own uvicorn process (1 worker, loopback); "
                 "palindromic (ABBA) rounds; ratio per round = agentkey/baseline; "
                 "CPU from /proc/<pid>/stat of the uvicorn process; PostgreSQL with fsync on",
