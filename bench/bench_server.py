@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import sys
 from contextlib import ExitStack
@@ -94,7 +95,8 @@ def main() -> None:
 
         print(
             f"bench_server: {rounds} rounds x {len(configs) * 2} slots of {seconds} s per block; "
-            "ratio = agentkey / baseline, median (IQR)"
+            "ratio = agentkey / baseline, median (IQR); load average "
+            + " ".join(f"{x:.2f}" for x in os.getloadavg())
         )
         rows: list[dict[str, Any]] = []
         for mode in ("fresh", "replay"):
@@ -126,6 +128,7 @@ def main() -> None:
             rows.append(block.row(what, "redis", "bare"))
             print_row(rows[-1])
 
+    print("load average at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if not ns.smoke or ns.out:
         path = write_results(
             "server",

@@ -350,3 +350,40 @@ async def test_warns_once_on_a_cluster_without_persistence(
     finally:
         await client.aclose()
     assert [r.getMessage().count("appendonly no") for r in caplog.records] == [1]
+
+
+async def test_a_cancelled_lone_command_leaves_no_answer_on_the_kept_connection(
+    own_redis: RestartableRedis,
+) -> None:
+    """A claim cancelled while Redis holds it (CLIENT PAUSE WRITE) costs the store its kept
+    connection: the next commands read their own answers, never the cancelled one's."""
+    store = RedisStore(own_redis.url, prefix="cancel")
+    admin = aioredis.Redis(port=own_redis.port)
+    owner = secrets.token_hex(16)
+    try:
+        assert await store.claim("done", encode_in_progress(owner, 1), ttl_ms=60_000) is None
+        assert await store.finish("done", owner, b"C:done\n", ttl_ms=60_000)
+        await admin.client_pause(60_000, all=False)  # writes wait; reads still answer
+        try:
+            held = asyncio.create_task(
+                store.claim("held", encode_in_progress(owner, 1), ttl_ms=60_000)
+            )
+            for _ in range(1000):  # until Redis holds the claim's SET
+                if (await admin.info("clients"))["blocked_clients"] >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the claim never reached Redis")
+            held.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await held
+        finally:
+            await admin.client_unpause()
+        assert await store.get("done") == b"C:done\n"  # its own answer, not the SET's nil
+        assert await store.claim("done", encode_in_progress(owner, 2), ttl_ms=60_000) == (
+            b"C:done\n"
+        )
+        assert await store.claim("next", encode_in_progress(owner, 1), ttl_ms=60_000) is None
+    finally:
+        await store.aclose()
+        await admin.aclose()
