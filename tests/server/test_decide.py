@@ -108,18 +108,33 @@ def test_key_format_agentkey_refuses_opaque_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    ("one", "two", "same"),
+    ("one", "two", "same_bytes", "same_canonical"),
     [
-        (b'{"a":1,"b":2}', b'{ "b": 2, "a": 1 }', True),  # equivalent JSON is one body
-        (b'{"a":1}', b'{"a":2}', False),
-        (b"not json", b"not json", True),  # bound by its bytes
-        (b'{"a":1,"a":2}', b'{"a":2}', False),  # a repeated name: bound by its bytes
+        (b'{"a":1,"b":2}', b'{ "b": 2, "a": 1 }', False, True),  # equivalent JSON
+        (b'{"a":1}', b'{"a":2}', False, False),
+        (b'{"a":1}', b'{"a":1}', True, True),
+        (b"not json", b"not json", True, True),  # bound by its bytes
+        (b'{"a":1,"a":2}', b'{"a":2}', False, False),  # a repeated name: bound by its bytes
     ],
 )
-def test_opaque_key_body_fingerprint(one: bytes, two: bytes, same: bool) -> None:
-    """An opaque key's fingerprint is the canonical body's digest, else the bytes' digest."""
-    first, second = _checked("ik_1", body=one), _checked("ik_1", body=two)
-    assert (first.binding == second.binding) is same
+def test_opaque_key_body_fingerprint(
+    one: bytes, two: bytes, same_bytes: bool, same_canonical: bool
+) -> None:
+    """An opaque key's fingerprint is its bytes' digest; with "canonical", equivalent JSON's."""
+    by_bytes = [_fingerprinted(body, "bytes") for body in (one, two)]
+    by_canonical = [_fingerprinted(body, "canonical") for body in (one, two)]
+    assert (by_bytes[0].binding == by_bytes[1].binding) is same_bytes
+    assert (by_canonical[0].binding == by_canonical[1].binding) is same_canonical
+    # A record written under the other kind: compared by that kind, so a canonical record
+    # (an older version's) matches equivalent JSON; a bytes record, the same bytes only.
+    assert by_bytes[0].same_body(by_canonical[1].binding.body) is same_canonical
+    assert by_canonical[0].same_body(by_bytes[1].binding.body) is same_bytes
+
+
+def _fingerprinted(body: bytes, kind: str) -> Checked:
+    checked = check_request(["ik_1"], OP, body, body_fingerprint=kind)  # type: ignore[arg-type]
+    assert isinstance(checked, Checked)
+    return checked
 
 
 def test_non_http_front_end_binds_the_tool_name() -> None:
