@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkey import InvalidKey, StepKey, StoreError, StoreUnavailable
+from agentkey import InvalidKey, StepKey, StoreError, StoreUnavailable, canonical_json
 from agentkey._keys import MAX_KEY_LENGTH
 from agentkey.server._decide import (
     Checked,
@@ -369,3 +369,21 @@ def test_the_fast_key_parse_equals_step_key_parse(plan: str, index: list[int], d
         assert parsed == expected
         assert isinstance(parsed, StepKey)
         assert parsed.format() == text
+
+
+def test_an_mcp_record_of_the_previous_version_replays() -> None:
+    """An MCP call (canonical bytes of its arguments) replays a record stored under the
+    previous version's canonical fingerprint, and never one of other arguments."""
+    op = ("tools/call", "charge")
+    arguments = {"currency": "eur", "amount": 5}
+    body = canonical_json(arguments)
+    checked = check_request(["ik_mcp"], op, body)
+    assert isinstance(checked, Checked)
+    old = Binding(checked.binding.route, digest(b"json:" + body))  # what it stored
+    assert checked.binding != old  # the new fingerprint digests the bytes
+    replay = on_claimed(_outcome(old), checked, owner=OWNER, now_ms=1_000, retry_after=1)
+    assert isinstance(replay, Replay)
+    other = Binding(old.route, digest(b"json:" + canonical_json({**arguments, "amount": 6})))
+    refused = on_claimed(_outcome(other), checked, owner=OWNER, now_ms=1_000, retry_after=1)
+    assert isinstance(refused, Reject)
+    assert refused.code == "payload_mismatch"
