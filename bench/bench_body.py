@@ -21,10 +21,21 @@ prices and tags):
   writes them by default (spaces, member order as built), so the bytes do not hash
   to the key and the middleware re-serialises the body to check it;
 - ``opaque key (UUID)``: a key from an ordinary client; the middleware fingerprints
-  the body (the digest of its canonical JSON);
-- ``... handler reads claim.json()``: the handler takes the body the middleware
-  already parsed (``current_claim().json()``), where it did, instead of parsing
-  it again.
+  the body by its bytes (the default ``body_fingerprint="bytes"``);
+- ``opaque key (UUID), non-canonical body``: the ``json.dumps`` bytes, fingerprinted
+  by their bytes as well; ``..., body_fingerprint='canonical'``: the opt-in, which
+  parses and canonicalises every body to fingerprint it;
+- ``... handler reads claim.json()``: the handler reads its arguments through
+  ``current_claim().json()`` (parsed on demand) instead of ``request.json()``.
+
+One row runs under uvicorn instead (``--uvicorn``, on by default when redis-server
+is on PATH): ``opaque key, 1 MB non-canonical body, under uvicorn, on Redis``. Two
+(three) uvicorn processes on loopback, one worker each, serve the bare handler, the
+handler behind the middleware on ``RedisStore`` (a private redis-server), and with
+``body_fingerprint="canonical"``; one keep-alive client sends each a slot of 1 MB
+requests with fresh UUID keys, in palindromic rounds (bare, bytes, canonical,
+canonical, bytes, bare). The figure is the server process's CPU per request
+(``/proc/<pid>/stat``), middleware / bare, median of the per-round ratios.
 
 Method: rounds of A B B A (A = bare, B = middleware); a round's ratio is
 (B1 + B2) / (A1 + A2) of CPU per request. The table gives the median of the
@@ -33,6 +44,7 @@ per-round ratios, their interquartile range, min and max, and N (rounds).
     python bench/bench_body.py                # about 2 minutes, writes bench/results/body.json
     python bench/bench_body.py --smoke        # a few seconds, for CI (writes nothing)
     python bench/bench_body.py --profile 1MB  # cProfile of one 1 MB request, printed
+    python bench/bench_body.py --sizes= --uvicorn-rounds 10  # the uvicorn row alone
 """
 
 from __future__ import annotations
@@ -41,15 +53,19 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
+import shutil
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -59,7 +75,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._ha
 
 from agentkey import PlanSession, canonical_json
 from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
-from bench._harness import machine, palindrome, spread, write_results
+from bench._harness import (
+    Server,
+    machine,
+    palindrome,
+    proc_cpu,
+    servers,
+    spread,
+    write_results,
+)
 
 Message: TypeAlias = MutableMapping[str, Any]
 Receive: TypeAlias = Callable[[], Awaitable[Message]]
@@ -102,12 +126,13 @@ def app(*, from_claim: bool = False) -> Starlette:
     return Starlette(routes=[Route(PATH, handler(from_claim=from_claim), methods=["POST"])])
 
 
-def protected(*, from_claim: bool = False) -> App:
+def protected(*, from_claim: bool = False, canonical: bool = False) -> App:
     return IdempotencyMiddleware(
         app(from_claim=from_claim),
         store=MemoryStore(),
         shared_key_space=True,
         max_body_bytes=4 * 1024 * 1024,  # the re-serialised 1 MB body is larger than 1 MiB
+        body_fingerprint="canonical" if canonical else "bytes",
     )
 
 
@@ -155,10 +180,10 @@ class Case:
     """One row: the body, a source of fresh keys, and the two apps."""
 
     def __init__(self, what: str, size: str, body: bytes, keys: Callable[[int], bytes], *,
-                 from_claim: bool = False) -> None:  # fmt: skip
+                 from_claim: bool = False, canonical: bool = False) -> None:  # fmt: skip
         self.what, self.size, self.body, self.keys = what, size, body, keys
         self.bare = app()
-        self.ours = protected(from_claim=from_claim)
+        self.ours = protected(from_claim=from_claim, canonical=canonical)
         self.sent = 0
 
     async def slot(self, target: App, n: int) -> float:
@@ -198,6 +223,14 @@ def cases(sizes: list[str]) -> list[Case]:
             Case(f"{_RESERIALISED}, {_FROM_CLAIM}", size, loose, agentkey_key, from_claim=True),
             Case("opaque key (UUID)", size, canonical, opaque_key),
             Case(f"opaque key (UUID), {_FROM_CLAIM}", size, canonical, opaque_key, from_claim=True),
+            Case("opaque key (UUID), non-canonical body", size, loose, opaque_key),
+            Case(
+                "opaque key (UUID), non-canonical body, body_fingerprint='canonical'",
+                size,
+                loose,
+                opaque_key,
+                canonical=True,
+            ),
         ]
     return out
 
@@ -231,11 +264,115 @@ async def measure(case: Case, rounds: int, n: int) -> dict[str, Any]:
         "added_cpu_us": spread([(b - a) * 1e6 for a, b in pairs]),
     }
     print(
-        f"  {case.what:<60} {case.size:>6} {ratio['median']:.2f}x "
+        f"  {case.what:<72} {case.size:>6} {ratio['median']:.2f}x "
         f"({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}, {ratio['min']:.2f}-{ratio['max']:.2f}) "
         f"{row['middleware_cpu_us']:>9.1f} / {row['bare_cpu_us']:<9.1f} us  N={rounds}"
     )
     return row
+
+
+# --- the uvicorn row ---------------------------------------------------------------
+
+UVICORN_ROW = "opaque key, 1 MB non-canonical body, under uvicorn, on Redis"
+_UVICORN_CONFIGS = {"bare": "bare", "bytes": "redis", "canonical": "redis, canonical"}
+
+
+def uvicorn_app() -> Any:
+    """The app one uvicorn process serves (``--factory``), named by ``BENCH_APP``:
+    ``bare``, ``redis`` or ``redis, canonical`` (``BENCH_REDIS`` names the Redis)."""
+    config = os.environ["BENCH_APP"]
+    if config == "bare":
+        return app()
+    from agentkey.server import RedisStore
+
+    # The option only when asked for: --before serves this file from a tree without it.
+    options = {"body_fingerprint": "canonical"} if config.endswith("canonical") else {}
+    return IdempotencyMiddleware(
+        app(),
+        store=RedisStore(os.environ["BENCH_REDIS"]),
+        shared_key_space=True,
+        max_body_bytes=4 * 1024 * 1024,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def uvicorn_rows(rounds: int, n: int, before: Path | None = None) -> list[dict[str, Any]]:
+    """Server CPU per 1 MB request under uvicorn: bytes and canonical fingerprints vs bare.
+
+    ``before``: another checkout (an older commit, with this file copied into its
+    ``bench/``) whose middleware is served too, in the same rounds: a before/after pair
+    measured side by side rather than in two runs at two loads.
+    """
+    from tests._loopback import redis_server
+
+    body = json.dumps(arguments(SIZES["1MB"])).encode()  # json.dumps: not canonical
+    configs = dict(_UVICORN_CONFIGS)
+    with ExitStack() as stack:
+        redis = stack.enter_context(redis_server())
+        names = list(configs.values())
+        env = {"BENCH_REDIS": redis.url}
+        running = stack.enter_context(servers(names, env, app="bench.bench_body:uvicorn_app"))
+        if before is not None:
+            configs["before"] = f"before ({before})"
+            old = Server("redis", env, app="bench.bench_body:uvicorn_app", root=before.resolve())
+            stack.callback(old.stop)
+            old.start()
+            old.wait_ready()
+            running[configs["before"]] = old
+            names.append(configs["before"])
+        clients = {
+            name: stack.enter_context(
+                httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=60)
+            )
+            for name, server in running.items()
+        }
+
+        def slot(name: str) -> float:
+            """Server CPU seconds per request over ``n`` requests with fresh keys."""
+            client, pid = clients[name], running[name].pid
+            before = proc_cpu(pid)
+            for _ in range(n):
+                headers = {"idempotency-key": str(uuid.uuid4()), "content-type": "application/json"}
+                answer = client.post(PATH, content=body, headers=headers)
+                if answer.status_code != 201 or "idempotent-replayed" in answer.headers:
+                    raise RuntimeError(f"{name}: answered {answer.status_code} {answer.text[:200]}")
+            return (proc_cpu(pid) - before) / n
+
+        for name in names:  # warm-up: imports, connections, the first allocations
+            slot(name)
+        per_round: list[dict[str, float]] = []
+        for _ in range(rounds):
+            got: dict[str, list[float]] = {name: [] for name in names}
+            for name in palindrome(names):
+                got[name].append(slot(name))
+            per_round.append({name: sum(v) / len(v) for name, v in got.items()})
+    rows = []
+    for label in configs:
+        if label == "bare":
+            continue
+        ours = configs[label]
+        ratio = spread([r[ours] / r["bare"] for r in per_round])
+        row = {
+            "what": UVICORN_ROW
+            + {"bytes": "", "canonical": ", body_fingerprint='canonical'"}.get(label, f", {ours}"),
+            "size": "1MB",
+            "body_bytes": len(body),
+            "N": rounds,
+            "requests_per_slot": n,
+            "cpu_ratio": ratio,
+            "bare_cpu_us": round(statistics.median(r["bare"] for r in per_round) * 1e6, 1),
+            "middleware_cpu_us": round(statistics.median(r[ours] for r in per_round) * 1e6, 1),
+            "added_cpu_us": spread([(r[ours] - r["bare"]) * 1e6 for r in per_round]),
+            "loadavg_after": list(os.getloadavg()),
+        }
+        print(
+            f"  {row['what']:<72} {ratio['median']:.2f}x "
+            f"({ratio['iqr'][0]:.2f}-{ratio['iqr'][1]:.2f}, {ratio['min']:.2f}-{ratio['max']:.2f}) "
+            f"{row['middleware_cpu_us']:>9.1f} / {row['bare_cpu_us']:<9.1f} us  N={rounds}  "
+            f"load {os.getloadavg()[0]:.1f}"
+        )
+        rows.append(row)
+    return rows
 
 
 def profile(size: str) -> None:
@@ -259,6 +396,18 @@ def main() -> None:
     parser.add_argument("--sizes", default="1KB,100KB,1MB", help="comma-separated sizes")
     parser.add_argument("--profile", metavar="SIZE", help="profile one request and exit")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--uvicorn-rounds",
+        type=int,
+        default=10,
+        help="rounds of the uvicorn row (0: skip it; it needs redis-server on PATH)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="also serve the uvicorn row's middleware from this checkout (an older "
+        "commit with this file copied into its bench/), in the same rounds",
+    )
     ns = parser.parse_args()
     if ns.profile:
         profile(ns.profile)
@@ -273,6 +422,12 @@ def main() -> None:
         "CPU per request, median (IQR, min-max)"
     )
     rows = [asyncio.run(measure(case, rounds, batch(case.size, ns.smoke))) for case in cases(sizes)]
+    if ns.uvicorn_rounds and shutil.which("redis-server"):
+        print(f"  under uvicorn: server process CPU per request (load {os.getloadavg()[0]:.1f})")
+        rounds = 1 if ns.smoke else ns.uvicorn_rounds
+        rows += uvicorn_rows(rounds, 1 if ns.smoke else 8, ns.before)
+    elif ns.uvicorn_rounds:
+        print("redis-server is not on PATH: the uvicorn row is skipped")
     if not ns.smoke or ns.out:
         path = write_results(
             "body",

@@ -138,7 +138,6 @@ class Claim:
         started_ms: int | None = None,
         clock: Callable[[], int] = _wall_ms,
         body: Sequence[bytes] | None = None,
-        parsed: dict[str, Any] | None = None,
         phase: Phase = "claimed",
         result_ttl_ms: int | None = None,
         operation: str = "",
@@ -174,10 +173,11 @@ class Claim:
         self._renewed = 0.0  # monotonic time of the last renewal (or of the claim)
         #: The store failure the handler met inside the store's transaction, if any.
         self._unavailable: StoreUnavailable | None = None
-        # The HTTP request's body (its chunks) until json() parses it, or what the
-        # middleware parsed.
-        self._body = body if parsed is None else None
-        self._json: Any = _UNPARSED if parsed is None else parsed
+        # The HTTP request's body (its chunks) until json() parses it. The middleware
+        # hands on no parsed object: one kept here would live (and be walked by the
+        # garbage collector) for the whole handler, which may never ask for it.
+        self._body = body
+        self._json: Any = _UNPARSED
 
     def __repr__(self) -> str:
         # The key is a bearer secret: a claim that reaches a log shows its redacted form.
@@ -243,10 +243,11 @@ class Claim:
     def json(self) -> Any:
         """The request's JSON body, parsed at most once: what ``await request.json()`` gives.
 
-        The middleware parses a body when it checks it (an opaque key's fingerprint, a
-        body that is not the key's exact bytes); this returns that object, so a handler
-        that reads its arguments here does not parse them a second time. Otherwise the
-        body is parsed on the first call. Every call returns the same object.
+        The body is parsed on the first call, never before: a handler that does not
+        ask holds no parsed copy of it (the middleware keeps none: an opaque key's body
+        is fingerprinted by its bytes, and a body it parses to check, such as one that
+        is not an agentkey key's exact bytes, is dropped after the check). Every call
+        returns the same object.
 
         Raises :class:`~agentkey.InvalidArguments` when the body is not JSON, and
         :class:`~agentkey.ConfigurationError` for a claim without an HTTP body (an MCP

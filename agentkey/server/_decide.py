@@ -29,8 +29,11 @@ What the inputs are, for a front end that is not HTTP:
     needs a body whose bytes hash to ``args_hash`` (taken as they are, unparsed),
     or else a JSON object whose canonical JSON does: an MCP front end passes the
     canonical JSON of the tool's arguments. An opaque key (a UUID, ``ik_...``) is
-    bound to a digest of the canonical body (equivalent JSON is one body; a body
-    that is not a JSON object is bound by its bytes).
+    bound to a digest of the body's bytes (``body_fingerprint="bytes"``, the default:
+    a retry must resend the same bytes), or with ``body_fingerprint="canonical"`` to
+    a digest of the canonical body (equivalent JSON is one body; a body that is not
+    a JSON object is bound by its bytes). A record written under the canonical kind
+    (the only one before bytes became the default) still matches the same body.
 
 Every result is a frozen record of what to send: problems (:class:`Reject`,
 :class:`Conflict`, :class:`Unavailable`) carry ``status``, ``code``,
@@ -53,12 +56,13 @@ from urllib.parse import quote
 from .._canonical import Profile, canonical_json
 from .._exceptions import ConfigurationError, InvalidArguments, InvalidKey, StoreError
 from .._keys import MAX_KEY_LENGTH, StepKey, parse_sf_item, shown_key
-from ._records import Binding, InProgress, StoredOutcome, decode_record, digest
+from ._records import Binding, InProgress, StoredOutcome, decode_record, digest, digest_of
 
 __all__ = [
     "PROBLEM_DOCS",
     "PROBLEM_TYPE",
     "REPLAY_HEADER",
+    "BodyFingerprint",
     "Checked",
     "Complete",
     "Conflict",
@@ -76,6 +80,7 @@ __all__ = [
     "Unavailable",
     "body_too_large",
     "check_body",
+    "check_body_fingerprint",
     "check_replay_header",
     "check_request",
     "in_progress_retry_after",
@@ -91,6 +96,9 @@ __all__ = [
 ]
 
 KeyFormat = Literal["any", "agentkey"]
+#: What an opaque key's body fingerprint digests: the body's bytes as sent, or its
+#: canonical JSON (equivalent JSON is one body; it costs a parse of every body).
+BodyFingerprint = Literal["bytes", "canonical"]
 
 #: The header every replayed HTTP answer carries (the middleware's ``replay_header``).
 REPLAY_HEADER = "Idempotent-Replayed"
@@ -223,9 +231,12 @@ class Checked:
 
     key: StepKey | OpaqueKey
     binding: Binding
-    #: The body as parsed to check it (a JSON object), or None when it needed no parse:
-    #: its bytes hash to the key's ``args_hash``, or it is not a JSON object.
-    parsed: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    #: An opaque key's body, in its chunks: a record whose body fingerprint is of the
+    #: other kind (bytes, canonical) is compared with that digest of this body,
+    #: computed only then (:meth:`same_body`). None for an agentkey key.
+    body: tuple[bytes, ...] | None = field(default=None, compare=False, repr=False)
+    body_fingerprint: BodyFingerprint = field(default="bytes", compare=False, repr=False)
+    hash_profile: Profile = field(default="python", compare=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -240,6 +251,24 @@ class Checked:
     def record_key(self, principal: str) -> str:
         """The store key of this request for ``principal``: see :func:`record_key`."""
         return record_key(principal, self.key)
+
+    def same_body(self, stored: str | None) -> bool:
+        """Whether a record's body fingerprint ``stored`` names this request's body.
+
+        Equal to ours, or to our body's digest of the other kind: a record written
+        under canonical fingerprints (``body_fingerprint="canonical"``, or by a version
+        before bytes were the default) whose request had the same arguments, or one
+        written under bytes fingerprints with the same bytes. That digest is computed
+        only here, on a mismatch: a request that matches its record's kind never
+        parses its body for it. Never true for another body.
+        """
+        if stored == self.binding.body:
+            return True
+        if stored is None or self.body is None:
+            return False
+        if self.body_fingerprint == "canonical":
+            return _bytes_digest(self.body) == stored
+        return _canonical_digest(b"".join(self.body), self.hash_profile) == stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,12 +408,24 @@ def parse_key(
     return parsed
 
 
+def check_body_fingerprint(value: object) -> BodyFingerprint:
+    """``value`` as a :data:`BodyFingerprint`, or a ConfigurationError."""
+    if value == "bytes" or value == "canonical":
+        return value
+    raise ConfigurationError(
+        "body_fingerprint must be 'bytes' (an opaque key's retry resends the same bytes; "
+        "the default) or 'canonical' (equivalent JSON, such as other spacing or member "
+        f"order, is the same body), got {value!r}"
+    )
+
+
 def check_body(
     key: StepKey | OpaqueKey,
     operation: Sequence[str],
     body: bytes | Sequence[bytes],
     *,
     hash_profile: Profile = "python",
+    body_fingerprint: BodyFingerprint = "bytes",
 ) -> Reject | Checked:
     """Bind ``key`` to ``operation``; an agentkey key's ``args_hash`` must match ``body``.
 
@@ -402,12 +443,16 @@ def check_body(
             sha.update(chunk)
         if sha.hexdigest() == key.args_hash:
             return Checked(key, Binding(route))
-        checked = _check_body(b"".join(chunks), key, hash_profile)
-        if isinstance(checked, tuple):
-            return Reject(*checked)
-        return Checked(key, Binding(route), checked)
-    fingerprint, parsed = _body_digest(b"".join(chunks), hash_profile)
-    return Checked(key, Binding(route, fingerprint), parsed)
+        rejected = _check_body(b"".join(chunks), key, hash_profile)
+        if rejected is not None:
+            return Reject(*rejected)
+        return Checked(key, Binding(route))
+    chunks = tuple(chunks)
+    if body_fingerprint == "canonical":
+        fingerprint = _canonical_digest(b"".join(chunks), hash_profile) or _bytes_digest(chunks)
+    else:
+        fingerprint = _bytes_digest(chunks)
+    return Checked(key, Binding(route, fingerprint), chunks, body_fingerprint, hash_profile)
 
 
 _ROUTES: dict[tuple[str, ...], str] = {}
@@ -431,12 +476,15 @@ def check_request(
     *,
     key_format: KeyFormat = "any",
     hash_profile: Profile = "python",
+    body_fingerprint: BodyFingerprint = "bytes",
 ) -> Reject | Checked:
     """:func:`parse_key` then :func:`check_body`, for a front end that has the body at once."""
     key = parse_key(values, key_format=key_format)
     if isinstance(key, Reject):
         return key
-    return check_body(key, operation, body, hash_profile=hash_profile)
+    return check_body(
+        key, operation, body, hash_profile=hash_profile, body_fingerprint=body_fingerprint
+    )
 
 
 def body_too_large(limit: int) -> Reject:
@@ -521,7 +569,7 @@ def on_claimed(
         record = decode_record(existing, key=checked.idempotency_key)
     except StoreError as exc:
         return unavailable(retry_after, str(exc))
-    mismatch = _binding_mismatch(record.binding, checked.binding)
+    mismatch = _binding_mismatch(record.binding, checked)
     if mismatch is not None:
         return Reject(422, *mismatch)
     if isinstance(record, StoredOutcome):
@@ -778,18 +826,18 @@ _SCOPES: dict[str, str] = {}
 _MAX_SCOPES = 4096
 
 
-def _binding_mismatch(stored: Binding | None, ours: Binding) -> tuple[str, str] | None:
+def _binding_mismatch(stored: Binding | None, checked: Checked) -> tuple[str, str] | None:
     """The 422 problem when a record is bound to another operation, else None."""
     if stored is None:  # a record written before bindings existed
         return None
-    if stored.route != ours.route:
+    if stored.route != checked.binding.route:
         return (
             "key_reused",
             "this Idempotency-Key was first used with another method or route; a key "
             "belongs to one operation and is never replayed for another. Send this call "
             "with its own key (its own step)",
         )
-    if stored.body != ours.body:
+    if stored.body != checked.binding.body and not checked.same_body(stored.body):
         return (
             "payload_mismatch",
             "this Idempotency-Key was first used with another request body; send changed "
@@ -841,26 +889,34 @@ def _canonical(parsed: dict[str, Any], profile: Profile) -> bytes | None:
         return None
 
 
-def _body_digest(body: bytes, profile: Profile) -> tuple[str, dict[str, Any] | None]:
-    """An opaque key's body fingerprint: its canonical JSON when it is a JSON object,
-    else its bytes. Equivalent JSON (spacing, member order) is one body. Also the
-    parsed object, when the fingerprint is its canonical JSON."""
+def _bytes_digest(chunks: Iterable[bytes]) -> str:
+    """An opaque key's body fingerprint by its bytes (``body_fingerprint="bytes"``, and a
+    body that is not a JSON object under ``"canonical"``): one pass, no parse."""
+    sha = hashlib.sha256(b"bytes:")
+    for chunk in chunks:
+        sha.update(chunk)
+    return digest_of(sha.digest())
+
+
+def _canonical_digest(body: bytes, profile: Profile) -> str | None:
+    """An opaque key's body fingerprint by its canonical JSON (``"canonical"``), or None
+    when the body is not a JSON object canonical JSON can carry. Equivalent JSON
+    (spacing, member order) is one body. The parsed object is dropped here: a handler
+    that wants it calls ``claim.json()``, so none is kept alive while it runs."""
     try:
         parsed = _parse(body)
     except (ValueError, RecursionError):
-        parsed = None
-    if isinstance(parsed, dict):
-        canonical = _canonical(parsed, profile)
-        if canonical is not None:
-            return digest(b"json:" + canonical), parsed
-    return digest(b"bytes:" + body), None
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    canonical = _canonical(parsed, profile)
+    return None if canonical is None else digest(b"json:" + canonical)
 
 
-def _check_body(
-    body: bytes, key: StepKey, profile: Profile
-) -> tuple[int, str, str] | dict[str, Any]:
-    """The body parsed, when it is a JSON object whose canonical JSON hashes to the key's
-    args_hash; else the error. (Its bytes do not hash to it: :func:`check_body`.)"""
+def _check_body(body: bytes, key: StepKey, profile: Profile) -> tuple[int, str, str] | None:
+    """None when the body is a JSON object whose canonical JSON hashes to the key's
+    args_hash; else the error. (Its bytes do not hash to it: :func:`check_body`.) The
+    parsed body is not kept: ``claim.json()`` parses it again if the handler asks."""
     try:
         parsed = _parse(body)
     except _DuplicateMember as exc:
@@ -883,7 +939,7 @@ def _check_body(
     if canonical is None:
         return 400, "body_not_json", "the request body holds values canonical JSON cannot carry"
     if hashlib.sha256(canonical).hexdigest() == key.args_hash:
-        return parsed
+        return None
     return (
         422,
         "args_hash_mismatch",

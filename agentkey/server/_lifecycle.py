@@ -226,7 +226,7 @@ class Lifecycle:
         operation: str = "",
     ) -> Claim:
         """The claim of ``checked`` for ``principal``; ``body``: the HTTP request's chunks,
-        which :meth:`Claim.json` parses for the handler when the check did not.
+        which :meth:`Claim.json` parses for the handler if it asks.
         ``operation`` (``"POST /charges"``, ``"tools/call charge"``) is kept in the record
         for operators who list the keys in doubt."""
         key = checked.key
@@ -242,7 +242,6 @@ class Lifecycle:
             binding=checked.binding,
             clock=self.clock,
             body=body,
-            parsed=None if body is None else checked.parsed,  # an HTTP body's, for json()
             phase="started" if self.mutation_starts == "on_run" else "claimed",
             result_ttl_ms=self.result_ttl_ms,
             operation=operation,

@@ -6,11 +6,12 @@ request ─▶ protected method and route? (the path relative to root_path / the
         ─▶ key? ─400─▶ key well formed? ─400─▶ body within max_body_bytes? ─413─▶
              agentkey key <plan>:<step>:<hash>: sha256(body) = hash? taken unparsed; else
                  body a JSON object ─400─▶ its canonical JSON hashes to hash ─422─▶
-             opaque key (UUID, ik_...): fingerprint = digest of the canonical body
+             opaque key (UUID, ik_...): fingerprint = digest of the body's bytes
+                 (body_fingerprint="canonical": of its canonical JSON)
         ─▶ claim (one store round trip; the record binds METHOD + route path)
              ├─ store down ............ 503 + Retry-After, handler never runs
              ├─ bound to another route  422 key_reused (never a replay, never a 409)
-             ├─ opaque key, other body  422 payload_mismatch
+             ├─ opaque key, other body  422 payload_mismatch (other bytes, by default)
              ├─ IN_PROGRESS ........... 409 + Retry-After (the lease's end if its holder
              │                          stopped renewing), at once or after hold_in_flight
              │                          (a held duplicate replays if the first finishes)
@@ -62,6 +63,7 @@ from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, _wall_ms, reset_current, set_current
 from ._decide import (
     REPLAY_HEADER,
+    BodyFingerprint,
     Conflict,
     DecisionEvent,
     InDoubt,
@@ -73,6 +75,7 @@ from ._decide import (
     Unavailable,
     body_too_large,
     check_body,
+    check_body_fingerprint,
     check_replay_header,
     is_storable,
     not_finished,
@@ -444,7 +447,17 @@ class IdempotencyMiddleware:
     ``key_format``
         ``"any"`` (default): agentkey keys (``<plan>:<step>:<hash>``, checked
         against the body) and opaque keys such as UUIDs or ``ik_...`` (bound to
-        a digest of the body). ``"agentkey"``: only agentkey keys.
+        a digest of the body: see ``body_fingerprint``). ``"agentkey"``: only
+        agentkey keys.
+    ``body_fingerprint``
+        What an opaque key's body is compared by. ``"bytes"`` (default): its bytes
+        as sent; a retry that re-serialises the body (other spacing or member
+        order) gets 422 ``payload_mismatch``, never a second run. ``"canonical"``:
+        its canonical JSON (``hash_profile``), so equivalent JSON is one body, at
+        the cost of parsing every body (about 3x the bytes' cost on a 1 MB body).
+        A record stored under the other kind (including by a version that knew
+        only ``"canonical"``) is compared by that kind too, computed only then:
+        the same body replays, another never does.
     ``lock_ttl``
         Seconds a claim's lease lasts (15 s). It is renewed every third of that
         while the handler runs, so a claim whose server died is known within one
@@ -525,6 +538,7 @@ class IdempotencyMiddleware:
         result_ttl: float = 86_400.0,
         retry_after: int = 1,
         hash_profile: Profile = "python",
+        body_fingerprint: BodyFingerprint = "bytes",
         max_recorded_bytes: int = 1024 * 1024,
         max_inline_bytes: int = 100 * 1024,
         blob_store: BlobStore | None = None,
@@ -619,6 +633,7 @@ class IdempotencyMiddleware:
         self._principal = principal
         self.shared_key_space = shared_key_space
         self.hash_profile = check_profile(hash_profile)
+        self.body_fingerprint = check_body_fingerprint(body_fingerprint)
         self.max_recorded_bytes = max_recorded_bytes
         self.max_inline_bytes = max_inline_bytes
         self.max_body_bytes = max_body_bytes
@@ -693,7 +708,13 @@ class IdempotencyMiddleware:
         # The binding names the route with its mount prefix: two mounted apps that share
         # a store both serve "/create", and must never answer with each other's records.
         operation = (method, f"{scope.get('root_path', '')}{path}")
-        checked = check_body(key, operation, body, hash_profile=self.hash_profile)
+        checked = check_body(
+            key,
+            operation,
+            body,
+            hash_profile=self.hash_profile,
+            body_fingerprint=self.body_fingerprint,
+        )
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return

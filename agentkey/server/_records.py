@@ -23,7 +23,11 @@ C:<json> / F:<json>                        v2, still read: the body base64 in th
   could not tell. ``<operation>`` is the method and route (MCP: the tool), quoted, for
   operators who list what is in doubt; the binding's digest is what is compared.
 - ``<binding>`` is what the key is bound to (:class:`Binding`): a digest of the
-  method and route path, and for an opaque key a digest of the canonical body.
+  method and route path, and for an opaque key a digest of the body: of its bytes
+  (``bytes:<body>``, the default) or of its canonical JSON (``json:<canonical>``,
+  the middleware's ``body_fingerprint="canonical"``, and every JSON-object body
+  before bytes became the default). The digest does not say which; a request whose
+  body's bytes digest differs from a record's is compared by its canonical digest too.
   The outcome's JSON carries it as ``"fp"``. Records written before bindings
   existed (v1) have none and replay as they always did.
 """
@@ -59,7 +63,12 @@ _DIGEST = re.compile(r"[A-Za-z0-9_-]{22}")
 
 def digest(data: bytes) -> str:
     """A compact digest for a binding: 128 bits of SHA-256, base64url (22 characters)."""
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:16]).decode("ascii")[:22]
+    return digest_of(hashlib.sha256(data).digest())
+
+
+def digest_of(sha256: bytes) -> str:
+    """:func:`digest` of data whose SHA-256 is ``sha256`` (computed in chunks)."""
+    return base64.urlsafe_b64encode(sha256[:16]).decode("ascii")[:22]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +76,8 @@ class Binding:
     """The one operation a key belongs to.
 
     ``route``: digest of ``"<METHOD> <route path>"``; ``body``: digest of the
-    canonical body, kept for opaque keys only (an agentkey key carries its own
-    ``args_hash``).
+    body (its bytes, or its canonical JSON), kept for opaque keys only (an agentkey
+    key carries its own ``args_hash``).
     """
 
     route: str

@@ -90,13 +90,15 @@ def test_quoted_and_bare_uuid_are_one_key(agentkey_server: Served, client: httpx
     assert agentkey_server.tool.executions() == 1
 
 
-def test_equivalent_json_body_replays(agentkey_server: Served, client: httpx.Client) -> None:
-    """An opaque key is bound to the canonical body: other spacing or member order replays."""
+def test_reserialised_json_body_is_refused(agentkey_server: Served, client: httpx.Client) -> None:
+    """An opaque key is bound to the body's bytes: other spacing or member order is a 422."""
     key = str(uuid.uuid4())
     first = post(client, "/tools/charge", key, raw=b'{"amount": 5, "currency": "eur"}')
     again = post(client, "/tools/charge", key, raw=b'{ "currency":"eur","amount":5 }')
-    assert (first.status_code, again.status_code) == (201, 201)
-    assert again.headers[REPLAY_HEADER] == "true"
+    same = post(client, "/tools/charge", key, raw=b'{"amount": 5, "currency": "eur"}')
+    assert (first.status_code, again.status_code, same.status_code) == (201, 422, 201)
+    assert problem(again) == "payload_mismatch"
+    assert same.headers[REPLAY_HEADER] == "true"
     assert agentkey_server.tool.executions() == 1
 
 

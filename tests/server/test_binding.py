@@ -113,7 +113,7 @@ def test_opaque_keys_are_accepted_and_replayed(served: Callable[..., Any], style
     header = {"uuid": value, "stripe": "ik_" + uuid.uuid4().hex, "sf-string uuid": f'"{value}"'}
     headers = {"idempotency-key": header[style], "content-type": "application/json"}
     first = client.post("/ok", headers=headers, content=b'{"amount": 5}')
-    again = client.post("/ok", headers=headers, content=b'{"amount":5}')  # equivalent JSON
+    again = client.post("/ok", headers=headers, content=b'{"amount": 5}')  # the same bytes
     assert (first.status_code, again.status_code) == (201, 201)
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkey import InvalidKey, StepKey, StoreError, StoreUnavailable
+from agentkey import InvalidKey, StepKey, StoreError, StoreUnavailable, canonical_json
 from agentkey._keys import MAX_KEY_LENGTH
 from agentkey.server._decide import (
     Checked,
@@ -108,18 +108,33 @@ def test_key_format_agentkey_refuses_opaque_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    ("one", "two", "same"),
+    ("one", "two", "same_bytes", "same_canonical"),
     [
-        (b'{"a":1,"b":2}', b'{ "b": 2, "a": 1 }', True),  # equivalent JSON is one body
-        (b'{"a":1}', b'{"a":2}', False),
-        (b"not json", b"not json", True),  # bound by its bytes
-        (b'{"a":1,"a":2}', b'{"a":2}', False),  # a repeated name: bound by its bytes
+        (b'{"a":1,"b":2}', b'{ "b": 2, "a": 1 }', False, True),  # equivalent JSON
+        (b'{"a":1}', b'{"a":2}', False, False),
+        (b'{"a":1}', b'{"a":1}', True, True),
+        (b"not json", b"not json", True, True),  # bound by its bytes
+        (b'{"a":1,"a":2}', b'{"a":2}', False, False),  # a repeated name: bound by its bytes
     ],
 )
-def test_opaque_key_body_fingerprint(one: bytes, two: bytes, same: bool) -> None:
-    """An opaque key's fingerprint is the canonical body's digest, else the bytes' digest."""
-    first, second = _checked("ik_1", body=one), _checked("ik_1", body=two)
-    assert (first.binding == second.binding) is same
+def test_opaque_key_body_fingerprint(
+    one: bytes, two: bytes, same_bytes: bool, same_canonical: bool
+) -> None:
+    """An opaque key's fingerprint is its bytes' digest; with "canonical", equivalent JSON's."""
+    by_bytes = [_fingerprinted(body, "bytes") for body in (one, two)]
+    by_canonical = [_fingerprinted(body, "canonical") for body in (one, two)]
+    assert (by_bytes[0].binding == by_bytes[1].binding) is same_bytes
+    assert (by_canonical[0].binding == by_canonical[1].binding) is same_canonical
+    # A record written under the other kind: compared by that kind, so a canonical record
+    # (an older version's) matches equivalent JSON; a bytes record, the same bytes only.
+    assert by_bytes[0].same_body(by_canonical[1].binding.body) is same_canonical
+    assert by_canonical[0].same_body(by_bytes[1].binding.body) is same_bytes
+
+
+def _fingerprinted(body: bytes, kind: str) -> Checked:
+    checked = check_request(["ik_1"], OP, body, body_fingerprint=kind)  # type: ignore[arg-type]
+    assert isinstance(checked, Checked)
+    return checked
 
 
 def test_non_http_front_end_binds_the_tool_name() -> None:
@@ -354,3 +369,21 @@ def test_the_fast_key_parse_equals_step_key_parse(plan: str, index: list[int], d
         assert parsed == expected
         assert isinstance(parsed, StepKey)
         assert parsed.format() == text
+
+
+def test_an_mcp_record_of_the_previous_version_replays() -> None:
+    """An MCP call (canonical bytes of its arguments) replays a record stored under the
+    previous version's canonical fingerprint, and never one of other arguments."""
+    op = ("tools/call", "charge")
+    arguments = {"currency": "eur", "amount": 5}
+    body = canonical_json(arguments)
+    checked = check_request(["ik_mcp"], op, body)
+    assert isinstance(checked, Checked)
+    old = Binding(checked.binding.route, digest(b"json:" + body))  # what it stored
+    assert checked.binding != old  # the new fingerprint digests the bytes
+    replay = on_claimed(_outcome(old), checked, owner=OWNER, now_ms=1_000, retry_after=1)
+    assert isinstance(replay, Replay)
+    other = Binding(old.route, digest(b"json:" + canonical_json({**arguments, "amount": 6})))
+    refused = on_claimed(_outcome(other), checked, owner=OWNER, now_ms=1_000, retry_after=1)
+    assert isinstance(refused, Reject)
+    assert refused.code == "payload_mismatch"
