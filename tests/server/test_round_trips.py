@@ -168,37 +168,3 @@ async def test_a_store_from_a_url_sends_one_command_per_operation(redis_proc: Re
         assert _clients(redis_proc.url) - idle <= 2
     finally:
         await store.aclose()
-
-
-async def test_a_url_store_sends_a_lone_command_on_a_kept_connection(
-    redis_proc: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A URL store at one request at a time checks no connection out of its pool per command:
-    claim and finish go out on one connection it keeps, given back by aclose()."""
-    from agentkey.server._records import encode_in_progress
-
-    store = RedisStore(redis_proc.url, prefix="rt-kept")
-    owner = "2" * 32
-    idle = _clients(redis_proc.url)
-    try:
-        await store.claim("warm", encode_in_progress(owner, 1), ttl_ms=5000)
-        assert await store.finish("warm", owner, b"C:{}\n", ttl_ms=5000)  # scripts loaded
-        pool = store._link().client.connection_pool
-        checkouts: list[int] = []
-        checkout = pool.get_connection
-
-        async def counting(*args: Any, **kwargs: Any) -> Any:
-            checkouts.append(1)
-            return await checkout(*args, **kwargs)
-
-        monkeypatch.setattr(pool, "get_connection", counting)
-        for i in range(5):
-            assert await store.claim(f"k{i}", encode_in_progress(owner, 1), ttl_ms=5000) is None
-            assert await store.finish(f"k{i}", owner, b"C:{}\n", ttl_ms=5000)
-            assert await store.claim(f"k{i}", encode_in_progress(owner, 2), ttl_ms=5000) == (
-                b"C:{}\n"
-            )
-        assert checkouts == []
-    finally:
-        await store.aclose()
-    assert _clients(redis_proc.url) == idle  # the kept connection closed with the store

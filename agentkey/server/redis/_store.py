@@ -144,9 +144,7 @@ class _Op:
 class _Link:
     """The commands of one event loop, through one redis-py client.
 
-    A command sent while none is in flight goes out at once: on a store built from a
-    URL, written and read on one connection the link keeps (``Redis.client()``), under
-    that connection's ``Retry``; else with the client's ``execute_command``.
+    A command sent while none is in flight goes out at once with ``execute_command``.
     Commands sent while others are in flight are gathered for the rest of the loop
     iteration and go out in one non-transactional pipeline: one write, one connection
     and one read for many requests, which is what keeps redis-py's per-command cost
@@ -159,12 +157,6 @@ class _Link:
     def __init__(self, client: Any, loop: asyncio.AbstractEventLoop, *, owned: bool) -> None:
         self.client, self.loop, self.owned = client, loop, owned
         self.cluster = isinstance(client, RedisCluster)
-        # A command alone, on a client the store built: on one connection of the same pool
-        # that the link keeps (``Redis.client()``), which saves redis-py's pool checkout and
-        # release and its per-command bookkeeping: about a quarter of its CPU per command
-        # at one request at a time. Pipelines still take their connections from the pool,
-        # so a slow command on the kept one never holds up the others.
-        self.single = client.client() if owned and not self.cluster else client
         self.wait = 0  # replicas each confirmed write waits for
         self.wait_ms = 0
         self._queue: list[_Op] | None = None
@@ -197,26 +189,9 @@ class _Link:
         return op
 
     async def _alone(self, op: _Op) -> Any:
-        """``op`` alone: on a client the store built, written and read on the connection it
-        keeps, under that connection's own ``Retry`` (a broken or timed-out connection is
-        dropped and the command sent again on a new one, as ``execute_command`` does)."""
-        single = self.single
-        if single is self.client:
-            return await single.execute_command(*op.args, **op.options)
-        conn = single.connection
-        if conn is None:
-            await single.initialize()
-            conn = single.connection
-        args = op.args
-
-        async def do() -> Any:
-            await conn.send_command(*args)
-            return await conn.read_response()
-
-        async def fail(error: Exception) -> None:
-            await conn.disconnect()
-
-        return await conn.retry.call_with_retry(do, fail)
+        """``op`` alone: straight to redis-py's ``execute_command`` (a connection of the
+        client's pool, under its ``Retry``)."""
+        return await self.client.execute_command(*op.args, **op.options)
 
     def _flush(self) -> None:
         batch, self._queue = self._queue, None
@@ -317,8 +292,6 @@ class _Link:
 
     async def aclose(self) -> None:
         if self.owned:
-            if self.single is not self.client:
-                await self.single.aclose()  # gives its connection back to the pool
             await self.client.aclose()
 
 
