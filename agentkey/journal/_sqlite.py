@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, JournalError
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
@@ -255,7 +255,8 @@ def _add_columns(conn: sqlite3.Connection) -> None:
         for sql in missing():
             conn.execute(sql)
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # SQLite ends it itself after some errors (a full disk)
+            conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
 
@@ -409,6 +410,13 @@ class SQLiteJournal(SyncJournal):
                 conn.close()  # a file that is not a database: nothing is left open
             if isinstance(exc, ConfigurationError):
                 raise
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise JournalError(
+                    f"the journal file {str(self.path)!r} stayed locked by another process for "
+                    f"{_BUSY_TIMEOUT:g} s while opening it; nothing was sent: retry, and if it "
+                    "stays locked, find the process that holds it (fuser, lsof)",
+                    sent=False,
+                ) from None
             raise ConfigurationError(
                 f"the journal file {str(self.path)!r} cannot be used as a SQLite database "
                 f"({exc}); move it away or pass another path"
