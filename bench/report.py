@@ -15,7 +15,8 @@ Each table starts with the line naming its run: machine, Python, date, commit an
 average at start and end. A figure older than the code it describes is marked: when a
 commit after the run's (or any commit, when the run's commit is unknown, as in files
 written before benches recorded it) touched the code the bench measures (``MEASURES``),
-the line is followed by ``(stale: measured at X, code changed at Y)``.
+the line is followed by ``(stale: measured at X, code changed since)``. The marker names no
+later commit, so a merge or a rebase of code commits does not change the page.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def measured_at(data: Mapping[str, Any]) -> str:
 
 
 def stale(data: Mapping[str, Any], paths: Sequence[str], root: Path = ROOT) -> str | None:
-    """``stale: measured at X, code changed at Y`` when a commit the run did not include
+    """``stale: measured at X, code changed since`` when a commit the run did not include
     touched ``paths`` (any commit, when the run's commit is unknown); None when fresh.
 
     A run on a modified tree (``+dirty``) is taken as its commit's: its results are
@@ -101,12 +102,12 @@ def stale(data: Mapping[str, Any], paths: Sequence[str], root: Path = ROOT) -> s
     base = at.removesuffix("+dirty")
     known = at != "unknown" and _git(root, "cat-file", "-e", f"{base}^{{commit}}") is not None
     since = [f"{base}..HEAD"] if known else ["HEAD"]
-    changed = _git(root, "log", "-1", "--format=%h", *since, "--", *paths)
+    changed = _git(root, "log", "-1", "--format=%H", *since, "--", *paths)
     if changed is None:
         return f"stale: measured at {at}, code history unknown"
     if not changed:
         return None
-    return f"stale: measured at {at}, code changed at {changed}"
+    return f"stale: measured at {at}, code changed since"
 
 
 # --------------------------------------------------------------------------- tables

@@ -109,14 +109,12 @@ def test_a_figure_older_than_its_code_is_marked_stale(tmp_path: Path) -> None:
     code.write_text("A = 2\n")
     _git(tmp_path, "commit", "-qam", "code changed")
     changed = _git(tmp_path, "rev-parse", "--short", "HEAD")
-    expected = f"(stale: measured at {measured}, code changed at {changed})"
+    expected = f"(stale: measured at {measured}, code changed since)"
     assert expected in report.table("postgres", tmp_path)
     assert expected in report.table("header postgres", tmp_path)
 
     _results(tmp_path, None)  # a file written before benches recorded their commit
-    assert f"(stale: measured at unknown, code changed at {changed})" in report.table(
-        "postgres", tmp_path
-    )
+    assert "(stale: measured at unknown, code changed since)" in report.table("postgres", tmp_path)
 
     _results(tmp_path, changed + "+dirty")  # run on this commit, with uncommitted edits
     assert "stale" not in report.table("postgres", tmp_path)
