@@ -398,9 +398,11 @@ def main() -> None:
         path = write_results(
             "invoker",
             {
-                "method": "ABBA rounds, ratio per round = B/A; client CPU from thread_time "
-                "(in-process) or process_time (loopback); the server is a separate uvicorn "
-                "process (1 worker, loopback)",
+                "method": "ABBA rounds, ratio per round = B/A; fresh steps (arguments of their "
+                "own); the invoker with journal=False, hooks=() except in the journal-hit row "
+                "(SQLite, steps answered once before the clock starts); client CPU from "
+                "thread_time (in-process) or process_time (loopback); the server is a separate "
+                "uvicorn process (1 worker, loopback); loadavg per row",
                 "sniffio_installed": sniffio_installed,
                 "failed_sniffio_import_us": round(failed, 1),
                 "rows": rows,
