@@ -1,13 +1,18 @@
 """Invoker cost: ToolInvoker.invoke against httpx posting the same step, interleaved.
 
 Both sides send the same key and canonical body; steps (and their keys) are built
-before any clock starts, so only the call path is measured. Blocks, each in ABBA
-rounds (A = plain httpx, B = agentkey), ratio per round = B / A:
+before any clock starts, so only the call path is measured, and every step has arguments
+of its own (a fresh call, never a repeat of an earlier step). The invoker runs its plain
+path (``journal=False, hooks=()``: the journal and the hooks have benches of their own)
+except in the journal-hit row. Blocks, each in ABBA rounds (A = plain httpx, B =
+agentkey), ratio per round = B / A; each row prints its baseline and the load average:
 
 - **sync, in-process**: ``httpx.Client.post`` vs ``ToolInvoker.invoke`` over an
   ``httpx.MockTransport``: thread CPU per call, all of it client work;
 - **sync, loopback**: the same against the bare tool in a uvicorn process of its own
   (``bench/_apps.py``): wall time and client CPU per call (the server's CPU is not ours);
+- **sync, journal hit**: steps a SQLite journal has answered already (the tool marks no
+  replays), answered again from it without sending, vs posting them to the tool;
 - **async, 100 and 1,000 concurrent**: ``httpx.AsyncClient.post`` vs
   ``AsyncToolInvoker.invoke`` from that many tasks against the same server, each side
   with httpx's default pool (100 connections): client CPU per call and throughput;
@@ -30,6 +35,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -41,15 +47,20 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
+from agentkey.journal import SQLiteJournal
 from bench._harness import machine, palindrome, servers, spread, write_results
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle + delayed-ACK stalls
 PATH = "/tools/charge"
+#: The invoker's plain path: no journal, no hooks (each is measured by its own bench).
+PLAIN_PATH: dict[str, Any] = {"journal": False, "hooks": ()}
 
 
 def make_steps(n: int) -> list[Step]:
+    """``n`` fresh steps: distinct arguments, so no call repeats an earlier one (a repeat
+    is answered from the journal, or waits for it: it would time a journal hit as a call)."""
     plan = PlanSession.new()
-    return [plan.step(i, "charge", {"amount": 100 + i % 7}) for i in range(n)]
+    return [plan.step(i, "charge", {"amount": 100 + i}) for i in range(n)]
 
 
 def headers(step: Step) -> dict[str, str]:
@@ -125,13 +136,16 @@ def row(
         "agentkey_calls_per_s": round(statistics.median(1e6 / wall_us(b) for _, b in pairs)),
         "baseline_calls_per_s": round(statistics.median(1e6 / wall_us(a) for a, _ in pairs)),
         "calls": int(sum(a[0] + b[0] for a, b in pairs)),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
     a, b = out["client_cpu_per_call_ratio"], out["added_client_cpu_us"]
     print(
-        f"  {what:<40} cpu/call {a['median']:.2f}x ({a['iqr'][0]:.2f}-{a['iqr'][1]:.2f}) "
-        f"{out['agentkey_client_cpu_us']:>7.1f}/{out['baseline_client_cpu_us']:<7.1f} us "
-        f"(+{b['median']:.1f} us)  thr {out['throughput_ratio']['median']:.2f}x  "
-        f"{out['agentkey_calls_per_s']}/{out['baseline_calls_per_s']} calls/s  N={out['N']}"
+        f"  {what}\n    {agentkey} vs {baseline}: cpu/call {a['median']:.2f}x "
+        f"({a['iqr'][0]:.2f}-{a['iqr'][1]:.2f}) "
+        f"{out['agentkey_client_cpu_us']:.1f}/{out['baseline_client_cpu_us']:.1f} us "
+        f"({b['median']:+.1f} us)  thr {out['throughput_ratio']['median']:.2f}x  "
+        f"{out['agentkey_calls_per_s']}/{out['baseline_calls_per_s']} calls/s  N={out['N']}  "
+        f"load {out['loadavg'][0]:.1f}"
     )
     return out
 
@@ -162,7 +176,7 @@ def sync_pairs(
     with (
         httpx.Client(base_url=base, transport=transport()) as client,
         httpx.Client(transport=transport()) as inner,
-        ToolInvoker(base, client=inner, route_template="/tools/{tool}", hooks=()) as invoker,
+        ToolInvoker(base, client=inner, route_template="/tools/{tool}", **PLAIN_PATH) as invoker,
     ):
 
         def plain(step: Step) -> None:
@@ -176,6 +190,39 @@ def sync_pairs(
         return abba(
             rounds, sync_slot(plain, steps, clock=clock), sync_slot(ours, steps, clock=clock)
         )
+
+
+def journal_hit_pairs(base: str, n: int, rounds: int, folder: Path) -> Pairs:
+    """Steps the SQLite journal has answered already (invoked once before any clock starts),
+    answered again from it, against ``httpx.Client.post`` of the same steps to the tool."""
+    steps = make_steps(n)
+    options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
+    with (
+        httpx.Client(base_url=base, transport=loopback()) as client,
+        httpx.Client(transport=loopback()) as inner,
+        ToolInvoker(
+            base, client=inner, journal=SQLiteJournal(folder / "hits.sqlite3"), **options
+        ) as invoker,
+    ):
+        for step in steps:  # the tool marks no replays: a repeat is the journal's to answer
+            assert invoker.invoke(step).source == "tool"
+
+        def plain(step: Step) -> None:
+            response = client.post(PATH, headers=headers(step), content=step.body)
+            assert response.status_code == 201
+            response.json()
+
+        def hit(step: Step) -> None:
+            assert invoker.invoke(step).source == "journal"
+
+        clock = time.process_time
+        return abba(
+            rounds, sync_slot(plain, steps, clock=clock), sync_slot(hit, steps, clock=clock)
+        )
+
+
+def loopback() -> httpx.BaseTransport:
+    return httpx.HTTPTransport(socket_options=NODELAY)
 
 
 def mock() -> httpx.BaseTransport:
@@ -212,7 +259,9 @@ async def async_pairs(
     async with (
         httpx.AsyncClient(base_url=url, transport=transport) as client,
         httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY)) as inner,
-        AsyncToolInvoker(url, client=inner, route_template="/tools/{tool}", hooks=()) as invoker,
+        AsyncToolInvoker(
+            url, client=inner, route_template="/tools/{tool}", **PLAIN_PATH
+        ) as invoker,
     ):
 
         async def plain(step: Step) -> None:
@@ -308,9 +357,6 @@ def main() -> None:
     with servers(["bare"], {}) as running:
         url = f"http://127.0.0.1:{running['bare'].port}"
 
-        def loopback() -> httpx.BaseTransport:
-            return httpx.HTTPTransport(socket_options=NODELAY)
-
         rows.append(
             row(
                 "sync, loopback uvicorn process",
@@ -319,6 +365,15 @@ def main() -> None:
                 baseline="httpx.Client.post",
             )
         )
+        with tempfile.TemporaryDirectory() as folder:
+            rows.append(
+                row(
+                    "sync, journal hit (SQLite), loopback: answered without sending",
+                    journal_hit_pairs(url, n_loop, rounds, Path(folder)),
+                    agentkey="ToolInvoker.invoke from its journal",
+                    baseline="httpx.Client.post",
+                )
+            )
         rows += [
             row(
                 f"async, {tasks} concurrent, loopback",
@@ -343,9 +398,11 @@ def main() -> None:
         path = write_results(
             "invoker",
             {
-                "method": "ABBA rounds, ratio per round = B/A; client CPU from thread_time "
-                "(in-process) or process_time (loopback); the server is a separate uvicorn "
-                "process (1 worker, loopback)",
+                "method": "ABBA rounds, ratio per round = B/A; fresh steps (arguments of their "
+                "own); the invoker with journal=False, hooks=() except in the journal-hit row "
+                "(SQLite, steps answered once before the clock starts); client CPU from "
+                "thread_time (in-process) or process_time (loopback); the server is a separate "
+                "uvicorn process (1 worker, loopback); loadavg per row",
                 "sniffio_installed": sniffio_installed,
                 "failed_sniffio_import_us": round(failed, 1),
                 "rows": rows,

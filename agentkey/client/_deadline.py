@@ -58,18 +58,24 @@ def seconds_left(deadline: float | None) -> float | None:
 _DEADLINE: ContextVar[float | None] = ContextVar("agentkey_deadline", default=None)
 
 
-@contextmanager
-def deadline_scope(deadline: float | None) -> Iterator[None]:
+class deadline_scope:
     """Within it, every socket operation of a :class:`DeadlineTransport` ends by ``deadline``.
 
     ``deadline`` is on ``time.monotonic()``. A sync request does all its I/O in the
-    calling thread, so the context variable reaches the streams it uses.
+    calling thread, so the context variable reaches the streams it uses. (A class, not
+    a ``@contextmanager`` generator: it runs on every request.)
     """
-    token = _DEADLINE.set(deadline)
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)
+
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        self._token = _DEADLINE.set(self._deadline)
+
+    def __exit__(self, *exc: object) -> None:
+        _DEADLINE.reset(self._token)
 
 
 def _bounded(timeout: float | None, expired: type[Exception]) -> float | None:

@@ -130,6 +130,10 @@ class Outcome(str, enum.Enum):
         return cls.ANSWERED if value == "unknown" else None  # the former value
 
 
+#: Each outcome's member by its value: a dict look-up per call, not Enum's call machinery.
+_OUTCOMES: dict[str, Outcome] = {member.value: member for member in Outcome}
+
+
 class ToolResult(BaseModel):
     """The final answer of one step: what the tool said, and how agentkey got there.
 
@@ -490,7 +494,7 @@ class _InvokerBase:
             status_code=answer.status_code,
             body=parse_json(answer.content),
             headers=dict(answer.headers),
-            outcome=Outcome(done.outcome),
+            outcome=_OUTCOMES.get(done.outcome) or Outcome(done.outcome),
             idempotency_key=done.key,
             label=done.label,
             attempts=done.attempts,

@@ -224,7 +224,7 @@ def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
     """The first entry of ``names`` (see :data:`DEFAULT_REPLAY_HEADERS`) that marks
     ``answer`` as a replay, or None."""
     headers = answer.headers
-    for name, value, entry in replay_markers(tuple(names)):
+    for name, value, entry in replay_markers(names if type(names) is tuple else tuple(names)):
         got = headers.get(name)
         if got is not None and got.strip().lower() == value:
             return entry
@@ -1043,14 +1043,17 @@ def _poll_state(answer: Answer, body: object, ctx: CallContext) -> Decision:
 #: The header agentkey's middleware sets on every answer of a route it protects (and on an
 #: OPTIONS answer of such a route): the route honours Idempotency-Key.
 PROTECTED_HEADER = "Idempotency-Protected"
+_PROTECTED_LOWER = PROTECTED_HEADER.lower()  # Answer.headers keys are lowercase
 
 
 def _protected(answer: Answer) -> bool:
     """Whether ``answer`` carries ``Idempotency-Protected: true``: agentkey's middleware
     sent it for a route it protects (a ``not_run`` body alone may be a plain tool's or
     gateway's copy of a downstream service's answer, after its own side effect)."""
-    said = (answer.header(PROTECTED_HEADER) or "").lower().split(",")
-    return any(part.strip() in ("true", "?1", "1") for part in said)
+    said = answer.headers.get(_PROTECTED_LOWER)
+    if not said:  # the usual answer: no such header
+        return False
+    return any(part.strip() in ("true", "?1", "1") for part in said.lower().split(","))
 
 
 #: The kinds of evidence (:func:`key_evidence`) that show a route marks its replays: an
@@ -1066,12 +1069,16 @@ def ran_marker(answer: Answer, cfg: ProtocolConfig) -> bool:
     executed``, an ``Idempotent-Replayed: false``). Never when the invoker knows no
     replay header (``replay_headers=()``): a replay could not be seen then.
     """
-    if not cfg.replay_headers or replay_header(answer, cfg.replay_headers) is not None:
+    if not cfg.replay_headers:
         return False
-    if _protected(answer):
-        return True
-    headers = answer.headers
-    return any(headers.get(name) is not None for name, _, _ in replay_markers(cfg.replay_headers))
+    headers, present = answer.headers, False
+    for name, value, _ in replay_markers(cfg.replay_headers):  # one pass over the markers
+        got = headers.get(name)
+        if got is not None:
+            if got.strip().lower() == value:
+                return False  # a replay marker: the answer is a replay
+            present = True
+    return present or _protected(answer)
 
 
 def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:

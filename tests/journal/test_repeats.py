@@ -137,6 +137,31 @@ def test_a_fresh_call_costs_the_redis_journal_two_round_trips(redis_proc: Any) -
     assert plain.executions["charge"] == 41
 
 
+def test_a_fresh_call_costs_the_sqlite_journal_two_statements(tmp_path: Any) -> None:
+    """A fresh call's start carries its look-up for the same call at another step in its
+    one INSERT, and its end is one UPDATE: two statements (five before: BEGIN, SELECT,
+    INSERT, COMMIT, UPDATE); a repeat still finds the earlier step."""
+    from agentkey.journal import SQLiteJournal
+
+    plain = PlainTool()
+    journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    statements: list[str] = []
+    plan = PlanSession.new()
+    with (
+        serve(plain) as url,
+        ToolInvoker(url, journal=journal, route_template="/tools/{tool}") as tools,
+    ):
+        tools.invoke(plan.step(0, "charge", {"amount": 0}))  # opens, prunes, reads evidence
+        journal._connection().set_trace_callback(lambda sql: statements.append(sql.split()[0]))
+        for index in range(1, 11):
+            tools.invoke(plan.step(index, "charge", {"amount": index}))
+        assert statements == ["INSERT", "UPDATE"] * 10
+        repeat = tools.invoke(plan.step(11, "charge", {"amount": 3}))
+    journal.close()
+    assert repeat.repeat_of == "step_003"
+    assert plain.executions["charge"] == 11
+
+
 def test_listing_calls_on_redis_costs_two_round_trips_not_one_per_record(redis_proc: Any) -> None:
     """journal.calls() over 30 records (what an adapter's first-turn check reads): the index,
     then every record in one pipelined round trip (before: one GET per record, 31)."""
