@@ -524,16 +524,16 @@ class _Run:
 
         The tool's ``Retry-After`` is an upper bound, not a floor to sleep through (a
         peer may send its whole lease), so the answer comes soon after the holder ends;
-        the last question is asked before the deadline, not after it.
+        nor does it shorten the schedule's own growing wait (``Retry-After: 0`` would
+        spin). The last question is asked before the deadline, not after it.
         """
         left = self.deadline - self.s.clock()
         if left <= 0 or self.asked_last:
             return None
         schedule = self.s.in_flight
-        if hint is None:
-            wait = schedule.delay(tries)
-        else:
-            wait = max(min(hint, schedule.cap), schedule.initial)
+        wait = schedule.delay(tries)  # never sooner: a Retry-After of 0 cannot make it spin
+        if hint is not None:
+            wait = max(wait, min(hint, schedule.cap))
         margin = min(1.0, left / 2)  # time for the last question's own answer
         if wait >= left - margin:
             self.asked_last = True

@@ -26,13 +26,24 @@ def replay() -> Answer:
 
 
 def test_in_flight_answers_do_not_spend_max_attempts() -> None:
-    """max_attempts=1, twelve 409s, then the replay: the duplicate waits them all out."""
+    """max_attempts=1, twelve 409s, then the replay: the duplicate waits them all out, each
+    wait Retry-After (1 s) or the backoff's own growing wait (0.5 s by 1.5, to 2 s) if longer."""
     run = Run()
     flow = invoke(CALL, run.settings(RETRY.replace(max_attempts=1), POLL))
     done = run.drive(flow, [busy(retry_after="1")] * 12 + [replay()])
     assert done.replayed
     assert done.attempts == 13
-    assert run.slept == [1.0] * 12
+    assert run.slept == [1.0, 1.0, 1.125, 1.6875] + [2.0] * 8
+
+
+def test_retry_after_zero_does_not_shorten_the_backoff() -> None:
+    """Retry-After: 0 on a key in flight: the waits grow as without it, 0.5 s by 1.5 to 2 s
+    (before: initial_backoff each time; with a small one, a request every few ms)."""
+    run = Run()
+    flow = invoke(CALL, run.settings(RETRY.replace(max_attempts=1), POLL))
+    done = run.drive(flow, [busy(retry_after="0")] * 6 + [replay()])
+    assert done.replayed
+    assert run.slept == [0.5, 0.75, 1.125, 1.6875, 2.0, 2.0]
 
 
 @pytest.mark.parametrize("status", [409, 423])

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkey import ConfigurationError
+from agentkey import AsyncToolInvoker, ConfigurationError, PlanSession, ToolInvoker, ToolResult
 from agentkey._schedule import Backoff
+from agentkey.client import _invoker
+from agentkey.client._effects import Sleep
+from agentkey.client._invoker import _InvokerBase
+from tests._loopback import serve
 
 seconds = st.floats(0, 1e6, allow_nan=False)
 draws = st.floats(0, 1, exclude_max=True)
@@ -58,6 +67,13 @@ def test_full_jitter_scales_the_ceiling() -> None:
     assert backoff.delay(10**6, rng=lambda: 1.0) == 10.0  # no OverflowError
 
 
+def test_the_formula_is_overflow_safe_and_a_zero_start_stays_zero() -> None:
+    """Attempt 10**6 waits the cap (no OverflowError, int multiplier included), and a zero
+    initial waits 0 however many attempts (before: the cap, once 2.0 ** n overflowed)."""
+    assert Backoff(0.5, 10.0, 2).delay(10**6, rng=lambda: 1.0) == 10.0
+    assert Backoff(0.0, 5.0, 2.0, False).delay(10**6) == 0.0
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -93,3 +109,78 @@ def test_no_wait_is_below_the_floor(
     )  # fmt: skip
     wait = floored.delay(attempt, hint, rng=lambda: draw)
     assert wait == max(floor, backoff.delay(attempt, hint, rng=lambda: draw))
+
+
+# --- a key in flight elsewhere: Retry-After: 0 does not make the questions spin ----------
+
+
+class _Paced:
+    """The invoker's monotonic clock: it moves only when the invoker sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1e6
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, effect: Sleep) -> None:
+        self.now += effect.seconds
+
+    def asleep(self, effect: Sleep) -> Awaitable[None]:
+        self.now += effect.seconds
+        return asyncio.sleep(0)
+
+
+@dataclass
+class _Busy:
+    """A plain tool that answers 409 in_progress, Retry-After: 0, until ``clock`` passes
+    ``until``; then it runs. It counts the POSTs it got and its executions."""
+
+    clock: _Paced
+    until: float
+    posts: int = 0
+    executions: int = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        status, headers = 201, [(b"content-type", b"application/json")]
+        if scope["method"] == "POST":
+            self.posts += 1
+            if self.clock() < self.until:
+                status = 409
+                headers.append((b"retry-after", b"0"))
+            else:
+                self.executions += 1
+        body = json.dumps({"code": "in_progress"} if status == 409 else {"id": 1}).encode()
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_retry_after_zero_in_flight_is_paced_by_the_backoff(driver: str) -> None:
+    """409 in_progress + Retry-After: 0 for 30 s (the invoker's clock): the questions follow
+    the growing backoff, at most 20 requests (before: one per initial_backoff, 61)."""
+    clock = _Paced()
+    tool = _Busy(clock, clock.now + 30.0)
+    with serve(tool) as url, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_InvokerBase, "_clock", staticmethod(clock))
+        patch.setattr(_invoker, "_sleep", clock.sleep)
+        patch.setattr(_invoker, "_asleep", clock.asleep)
+        options: dict[str, Any] = {"route_template": "/tools/{tool}", "journal": False}
+        step = PlanSession.new().step(0, "charge", {"amount": 1})
+        if driver == "sync":
+            with ToolInvoker(url, **options) as invoker:
+                result = invoker.invoke(step)
+        else:
+
+            async def main() -> ToolResult:
+                async with AsyncToolInvoker(url, **options) as invoker:
+                    return await invoker.invoke(step)
+
+            result = asyncio.run(main())
+    assert result.status_code == 201
+    assert tool.executions == 1
+    assert 10 <= tool.posts <= 20, tool.posts
