@@ -50,21 +50,15 @@ def commit() -> str:
     """The checkout's commit (``git rev-parse --short HEAD``), ``+dirty`` when a tracked file
     differs from it; ``unknown`` outside a git checkout. ``report.py`` compares it with the
     last commit of the code a bench measures, to mark figures older than that code."""
+
+    def git(*args: str) -> str:
+        command = ["git", *args]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)  # noqa: S603
+        return done.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],  # noqa: S607
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],  # noqa: S607
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if changed else "")
