@@ -71,9 +71,12 @@ class Backoff:
         """
         if retry_after is not None:
             return max(self.floor, min(float(retry_after), self.max_retry_after))
-        state = tenacity.RetryCallState(_NO_ENGINE, fn=None, args=(), kwargs={})
-        state.attempt_number = max(1, attempt)
-        base = float(self._ceiling(state))
+        if self.initial == 0:
+            base = 0.0  # tenacity answers its cap once exp_base ** n overflows, even for 0
+        else:
+            state = tenacity.RetryCallState(_NO_ENGINE, fn=None, args=(), kwargs={})
+            state.attempt_number = max(1, attempt)
+            base = float(self._ceiling(state))
         if not self.jitter:
             return max(self.floor, base)
         if rng is None:
