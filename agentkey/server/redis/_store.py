@@ -170,10 +170,7 @@ class _Link:
                 if op.confirm and self.wait:
                     await self._run([op])
                 else:  # the common case, alone: straight to redis-py, nothing around it
-                    try:
-                        op.result = await self._alone(op)
-                    except redis_errors.ResponseError as exc:
-                        op.result = exc  # an error reply is an answer, as in _answer
+                    op.result = await _answer(self.client, op)
             finally:
                 self._busy -= 1
         else:
@@ -187,11 +184,6 @@ class _Link:
         if op.error is not None:
             raise op.error
         return op
-
-    async def _alone(self, op: _Op) -> Any:
-        """``op`` alone: straight to redis-py's ``execute_command`` (a connection of the
-        client's pool, under its ``Retry``)."""
-        return await self.client.execute_command(*op.args, **op.options)
 
     def _flush(self) -> None:
         batch, self._queue = self._queue, None
