@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._canonical import Profile, args_hash, canonical_json
+from ._clock import Clock
 from ._exceptions import (
     AgentKeyError,
     AuthError,
@@ -116,6 +117,7 @@ __all__ = [
     "AuthError",
     "CallEndEvent",
     "CallStartEvent",
+    "Clock",
     "ConfigurationError",
     "DelegationExpired",
     "GiveUpEvent",

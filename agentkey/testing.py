@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
+from ._clock import SkippingClock, set_default_clock
 from .client._checker import CheckReport, CheckResult, acheck_server, check_server
 from .client._policies import PollPolicy, RetryPolicy
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckReport",
     "CheckResult",
+    "FakeClock",
     "Reply",
     "ScriptedTool",
     "acheck_server",
@@ -51,6 +53,7 @@ __all__ = [
     "fast_poll_policy",
     "fast_retry_policy",
     "fast_token_policy",
+    "set_testing",
 ]
 
 _NO_JSON: Any = object()
@@ -215,3 +218,76 @@ def example_app(store: Store | None = None, **options: Any) -> Starlette:
 
     options.setdefault("shared_key_space", True)
     return make(store, **options)
+
+
+class FakeClock:
+    """A clock that moves only when told to, or when something sleeps on it.
+
+    Pass it as ``clock=`` to an invoker, a middleware, a store, a journal or a token
+    provider. ``sleep``/``asleep`` record the wait in :attr:`sleeps` and move the clock
+    on by it at once; :meth:`advance` moves it by hand. ``time()`` (the wall clock)
+    moves with ``monotonic()``. ``random()`` returns the entries of ``draws`` in turn
+    (then the last one again); the default ``0.5`` makes every jittered wait half its
+    ceiling.
+    """
+
+    def __init__(
+        self,
+        *,
+        start: float = 1000.0,
+        wall: float = 1_700_000_000.0,
+        draws: Iterable[float] = (0.5,),
+    ) -> None:
+        self._now = float(start)
+        self._offset = float(wall) - float(start)
+        self._draws = [float(d) for d in draws]
+        if not self._draws or not all(0.0 <= d < 1.0 for d in self._draws):
+            raise ValueError("FakeClock draws= must hold at least one number in [0, 1)")
+        #: Every wait asked of this clock, in seconds, in order.
+        self.sleeps: list[float] = []
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self._now:.3f}, {len(self.sleeps)} sleeps)"
+
+    def monotonic(self) -> float:
+        return self._now
+
+    def time(self) -> float:
+        return self._now + self._offset
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock on by ``seconds`` (>= 0)."""
+        if seconds < 0:
+            raise ValueError(f"a clock does not go back; got advance({seconds!r})")
+        self._now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self._now += max(0.0, seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        import anyio.lowlevel
+
+        self.sleeps.append(seconds)
+        self._now += max(0.0, seconds)
+        await anyio.lowlevel.checkpoint()  # let the other tasks run, as a real wait would
+
+    def random(self) -> float:
+        return self._draws.pop(0) if len(self._draws) > 1 else self._draws[0]
+
+
+def set_testing(testing: bool = True) -> None:
+    """Turn testing mode on (or off): no real waits, and an in-memory journal.
+
+    For a user's own test suite (call it in a fixture or ``conftest.py``). Objects
+    built afterwards with no ``clock=`` use a clock whose waits return at once while
+    the time they would have taken still counts, so retry schedules, 409 waits and polls
+    run in microseconds and deadlines still expire. Invokers built afterwards with no
+    ``journal=`` (and no ``$AGENTKEY_JOURNAL``) journal in memory, never in the user's
+    data directory. ``set_testing(False)`` restores the system clock and the default
+    journal for objects built after it.
+    """
+    from .journal import _default
+
+    set_default_clock(SkippingClock() if testing else None)
+    _default.set_testing(testing)

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / "agentkey"
 LAYERS: dict[str, int] = {
     # 0: pure core. No I/O, no clock of its own.
     "agentkey._canonical": 0,
+    "agentkey._clock": 0,
     "agentkey.client._drive": 0,
     "agentkey.client._effects": 0,
     "agentkey.client._evidence": 0,
@@ -229,6 +230,7 @@ def test_rules_see_every_layer() -> None:
 #: The shared modules: what both halves build on. They stay at the top of the package.
 SHARED = {
     "agentkey._canonical",
+    "agentkey._clock",
     "agentkey._exceptions",
     "agentkey._keys",
     "agentkey._plan",

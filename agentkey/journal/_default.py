@@ -12,7 +12,7 @@ from ._base import Journal
 from ._memory import MemoryJournal
 from ._sqlite import SQLiteJournal, UnsafeJournal, default_journal_path
 
-__all__ = ["ENV", "resolve_journal"]
+__all__ = ["ENV", "resolve_journal", "set_testing"]
 
 #: Environment variable naming the default journal: a file path, ``memory`` or ``off``.
 ENV = "AGENTKEY_JOURNAL"
@@ -20,6 +20,15 @@ ENV = "AGENTKEY_JOURNAL"
 _logger = logging.getLogger("agentkey")
 _shared: dict[str, Journal] = {}
 _lock = threading.Lock()
+_testing = False
+
+
+def set_testing(testing: bool) -> None:
+    """In testing mode an invoker given no journal (and no ``$AGENTKEY_JOURNAL``) gets its own
+    in-memory journal: nothing is written to the user's data directory, and no test's calls
+    are found by another test's invoker."""
+    global _testing
+    _testing = testing
 
 
 def resolve_journal(journal: Any) -> Journal | None:
@@ -44,6 +53,8 @@ def resolve_journal(journal: Any) -> Journal | None:
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() in ("off", "none", "false", "0"):
         return None
+    if _testing and not setting:
+        return MemoryJournal()  # one per invoker: no test sees another test's calls
     with _lock:
         name = setting or str(default_journal_path())
         found = _shared.get(name)
