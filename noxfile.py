@@ -2,7 +2,8 @@
 
 - ``nox -s tests``: the default suite on the Python running nox (a few minutes).
 - ``nox -s tests_all``: the default suite on every supported Python that can be found.
-- ``nox -s long``: the long suites (Redis Cluster, kill runs, long property profiles).
+- ``nox -s long``: the long and real-time suites (Redis Cluster, kill runs, agent runtimes
+  restarted in new processes, long property profiles).
 - ``nox -s chaos``: the fault-injection suite, 100,000 steps (``-- quick``: CI's 2,000).
 - ``nox -s lowest``: each extra at the lowest versions pyproject.toml allows, with its tests.
 - ``nox -s lint typecheck docs docs_examples bench``: the rest of CI.
@@ -96,14 +97,15 @@ def tests_all(session: nox.Session) -> None:
 
 @nox.session
 def long(session: nox.Session) -> None:
-    """Long suites: Redis Cluster, SIGKILL runs, Hypothesis's long profile."""
-    # The long-marked tests and every property test (Hypothesis marks its own tests), on the
-    # long Hypothesis profile. The rest of the suite already ran in `tests`/`tests_all`:
-    # running it again here cost CI about 7 minutes for nothing.
+    """Long and real-time suites: Redis Cluster, SIGKILL runs, restarts, Hypothesis's long profile."""
+    # The long-marked tests, the real-time ones (processes killed and restarted, agent
+    # runtimes on their own timers: the default suite leaves them out, so that it passes on
+    # a loaded machine) and every property test (Hypothesis marks its own tests), on the
+    # long Hypothesis profile. The rest of the suite already ran in `tests`/`tests_all`.
     _pytest(
         session,
         "-m",
-        "(long or hypothesis) and not chaos and not docs_install",
+        "(long or realtime or hypothesis) and not chaos and not docs_install",
         "--hypothesis-profile",
         "long",
     )
