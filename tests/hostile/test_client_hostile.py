@@ -110,6 +110,7 @@ def _drip(from_start: bool) -> Handler:
     return handler
 
 
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 @pytest.mark.parametrize("driver", ["sync", "async"])
 @pytest.mark.parametrize("from_start", [True, False], ids=["headers-drip", "body-drip"])
 def test_deadline_bounds_a_dripping_server(driver: str, from_start: bool) -> None:
@@ -224,6 +225,7 @@ def test_foreign_polls_carry_nothing_of_a_user_client(driver: str) -> None:
     assert jar == {"session": "abc"}  # the status origin's cookie never reached the user's jar
 
 
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 @pytest.mark.parametrize("driver", ["sync", "async"])
 def test_deadline_bounds_a_dripping_poll(driver: str) -> None:
     """After a 202, a status URL that drips is cut at the caller's deadline: PollTimeout."""
@@ -268,6 +270,7 @@ def test_locked_retry_after_is_capped_by_the_deadline(driver: str) -> None:
     assert elapsed < 0.5 + 1.5, f"took {elapsed:.2f} s"
 
 
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 def test_deadline_bounds_a_drip_on_a_reused_connection() -> None:
     """Sync: headers dripping over a kept-alive connection (a retry reuses it) end in time."""
     answered: list[int] = []

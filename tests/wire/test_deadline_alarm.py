@@ -52,6 +52,7 @@ def other_request(seconds: float, *, ended: bool) -> Iterator[None]:
     [(60.0, False), (0.5, True)],
     ids=["alarm-asleep-until-a-later-deadline", "alarm-asleep-until-an-ended-request"],
 )
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 def test_dripping_headers_are_cut_at_the_deadline_whatever_the_alarm_sleeps_until(
     seconds: float, ended: bool
 ) -> None:

@@ -86,6 +86,7 @@ async def test_httpx2_errors_take_the_core_categories() -> None:
         assert reply.description == "ConnectError"
 
 
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_the_deadline_cuts_a_drip_through_httpx2(kind: str) -> None:
     """The call's deadline ends a one-byte-per-100-ms answer read through an httpx2 client."""

@@ -48,6 +48,7 @@ def test_no_private_reach_into_httpx_or_httpcore(path: Path) -> None:
     assert not found, f"{path.name} reaches into {', '.join(found)}"
 
 
+@pytest.mark.realtime  # real time: a socket deadline against a dripping peer
 def test_a_reused_connections_drip_ends_at_the_deadline_without_any_alarm() -> None:
     """agentkey's own sync client: a header drip on a pooled connection ends by the deadline.
 
