@@ -12,7 +12,7 @@ from ._base import Journal
 from ._memory import MemoryJournal
 from ._sqlite import SQLiteJournal, UnsafeJournal, default_journal_path
 
-__all__ = ["ENV", "resolve_journal", "set_testing"]
+__all__ = ["ENV", "is_testing", "resolve_journal", "set_testing"]
 
 #: Environment variable naming the default journal: a file path, ``memory`` or ``off``.
 ENV = "AGENTKEY_JOURNAL"
@@ -29,6 +29,11 @@ def set_testing(testing: bool) -> None:
     are found by another test's invoker."""
     global _testing
     _testing = testing
+
+
+def is_testing() -> bool:
+    """Whether testing mode is on (for ``set_testing`` to restore it)."""
+    return _testing
 
 
 def resolve_journal(journal: Any) -> Journal | None:
