@@ -311,9 +311,10 @@ def set_testing(testing: bool = True) -> AbstractContextManager[None]:
     with no ``clock=`` (invokers, token providers, middlewares, stores, journals) use a
     clock whose waits return at once while the time they would have taken still counts,
     so a production retry schedule, 409 waits and polls run in microseconds and deadlines
-    still expire. Invokers built afterwards with no ``journal=`` (and no
-    ``$AGENTKEY_JOURNAL``) get a journal in memory of their own: nothing is written to the
-    user's data directory, and no test's invoker answers a call from another test's record.
+    still expire. Invokers built afterwards with no ``journal=`` get a journal in memory
+    of their own, whatever file ``$AGENTKEY_JOURNAL`` names (``off`` still means none):
+    nothing is written to the user's data directory or the agent's journal, and no test's
+    invoker answers a call from another test's record.
 
     ``set_testing(False)`` restores the system clock and the default journal for objects
     built after it. Used as a context manager, it restores whatever was in force before

@@ -177,6 +177,24 @@ def test_set_testing_false_restores_the_system_clock_and_the_default_journal(
         set_testing(False)
 
 
+def test_testing_mode_keeps_tests_out_of_the_journal_agentkey_journal_names(
+    testing_mode: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """$AGENTKEY_JOURNAL set for the agent's own runs (a file, or memory shared by the
+    process): under set_testing each invoker still journals in memory of its own and the
+    file is never created; "off" still means no journal (before: the file was used)."""
+    agents = tmp_path / "agent" / "journal.sqlite3"
+    for setting in (str(agents), "memory"):
+        monkeypatch.setenv(ENV, setting)
+        one, two = _default.resolve_journal(None), _default.resolve_journal(None)
+        assert isinstance(one, MemoryJournal)
+        assert isinstance(two, MemoryJournal)
+        assert one is not two
+    assert not agents.parent.exists()
+    monkeypatch.setenv(ENV, "off")
+    assert _default.resolve_journal(None) is None
+
+
 def test_a_journal_built_in_testing_mode_runs_on_the_skipping_clock(testing_mode: Path) -> None:
     """A journal built with no clock in testing mode dates its records on the skipping
     clock: a wait skipped there makes its evidence that much older."""
