@@ -163,7 +163,7 @@ _IN_FLIGHT: set[str] = set()
 
 
 def current_process() -> str:
-    """``<host>:<pid>:<random>``: this process, told apart from an earlier one with its pid."""
+    """``<host>:<pid>:<nonce>``: this process, told apart from an earlier one with its pid."""
     global _process
     pid = os.getpid()
     if _process is None or _process[0] != pid:  # first use, or a forked child
@@ -172,7 +172,7 @@ def current_process() -> str:
 
 
 def current_owner() -> str:
-    """A new owner name for one call of this process: ``<host>:<pid>:<random>:<n>``."""
+    """A new owner name for one call of this process: ``<host>:<pid>:<nonce>:<n>``."""
     return f"{current_process()}:{next(_calls)}"
 
 

@@ -335,3 +335,35 @@ def test_the_retention_deletes_ended_calls_and_keeps_calls_in_doubt(tmp_path: Pa
     assert again.get(doubt.key) == doubt
     assert [r.key for r in again.calls(states=[CallState.PENDING])] == [doubt.key]
     again.close()
+
+
+def test_an_open_sqlite_journal_prunes_every_ten_minutes_of_its_clock(tmp_path: Path) -> None:
+    """Besides pruning as it opens, an open SQLite journal prunes when a call begins ten
+    minutes (on its clock's monotonic time) after it last did: not at 599 s, at 601 s."""
+    clock = FakeClock(wall=NOW)
+    journal = SQLiteJournal(tmp_path / "journal.sqlite3", retention=60, clock=clock)
+    done = record("plan-p", 0, now=NOW, state=CallState.ANSWERED, status_code=201)
+    journal.begin(done)
+    clock.advance(599)
+    journal.begin(record("plan-p", 1, now=clock.time()))
+    assert journal.get(done.key) == done  # past its retention, but no prune is due yet
+    clock.advance(2)
+    journal.begin(record("plan-p", 2, now=clock.time()))
+    assert journal.get(done.key) is None
+    journal.close()
+
+
+def test_sqlite_reads_a_routes_evidence_again_a_minute_after_on_its_clock(tmp_path: Path) -> None:
+    """A SQLite journal trusts evidence it read or learnt for a minute of its clock, then reads
+    the file again: evidence another process forgot is still given at 59 s, not at 61 s."""
+    clock = FakeClock(wall=NOW)
+    path = tmp_path / "journal.sqlite3"
+    mine, other = SQLiteJournal(path, clock=clock), SQLiteJournal(path, clock=clock)
+    mine.learn(ROUTE, "protection header")
+    assert other.forget(ROUTE) is True
+    clock.advance(59)
+    assert mine.begin(record("plan-c", 0, now=clock.time())).evidence == "protection header"
+    clock.advance(2)
+    assert mine.begin(record("plan-c", 1, now=clock.time())).evidence is None
+    mine.close()
+    other.close()
