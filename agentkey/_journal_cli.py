@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ._clock import SYSTEM
 from ._exceptions import AgentKeyError, ConfigurationError, JournalError
 from ._keys import shown_key
 from .client._net import redact_url
@@ -351,14 +352,14 @@ def _clean(text: str, limit: int = 60) -> str:
 
 def _list(ns: argparse.Namespace, journal: Any) -> int:
     states = [CallState(s) for s in ns.state] if ns.state else None
-    now = time.time()
+    now = SYSTEM.time()
     rows = [_row(r, now) for r in journal.calls(plan=ns.plan, states=states, limit=ns.limit)]
     _print(rows, ns.json)
     return EXIT_OK
 
 
 def _doubt(ns: argparse.Namespace, journal: Any) -> int:
-    now = time.time()
+    now = SYSTEM.time()
     found = journal.calls(
         plan=ns.plan, states=[CallState.IN_DOUBT, CallState.PENDING], limit=ns.limit
     )
@@ -372,7 +373,7 @@ def _show(ns: argparse.Namespace, journal: Any) -> int:
     if record is None:
         print(f"agentkey: no call {ns.key!r} in the journal", file=sys.stderr)
         return EXIT_FOUND_NOTHING
-    row = _row(record, time.time())
+    row = _row(record, SYSTEM.time())
     row["created"] = record.created_at
     row["body_size"] = record.body_size
     row["status_url"] = redact_url(record.status_url) if record.status_url else None
@@ -401,7 +402,7 @@ def _settle(ns: argparse.Namespace, journal: Any) -> int:
     if settled is None:
         print(f"agentkey: no call {ns.key!r} in the journal", file=sys.stderr)
         return EXIT_FOUND_NOTHING
-    _print([_row(settled, time.time())], ns.json)
+    _print([_row(settled, SYSTEM.time())], ns.json)
     return EXIT_OK
 
 

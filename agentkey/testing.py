@@ -20,18 +20,24 @@ Import it explicitly (``import agentkey.testing``); ``import agentkey`` never lo
 - :func:`check_server` / :func:`acheck_server`: the protocol checker behind ``agentkey
   check``, which proves over HTTP that a running tool server honours the wire contract
   and returns a :class:`CheckReport` of :class:`CheckResult` rows.
+- :func:`set_testing`: for a whole suite, no real waits and an in-memory journal per
+  invoker for everything built with no ``clock=`` and no ``journal=``.
+- :class:`FakeClock`: the clock to pass as ``clock=`` when a test asserts on a schedule:
+  it moves only when told to, and records every wait.
 """
 
 from __future__ import annotations
 
 import json as _json
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
-from ._clock import SkippingClock, set_default_clock
+from ._clock import Clock, SkippingClock, default_clock, set_default_clock
+from ._exceptions import ConfigurationError
 from .client._checker import CheckReport, CheckResult, acheck_server, check_server
 from .client._policies import PollPolicy, RetryPolicy
 
@@ -276,18 +282,56 @@ class FakeClock:
         return self._draws.pop(0) if len(self._draws) > 1 else self._draws[0]
 
 
-def set_testing(testing: bool = True) -> None:
-    """Turn testing mode on (or off): no real waits, and an in-memory journal.
+class _TestingMode:
+    """What :func:`set_testing` returns: leaving its ``with`` block restores what was before."""
 
-    For a user's own test suite (call it in a fixture or ``conftest.py``). Objects
-    built afterwards with no ``clock=`` use a clock whose waits return at once while
-    the time they would have taken still counts, so retry schedules, 409 waits and polls
-    run in microseconds and deadlines still expire. Invokers built afterwards with no
-    ``journal=`` (and no ``$AGENTKEY_JOURNAL``) journal in memory, never in the user's
-    data directory. ``set_testing(False)`` restores the system clock and the default
-    journal for objects built after it.
+    __slots__ = ("_before",)
+
+    def __init__(self, before: tuple[Clock, bool]) -> None:
+        self._before = before
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        from .journal import _default
+
+        clock, journal = self._before
+        set_default_clock(clock)
+        _default.set_testing(journal)
+
+    def __repr__(self) -> str:
+        return f"<agentkey testing mode; leaving it restores {self._before[0]!r}>"
+
+
+def set_testing(testing: bool = True) -> AbstractContextManager[None]:
+    """Turn testing mode on (or off): no real waits, and an in-memory journal per invoker.
+
+    For a user's own test suite, in a fixture or ``conftest.py``. Objects built afterwards
+    with no ``clock=`` (invokers, token providers, middlewares, stores, journals) use a
+    clock whose waits return at once while the time they would have taken still counts,
+    so a production retry schedule, 409 waits and polls run in microseconds and deadlines
+    still expire. Invokers built afterwards with no ``journal=`` get a journal in memory
+    of their own, whatever file ``$AGENTKEY_JOURNAL`` names (``off`` still means none):
+    nothing is written to the user's data directory or the agent's journal, and no test's
+    invoker answers a call from another test's record.
+
+    ``set_testing(False)`` restores the system clock and the default journal for objects
+    built after it. Used as a context manager, it restores whatever was in force before
+    it, on or off::
+
+        @pytest.fixture(autouse=True)
+        def agentkey_testing():
+            with agentkey.testing.set_testing():
+                yield
+
+    Objects already built keep the clock and journal they were built with.
     """
+    if not isinstance(testing, bool):
+        raise ConfigurationError(f"set_testing takes True or False, got {testing!r}")
     from .journal import _default
 
+    before = (default_clock(), _default.is_testing())
     set_default_clock(SkippingClock() if testing else None)
     _default.set_testing(testing)
+    return _TestingMode(before)

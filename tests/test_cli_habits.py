@@ -15,7 +15,7 @@ from agentkey import PlanSession
 from agentkey._keys import shown_key
 from agentkey.cli import EXIT_OK, main
 from agentkey.journal import CallRecord, CallState, SQLiteJournal
-from agentkey.testing import CheckResult, check_server, example_app
+from agentkey.testing import CheckResult, FakeClock, check_server, example_app
 from tests._loopback import RedisServer, free_port, serve
 
 ARGS = {"region": "eu-west-1", "size": "m5.large"}
@@ -41,7 +41,7 @@ def _journal(path: Path) -> CallRecord:
         status_code=201,
         body=b'{"ok":true}',
     )
-    journal = SQLiteJournal(path, clock=lambda: WHEN)
+    journal = SQLiteJournal(path, clock=FakeClock(wall=WHEN))
     journal.begin(record)
     journal.close()
     return record

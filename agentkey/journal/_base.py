@@ -7,10 +7,10 @@ import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import Collection, Sequence
 from typing import Protocol, runtime_checkable
 
+from .._clock import Clock, default_clock
 from .._exceptions import ConfigurationError, JournalError
 from .._keys import shown_key
 from ._records import SETTLED, Begun, CallRecord, CallState, Evidence, repeats_among, route_of
@@ -31,6 +31,7 @@ __all__ = [
     "current_process",
     "in_flight",
     "is_live",
+    "journal_clock",
     "malformed",
     "missed_finish",
     "prunable",
@@ -162,7 +163,7 @@ _IN_FLIGHT: set[str] = set()
 
 
 def current_process() -> str:
-    """``<host>:<pid>:<random>``: this process, told apart from an earlier one with its pid."""
+    """``<host>:<pid>:<nonce>``: this process, told apart from an earlier one with its pid."""
     global _process
     pid = os.getpid()
     if _process is None or _process[0] != pid:  # first use, or a forked child
@@ -171,7 +172,7 @@ def current_process() -> str:
 
 
 def current_owner() -> str:
-    """A new owner name for one call of this process: ``<host>:<pid>:<random>:<n>``."""
+    """A new owner name for one call of this process: ``<host>:<pid>:<nonce>:<n>``."""
     return f"{current_process()}:{next(_calls)}"
 
 
@@ -444,6 +445,19 @@ def check_journal_options(max_body_bytes: object, retention: object) -> tuple[in
     return max_body_bytes, float(retention)
 
 
-def now_wall() -> float:
-    """Unix time in seconds: journal records outlive processes, so they use the wall clock."""
-    return time.time()
+def journal_clock(clock: object) -> Clock:
+    """The clock a journal runs on: ``clock``, or the default one (read now, when it is built).
+
+    Record times, evidence expiry and lease ages are on its wall clock (``time()``): records
+    outlive processes. What a journal measures within this process (how long ago it pruned,
+    read evidence) is on its ``monotonic()``.
+    """
+    if clock is None:
+        return default_clock()
+    if not isinstance(clock, Clock):
+        raise ConfigurationError(
+            f"clock must be an agentkey Clock (agentkey.testing.FakeClock in tests), got "
+            f"{clock!r}; a journal no longer takes a function of Unix seconds: pass "
+            "FakeClock(wall=...) and move it with advance()"
+        )
+    return clock

@@ -12,7 +12,7 @@ from ._base import Journal
 from ._memory import MemoryJournal
 from ._sqlite import SQLiteJournal, UnsafeJournal, default_journal_path
 
-__all__ = ["ENV", "resolve_journal", "set_testing"]
+__all__ = ["ENV", "is_testing", "resolve_journal", "set_testing"]
 
 #: Environment variable naming the default journal: a file path, ``memory`` or ``off``.
 ENV = "AGENTKEY_JOURNAL"
@@ -24,11 +24,17 @@ _testing = False
 
 
 def set_testing(testing: bool) -> None:
-    """In testing mode an invoker given no journal (and no ``$AGENTKEY_JOURNAL``) gets its own
-    in-memory journal: nothing is written to the user's data directory, and no test's calls
-    are found by another test's invoker."""
+    """In testing mode an invoker given no journal gets its own in-memory journal, whatever
+    file ``$AGENTKEY_JOURNAL`` names (``off`` still means none): nothing is written to the
+    user's data directory or to the agent's journal, and no test's calls are found by
+    another test's invoker."""
     global _testing
     _testing = testing
+
+
+def is_testing() -> bool:
+    """Whether testing mode is on (for ``set_testing`` to restore it)."""
+    return _testing
 
 
 def resolve_journal(journal: Any) -> Journal | None:
@@ -40,6 +46,8 @@ def resolve_journal(journal: Any) -> Journal | None:
     directory), a warning says so and the calls are journalled in memory only; a
     default directory or file that is not private to the user (another owner, a mode
     other users can read or write, a symlink) is refused with ConfigurationError.
+    In testing mode (``agentkey.testing.set_testing``) the default is a new
+    :class:`MemoryJournal` for each invoker instead, unless the setting is ``off``.
     """
     if journal is False:
         return None
@@ -53,7 +61,7 @@ def resolve_journal(journal: Any) -> Journal | None:
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() in ("off", "none", "false", "0"):
         return None
-    if _testing and not setting:
+    if _testing:  # a file set for the agent's own runs is not a test's to write to
         return MemoryJournal()  # one per invoker: no test sees another test's calls
     with _lock:
         name = setting or str(default_journal_path())

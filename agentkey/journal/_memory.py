@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
+from .._clock import Clock
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_RETENTION,
@@ -19,8 +20,8 @@ from ._base import (
     Evidence,
     check_journal_options,
     is_live,
+    journal_clock,
     missed_finish,
-    now_wall,
     prunable,
     repeats_among,
     settle_by_take_over,
@@ -43,7 +44,7 @@ class SyncJournal(ABC):
 
     supports_sync = True
     supports_async = True
-    clock: Callable[[], float]
+    _clock: Clock
 
     @abstractmethod
     def begin(
@@ -81,7 +82,7 @@ class SyncJournal(ABC):
     def settle(
         self, key: str, state: CallState, *, reason: str, force: bool = False
     ) -> CallRecord | None:
-        return settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
+        return settle_by_take_over(self, key, state, reason, force=force, now=self._clock.time())
 
     @abstractmethod
     def close(self) -> None: ...
@@ -120,7 +121,8 @@ class SyncJournal(ABC):
 class MemoryJournal(SyncJournal):
     """A journal held in this process's memory (thread-safe).
 
-    ``clock`` gives Unix seconds (default ``time.time``); tests pass their own.
+    ``clock``: the :class:`~agentkey.Clock` its record times and evidence expiry are read
+    on (default: the system clock; tests pass ``agentkey.testing.FakeClock``).
     """
 
     def __init__(
@@ -128,10 +130,10 @@ class MemoryJournal(SyncJournal):
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retention: float = DEFAULT_RETENTION,
-        clock: Callable[[], float] = now_wall,
+        clock: Clock | None = None,
     ) -> None:
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
-        self.clock = clock
+        self._clock = journal_clock(clock)
         self._records: dict[str, CallRecord] = {}
         self._evidence: dict[str, Evidence] = {}
         self._lock = threading.Lock()
@@ -141,7 +143,7 @@ class MemoryJournal(SyncJournal):
 
     def _evidence_of(self, route: str) -> str | None:
         found = self._evidence.get(route)
-        if found is None or self.clock() > found.expires_at:
+        if found is None or self._clock.time() > found.expires_at:
             return None
         return found.marker
 
@@ -155,7 +157,7 @@ class MemoryJournal(SyncJournal):
             existing = self._records.get(record.key)
             if existing is None:
                 self._records[record.key] = record
-            live = existing is not None and is_live(existing, self.clock())
+            live = existing is not None and is_live(existing, self._clock.time())
             return Begun(existing, self._evidence_of(record.route), live)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
@@ -216,7 +218,7 @@ class MemoryJournal(SyncJournal):
         return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
     def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
-        now = self.clock()
+        now = self._clock.time()
         expires = now + (EVIDENCE_TTL if ttl is None else ttl)
         with self._lock:
             known = self._evidence.get(route)
@@ -224,7 +226,7 @@ class MemoryJournal(SyncJournal):
             self._evidence[route] = Evidence(route, evidence, first, now, expires)
 
     def evidence(self) -> list[Evidence]:
-        now = self.clock()
+        now = self._clock.time()
         with self._lock:
             for route in [r for r, e in self._evidence.items() if now > e.expires_at]:
                 del self._evidence[route]
@@ -236,7 +238,7 @@ class MemoryJournal(SyncJournal):
             return self._evidence.pop(route, None) is not None
 
     def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
-        now = self.clock()
+        now = self._clock.time()
         cutoff = now - older_than
         with self._lock:
             old = [

@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+from .._clock import Clock
 from .._exceptions import ConfigurationError, JournalError, missing_extra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
@@ -41,7 +42,7 @@ from ._base import (
     check_journal_options,
     finish_missed,
     is_live,
-    now_wall,
+    journal_clock,
     prunable,
     repeats_among,
     settle_by_take_over,
@@ -221,7 +222,7 @@ class PostgresJournal:
         retention: float = DEFAULT_RETENTION,
         statement_timeout: float = 5.0,
         table: str = "agentkey_calls",
-        clock: Callable[[], float] = now_wall,
+        clock: Clock | None = None,
     ) -> None:
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
         if not isinstance(conninfo, str) or not conninfo:
@@ -248,7 +249,7 @@ class PostgresJournal:
             f"-c lock_timeout={int(statement_timeout * 1000)} "
             f"-c idle_in_transaction_session_timeout={int(statement_timeout * 1000)}",
         }
-        self.clock = clock
+        self._clock = journal_clock(clock)
         self._pool: ConnectionPool[psycopg.Connection[Any]] | None = None
         self._apool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._schema = False
@@ -361,7 +362,7 @@ class PostgresJournal:
         self._run(self._sql.learn, self._learn_params(route, evidence, ttl))
 
     def evidence(self) -> list[Evidence]:
-        now = self.clock()
+        now = self._clock.time()
         self._run(self._sql.expire_evidence, (now,))
         rows = self._run(self._sql.evidence, (now,), rows=True)
         return [Evidence(r, str(m), f, s, e) for r, m, f, s, e in rows]
@@ -372,10 +373,10 @@ class PostgresJournal:
     def settle(
         self, key: str, state: CallState, *, reason: str, force: bool = False
     ) -> CallRecord | None:
-        return settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
+        return settle_by_take_over(self, key, state, reason, force=force, now=self._clock.time())
 
     def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
-        now = self.clock()
+        now = self._clock.time()
         cutoff = now - older_than
         ended = [s.value for s in SETTLED]
         count: int = self._run(self._sql.prune, (cutoff, ended))
@@ -485,7 +486,7 @@ class PostgresJournal:
     # --- shared --------------------------------------------------------------------------
 
     def _learn_params(self, route: str, evidence: str, ttl: float | None) -> tuple[Any, ...]:
-        now = self.clock()
+        now = self._clock.time()
         return (route, evidence, now, now, now + (EVIDENCE_TTL if ttl is None else ttl), now)
 
     def _lock_id(self, record: CallRecord) -> int:
@@ -500,7 +501,7 @@ class PostgresJournal:
         return query, (self._lock_id(record), record.plan, record.args_hash, record.key)
 
     def _begin_params(self, record: CallRecord) -> tuple[Any, ...]:
-        return (*row_of_record(record), record.route, self.clock(), record.key)
+        return (*row_of_record(record), record.route, self._clock.time(), record.key)
 
     @staticmethod
     def _take_over_params(record: CallRecord, previous: CallRecord) -> tuple[Any, ...]:
@@ -515,5 +516,5 @@ class PostgresJournal:
     def _begun(self, row: Sequence[Any]) -> Begun:
         inserted, evidence, *rest = row
         existing = None if inserted or rest[0] is None else one_record(rest, repr(self))
-        live = existing is not None and is_live(existing, self.clock())
+        live = existing is not None and is_live(existing, self._clock.time())
         return Begun(existing, evidence, live)

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
+from .._clock import Clock
 from .._exceptions import ConfigurationError, JournalError, missing_extra
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
@@ -47,8 +48,8 @@ from ._base import (
     check_journal_options,
     finish_missed,
     is_live,
+    journal_clock,
     malformed,
-    now_wall,
     prunable,
     repeats_among,
     settle_by_take_over,
@@ -237,13 +238,13 @@ class RedisJournal:
         prefix: str = "agentkey:journal",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retention: float = DEFAULT_RETENTION,
-        clock: Callable[[], float] = now_wall,
+        clock: Clock | None = None,
     ) -> None:
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(f"prefix must be a non-empty str without braces: {prefix!r}")
         self.prefix = prefix
-        self.clock = clock
+        self._clock = journal_clock(clock)
         self._sync: redis.Redis | None = None
         self._async: aioredis.Redis | None = None
         self._url: str | None = None
@@ -357,7 +358,7 @@ class RedisJournal:
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
-        live = existing is not None and is_live(existing, self.clock())
+        live = existing is not None and is_live(existing, self._clock.time())
         return Begun(existing, self._evidence_of(evidence), live)
 
     def _evidence_data(self, route: str, raw: Any) -> Evidence | None:
@@ -375,7 +376,7 @@ class RedisJournal:
             )
         except (*_BAD, AttributeError):
             return None
-        return found if found.marker and self.clock() <= found.expires_at else None
+        return found if found.marker and self._clock.time() <= found.expires_at else None
 
     def _evidence_of(self, raw: Any) -> str | None:
         found = self._evidence_data("", raw)
@@ -384,7 +385,7 @@ class RedisJournal:
     def _learn_args(
         self, route: str, evidence: str, ttl: float | None = None
     ) -> tuple[list[str], list[Any]]:
-        now = self.clock()
+        now = self._clock.time()
         keys = [self._evidence_key(route), self._evidence_index]
         ttl = EVIDENCE_TTL if ttl is None else ttl
         ttl_ms = max(1, int(ttl * 1000))
@@ -492,7 +493,7 @@ class RedisJournal:
     def evidence(self) -> list[Evidence]:
         client = self._client()
         routes = [
-            _text(r) for r in client.zrangebyscore(self._evidence_index, self.clock(), "+inf")
+            _text(r) for r in client.zrangebyscore(self._evidence_index, self._clock.time(), "+inf")
         ]
         raws = client.mget([self._evidence_key(r) for r in routes]) if routes else []
         found = [self._evidence_data(r, raw) for r, raw in zip(routes, raws, strict=True)]
@@ -509,14 +510,14 @@ class RedisJournal:
     def settle(
         self, key: str, state: CallState, *, reason: str, force: bool = False
     ) -> CallRecord | None:
-        settled = settle_by_take_over(self, key, state, reason, force=force, now=self.clock())
+        settled = settle_by_take_over(self, key, state, reason, force=force, now=self._clock.time())
         if settled is not None:
             self._client().zadd(self._calls_key, {key: settled.updated_at})
         return settled
 
     def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
         client = self._client()
-        now = self.clock()
+        now = self._clock.time()
         cutoff = now - older_than
         count = 0
         for key in [_text(k) for k in client.zrangebyscore(self._calls_key, 0, cutoff)]:

@@ -23,10 +23,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._clock import Clock
 from .._exceptions import ConfigurationError, JournalError
 from ._base import (
     DEFAULT_MAX_BODY_BYTES,
@@ -39,9 +40,9 @@ from ._base import (
     Evidence,
     check_journal_options,
     is_live,
+    journal_clock,
     malformed,
     missed_finish,
-    now_wall,
     prunable,
     repeats_among,
 )
@@ -238,16 +239,20 @@ def _not_private(info: os.stat_result) -> bool:
 def _wal(conn: sqlite3.Connection) -> None:
     """Put the file in WAL mode. Two processes opening a new journal file at once: SQLite
     answers the second one's switch "database is locked" at once, without waiting in its
-    busy handler, so this waits for the first one's switch (at most the busy timeout)."""
-    deadline = time.monotonic() + _BUSY_TIMEOUT
+    busy handler, so this waits for the first one's switch (at most the busy timeout).
+
+    The wait is on another process's progress, as SQLite's own busy handler is: a skipping
+    or fake clock would give up on a switch that has not had the time to end, so it is real.
+    """
+    deadline = time.monotonic() + _BUSY_TIMEOUT  # real time: another process's WAL switch
     while True:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() >= deadline:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:  # real time: as above
                 raise
-        time.sleep(0.005)
+        time.sleep(0.005)  # real time: the other process needs the CPU to end its switch
 
 
 def _add_columns(conn: sqlite3.Connection) -> None:
@@ -345,7 +350,8 @@ class SQLiteJournal(SyncJournal):
     each), for records that must survive a power cut, not only a killed process.
     Records of ended calls untouched for ``retention`` seconds (a week) are
     deleted; a call in doubt is kept until it is settled. Answers over
-    ``max_body_bytes`` are not kept (their size is). ``clock`` gives Unix seconds.
+    ``max_body_bytes`` are not kept (their size is). ``clock`` (a :class:`~agentkey.Clock`;
+    default: the system clock) gives the record times; tests pass a ``FakeClock``.
 
     ``create=False`` opens an existing journal only: a missing file (a mistyped path)
     is an error naming it, and nothing is created (what ``agentkey journal`` uses).
@@ -360,7 +366,7 @@ class SQLiteJournal(SyncJournal):
         durable: bool = False,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retention: float = DEFAULT_RETENTION,
-        clock: Callable[[], float] = now_wall,
+        clock: Clock | None = None,
         create: bool = True,
     ) -> None:
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
@@ -368,14 +374,14 @@ class SQLiteJournal(SyncJournal):
         self._private = self.path == default_journal_path()
         self._create = bool(create)
         self.durable = bool(durable)
-        self.clock = clock
+        self._clock = journal_clock(clock)
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._closer: weakref.finalize[Any, Any] | None = None
         self._pruned = 0.0
-        # route -> (evidence, when it was read): read at most once a minute per route,
-        # so starting a call is one statement, not two.
+        # route -> (evidence, when it was read on the monotonic clock): read at most once a
+        # minute per route, so starting a call is one statement, not two.
         self._evidence_cache: dict[str, tuple[str | None, float]] = {}
         self._connection()  # fail at construction, not at the first call
 
@@ -441,8 +447,8 @@ class SQLiteJournal(SyncJournal):
         return conn
 
     def _prune_now(self, conn: sqlite3.Connection) -> int:
-        now = self.clock()
-        self._pruned = now
+        now = self._clock.time()
+        self._pruned = self._clock.monotonic()
         cursor = conn.execute(
             f"DELETE FROM agentkey_calls WHERE updated_at < ? AND {_ENDED_IN}",  # noqa: S608
             (now - self.retention, *_ENDED),
@@ -451,9 +457,9 @@ class SQLiteJournal(SyncJournal):
         return cursor.rowcount
 
     def _evidence(self, conn: sqlite3.Connection, route: str) -> str | None:
-        now = self.clock()
+        now, read = self._clock.time(), self._clock.monotonic()
         cached = self._evidence_cache.get(route)
-        if cached is not None and now - cached[1] < _EVIDENCE_READ_EVERY:
+        if cached is not None and read - cached[1] < _EVIDENCE_READ_EVERY:
             return cached[0]
         if len(self._evidence_cache) >= _EVIDENCE_CACHE:
             self._evidence_cache.clear()
@@ -462,7 +468,7 @@ class SQLiteJournal(SyncJournal):
             (route, now),
         ).fetchone()
         found = None if row is None else str(row[0])
-        self._evidence_cache[route] = (found, now)
+        self._evidence_cache[route] = (found, read)
         return found
 
     def begin(
@@ -470,7 +476,7 @@ class SQLiteJournal(SyncJournal):
     ) -> Begun:
         with self._lock:
             conn = self._connection()
-            if self._create and self.clock() - self._pruned > _PRUNE_EVERY:
+            if self._create and self._clock.monotonic() - self._pruned > _PRUNE_EVERY:
                 self._prune_now(conn)
             if not repeats:
                 return self._begin(conn, record)
@@ -503,7 +509,7 @@ class SQLiteJournal(SyncJournal):
         existing = None
         if not inserted:
             existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
-        live = existing is not None and is_live(existing, self.clock())
+        live = existing is not None and is_live(existing, self._clock.time())
         return Begun(existing, self._evidence(conn, record.route), live)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
@@ -589,14 +595,14 @@ class SQLiteJournal(SyncJournal):
         return records_of_rows(rows, repr(self))
 
     def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
-        now = self.clock()
+        now = self._clock.time()
         expires = now + (EVIDENCE_TTL if ttl is None else ttl)
         with self._lock:
-            self._evidence_cache[route] = (evidence, now)
+            self._evidence_cache[route] = (evidence, self._clock.monotonic())
             self._connection().execute(_LEARN, (route, evidence, now, now, expires, now))
 
     def evidence(self) -> list[Evidence]:
-        now = self.clock()
+        now = self._clock.time()
         with self._lock:
             rows = self._connection().execute(
                 f"SELECT route, evidence, coalesce(first_seen, seen_at), seen_at, {_EXPIRY} "  # noqa: S608
@@ -614,7 +620,7 @@ class SQLiteJournal(SyncJournal):
             return cursor.rowcount > 0
 
     def prune(self, *, older_than: float, include_unsettled: bool = False) -> int:
-        now = self.clock()
+        now = self._clock.time()
         cutoff = now - older_than
         with self._lock:
             conn = self._connection()

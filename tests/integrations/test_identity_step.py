@@ -25,8 +25,9 @@ from agentkey.client._protocol import Answer, ProtocolConfig
 from agentkey.journal import CallRecord, MemoryJournal
 from agentkey.journal._base import current_owner
 from agentkey.journal._records import Begun
+from agentkey.testing import FakeClock
 from tests.journal.conftest import journal_factory, postgres_proc
-from tests.journal.test_journal import MODES, NOW, Clock, Mode, call, record
+from tests.journal.test_journal import MODES, NOW, Mode, call, record
 
 __all__ = ["journal_factory", "postgres_proc"]  # the journal tests' fixtures, every kind
 
@@ -38,7 +39,7 @@ def test_begin_with_known_records_only_when_no_unseen_identical_call_exists(
     """begin(repeats=True, known=...): an identical call (any runtime call id) not among the
     known keys is returned, nothing written; once it is known, the call is written. Another
     tool's call with the same arguments never holds it back."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     first = record("a", created_at=NOW, call_id="call-1")
     assert call(journal, mode, "begin", first, repeats=True, known=()) == Begun(None, None)
     second = record("aa", created_at=NOW + 1, args_hash=first.args_hash, call_id="call-2")

@@ -21,20 +21,13 @@ import pytest
 from agentkey.cli import main
 from agentkey.journal import CallRecord, CallState, SQLiteJournal
 from agentkey.journal._base import current_owner
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer
 from tests._postgres import PostgresServer
 
 DAY = 24 * 3600.0
 NOW = 1_800_000_000.0
 ROUTE = "POST https://tools.test/charge"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def record(plan: str, n: int = 0, **fields: Any) -> CallRecord:
@@ -271,15 +264,15 @@ def test_evidence_is_a_record_refreshed_when_seen_again_and_forgotten_on_request
     no longer reports it; an expired one is neither listed nor used."""
     from agentkey.journal import Evidence
 
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     journal = journal_factory(clock=clock)
     journal.learn(ROUTE, "protection header")
     first = Evidence(ROUTE, "protection header", NOW, NOW, NOW + 30 * DAY)
     assert journal.evidence() == [first]
-    clock.now = NOW + 20 * DAY
+    clock.advance(20 * DAY)
     journal.learn(ROUTE, "replay marker")
     journal.learn("PATCH https://tools.test/charge", "protection header")
-    clock.now = NOW + 35 * DAY  # past 30 days from the first sight, not from the last
+    clock.advance(15 * DAY)  # day 35: past 30 days from the first sight, not from the last
     listed = journal.evidence()
     assert listed[1] == Evidence(ROUTE, "replay marker", NOW, NOW + 20 * DAY, NOW + 50 * DAY)
     assert [e.route for e in listed] == ["PATCH https://tools.test/charge", ROUTE]
@@ -288,7 +281,7 @@ def test_evidence_is_a_record_refreshed_when_seen_again_and_forgotten_on_request
     assert journal.forget(ROUTE) is False
     assert [e.route for e in journal.evidence()] == ["PATCH https://tools.test/charge"]
     assert journal.begin(record("plan-e", 1, route=ROUTE)).evidence is None
-    clock.now = NOW + 51 * DAY  # the PATCH route was last seen at day 20
+    clock.advance(16 * DAY)  # day 51: the PATCH route was last seen at day 20
     assert journal.evidence() == []
     journal.learn(ROUTE, "replay marker")  # seen afresh after it expired: a new first sight
     assert journal.evidence()[0].first_seen == NOW + 51 * DAY
@@ -328,7 +321,7 @@ def test_the_retention_deletes_ended_calls_and_keeps_calls_in_doubt(tmp_path: Pa
     """SQLite's own pruning after ``retention``: an answered call goes, a pending call whose
     sender is gone (in doubt) stays until settled (the old code deleted it, and the step
     could then be sent again)."""
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     path = tmp_path / "journal.sqlite3"
     journal = SQLiteJournal(path, retention=60, clock=clock)
     doubt = record("plan-r", 0, now=NOW)
@@ -336,9 +329,41 @@ def test_the_retention_deletes_ended_calls_and_keeps_calls_in_doubt(tmp_path: Pa
     journal.begin(doubt)
     journal.begin(done)
     journal.close()
-    clock.now = NOW + 3600
+    clock.advance(3600)
     again = SQLiteJournal(path, retention=60, clock=clock)  # prunes as it opens
     assert again.get(done.key) is None
     assert again.get(doubt.key) == doubt
     assert [r.key for r in again.calls(states=[CallState.PENDING])] == [doubt.key]
     again.close()
+
+
+def test_an_open_sqlite_journal_prunes_every_ten_minutes_of_its_clock(tmp_path: Path) -> None:
+    """Besides pruning as it opens, an open SQLite journal prunes when a call begins ten
+    minutes (on its clock's monotonic time) after it last did: not at 599 s, at 601 s."""
+    clock = FakeClock(wall=NOW)
+    journal = SQLiteJournal(tmp_path / "journal.sqlite3", retention=60, clock=clock)
+    done = record("plan-p", 0, now=NOW, state=CallState.ANSWERED, status_code=201)
+    journal.begin(done)
+    clock.advance(599)
+    journal.begin(record("plan-p", 1, now=clock.time()))
+    assert journal.get(done.key) == done  # past its retention, but no prune is due yet
+    clock.advance(2)
+    journal.begin(record("plan-p", 2, now=clock.time()))
+    assert journal.get(done.key) is None
+    journal.close()
+
+
+def test_sqlite_reads_a_routes_evidence_again_a_minute_after_on_its_clock(tmp_path: Path) -> None:
+    """A SQLite journal trusts evidence it read or learnt for a minute of its clock, then reads
+    the file again: evidence another process forgot is still given at 59 s, not at 61 s."""
+    clock = FakeClock(wall=NOW)
+    path = tmp_path / "journal.sqlite3"
+    mine, other = SQLiteJournal(path, clock=clock), SQLiteJournal(path, clock=clock)
+    mine.learn(ROUTE, "protection header")
+    assert other.forget(ROUTE) is True
+    clock.advance(59)
+    assert mine.begin(record("plan-c", 0, now=clock.time())).evidence == "protection header"
+    clock.advance(2)
+    assert mine.begin(record("plan-c", 1, now=clock.time())).evidence is None
+    mine.close()
+    other.close()

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from agentkey import JournalError
 from agentkey.journal import CallRecord, CallState
 from agentkey.journal._base import _IN_FLIGHT, SETTLED, current_owner
+from agentkey.testing import FakeClock
 
 AGENTS, KEYS = 3, 2
 START = 1_800_000_000.0
@@ -45,14 +46,6 @@ operation = st.one_of(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Agent:
     owner: str = field(default_factory=current_owner)
@@ -67,7 +60,7 @@ class Agent:
 class World:
     """The journal under test, the agents, and the truth: what the tool ran."""
 
-    def __init__(self, journal: Any, clock: Clock) -> None:
+    def __init__(self, journal: Any, clock: FakeClock) -> None:
         self.journal, self.clock = journal, clock
         self.plan = f"plan{uuid.uuid4().hex[:12]}"
         self.agents = [Agent() for _ in range(AGENTS)]
@@ -79,7 +72,7 @@ class World:
         return f"{self.plan}:step_{n:03d}:" + f"{n:064x}"
 
     def record(self, n: int, owner: str) -> CallRecord:
-        now = self.clock.now
+        now = self.clock.time()
         return CallRecord(key=self.key(n), plan=self.plan, step=f"step_{n:03d}", tool="charge",
                           args_hash=f"{n:064x}", route="POST http://127.0.0.1:9/tools/charge",
                           created_at=now, updated_at=now, owner=owner,
@@ -114,7 +107,7 @@ class World:
             return
         reached = who.holds.pop(n)
         state = CallState(outcome) if reached else CallState.NOT_SENT
-        now = self.clock.now
+        now = self.clock.time()
         done = self.record(n, who.owner).with_(state=state, updated_at=now)
         current = self.journal.get(self.key(n))
         assert current is not None, "the record of a call being sent vanished"
@@ -148,7 +141,7 @@ class World:
         elif name == "kill":
             self.agents[args[0]].die()
         elif name == "tick":
-            self.clock.now += 100
+            self.clock.advance(100)
         else:
             getattr(self, name)(*args)
         for n in range(KEYS):
@@ -170,8 +163,7 @@ def test_no_interleaving_runs_a_call_twice(
     """Any interleaving of begin, send, finish, settle, prune, kill and time passing: each
     call runs at most once (one more per wrong "did not run" verdict), and prune keeps
     every call in doubt."""
-    clock = Clock()
-    journal = _journal(journal_factory, clock)
+    journal, clock = _journal(journal_factory)
     world = World(journal, clock)
     try:
         for op in ops:
@@ -180,14 +172,12 @@ def test_no_interleaving_runs_a_call_twice(
         world.end()
 
 
-def _journal(factory: Callable[..., Any], clock: Clock) -> Any:
-    """One journal per test run (the factory's store), whose clock this example moves."""
-    journal = getattr(factory, "interleaved", None)
-    if journal is None:
-        journal = factory(clock=lambda: _clock[0]())
-        factory.interleaved = journal  # type: ignore[attr-defined]
-    _clock[0] = clock
-    return journal
-
-
-_clock: list[Clock] = [Clock()]
+def _journal(factory: Callable[..., Any]) -> tuple[Any, FakeClock]:
+    """One journal per test run (the factory's store) and its clock, which only moves on:
+    each example goes on from the time the one before it left (its plan is new)."""
+    made: tuple[Any, FakeClock] | None = getattr(factory, "interleaved", None)
+    if made is None:
+        clock = FakeClock(wall=START)
+        made = (factory(clock=clock), clock)
+        factory.interleaved = made  # type: ignore[attr-defined]
+    return made

@@ -14,23 +14,16 @@ from typing import Any
 
 import pytest
 
-from agentkey import JournalError
+from agentkey import ConfigurationError, JournalError
+from agentkey._clock import default_clock, set_default_clock
 from agentkey.journal import CallRecord, CallState
 from agentkey.journal._base import current_owner, current_process, in_flight, is_live
+from agentkey.testing import FakeClock
 
 Mode = str
 MODES = ("sync", "async")
 NOW = 1_800_000_000.0
-
-
-class Clock:
-    """Unix seconds that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
+ROUTE = "POST https://tools.test/charge"
 
 
 def call(journal: Any, mode: Mode, op: str, *args: Any, **kwargs: Any) -> Any:
@@ -66,12 +59,35 @@ def record(key_suffix: str = "a", *, plan: str = "plan-1", **fields: Any) -> Cal
     return CallRecord(**base)
 
 
+def test_a_journal_reads_time_on_the_clock_it_was_built_with(
+    journal_factory: Callable[..., Any],
+) -> None:
+    """With no clock=, a journal takes the default clock in force when it is built (the one
+    set_testing installs) and keeps it; a function of Unix seconds, the old clock=, is refused
+    by name (before: time.time always, and a FakeClock failed at the first call)."""
+    with pytest.raises(ConfigurationError, match=r"clock must be an agentkey Clock.*FakeClock"):
+        journal_factory(clock=lambda: NOW)
+    fake, before = FakeClock(wall=NOW), default_clock()
+    set_default_clock(fake)
+    try:
+        journal = journal_factory()
+    finally:
+        set_default_clock(before)
+    journal.learn(ROUTE, "protection header")
+    fake.advance(60)
+    journal.learn(ROUTE, "replay marker")
+    [seen] = journal.evidence()
+    assert (seen.first_seen, seen.last_seen) == (NOW, NOW + 60)
+    fake.advance(30 * 24 * 3600 + 1)  # 30 days after the last sight, on the journal's clock
+    assert journal.evidence() == []
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_begin_writes_once_and_then_returns_the_record(
     journal_factory: Callable[..., Any], mode: Mode
 ) -> None:
     """The first begin writes the record; a second begin of the key returns it, unchanged."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     first = record()
     begun = call(journal, mode, "begin", first)
     assert begun.existing is None
@@ -85,7 +101,7 @@ def test_take_over_is_compare_and_set_on_what_was_read(
     journal_factory: Callable[..., Any], mode: Mode
 ) -> None:
     """A take-over lands only if the record is still what the taker read (state, owner, time)."""
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     journal = journal_factory(clock=clock)
     first = record(state=CallState.IN_DOUBT, owner="gone:1:x:1")
     call(journal, mode, "begin", first)
@@ -99,7 +115,7 @@ def test_take_over_is_compare_and_set_on_what_was_read(
 @pytest.mark.parametrize("mode", MODES)
 def test_finish_lands_only_for_the_owner(journal_factory: Callable[..., Any], mode: Mode) -> None:
     """The end of a call is written over its record only while its owner holds it."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     first = record()
     call(journal, mode, "begin", first)
     done = first.with_(state=CallState.ANSWERED, status_code=201, body=b"\x00\xff{}", body_size=4)
@@ -120,7 +136,7 @@ def test_a_finish_over_an_operators_verdict_records_the_outcome_and_says_so(
     """A verdict written while the call was still being sent: the sender's finish raises
     JournalError (sent=True) and its outcome replaces the verdict; a record deleted meanwhile
     is written again, also with the error."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     first = record("a")
     call(journal, mode, "begin", first)
     verdict = first.with_(state=CallState.NOT_SENT, owner=None, source="operator",
@@ -150,7 +166,7 @@ def test_find_filters_a_plans_calls_oldest_first(
     journal_factory: Callable[..., Any], mode: Mode
 ) -> None:
     """find() lists one plan's records by creation time, by tool, args hash or call id."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     a = record("a", created_at=NOW + 2, call_id="call-a")
     b = record("b", created_at=NOW + 1, tool="refund", call_id="call-b")
     other = record("c", plan="plan-2")
@@ -180,7 +196,7 @@ def test_begin_with_repeats_returns_the_same_call_at_other_steps_and_writes_noth
     """begin(repeats=True): the plan's records of the same tool and arguments under other
     keys, oldest first, and nothing written; another tool, a runtime's call or another plan
     is no repeat; repeats=False writes as ever."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     first = record("a", created_at=NOW + 1)
     runtime = record("aa", created_at=NOW, args_hash=first.args_hash, call_id="call-1")
     for r in (first, runtime):
@@ -202,24 +218,24 @@ def test_begin_with_repeats_returns_the_same_call_at_other_steps_and_writes_noth
 @pytest.mark.parametrize("mode", MODES)
 def test_evidence_is_learnt_and_goes_stale(journal_factory: Callable[..., Any], mode: Mode) -> None:
     """What a route showed about honouring keys comes back with begin, for 30 days."""
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     journal = journal_factory(clock=clock)
     call(journal, mode, "learn", "POST https://tools.test/charge", "replay marker")
     assert call(journal, mode, "begin", record("a")).evidence == "replay marker"
     assert call(journal, mode, "begin", record("b", route="POST https://x/y")).evidence is None
-    clock.now += 31 * 24 * 3600
+    clock.advance(31 * 24 * 3600)
     assert call(journal, mode, "begin", record("c")).evidence is None
 
 
 def test_settle_calls_and_prune(journal_factory: Callable[..., Any]) -> None:
     """An operator's verdict lands whoever holds the record; old records are pruned."""
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     journal = journal_factory(clock=clock)
     a, b = record("a", state=CallState.IN_DOUBT), record("b")
     journal.begin(a)
     journal.begin(b)
     assert [r.key for r in journal.calls(states=[CallState.IN_DOUBT])] == [a.key]
-    clock.now += 5
+    clock.advance(5)
     settled = journal.settle(a.key, CallState.NOT_SENT, reason="checked the ledger")
     assert settled is not None
     assert (settled.state, settled.reason, settled.owner) == (
@@ -230,7 +246,7 @@ def test_settle_calls_and_prune(journal_factory: Callable[..., Any]) -> None:
     assert journal.calls(states=[CallState.IN_DOUBT]) == []
     assert journal.calls(plan="plan-1")[0].key == a.key  # newest change first
     assert journal.settle("plan-1:step_009:" + "f" * 64, CallState.NOT_SENT, reason="x") is None
-    clock.now += 3
+    clock.advance(3)
     assert journal.prune(older_than=4) == 0  # b is pending (its sender gone): kept
     assert journal.prune(older_than=4, include_unsettled=True) == 1  # b, untouched for 8 s
     assert journal.get(b.key) is None
@@ -242,7 +258,7 @@ def test_begin_says_whether_the_earlier_sender_is_alive(
     journal_factory: Callable[..., Any], mode: Mode
 ) -> None:
     """A pending record is live while its sender is: this process's in-flight call, a live pid."""
-    journal = journal_factory(clock=Clock())
+    journal = journal_factory(clock=FakeClock(wall=NOW))
     mine = record("a")
     call(journal, mode, "begin", mine)
     assert call(journal, mode, "begin", mine).live is False  # its owner is not sending now

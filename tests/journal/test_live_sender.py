@@ -24,6 +24,7 @@ import pytest
 from agentkey import JournalError, PlanSession, RetryPolicy, ToolInvoker, ToolResult
 from agentkey._keys import shown_key
 from agentkey.journal import CallRecord, CallState, SQLiteJournal
+from agentkey.testing import FakeClock
 from tests._loopback import serve
 from tests.journal._tools import PlainTool
 
@@ -66,7 +67,7 @@ def test_settle_and_prune_leave_a_call_that_is_being_sent_alone(
     pruned (even with include_unsettled, a day later); once it ended, settle refuses to
     overturn it unless forced. The tool runs the charge once (twice on the old code: the
     --not-run verdict let the next call send it again)."""
-    journal = journal_factory(clock=lambda: time.time() + DAY)  # every record looks old
+    journal = journal_factory(clock=FakeClock(wall=time.time() + DAY))  # every record looks old
     with sending(journal) as (plain, url, step, sent):
         key = step.idempotency_key
         for state in (CallState.NOT_SENT, CallState.ANSWERED):

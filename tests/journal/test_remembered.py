@@ -12,8 +12,9 @@ from agentkey import ConfigurationError
 from agentkey.client._checker import CheckReport, CheckResult
 from agentkey.client._remember import REMEMBERED, remember_check
 from agentkey.journal import Evidence, MemoryJournal
+from agentkey.testing import FakeClock
 
-from .test_integrity import NOW, ROUTE, Clock, record
+from .test_integrity import NOW, ROUTE, record
 
 DAY = 86400.0
 URL = "https://tools.test/charge"  # ROUTE is its POST
@@ -29,12 +30,12 @@ def test_remembered_evidence_lasts_its_own_days_then_is_neither_listed_nor_used(
 ) -> None:
     """A pass remembered for 7 days is listed with that expiry and given by begin(); a day
     later than that it is gone (before: learn() took no expiry, every entry lasted 30 days)."""
-    clock = Clock()
+    clock = FakeClock(wall=NOW)
     journal = journal_factory(clock=clock)
     assert remember_check(report("PASS"), URL, journal) == ROUTE
     assert journal.evidence() == [Evidence(ROUTE, REMEMBERED, NOW, NOW, NOW + 7 * DAY)]
     assert journal.begin(record("plan-r", 0, route=ROUTE)).evidence == REMEMBERED
-    clock.now = NOW + 8 * DAY
+    clock.advance(8 * DAY)
     assert journal.evidence() == []
     assert journal.begin(record("plan-r", 1, route=ROUTE)).evidence is None
     journal.learn(ROUTE, "protection header")  # seen by an invoker: the usual 30 days
