@@ -121,3 +121,21 @@ def test_settled_pairs_name_one_thing_each() -> None:
     assert issubclass(agentkey.TokenRejected, agentkey.InvokeError)
     assert "OnRepeat" in agentkey.__all__
     assert TokenExchange.ACCESS_TOKEN_TYPE == "urn:ietf:params:oauth:token-type:access_token"
+
+
+def test_one_word_for_may_have_run() -> None:
+    """'In doubt' is the one word for "may have run": journal state, both hooks' answers,
+    the failure kind; Outcome has no UNKNOWN alias of ANSWERED."""
+    from agentkey.client._effects import FailureKind
+    from agentkey.journal import CallState, Verdict
+    from agentkey.server import Reconciled
+
+    assert [m.name for m in agentkey.Outcome] == ["EXECUTED", "REPLAYED", "ANSWERED"]
+    assert not hasattr(agentkey.Outcome, "UNKNOWN")
+    with pytest.raises(ValueError, match="unknown"):
+        agentkey.Outcome("unknown")
+    assert CallState.IN_DOUBT.value == "in_doubt"
+    assert Verdict.in_doubt("no record").happened is None
+    assert Reconciled.in_doubt().outcome == "in_doubt"
+    assert not hasattr(Verdict, "unknown") and not hasattr(Reconciled, "unknown")
+    assert "IN_DOUBT" in FailureKind.__members__ and "AMBIGUOUS" not in FailureKind.__members__

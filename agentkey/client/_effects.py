@@ -105,7 +105,7 @@ class FailureKind(enum.Enum):
     """What a transport error says about whether the request reached the tool."""
 
     NOT_SENT = "not sent"  # connect error, connect or pool timeout: the tool never saw it
-    AMBIGUOUS = "ambiguous"  # read/write timeout, reset, protocol error: it may have run
+    IN_DOUBT = "in doubt"  # read/write timeout, reset, protocol error: it may have run
     UNSENDABLE = "unsendable"  # a URL from the tool that the HTTP client cannot parse
 
 

@@ -15,7 +15,7 @@ give it an :class:`Exchange`, their request and their classifier.
 ```
 (identity rule ⇄ journal: begin(repeats=True, known=) until it records: the key, once)
 CallStart ─▶ (journal: begin ─▶ earlier record of the key? settle it first)
-          ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
+          ─▶ (Attempt ─▶ send ─▶ classify ─▶ [in doubt: honoured? resend | ask | stop])*
           ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd
 ```
 
@@ -901,7 +901,7 @@ class _Run:
         if not isinstance(verdict, Verdict):
             raise ConfigurationError(
                 f"the verify= hook returned {type(verdict).__name__}, not a Verdict; return "
-                "Verdict.ran(...), Verdict.not_run() or Verdict.unknown(...)"
+                "Verdict.ran(...), Verdict.not_run() or Verdict.in_doubt(...)"
             )
         return not_yet(verdict, quiet, not_run_after(hook), "the verify= hook")
 
@@ -1120,7 +1120,7 @@ class _Sending(Exchange["Decision | Finished"]):
     """
 
     __slots__ = (
-        "ambiguous",
+        "in_doubt",
         "decision",
         "headers",
         "held",
@@ -1142,7 +1142,7 @@ class _Sending(Exchange["Decision | Finished"]):
             ("Accept", "application/json"),
             (KEY_HEADER, call.key_value),
         )
-        self.ambiguous = self.in_flight = False  # some answer was ambiguous / in flight
+        self.in_doubt = self.in_flight = False  # some answer left it in doubt / in flight
         self.waited = 0  # waits for a request of the same key in flight elsewhere
         self.unreachable = 0  # sends in a row that never reached the tool
         self.held: Decision | None = None  # the last answer that said the key is in flight
@@ -1171,7 +1171,7 @@ class _Sending(Exchange["Decision | Finished"]):
             body = scrub_json(parse_json(reply.content), reply.sent_secrets)
             run.refusal = short_reason(body, call.key)
         run.reached = run.reached or not (not_sent or decision.not_run)
-        if decision.ambiguous:
+        if decision.in_doubt:
             run.doubted = s.clock()
         self.reply = reply
         if self.held is not None and isinstance(reply, Failure) and s.clock() >= run.deadline:
@@ -1180,13 +1180,13 @@ class _Sending(Exchange["Decision | Finished"]):
             self.decision = self.held
             raise (yield from self.spent())
         self.decision = decision
-        self.ambiguous = self.ambiguous or decision.ambiguous
+        self.in_doubt = self.in_doubt or decision.in_doubt
         self.in_flight = self.in_flight or decision.in_flight
         if decision.in_flight:
             self.held = decision
         if not decision.retry:
             return decision
-        if decision.ambiguous and not run.honoured():
+        if decision.in_doubt and not run.honoured():
             found = yield from run.unhonoured_doubt(decision)
             if isinstance(found, Finished):
                 return found
@@ -1231,7 +1231,7 @@ class _Sending(Exchange["Decision | Finished"]):
             error = budget_exhausted(
                 decision,
                 run.ctx(),
-                saw_ambiguous=self.ambiguous,
+                saw_in_doubt=self.in_doubt,
                 saw_in_flight=self.in_flight,
                 honoured=run.honoured(),
             )

@@ -122,12 +122,6 @@ class Outcome(str, enum.Enum):
     #: The tool answered and did not show whether it ran the step now or replayed it (it
     #: marks no replays, as pyidempotent and idemgate, or ``replay_headers=()``).
     ANSWERED = "answered"
-    #: The former name of :attr:`ANSWERED` (the same member).
-    UNKNOWN = "answered"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Outcome | None:
-        return cls.ANSWERED if value == "unknown" else None  # the former value
 
 
 #: Each outcome's member by its value: a dict look-up per call, not Enum's call machinery.

@@ -77,7 +77,7 @@ SessionFactory = Callable[[], AbstractAsyncContextManager["ClientSession | Clien
 #: JSON-RPC codes after which the tool may or may not have run: the connection closed
 #: (a reset, a stream that ended without an answer), the read timed out, or the server
 #: (or a proxy, as an HTTP 5xx) failed while handling the call.
-_AMBIGUOUS_CODES = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, INTERNAL_ERROR})
+_IN_DOUBT_CODES = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, INTERNAL_ERROR})
 #: Exceptions of the transport itself, seen when the session's streams broke.
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     anyio.ClosedResourceError,
@@ -622,7 +622,7 @@ class _Carrier:
         except MCPError as exc:
             return _reply_of(exc, statuses, out.url)
         except _TRANSPORT_ERRORS as exc:
-            return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
+            return Failure(FailureKind.IN_DOUBT, type(exc).__name__)
         finally:
             _STATUSES.reset(reset)
         if (result.meta or {}).get(PROTECTED_FIELD) is not True:
@@ -692,7 +692,7 @@ class _Carrier:
                     listed = True
                     break
                 except MCPError as exc:
-                    if exc.code not in _AMBIGUOUS_CODES:  # answered: it lists no tools
+                    if exc.code not in _IN_DOUBT_CODES:  # answered: it lists no tools
                         return Answer(200, {}, b"", out.url)
                 except _PROBE_ERRORS:
                     pass
@@ -756,8 +756,8 @@ def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Received:
             headers["retry-after"] = str(max(0, round(retry_after)))
         body = {"type": f"urn:agentkey:problem:{problem}", "detail": _cut(exc.message)}
         return Answer(status, headers, json.dumps(body).encode(), url)
-    if exc.code in _AMBIGUOUS_CODES:
-        return Failure(FailureKind.AMBIGUOUS, f"JSON-RPC error {exc.code}")
+    if exc.code in _IN_DOUBT_CODES:
+        return Failure(FailureKind.IN_DOUBT, f"JSON-RPC error {exc.code}")
     body = {"error": f"JSON-RPC error {exc.code}: {_cut(exc.message)}"}
     return Answer(400, {}, json.dumps(body).encode(), url)
 
