@@ -1120,10 +1120,10 @@ class _Sending(Exchange["Decision | Finished"]):
     """
 
     __slots__ = (
-        "in_doubt",
         "decision",
         "headers",
         "held",
+        "in_doubt",
         "in_flight",
         "reply",
         "run",
