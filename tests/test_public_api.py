@@ -141,3 +141,21 @@ def test_one_word_for_may_have_run() -> None:
     assert not hasattr(Reconciled, "unknown")
     assert "IN_DOUBT" in FailureKind.__members__
     assert "AMBIGUOUS" not in FailureKind.__members__
+
+
+def test_reconcile_is_the_hook_and_verify_is_tls() -> None:
+    """The invokers and the MCP session take the reconcile hook as reconcile= (the server's
+    word); verify= is TLS verification only, on the token providers, as httpx spells it."""
+    import inspect
+
+    from agentkey.auth import ClientCredentials, OAuthProvider
+    from agentkey.integrations.mcp import IdempotentSession
+
+    for hooked in (agentkey.ToolInvoker, agentkey.AsyncToolInvoker, IdempotentSession):
+        params = inspect.signature(hooked).parameters
+        assert "reconcile" in params, hooked
+        assert "verify" not in params, hooked
+    for provider in (ClientCredentials, OAuthProvider):
+        assert "verify" in inspect.signature(provider).parameters, provider
+    with pytest.raises(TypeError, match="verify"):
+        agentkey.ToolInvoker("https://tool.example", verify=lambda call: None)  # type: ignore[call-arg]

@@ -12,7 +12,7 @@ sends a new key for a step it already sent.
   of agents (extras ``redis`` and ``postgres``).
 - :class:`MemoryJournal`: in-process, for tests.
 - :class:`Verdict`, :class:`InDoubt` and :class:`HttpLookup`: reconcile hooks
-  (``verify=`` on an invoker) that settle a call in doubt.
+  (``reconcile=`` on an invoker) that settle a call in doubt.
 - :class:`Evidence`: what a route showed about honouring keys (``journal.evidence()``).
 """
 

@@ -2,7 +2,7 @@
 
 A call is in doubt when its request may have reached the tool and no answer
 says whether it ran, and the tool is not known to honour Idempotency-Key, so
-sending it again could run it twice. A ``verify=`` hook on the invoker is
+sending it again could run it twice. A ``reconcile=`` hook on the invoker is
 asked instead: given the :class:`InDoubt` call, it returns a :class:`Verdict`.
 
 - ``Verdict.ran(body)``: it ran; ``body`` is its answer (what the tool would
@@ -127,7 +127,7 @@ def not_run_after(hook: object) -> float:
         or not 0 <= after < float("inf")
     ):
         raise ConfigurationError(
-            "a verify= hook's not_run_after must be a number of seconds >= 0 (how long "
+            "a reconcile= hook's not_run_after must be a number of seconds >= 0 (how long "
             f"after a request left its 'not run' is believed), got {after!r}"
         )
     return float(after)
