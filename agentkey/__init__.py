@@ -45,7 +45,7 @@ from ._exceptions import (
     ToolUnreachable,
     UnsafeRedirect,
 )
-from ._keys import HeaderStyle, StepKey
+from ._keys import StepKey
 from ._version import __version__
 
 if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
@@ -121,7 +121,6 @@ __all__ = [
     "ConfigurationError",
     "DelegationExpired",
     "GiveUpEvent",
-    "HeaderStyle",
     "InsecureTransport",
     "InvalidArguments",
     "InvalidKey",

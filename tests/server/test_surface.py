@@ -42,7 +42,6 @@ def test_public_surface() -> None:
         "MemoryStore",
         "PostgresStore",
         "PostgresTransaction",
-        "PrincipalFunc",
         "ReconcileContext",
         "Reconciled",
         "RedisStore",
