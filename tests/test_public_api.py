@@ -75,7 +75,9 @@ def test_unknown_names_raise_attribute_error() -> None:
 #: Every public name across every public namespace (each ``__all__``), counted once.
 #: ServerOptions joins agentkey.server this session (counted here already). A new public
 #: name raises this number in the commit that adds it, with a reason in its message.
-SURFACE = 130
+SURFACE = 128
+#: The namespaces STYLE.md holds to at most 80 names together.
+_CORE = frozenset({"agentkey", "agentkey.server", "agentkey.auth"})
 #: Names several integrations export on purpose: each framework's own function.
 _FRAMEWORK_VERBS = frozenset({"call_step", "remote_tool"})
 
@@ -113,6 +115,8 @@ def test_the_public_surface_holds_its_total_and_each_name_once() -> None:
     qualified.add("agentkey.server.ServerOptions")  # another branch's, counted once
     counts = {space: len(names) for space, names in surface.items()}
     assert len(qualified) == SURFACE, counts
+    core = [name for name in qualified if name.rpartition(".")[0] in _CORE]
+    assert len(core) <= 80, len(core)  # STYLE.md: at most 80 in the three core namespaces
     for space, names in surface.items():
         assert len(set(names)) == len(names), space
     spaces: dict[str, list[str]] = {}
@@ -157,12 +161,13 @@ def test_journal_failures_have_their_own_error() -> None:
 
 
 def test_settled_pairs_name_one_thing_each() -> None:
-    """TokenRejected is the 401 after a refresh; OnRepeat and the URN constants have homes."""
+    """TokenRejected is the 401 after a refresh; the URN constants have a home; the option
+    strings (on_repeat=, profile=, style=) are plain strings, with no public alias to import."""
     from agentkey.auth import TokenExchange
 
     assert issubclass(agentkey.TokenRejected, agentkey.AuthError)
     assert issubclass(agentkey.TokenRejected, agentkey.InvokeError)
-    assert "OnRepeat" in agentkey.__all__
+    assert not {"OnRepeat", "Profile", "HeaderStyle"} & {*agentkey.__all__, *dir(agentkey)}
     assert TokenExchange.ACCESS_TOKEN_TYPE == "urn:ietf:params:oauth:token-type:access_token"
 
 

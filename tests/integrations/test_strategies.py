@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel
 
-from agentkey import ConfigurationError, OnRepeat, PlanSession, ToolInvoker
+from agentkey import ConfigurationError, PlanSession, ToolInvoker
+from agentkey._plan import OnRepeat
 from agentkey.integrations._adapter import code
 from agentkey.integrations._identity import CallSite, Earlier, Seen, Verdict, decide
 from agentkey.integrations.langchain import ToolCallContext
