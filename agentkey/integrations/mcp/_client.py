@@ -283,7 +283,8 @@ class IdempotentSession:
     ``policy``. Each attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
-    (:data:`SessionFactory`, e.g. ``lambda: connect(url, auth=provider)``); then use
+    (no arguments, returning an async context manager of a session, e.g.
+    ``lambda: connect(url, auth=provider)``); then use
     the object as ``async with IdempotentSession(factory, plan) as tools:``, and a
     session that its transport ended is replaced by a new one before the resend.
     ``server`` names the server (its URL, say): the journal keeps each call, and
