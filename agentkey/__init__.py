@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._canonical import Profile, args_hash, canonical_json
+from ._canonical import args_hash, canonical_json
 from ._clock import Clock
 from ._exceptions import (
     AgentKeyError,
@@ -45,11 +45,11 @@ from ._exceptions import (
     ToolUnreachable,
     UnsafeRedirect,
 )
-from ._keys import HeaderStyle, StepKey
+from ._keys import StepKey
 from ._version import __version__
 
 if TYPE_CHECKING:  # loaded on first use at run time: see _LAZY and __getattr__
-    from ._plan import OnRepeat, PlanSession, Step
+    from ._plan import PlanSession, Step
     from .client._hooks import (
         AttemptEvent,
         CallEndEvent,
@@ -87,7 +87,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"], ".client._invoker"
     ),
-    **dict.fromkeys(["OnRepeat", "PlanSession", "Step"], "._plan"),
+    **dict.fromkeys(["PlanSession", "Step"], "._plan"),
     **dict.fromkeys(["PollPolicy", "RetryPolicy"], ".client._policies"),
 }
 
@@ -121,7 +121,6 @@ __all__ = [
     "ConfigurationError",
     "DelegationExpired",
     "GiveUpEvent",
-    "HeaderStyle",
     "InsecureTransport",
     "InvalidArguments",
     "InvalidKey",
@@ -134,7 +133,6 @@ __all__ = [
     "LeaseLost",
     "LoggingHook",
     "MissingExtra",
-    "OnRepeat",
     "Outcome",
     "OutcomeUnknown",
     "PayloadMismatch",
@@ -142,7 +140,6 @@ __all__ = [
     "PollEvent",
     "PollPolicy",
     "PollTimeout",
-    "Profile",
     "RepeatEvent",
     "ReplayEvent",
     "RetryEvent",

@@ -13,7 +13,7 @@ AgentKeyError                      root: catch this to catch everything agentkey
 │   │   └── PayloadMismatch              422 (or a mismatch 409): body and key disagree
 │   │       └── KeyReused                  the key is bound to another tool or route
 │   ├── StepInProgress                 409 until the retry budget ran out
-│   ├── OutcomeUnknown                 the step may have run, and nothing says whether it did
+│   ├── OutcomeUnknown                 in doubt: the step may have run, nothing says whether
 │   ├── ToolUnreachable                no request reached the tool: the step did not run
 │   ├── StepFailed                     an asynchronous operation reported failure
 │   ├── PollTimeout                    the poll deadline passed; resume later
@@ -298,9 +298,11 @@ class StepInProgress(InvokeError):
 
 
 class OutcomeUnknown(InvokeError):
-    """The call may have run, and no answer says whether it did.
+    """The call is in doubt: it may have run, and no answer says whether it did.
 
-    Raised when the budget ran out after an ambiguous failure, and when a
+    The error of a call in doubt (``CallState.IN_DOUBT`` in the journal, the server's
+    ``in_doubt`` answer, ``Verdict.in_doubt()`` from a reconcile hook). Raised when the
+    budget ran out after a failure in doubt (a read timeout, a reset, a 5xx), and when a
     request that may have run is not sent again because the tool is not known
     to honour Idempotency-Key. Against a tool that honours keys, resending later
     with the same ``idempotency_key`` is safe (the tool replays the stored

@@ -30,7 +30,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from .client._checker import CheckReport, CheckResult
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "EXIT_USAGE", "main"]
+__all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # check: a contract row failed; demo: the contract broke

@@ -16,7 +16,7 @@ from ._providers import (
     StaticToken,
     TokenExchange,
 )
-from ._token import Token, TokenEvent, TokenHook
+from ._token import Token, TokenEvent
 from ._token_policy import TokenPolicy
 from ._token_stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 
@@ -31,7 +31,6 @@ __all__ = [
     "Token",
     "TokenEvent",
     "TokenExchange",
-    "TokenHook",
     "TokenPolicy",
     "TokenProvider",
     "TokenRequest",

@@ -726,7 +726,7 @@ async def _why_unreachable(
 ) -> str:
     """The cause of a failed first request: DNS, refused, TLS, or no answer."""
     said = _redact(failure.description, token)
-    if failure.kind is FailureKind.AMBIGUOUS:
+    if failure.kind is FailureKind.IN_DOUBT:
         return (
             f"connected, but no HTTP answer came ({said}); the server "
             "closed the connection or took longer than --timeout"

@@ -130,12 +130,12 @@ class Body:
         """Take one raw chunk; True when reading must stop (``result`` is then set)."""
         left = seconds_left(self._deadline)
         if left is not None and left <= 0:
-            self.result = Failure(FailureKind.AMBIGUOUS, DEADLINE_PASSED)
+            self.result = Failure(FailureKind.IN_DOUBT, DEADLINE_PASSED)
             return True
         try:
             return self._take(self._decoder.decode(raw, self._limit - self._size))
         except zlib.error:
-            self.result = Failure(FailureKind.AMBIGUOUS, "DecodingError")
+            self.result = Failure(FailureKind.IN_DOUBT, "DecodingError")
             return True
 
     def finish(self) -> Received:
@@ -143,7 +143,7 @@ class Body:
             try:
                 self._take(self._decoder.flush(self._limit - self._size))
             except zlib.error:
-                self.result = Failure(FailureKind.AMBIGUOUS, "DecodingError")
+                self.result = Failure(FailureKind.IN_DOUBT, "DecodingError")
         if self.result is None:
             self.result = self._answer(b"".join(self._chunks))
         return self.result

@@ -9,7 +9,7 @@ Outgoing   send this request            ─▶ Answer | Failure
 Sleep      wait this long (0 included)  ─▶ None
 Emit       give this event to the hooks ─▶ None
 Journaled  one journal operation        ─▶ what the journal returned
-Verify     ask the user's reconcile hook about a call in doubt ─▶ Verdict
+Reconcile  ask the user's reconcile hook about a call in doubt ─▶ Verdict
 ```
 
 Nothing here does I/O or reads a clock.
@@ -34,8 +34,8 @@ __all__ = [
     "Journaled",
     "Outgoing",
     "Received",
+    "Reconcile",
     "Sleep",
-    "Verify",
 ]
 
 
@@ -91,21 +91,21 @@ class Journaled:
 
 
 @dataclass(frozen=True, slots=True)
-class Verify:
+class Reconcile:
     """Ask the user's reconcile hook whether the call in doubt ran (send back its Verdict)."""
 
     call: InDoubt
     hook: Any  # the user's callable
 
 
-Effect: TypeAlias = Outgoing | Sleep | Emit | Journaled | Verify
+Effect: TypeAlias = Outgoing | Sleep | Emit | Journaled | Reconcile
 
 
 class FailureKind(enum.Enum):
     """What a transport error says about whether the request reached the tool."""
 
     NOT_SENT = "not sent"  # connect error, connect or pool timeout: the tool never saw it
-    AMBIGUOUS = "ambiguous"  # read/write timeout, reset, protocol error: it may have run
+    IN_DOUBT = "in doubt"  # read/write timeout, reset, protocol error: it may have run
     UNSENDABLE = "unsendable"  # a URL from the tool that the HTTP client cannot parse
 
 

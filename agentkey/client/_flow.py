@@ -15,7 +15,7 @@ give it an :class:`Exchange`, their request and their classifier.
 ```
 (identity rule ⇄ journal: begin(repeats=True, known=) until it records: the key, once)
 CallStart ─▶ (journal: begin ─▶ earlier record of the key? settle it first)
-          ─▶ (Attempt ─▶ send ─▶ classify ─▶ [ambiguous: honoured? resend | ask | stop])*
+          ─▶ (Attempt ─▶ send ─▶ classify ─▶ [in doubt: honoured? resend | ask | stop])*
           ─▶ (Sleep ─▶ poll)* ─▶ journal: finish ─▶ CallEnd
 ```
 
@@ -69,8 +69,8 @@ from ._effects import (
     Journaled,
     Outgoing,
     Received,
+    Reconcile,
     Sleep,
-    Verify,
 )
 from ._evidence import RouteMemory
 from ._honours import Declarations
@@ -156,7 +156,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 field-name
 _FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # visible ASCII
 
 #: A reconcile hook: a callable of the call in doubt, or an HTTP lookup run by the flow.
-Verifier: TypeAlias = "HttpLookup | Callable[[InDoubt], Any]"
+Reconciler: TypeAlias = "HttpLookup | Callable[[InDoubt], Any]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +177,7 @@ class Call:
     context: str | None = None  # the conversation turn it answers (a user message's id)
     owner: str = ""  # this process, as the journal names it
     repeat_of: str | None = None  # the label of the step this call repeats (on_repeat)
-    verify: Verifier | None = None  # the reconcile hook of this call's tool
+    reconcile: Reconciler | None = None  # the reconcile hook of this call's tool
     on_repeat: str = "replay"  # the step's policy for a repeat the journal finds
     key_style: str = "raw"  # how the key's header value is written (for a repeat's key)
     #: An agent runtime's rule for this call's key (:func:`identified`); None: the key above.
@@ -255,7 +255,7 @@ class Finished:
 
     ``source`` is where the answer came from: ``"tool"`` (an HTTP answer),
     ``"journal"`` (kept from an earlier run of this call; nothing was sent) or
-    ``"verify"`` (the reconcile hook found the call had run). ``outcome`` is the
+    ``"reconcile"`` (the reconcile hook found the call had run). ``outcome`` is the
     verdict (:data:`OUTCOMES`): ``"replayed"``, ``"executed"``, or ``"answered"`` when
     nothing showed which (``replayed`` is ``outcome == "replayed"``).
     """
@@ -838,7 +838,7 @@ class _Run:
                 yield from self.probe()
                 honoured = self.honoured()
             if verdict is not None and verdict.happened is True:
-                return (yield from self.settle_verified(earlier, verdict))
+                return (yield from self.settle_reconciled(earlier, verdict))
             if verdict is None and not honoured:
                 raise _in_doubt(call, earlier, None, now)
             if verdict is not None and verdict.happened is None:
@@ -870,14 +870,14 @@ class _Run:
     def reconcile(
         self, record: CallRecord, quiet: float | None
     ) -> Generator[Effect, Any, Verdict | None]:
-        """Ask the reconcile hook (``verify=``) whether the call in doubt ran; None: no hook.
+        """Ask the reconcile hook (``reconcile=``) whether the call in doubt ran; None: no hook.
 
         ``quiet``: seconds since the call's last request may have left (None: long
         enough); any hook's "not run" before its ``not_run_after`` (60 s unless the hook
         sets its own) is "cannot tell yet": the request could still arrive.
         """
         call = self.call
-        hook = call.verify
+        hook = call.reconcile
         if hook is None:
             return None
         doubt = InDoubt(
@@ -897,15 +897,15 @@ class _Run:
             request = (*call.headers, ("Accept", "application/json"))
             reply = yield Outgoing("GET", url, request, None, True, self.deadline)
             return hook.verdict(reply, quiet)
-        verdict = yield Verify(doubt, hook)
+        verdict = yield Reconcile(doubt, hook)
         if not isinstance(verdict, Verdict):
             raise ConfigurationError(
-                f"the verify= hook returned {type(verdict).__name__}, not a Verdict; return "
-                "Verdict.ran(...), Verdict.not_run() or Verdict.unknown(...)"
+                f"the reconcile= hook returned {type(verdict).__name__}, not a Verdict; return "
+                "Verdict.ran(...), Verdict.not_run() or Verdict.in_doubt(...)"
             )
-        return not_yet(verdict, quiet, not_run_after(hook), "the verify= hook")
+        return not_yet(verdict, quiet, not_run_after(hook), "the reconcile= hook")
 
-    def settle_verified(
+    def settle_reconciled(
         self, earlier: CallRecord, verdict: Verdict
     ) -> Generator[Effect, Any, Finished]:
         """The call ran, says the reconcile hook: its answer, recorded as the call's."""
@@ -914,9 +914,9 @@ class _Run:
         if (yield Journaled("take_over", (taken, earlier))):
             self.record = taken
             yield from self.close_record(
-                CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
+                CallState.ANSWERED, answer=answer, outcome="replayed", source="reconcile"
             )
-        return self.finish(answer, "replayed", None, "verify")
+        return self.finish(answer, "replayed", None, "reconcile")
 
     def probe(self) -> Generator[Effect, Any, None]:
         """Ask the route, with a harmless OPTIONS, whether it honours keys for this method.
@@ -999,7 +999,7 @@ class _Run:
             yield from self.probe()
             if self.honoured():
                 return True
-        if self.call.verify is None:
+        if self.call.reconcile is None:
             return False
         wait = self.wait(self.s.steps, self.attempts, decision.retry_after, self.deadline)
         if wait is None:
@@ -1014,9 +1014,9 @@ class _Run:
         if verdict.happened:
             answer = Answer(verdict.status_code, {}, verdict.content(), self.call.url)
             yield from self.close_record(
-                CallState.ANSWERED, answer=answer, outcome="replayed", source="verify"
+                CallState.ANSWERED, answer=answer, outcome="replayed", source="reconcile"
             )
-            return self.finish(answer, "replayed", None, "verify")
+            return self.finish(answer, "replayed", None, "reconcile")
         return True
 
     def stop_in_doubt(self, decision: Decision) -> Generator[Effect, Any, InvokeError]:
@@ -1030,13 +1030,13 @@ class _Run:
             else "the tool has not shown that it honours Idempotency-Key (no replay marker, "
             f"no {PROTECTED_HEADER} header, no key problem answer)"
         )
-        asked = f" The verify= hook could not tell ({self.unsure})." if self.unsure else ""
+        asked = f" The reconcile= hook could not tell ({self.unsure})." if self.unsure else ""
         error = ctx.error(
             OutcomeUnknown,
             f"{_where(call)} may have run: {decision.reason} after the request was sent, and "
             f"{why}, so agentkey did not send it again (a second send could run it twice).{asked} "
             "Find out whether it ran, then settle it in the journal (agentkey journal settle), "
-            "or give the invoker a verify= hook; if the tool does honour the key, say so with "
+            "or give the invoker a reconcile= hook; if the tool does honour the key, say so with "
             f"honours_keys=True, or once for its origin: honours_keys={{{_origin(self.target)!r}: "
             "True}, or record a passing check: agentkey check <url> --remember",
             status_code=decision.status_code,
@@ -1120,10 +1120,10 @@ class _Sending(Exchange["Decision | Finished"]):
     """
 
     __slots__ = (
-        "ambiguous",
         "decision",
         "headers",
         "held",
+        "in_doubt",
         "in_flight",
         "reply",
         "run",
@@ -1142,7 +1142,7 @@ class _Sending(Exchange["Decision | Finished"]):
             ("Accept", "application/json"),
             (KEY_HEADER, call.key_value),
         )
-        self.ambiguous = self.in_flight = False  # some answer was ambiguous / in flight
+        self.in_doubt = self.in_flight = False  # some answer left it in doubt / in flight
         self.waited = 0  # waits for a request of the same key in flight elsewhere
         self.unreachable = 0  # sends in a row that never reached the tool
         self.held: Decision | None = None  # the last answer that said the key is in flight
@@ -1171,7 +1171,7 @@ class _Sending(Exchange["Decision | Finished"]):
             body = scrub_json(parse_json(reply.content), reply.sent_secrets)
             run.refusal = short_reason(body, call.key)
         run.reached = run.reached or not (not_sent or decision.not_run)
-        if decision.ambiguous:
+        if decision.in_doubt:
             run.doubted = s.clock()
         self.reply = reply
         if self.held is not None and isinstance(reply, Failure) and s.clock() >= run.deadline:
@@ -1180,13 +1180,13 @@ class _Sending(Exchange["Decision | Finished"]):
             self.decision = self.held
             raise (yield from self.spent())
         self.decision = decision
-        self.ambiguous = self.ambiguous or decision.ambiguous
+        self.in_doubt = self.in_doubt or decision.in_doubt
         self.in_flight = self.in_flight or decision.in_flight
         if decision.in_flight:
             self.held = decision
         if not decision.retry:
             return decision
-        if decision.ambiguous and not run.honoured():
+        if decision.in_doubt and not run.honoured():
             found = yield from run.unhonoured_doubt(decision)
             if isinstance(found, Finished):
                 return found
@@ -1231,7 +1231,7 @@ class _Sending(Exchange["Decision | Finished"]):
             error = budget_exhausted(
                 decision,
                 run.ctx(),
-                saw_ambiguous=self.ambiguous,
+                saw_in_doubt=self.in_doubt,
                 saw_in_flight=self.in_flight,
                 honoured=run.honoured(),
             )
@@ -1566,7 +1566,7 @@ def _in_doubt(
     call: Call, record: CallRecord, verdict: Verdict | None, now: float
 ) -> OutcomeUnknown:
     asked = (
-        f" The verify= hook could not tell ({verdict.reason or 'unknown'})."
+        f" The reconcile= hook could not tell ({verdict.reason or 'unknown'})."
         if verdict is not None
         else ""
     )
@@ -1575,7 +1575,7 @@ def _in_doubt(
         "its sender never recorded an answer (it was stopped, or gave up after the request "
         "left), and the tool is not known to honour Idempotency-Key, so agentkey will not "
         f"send it again blindly.{asked} Find out whether it ran and settle it (agentkey "
-        "journal settle), pass verify=, or honours_keys=True if the tool honours the key",
+        "journal settle), pass reconcile=, or honours_keys=True if the tool honours the key",
         idempotency_key=call.key,
         step=call.label,
         attempts=record.attempts,

@@ -228,7 +228,7 @@ def send_sync(
                 if watchdog is not None and watchdog.stop():
                     # The shut socket looks like a normal end to a read-until-close body:
                     # what was read may be cut short, so it is never taken as the answer.
-                    return Failure(FailureKind.AMBIGUOUS, DEADLINE_PASSED)
+                    return Failure(FailureKind.IN_DOUBT, DEADLINE_PASSED)
                 return body.finish()
             finally:
                 response.close()  # also on KeyboardInterrupt
@@ -279,7 +279,7 @@ async def send_async(
                 with anyio.CancelScope(shield=True):
                     await response.aclose()
     except TimeoutError:
-        return Failure(FailureKind.AMBIGUOUS, DEADLINE_PASSED)
+        return Failure(FailureKind.IN_DOUBT, DEADLINE_PASSED)
     except lib.RequestError as exc:
         return failed(exc, lib, deadline, redirected=False)
     except (lib.InvalidURL, UnicodeError):

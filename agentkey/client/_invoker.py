@@ -41,8 +41,8 @@ if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
     from . import _flow
     from ._clients import make_async_client, make_client, make_max_response_bytes, make_timeout
     from ._drive import Handlers, async_carrier, carrier, run_async, run_sync
-    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
-    from ._flow import Call, Finished, Flow, Identity, Pick, Settings, Verifier, check_headers
+    from ._effects import Emit, Journaled, Outgoing, Reconcile, Sleep
+    from ._flow import Call, Finished, Flow, Identity, Pick, Reconciler, Settings, check_headers
     from ._honours import honours_option
     from ._hooks import InvokeHook, LoggingHook, listened
     from ._http import Auth, Timeout, send_async, send_sync
@@ -65,7 +65,7 @@ def _load_engine() -> None:
     (a broken install) is raised here, by the constructor.
     """
     global _engine_loaded, asyncio, _flow, async_carrier, carrier, run_async, run_sync
-    global Emit, Journaled, Outgoing, Sleep, Verify, Call, Settings, check_headers
+    global Emit, Journaled, Outgoing, Sleep, Reconcile, Call, Settings, check_headers
     global LoggingHook, listened, AsyncClient, Auth, Client, make_async_client, make_client
     global make_max_response_bytes, make_timeout, send_async, send_sync, is_loopback
     global origin_of, redact_url, ProtocolConfig, parse_json, replay_markers
@@ -80,7 +80,7 @@ def _load_engine() -> None:
     from . import _flow
     from ._clients import make_async_client, make_client, make_max_response_bytes, make_timeout
     from ._drive import async_carrier, carrier, run_async, run_sync
-    from ._effects import Emit, Journaled, Outgoing, Sleep, Verify
+    from ._effects import Emit, Journaled, Outgoing, Reconcile, Sleep
     from ._flow import Call, Settings, check_headers
     from ._honours import honours_option
     from ._hooks import LoggingHook, listened
@@ -122,12 +122,6 @@ class Outcome(str, enum.Enum):
     #: The tool answered and did not show whether it ran the step now or replayed it (it
     #: marks no replays, as pyidempotent and idemgate, or ``replay_headers=()``).
     ANSWERED = "answered"
-    #: The former name of :attr:`ANSWERED` (the same member).
-    UNKNOWN = "answered"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Outcome | None:
-        return cls.ANSWERED if value == "unknown" else None  # the former value
 
 
 #: Each outcome's member by its value: a dict look-up per call, not Enum's call machinery.
@@ -155,8 +149,8 @@ class ToolResult(BaseModel):
     status_url: str | None = None
     #: Where the answer came from: ``"tool"`` (an HTTP answer, run now or replayed by the
     #: tool), ``"journal"`` (the answer of an earlier run of this call, kept by the
-    #: journal; nothing was sent) or ``"verify"`` (the verify= hook found it had run).
-    source: Literal["tool", "journal", "verify"] = "tool"
+    #: journal; nothing was sent) or ``"reconcile"`` (the reconcile= hook found it had run).
+    source: Literal["tool", "journal", "reconcile"] = "tool"
     #: Set when the call repeats an earlier step of its plan (same tool and arguments) and
     #: was answered with that step's key: the earlier step's label.
     repeat_of: str | None = None
@@ -196,7 +190,7 @@ class _InvokerBase:
         max_response_bytes: int,
         journal: JournalOption,
         honours_keys: bool | Mapping[str, bool] | None,
-        verify: Verifier | Mapping[str, Verifier] | None,
+        reconcile: Reconciler | Mapping[str, Reconciler] | None,
     ) -> None:
         _load_engine()
         origin = origin_of(base_url) if isinstance(base_url, str) else None
@@ -276,7 +270,7 @@ class _InvokerBase:
         if not all(callable(h) for h in hooks):
             raise ConfigurationError(f"hooks must be callables taking one event, got {hooks!r}")
         declared, declarations = honours_option(honours_keys)
-        self._verify = _check_verify(verify)
+        self._reconcile = _check_reconcile(reconcile)
         self._base_url = base_url.rstrip("/")
         self._auth = auth
         self._timeout = make_timeout(timeout)
@@ -448,9 +442,9 @@ class _InvokerBase:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(f"{name} must be a non-empty str or None, got {value!r}")
         extra = _check_headers(headers)
-        verify = self._verify
-        if isinstance(verify, Mapping):
-            verify = verify.get(step.tool)
+        reconcile = self._reconcile
+        if isinstance(reconcile, Mapping):
+            reconcile = reconcile.get(step.tool)
         return Call(
             url,
             method.upper(),
@@ -466,7 +460,7 @@ class _InvokerBase:
             context,
             current_owner(),
             step.repeat_of,
-            verify,
+            reconcile,
             step.on_repeat if idempotency_key is None else "allow",  # your key is yours
             self._style,
         )
@@ -540,7 +534,7 @@ def shared_handlers(
     return {
         Emit: emit,
         Journaled: ajournaled if asynchronous else journaled,
-        Verify: _verified if asynchronous else _verify_sync,
+        Reconcile: _reconciled if asynchronous else _reconcile_sync,
     }
 
 
@@ -574,17 +568,17 @@ def _journal_failed(journal: Any, effect: Journaled, exc: Exception) -> JournalE
     )
 
 
-def _verified(effect: Verify) -> Any:
+def _reconciled(effect: Reconcile) -> Any:
     """The reconcile hook's Verdict (an awaitable one is awaited by the async carrier)."""
     return effect.hook(effect.call)
 
 
-def _verify_sync(effect: Verify) -> Any:
+def _reconcile_sync(effect: Reconcile) -> Any:
     verdict = effect.hook(effect.call)
     if inspect.isawaitable(verdict):
         _close_awaitable(verdict)
         raise ConfigurationError(
-            "verify= is a coroutine function, which ToolInvoker cannot await; give it a "
+            "reconcile= is a coroutine function, which ToolInvoker cannot await; give it a "
             "plain function, or use AsyncToolInvoker"
         )
     return verdict
@@ -604,19 +598,20 @@ def _close_awaitable(value: object) -> None:
         close()  # a coroutine never awaited would warn
 
 
-def _check_verify(
-    verify: object,
-) -> Verifier | Mapping[str, Verifier] | None:
-    """``verify=`` checked: a hook, a mapping of tool names to hooks, or None."""
-    if verify is None or isinstance(verify, HttpLookup) or callable(verify):
-        return verify
-    if isinstance(verify, Mapping) and all(
-        isinstance(k, str) and (isinstance(v, HttpLookup) or callable(v)) for k, v in verify.items()
+def _check_reconcile(
+    reconcile: object,
+) -> Reconciler | Mapping[str, Reconciler] | None:
+    """``reconcile=`` checked: a hook, a mapping of tool names to hooks, or None."""
+    if reconcile is None or isinstance(reconcile, HttpLookup) or callable(reconcile):
+        return reconcile
+    if isinstance(reconcile, Mapping) and all(
+        isinstance(k, str) and (isinstance(v, HttpLookup) or callable(v))
+        for k, v in reconcile.items()
     ):
-        return dict(verify)
+        return dict(reconcile)
     raise ConfigurationError(
-        "verify must be a function of the call in doubt returning a Verdict, an HttpLookup, "
-        f"or a mapping of tool names to either, got {verify!r}"
+        "reconcile must be a function of the call in doubt returning a Verdict, an HttpLookup, "
+        f"or a mapping of tool names to either, got {reconcile!r}"
     )
 
 
@@ -662,7 +657,7 @@ class ToolInvoker(_InvokerBase):
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         journal: JournalOption = None,
         honours_keys: bool | Mapping[str, bool] | None = None,
-        verify: Verifier | Mapping[str, Verifier] | None = None,
+        reconcile: Reconciler | Mapping[str, Reconciler] | None = None,
     ) -> None:
         _load_engine()
         if client is not None and not isinstance(client, Client):
@@ -672,7 +667,7 @@ class ToolInvoker(_InvokerBase):
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
-            journal=journal, honours_keys=honours_keys, verify=verify,
+            journal=journal, honours_keys=honours_keys, reconcile=reconcile,
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)
@@ -774,7 +769,7 @@ class AsyncToolInvoker(_InvokerBase):
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         journal: JournalOption = None,
         honours_keys: bool | Mapping[str, bool] | None = None,
-        verify: Verifier | Mapping[str, Verifier] | None = None,
+        reconcile: Reconciler | Mapping[str, Reconciler] | None = None,
     ) -> None:
         _load_engine()
         if client is not None and not isinstance(client, AsyncClient):
@@ -784,7 +779,7 @@ class AsyncToolInvoker(_InvokerBase):
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
-            journal=journal, honours_keys=honours_keys, verify=verify,
+            journal=journal, honours_keys=honours_keys, reconcile=reconcile,
         )  # fmt: skip
         self._owns_client = client is None
         self._check_client_headers(client)

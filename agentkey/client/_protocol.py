@@ -2,7 +2,7 @@
 
 It never opens a socket, never sleeps and never imports httpx. It sees an
 :class:`Answer` (status, headers, body bytes, URL) or a :class:`Failure`
-(a transport error, already sorted into "not sent" or "ambiguous") and says
+(a transport error, already sorted into "not sent" or "in doubt") and says
 what to do next:
 
 ```
@@ -165,7 +165,7 @@ class Decision:
     action: Action
     reason: str
     retry_after: float | None = None
-    ambiguous: bool = False
+    in_doubt: bool = False
     url: str | None = None
     error: InvokeError | None = None
     replayed: bool = False
@@ -523,8 +523,8 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
             if reply.description == BAD_LOCATION:
                 what, ran = "the Location of the tool's redirect", f"If it was a 303: {_SEE_OTHER}"
             return Decision(Action.RAISE, reply.description, error=_bad_url(ctx, what, None, ran))
-        ambiguous = reply.kind is FailureKind.AMBIGUOUS
-        return Decision(Action.RETRY, reply.description, ambiguous=ambiguous)
+        in_doubt = reply.kind is FailureKind.IN_DOUBT
+        return Decision(Action.RETRY, reply.description, in_doubt=in_doubt)
 
     if reply.oversize or reply.unreadable:
         return _unread(reply, ctx, "the tool")
@@ -606,22 +606,22 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
     not_run = status == 503 and own in NOT_RUN_CODES and (ctx.honoured or _protected(reply))
     if status in cfg.retry_statuses and (in_flight or status not in IN_FLIGHT_STATUSES):
         if in_flight:
-            label, ambiguous, hint = f"in flight ({status})", False, _retry_after(reply, ctx)
+            label, in_doubt, hint = f"in flight ({status})", False, _retry_after(reply, ctx)
         elif not_run:
-            label, ambiguous, hint = "refused, not run (503)", False, _retry_after(reply, ctx)
+            label, in_doubt, hint = "refused, not run (503)", False, _retry_after(reply, ctx)
         elif status in (429, 503):
             # Sent and answered: a gateway answers 503 when the tool failed after it got
             # the request, and a tool may answer 429 after its side effect. May have run.
-            label, ambiguous, hint = f"overloaded ({status})", True, _retry_after(reply, ctx)
+            label, in_doubt, hint = f"overloaded ({status})", True, _retry_after(reply, ctx)
         elif status >= 500:
-            label, ambiguous, hint = f"server error {status}", True, None
+            label, in_doubt, hint = f"server error {status}", True, None
         else:
-            label, ambiguous, hint = f"status {status}", False, _retry_after(reply, ctx)
+            label, in_doubt, hint = f"status {status}", False, _retry_after(reply, ctx)
         return Decision(
             Action.RETRY,
             label,
             retry_after=hint,
-            ambiguous=ambiguous,
+            in_doubt=in_doubt,
             status_code=status,
             in_flight=in_flight,
             not_run=not_run,
@@ -772,13 +772,13 @@ def budget_exhausted(
     last: Decision,
     ctx: CallContext,
     *,
-    saw_ambiguous: bool,
+    saw_in_doubt: bool,
     saw_in_flight: bool = False,
     honoured: bool = True,
 ) -> InvokeError:
     """The error once the retry budget ran out with ``last`` still asking for a retry.
 
-    The message says only what the answers showed: an ambiguous failure means the
+    The message says only what the answers showed: a failure in doubt means the
     step may have run; an in-flight answer means some request with this key held it.
     It promises a safe resend only when the tool is known to honour the key
     (``honoured``).
@@ -786,7 +786,7 @@ def budget_exhausted(
     if last.in_flight:
         mine = (
             " An earlier attempt of this very call may be that holder: its answer was lost."
-            if saw_ambiguous
+            if saw_in_doubt
             else ""
         )
         lease = (
@@ -802,12 +802,12 @@ def budget_exhausted(
             "same key later to get its outcome",
             status_code=last.status_code,
         )
-    if saw_ambiguous and saw_in_flight:
+    if saw_in_doubt and saw_in_flight:
         what = (
             "the step may have run; an earlier answer also said another request with this "
             "key was in flight"
         )
-    elif saw_ambiguous:
+    elif saw_in_doubt:
         what = "the step may have run"
     elif saw_in_flight:
         what = (
@@ -821,7 +821,7 @@ def budget_exhausted(
             "Resending later with the same key is safe: the tool replays the stored outcome "
             "instead of running the step twice"
         )
-    elif saw_ambiguous:
+    elif saw_in_doubt:
         advice = (
             "The tool is not known to honour Idempotency-Key: find out whether the step ran "
             "before sending it again, and settle it in the journal (agentkey journal settle)"

@@ -27,7 +27,7 @@ def translate(exc: httpx.RequestError, lib: Any = httpx) -> Failure:
         ) from None
     # ReadTimeout, WriteTimeout, ReadError, WriteError, RemoteProtocolError, ProxyError,
     # DecodingError: the request may have reached the tool and run.
-    return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
+    return Failure(FailureKind.IN_DOUBT, type(exc).__name__)
 
 
 def failed(exc: httpx.RequestError, lib: Any, deadline: float | None, redirected: bool) -> Failure:

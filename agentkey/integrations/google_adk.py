@@ -71,7 +71,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra(exc, "google-adk", "google.adk", "google") from None
 
-__all__ = ["STATE_PREFIX", "call_step", "remote_tool", "session_plan"]
+__all__ = ["call_step", "remote_tool", "session_plan"]
 
 #: Where a call's record goes in the session's state: ``STATE_PREFIX + function_call_id``.
 STATE_PREFIX = "agentkey:call:"

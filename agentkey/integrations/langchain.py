@@ -81,9 +81,6 @@ _logger = logging.getLogger("agentkey")
 
 __all__ = [
     "LangChainHook",
-    "OnRepeat",
-    "PlanSource",
-    "StepIndexSource",
     "ToolCallContext",
     "remote_tool",
 ]

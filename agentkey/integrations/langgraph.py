@@ -29,9 +29,6 @@ same run is a new operation. A request re-sent as a new message after a crash
 that saved nothing (``durability="exit"``) takes the key of the identical call
 the journal shows the earlier run on the thread never settled.
 
-Keys of version 0.x (``(superstep, slot, ordinal)``, :func:`graph_step_v1`)
-can still be used for runs in flight: ``remote_tool(..., step_index=graph_step_v1)``.
-
 Needs the ``langgraph`` extra (``pip install 'agentkey-idempotency[langgraph]'``).
 """
 
@@ -73,7 +70,6 @@ from .langchain import PlanSource, StepIndexSource, ToolCallContext, build_tool
 __all__ = [
     "call_step",
     "graph_step",
-    "graph_step_v1",
     "pending_calls_hook",
     "remote_tool",
     "thread_plan",
@@ -153,29 +149,6 @@ def call_step(ctx: ToolCallContext) -> tuple[int, int]:
             "call ({'name': ..., 'args': ..., 'id': ..., 'type': 'tool_call'})"
         )
     return code(ctx.tool), code(ctx.tool_call_id)
-
-
-def graph_step_v1(ctx: ToolCallContext) -> tuple[int, int, int]:
-    """The step index of agentkey 0.x: ``(superstep, slot, ordinal)``, for runs in flight.
-
-    Runs that started before the upgrade keep their keys with
-    ``remote_tool(..., step_index=graph_step_v1)``; new runs should not use it
-    (a stateless graph restarts its supersteps, so a later turn could get an
-    earlier turn's key).
-    """
-    metadata = ctx.config.get("metadata") or {}
-    superstep = metadata.get("langgraph_step")
-    if isinstance(superstep, bool) or not isinstance(superstep, int) or superstep < 0:
-        raise ConfigurationError(
-            f"tool {ctx.tool!r} is not running inside a LangGraph graph (no langgraph_step "
-            "in its config); pass step_index= to remote_tool"
-        )
-    slot, call = graph_step(ctx)
-    message = _holder(ctx.state, ctx.tool_call_id or "")
-    if message is None:
-        return superstep, slot, call
-    same = _identical(message, ctx)
-    return superstep, slot, same.index(ctx.tool_call_id or "")
 
 
 def _in_thread(ctx: ToolCallContext) -> bool:

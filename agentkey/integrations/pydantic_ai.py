@@ -32,8 +32,7 @@ Each call gets its key from what PydanticAI gives the tool in its
 A run id reused for another job (a literal ``"job-7"`` on a schedule) is the
 same run to agentkey: its calls are answered with the earlier execution's
 results, marked as repeats, and a warning says to give each execution its own
-id. Keys of version 0.x (``(run_step, slot, ordinal)``, :func:`run_step_v1`)
-can still be used for runs in flight: ``remote_tool(..., step_index=run_step_v1)``.
+id.
 
 A tool's own refusal reaches the model as ``ToolFailed`` with the server's
 short reason.
@@ -82,7 +81,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra(exc, "pydantic-ai", "pydantic_ai") from None
 
-__all__ = ["call_step", "remote_tool", "run_plan", "run_step_v1"]
+__all__ = ["call_step", "remote_tool", "run_plan"]
 
 #: A plan session, or a callable choosing one from the call's ``RunContext``.
 PlanSource: TypeAlias = "PlanSession | Callable[[RunContext[Any]], PlanSession]"
@@ -124,35 +123,6 @@ def call_step(ctx: RunContext[Any], tool: str, args: Mapping[str, Any]) -> tuple
             "it through an Agent, or pass step_index= to remote_tool"
         )
     return code(tool), code(ctx.tool_call_id)
-
-
-def run_step_v1(
-    ctx: RunContext[Any],
-    tool: str,
-    args: Mapping[str, Any],
-    *,
-    args_schema: type[BaseModel] | None = None,
-) -> tuple[int, int, int]:
-    """The step index of agentkey 0.x: ``(run_step, slot, ordinal)``, for runs in flight.
-
-    ``run_step`` is PydanticAI's count of model requests in the run, the slot a
-    number of the tool name, the ordinal the call's number among the identical
-    calls of its ``ModelResponse``. Runs that started before the upgrade keep their
-    keys with ``remote_tool(..., step_index=run_step_v1)``; new runs should not use
-    it (a re-run whose model first calls another tool shifts ``run_step``).
-    """
-    if ctx.tool_call_id is None:
-        raise ConfigurationError(
-            f"tool {tool!r} ran at run step {ctx.run_step} without a tool call id, so run_step "
-            "cannot tell its calls apart; run it through an Agent, or pass step_index= to "
-            "remote_tool"
-        )
-    slot = code(tool)
-    found = _holder(ctx.messages, ctx.tool_call_id)
-    if found is None:
-        return ctx.run_step, slot, code(ctx.tool_call_id)
-    same = _identical(found[1], ctx, tool, args, args_schema)
-    return ctx.run_step, slot, same.index(ctx.tool_call_id)
 
 
 def remote_tool(

@@ -12,7 +12,7 @@ sends a new key for a step it already sent.
   of agents (extras ``redis`` and ``postgres``).
 - :class:`MemoryJournal`: in-process, for tests.
 - :class:`Verdict`, :class:`InDoubt` and :class:`HttpLookup`: reconcile hooks
-  (``verify=`` on an invoker) that settle a call in doubt.
+  (``reconcile=`` on an invoker) that settle a call in doubt.
 - :class:`Evidence`: what a route showed about honouring keys (``journal.evidence()``).
 """
 
@@ -22,9 +22,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._base import CallRecord, CallState, Evidence, Journal
-from ._default import ENV
 from ._memory import MemoryJournal
-from ._sqlite import SQLiteJournal, default_journal_path
+from ._sqlite import SQLiteJournal
 from ._verify import HttpLookup, InDoubt, Verdict
 
 if TYPE_CHECKING:
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from ._redis import RedisJournal
 
 __all__ = [
-    "ENV",
     "CallRecord",
     "CallState",
     "Evidence",
@@ -44,7 +42,6 @@ __all__ = [
     "RedisJournal",
     "SQLiteJournal",
     "Verdict",
-    "default_journal_path",
 ]
 
 _LAZY = {"PostgresJournal": "._postgres", "RedisJournal": "._redis"}

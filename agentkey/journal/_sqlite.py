@@ -344,7 +344,9 @@ def _prepare(path: Path, *, create: bool, private: bool) -> bool:
 
 
 class SQLiteJournal(SyncJournal):
-    """The journal in a SQLite file (default: :func:`default_journal_path`).
+    """The journal in a SQLite file (default: ``agentkey/journal.sqlite3`` in the user's data
+    directory: ``$XDG_DATA_HOME`` or ``~/.local/share``, ``~/Library/Application Support``,
+    ``%LOCALAPPDATA%``).
 
     ``durable=True`` makes every write reach the disk before it returns (an fsync
     each), for records that must survive a power cut, not only a killed process.

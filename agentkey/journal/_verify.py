@@ -2,7 +2,7 @@
 
 A call is in doubt when its request may have reached the tool and no answer
 says whether it ran, and the tool is not known to honour Idempotency-Key, so
-sending it again could run it twice. A ``verify=`` hook on the invoker is
+sending it again could run it twice. A ``reconcile=`` hook on the invoker is
 asked instead: given the :class:`InDoubt` call, it returns a :class:`Verdict`.
 
 - ``Verdict.ran(body)``: it ran; ``body`` is its answer (what the tool would
@@ -14,7 +14,7 @@ asked instead: given the :class:`InDoubt` call, it returns a :class:`Verdict`.
   hook object may set its own ``not_run_after`` attribute) have passed since the
   call's last request may have left (``InDoubt.last_sent_at``); before that it
   counts as "cannot tell yet".
-- ``Verdict.unknown(reason)``: cannot tell; the call ends in
+- ``Verdict.in_doubt(reason)``: cannot tell; the call ends in
   :class:`~agentkey.OutcomeUnknown` and stays in doubt in the journal.
 
 :class:`HttpLookup` is a ready-made hook for tools that can be asked over
@@ -93,7 +93,7 @@ class Verdict:
         return cls(False)
 
     @classmethod
-    def unknown(cls, reason: str = "") -> Verdict:
+    def in_doubt(cls, reason: str = "") -> Verdict:
         """It cannot be told; the call stays in doubt."""
         return cls(None, reason=reason or None)
 
@@ -110,7 +110,7 @@ def not_yet(verdict: Verdict, quiet: float | None, after: float, who: str) -> Ve
     """``verdict``, or "cannot tell yet" for a "not run" said before ``after`` seconds of
     quiet (a request of the call could still arrive); ``quiet`` None: long enough."""
     if verdict.happened is False and quiet is not None and quiet < after:
-        return Verdict.unknown(
+        return Verdict.in_doubt(
             f"{who} found no such call, but a request of it left {quiet:.1f} s ago and "
             f"could still arrive ('not run' is believed {after:g} s after the last request, "
             "not_run_after=); call again later"
@@ -127,7 +127,7 @@ def not_run_after(hook: object) -> float:
         or not 0 <= after < float("inf")
     ):
         raise ConfigurationError(
-            "a verify= hook's not_run_after must be a number of seconds >= 0 (how long "
+            "a reconcile= hook's not_run_after must be a number of seconds >= 0 (how long "
             f"after a request left its 'not run' is believed), got {after!r}"
         )
     return float(after)
@@ -219,16 +219,16 @@ class HttpLookup:
 
     def _read(self, reply: Answer | Failure) -> Verdict:
         if isinstance(reply, Failure):
-            return Verdict.unknown(f"the lookup failed ({reply.description})")
+            return Verdict.in_doubt(f"the lookup failed ({reply.description})")
         status = reply.status_code
         if status in (404, 410):
             return Verdict.not_run()
         if not 200 <= status < 300 or reply.oversize or reply.unreadable:
-            return Verdict.unknown(f"the lookup answered {status}")
+            return Verdict.in_doubt(f"the lookup answered {status}")
         try:
             body: Any = json.loads(reply.content) if reply.content.strip() else None
         except (ValueError, UnicodeDecodeError, RecursionError):
-            return Verdict.unknown("the lookup's answer is not JSON")
+            return Verdict.in_doubt("the lookup's answer is not JSON")
         if self._ran is None:
             return Verdict.ran(body, status_code=200)
         said = self._ran(body)
@@ -236,4 +236,4 @@ class HttpLookup:
             return Verdict.ran(body)
         if said is False:
             return Verdict.not_run()
-        return Verdict.unknown("the lookup's answer does not say")
+        return Verdict.in_doubt("the lookup's answer does not say")

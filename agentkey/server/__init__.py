@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, current_claim
 from ._decide import DecisionEvent
-from ._middleware import IdempotencyMiddleware, PrincipalFunc, starlette_user_identity
+from ._middleware import IdempotencyMiddleware, starlette_user_identity
 from ._reconcile import ReconcileContext, Reconciled
 from ._stores import MemoryStore, Store
 
@@ -53,7 +53,6 @@ __all__ = [
     "MemoryStore",
     "PostgresStore",
     "PostgresTransaction",
-    "PrincipalFunc",
     "ReconcileContext",
     "Reconciled",
     "RedisStore",

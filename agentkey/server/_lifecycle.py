@@ -381,7 +381,7 @@ class Lifecycle:
         compare-and-set) and the handler runs; but for a record in doubt only because
         its lease lapsed, not before one more ``lock_ttl`` has passed since the lease
         ended: its handler may still be running (the store was down while it ran),
-        and the hook cannot see a call that handler is about to make. "Still unknown",
+        and the hook cannot see a call that handler is about to make. "Still in doubt",
         a hook that fails, or a record that changed meanwhile and is still in doubt:
         ``doubt``.
         """
@@ -389,7 +389,7 @@ class Lifecycle:
         if record is None:
             return doubt
         answer = await ask(hook, context, seconds)
-        if answer.outcome == "unknown":
+        if answer.outcome == "in_doubt":
             return doubt
         now = self.clock()
         if answer.outcome == "not_run" and record.phase != "in_doubt":

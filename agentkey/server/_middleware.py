@@ -515,7 +515,7 @@ class IdempotencyMiddleware:
     ``reconcile``
         ``(ReconcileContext) -> Reconciled`` (or async): asked when a request meets
         a key in doubt; it answers ``Reconciled.ran(...)`` (recorded, replayed),
-        ``Reconciled.not_run()`` (the request runs now) or ``Reconciled.unknown()``.
+        ``Reconciled.not_run()`` (the request runs now) or ``Reconciled.in_doubt()``.
     ``reconcile_timeout``
         Seconds an async ``reconcile`` may take (default 5); after that, or when it
         raises, the key stays in doubt.

@@ -11,16 +11,16 @@ system (the payment provider, the database) and answers a :class:`Reconciled`:
   key's outcome and replayed, to this request and every later one;
 - :meth:`Reconciled.not_run`: it did not happen. This request claims the key afresh
   (compare-and-set on the record it met) and runs the handler;
-- :meth:`Reconciled.unknown`: still unknown. The request gets the in-doubt answer.
+- :meth:`Reconciled.in_doubt`: still in doubt. The request gets the in-doubt answer.
 
 The hook may be a plain function (run in a worker thread) or a coroutine function
 (or return an awaitable); either is bounded by ``reconcile_timeout`` seconds. A hook
-that raises, times out or returns anything else counts as "still unknown": it never
+that raises, times out or returns anything else counts as "still in doubt": it never
 fails the request.
 
 A key in doubt only because its lease lapsed (``why == "lease lapsed"``: the store
 was down while its handler ran, or its process died) may still have a live handler
-about to call the provider. A ``not_run`` answer for it is taken as "still unknown"
+about to call the provider. A ``not_run`` answer for it is taken as "still in doubt"
 until one more ``lock_ttl`` has passed since the lease ended (on the server's
 clock), so the step never runs beside its first handler. A key its own handler put
 in doubt (``why == "failed after start"``: a 5xx or an exception; that handler is
@@ -108,9 +108,9 @@ class ReconcileContext:
 @dataclass(frozen=True, slots=True)
 class Reconciled:
     """A ``reconcile`` hook's answer; build it with :meth:`ran`, :meth:`not_run` or
-    :meth:`unknown`."""
+    :meth:`in_doubt`."""
 
-    outcome: Literal["ran", "not_run", "unknown"]
+    outcome: Literal["ran", "not_run", "in_doubt"]
     status: int = 200
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes = b""
@@ -118,9 +118,9 @@ class Reconciled:
     def __post_init__(self) -> None:
         # Built directly (not through ran()), it is checked all the same: a "ran" answer
         # is recorded as the key's outcome and replayed forever.
-        if self.outcome not in ("ran", "not_run", "unknown"):
+        if self.outcome not in ("ran", "not_run", "in_doubt"):
             raise ConfigurationError(
-                f"Reconciled.outcome must be 'ran', 'not_run' or 'unknown', got {self.outcome!r}"
+                f"Reconciled.outcome must be 'ran', 'not_run' or 'in_doubt', got {self.outcome!r}"
             )
         if not isinstance(self.body, bytes):
             raise ConfigurationError(
@@ -143,7 +143,7 @@ class Reconciled:
         ):
             raise ConfigurationError(
                 f"Reconciled.ran() needs a final status (2xx, or a 4xx about the request), "
-                f"got {status!r}; answer Reconciled.unknown() when the outcome is not known"
+                f"got {status!r}; answer Reconciled.in_doubt() when the outcome is not known"
             )
 
     @classmethod
@@ -177,9 +177,9 @@ class Reconciled:
         return cls("not_run")
 
     @classmethod
-    def unknown(cls) -> Reconciled:
-        """Still unknown: the key stays in doubt."""
-        return cls("unknown")
+    def in_doubt(cls) -> Reconciled:
+        """Still in doubt: nothing says whether it happened; the key stays in doubt."""
+        return cls("in_doubt")
 
 
 def context_for(
@@ -212,7 +212,7 @@ def context_for(
 
 ReconcileHook = Callable[[ReconcileContext], "Reconciled | Awaitable[Reconciled]"]
 
-_UNKNOWN = Reconciled("unknown")
+_IN_DOUBT = Reconciled("in_doubt")
 
 # anyio >= 4.1 names it abandon_on_cancel; 3.x (still allowed by the server extra) cancellable.
 _ABANDON: dict[str, bool] = (
@@ -233,9 +233,9 @@ def check_reconcile(hook: object, timeout: object) -> None:
 
 
 async def ask(hook: ReconcileHook, context: ReconcileContext, seconds: float) -> Reconciled:
-    """The hook's answer; "still unknown" when it fails, times out or answers anything else."""
+    """The hook's answer; "still in doubt" when it fails, times out or answers anything else."""
     key = shown_key(context.idempotency_key)
-    value: object = _UNKNOWN
+    value: object = _IN_DOUBT
     try:
         with anyio.move_on_after(seconds) as scope:
             if inspect.iscoroutinefunction(hook):
@@ -253,19 +253,19 @@ async def ask(hook: ReconcileHook, context: ReconcileContext, seconds: float) ->
                 key,
                 seconds,
             )
-            return _UNKNOWN
+            return _IN_DOUBT
     except Exception as exc:
         _logger.warning(
             "the reconcile hook failed for %s (%s); the key stays in doubt",
             key,
             type(exc).__name__,
         )
-        return _UNKNOWN
+        return _IN_DOUBT
     if not isinstance(value, Reconciled):
         _logger.warning(
             "the reconcile hook answered %s for %s, not a Reconciled; the key stays in doubt",
             type(value).__name__,
             key,
         )
-        return _UNKNOWN
+        return _IN_DOUBT
     return value

@@ -25,12 +25,8 @@ from mcp import Client, ClientSession
 from mcp.server.context import HandlerResult, ServerRequestContext
 
 from agentkey import PlanSession
-from agentkey.integrations.mcp import (
-    KEY_FIELD,
-    IdempotentSession,
-    IdempotentToolsMiddleware,
-    connect,
-)
+from agentkey.integrations.mcp import IdempotentSession, IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD
 from agentkey.server import MemoryStore
 from tests.integrations._mcp_app import Lab, build_server, running
 

@@ -38,14 +38,8 @@ from agentkey import (
 )
 from agentkey.auth import ClientCredentials, TokenProvider
 from agentkey.client._hooks import CallEndEvent, InvokeEvent
-from agentkey.integrations.mcp import (
-    KEY_FIELD,
-    PROTECTED_FIELD,
-    REPLAYED_FIELD,
-    IdempotentSession,
-    MCPToolResult,
-    connect,
-)
+from agentkey.integrations.mcp import IdempotentSession, MCPToolResult, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
 from agentkey.server import MemoryStore, RedisStore, Store
 from tests._loopback import RedisServer
 from tests.integrations._mcp_app import Lab, running

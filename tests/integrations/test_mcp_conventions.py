@@ -21,15 +21,8 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult, RequestParamsMeta
 
 from agentkey import ConfigurationError, PlanSession, RetryPolicy
-from agentkey.integrations.mcp import (
-    KEY_FIELD,
-    PROTECTED_FIELD,
-    REPLAYED_FIELD,
-    IdempotentSession,
-    IdempotentToolsMiddleware,
-    connect,
-)
-from agentkey.integrations.mcp._wire import with_key
+from agentkey.integrations.mcp import IdempotentSession, IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD, with_key
 from agentkey.server import MemoryStore
 from tests.integrations._mcp_app import running
 

@@ -100,4 +100,4 @@ def test_an_unavailable_refusal_reads_as_not_run_only_with_the_protected_marker(
     assert classify(_reply_of(marked, [], "mcp://s/tools/charge"), ctx, cfg).not_run
     decision = classify(_reply_of(bare, [], "mcp://s/tools/charge"), ctx, cfg)
     assert not decision.not_run
-    assert decision.ambiguous
+    assert decision.in_doubt

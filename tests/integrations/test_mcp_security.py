@@ -22,13 +22,8 @@ from mcp_types import RequestParamsMeta
 
 from agentkey import ConfigurationError, PlanSession, TokenRejected
 from agentkey.auth import StaticToken
-from agentkey.integrations.mcp import (
-    KEY_FIELD,
-    REPLAYED_FIELD,
-    IdempotentSession,
-    IdempotentToolsMiddleware,
-    connect,
-)
+from agentkey.integrations.mcp import IdempotentSession, IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD, REPLAYED_FIELD
 from agentkey.server import MemoryStore, current_claim
 from agentkey.server import _lifecycle as lifecycle_module
 from tests._loopback import serve

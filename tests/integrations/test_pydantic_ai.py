@@ -33,8 +33,7 @@ from agentkey import (
     StepRepeated,
     ToolInvoker,
 )
-from agentkey.integrations._adapter import code
-from agentkey.integrations.pydantic_ai import remote_tool, run_step_v1
+from agentkey.integrations.pydantic_ai import remote_tool
 from tests._loopback import serve
 from tests.invoker._toolapp import Faults, ToolApp
 
@@ -293,21 +292,6 @@ async def test_a_repeat_of_an_earlier_runs_call_in_the_history(
             assert repeat.metadata["idempotency_key"] == earlier.metadata["idempotency_key"]
     assert sum(tools.executions.values()) == 1
     assert len(tools.seen) == 1
-
-
-async def test_run_step_v1_gives_the_keys_of_0x(server: tuple[str, ToolApp]) -> None:
-    """step_index=run_step_v1 keys calls as agentkey 0.x did, (run_step, slot, ordinal), so a
-    run in flight before the upgrade keeps its keys."""
-    url, _ = server
-    with ToolInvoker(url, route_template="/tools/{tool}") as invoker:
-        agent = Agent(
-            _model([ToolCallPart("charge", {"amount": 5}, "c1")]),
-            tools=[_tool(invoker, step_index=run_step_v1)],
-        )
-        result = await agent.run("charge it", run_id="v1")
-    (returned,) = _returns(result.all_messages())
-    key = StepKey.parse(returned.metadata["idempotency_key"])
-    assert key.index == (1, code("charge"), 0)
 
 
 def test_a_history_that_lost_its_run_ids_is_refused_loudly() -> None:

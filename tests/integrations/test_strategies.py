@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from pydantic import BaseModel
 
-from agentkey import ConfigurationError, OnRepeat, PlanSession, ToolInvoker
+from agentkey import ConfigurationError, PlanSession, ToolInvoker
+from agentkey._plan import OnRepeat
 from agentkey.integrations._adapter import code
 from agentkey.integrations._identity import CallSite, Earlier, Seen, Verdict, decide
 from agentkey.integrations.langchain import ToolCallContext
-from agentkey.integrations.langgraph import graph_step, graph_step_v1, remote_tool, thread_plan
+from agentkey.integrations.langgraph import graph_step, remote_tool, thread_plan
 from tests.integrations._graph import Order
 
 
@@ -95,15 +96,6 @@ def test_graph_step_is_the_slot_and_the_call_id() -> None:
     assert graph_step(_ctx(state, "a", node="tools_b"))[0] != slot
     with pytest.raises(ConfigurationError, match="step_index="):
         graph_step(_ctx(state, None))
-
-
-def test_graph_step_v1_gives_the_keys_of_runs_in_flight() -> None:
-    """graph_step_v1 still derives agentkey 0.x's (superstep, slot, ordinal)."""
-    state = {"messages": [_message("x", "y", "z")]}
-    assert graph_step_v1(_ctx(state, "z")) == (3, graph_step(_ctx(state, "z"))[0], 2)
-    assert graph_step_v1(_ctx(None, "c1"))[2] == code("c1")  # no message: the call's id
-    with pytest.raises(ConfigurationError, match="not running inside a LangGraph graph"):
-        graph_step_v1(_ctx(state, "z", superstep=None))
 
 
 def test_thread_plan_follows_the_conversation() -> None:

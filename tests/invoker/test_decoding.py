@@ -77,4 +77,4 @@ def test_decoded_size_is_limited() -> None:
 def test_corrupt_gzip_is_ambiguous() -> None:
     """A body that does not decode is an ambiguous failure (the answer may be cut short)."""
     reply = _send(b"\x1f\x8b\x08\x00garbage-garbage", "gzip")
-    assert reply == Failure(FailureKind.AMBIGUOUS, "DecodingError")
+    assert reply == Failure(FailureKind.IN_DOUBT, "DecodingError")

@@ -352,16 +352,16 @@ def test_a_lookup_that_answers_too_soon_does_not_resend(
     step = charge()
     journal = MemoryJournal()
     lookup = HttpLookup("/lookup/{key}")
-    [got] = invoke(driver, url, [step], journal=journal, verify=lookup)
+    [got] = invoke(driver, url, [step], journal=journal, reconcile=lookup)
     assert isinstance(got, OutcomeUnknown), got
     assert "could still arrive" in str(got)
     assert tool.executions["/tools/charge"] == 0
     # The held request lands in the tool now.
     tool.executions["/tools/charge"] += 1
     tool.answers[step.idempotency_key] = {"run": 1}
-    [later] = invoke(driver, url, [step], journal=journal, verify=lookup)
+    [later] = invoke(driver, url, [step], journal=journal, reconcile=lookup)
     assert isinstance(later, ToolResult), later
-    assert later.source == "verify"
+    assert later.source == "reconcile"
     assert tool.executions["/tools/charge"] == 1
 
 
@@ -376,9 +376,9 @@ def test_a_lookups_not_run_is_believed_once_not_run_after_has_passed(
     step = charge()
     journal = MemoryJournal()
     lookup = HttpLookup("/lookup/{key}", not_run_after=30)
-    [got] = invoke(driver, url, [step], journal=journal, verify=lookup)
+    [got] = invoke(driver, url, [step], journal=journal, reconcile=lookup)
     assert isinstance(got, OutcomeUnknown), got
-    [later] = invoke(driver, url, [step], journal=journal, verify=lookup, wall_ahead=31.0)
+    [later] = invoke(driver, url, [step], journal=journal, reconcile=lookup, wall_ahead=31.0)
     assert isinstance(later, ToolResult), later
     assert later.source == "tool"
     assert tool.executions["/tools/charge"] == 1
@@ -388,7 +388,7 @@ def test_a_lookups_not_run_is_believed_once_not_run_after_has_passed(
 def test_a_custom_hooks_not_run_said_too_soon_does_not_resend(
     plain: tuple[Plain, str], driver: str
 ) -> None:
-    """A hand-written verify= hook that finds nothing while the request is still inside the
+    """A hand-written reconcile= hook that finds nothing while the request is still inside the
     tool: "cannot tell yet", 1 execution (before: believed at once, resent, 2 executions).
     The hook sees when the last request may have left; once not_run_after has passed on the
     invoker's (injected) wall clock, its "not run" is believed and the call is sent."""
@@ -402,22 +402,22 @@ def test_a_custom_hooks_not_run_said_too_soon_does_not_resend(
         asked.append(call)
         return Verdict.not_run()
 
-    [got] = invoke(driver, url, [step], journal=journal, verify=finds_nothing)
+    [got] = invoke(driver, url, [step], journal=journal, reconcile=finds_nothing)
     assert isinstance(got, OutcomeUnknown), got
     assert "could still arrive" in str(got)
     assert asked
     assert asked[-1].last_sent_at is not None
     assert asked[-1].last_sent_at <= time.time()
     tool.executions["/tools/charge"] += 1  # the held request lands in the tool now
-    [same] = invoke(driver, url, [step], journal=journal, verify=finds_nothing)
+    [same] = invoke(driver, url, [step], journal=journal, reconcile=finds_nothing)
     assert isinstance(same, OutcomeUnknown), same
     assert tool.executions["/tools/charge"] == 1
     # A tool known to have settled every request (the hook says so) after 61 s of quiet.
     step2 = charge(1)
     tool.script["/tools/charge"] = [refused(504, {"error": "gateway timeout"})]
-    [first] = invoke(driver, url, [step2], journal=journal, verify=finds_nothing)
+    [first] = invoke(driver, url, [step2], journal=journal, reconcile=finds_nothing)
     assert isinstance(first, OutcomeUnknown), first
-    [later] = invoke(driver, url, [step2], journal=journal, verify=finds_nothing, wall_ahead=61)
+    [later] = invoke(driver, url, [step2], journal=journal, reconcile=finds_nothing, wall_ahead=61)
     assert isinstance(later, ToolResult), later
     assert later.source == "tool"
     assert tool.executions["/tools/charge"] == 2

@@ -5,7 +5,7 @@ replaced by a gateway's 503 or 502 after the tool ran, an answer lost after it r
 request held past the client's read timeout before it reaches the tool (so a lookup in
 the meantime says 404 while the request is still on its way), and a 503 before it ran.
 Four agents (threads, one invoker each) send the same steps of one plan through one
-shared SQLite journal, with ``verify=HttpLookup`` on and off. Counted on the server:
+shared SQLite journal, with ``reconcile=HttpLookup`` on and off. Counted on the server:
 at most one execution per key. (Before: the 503s were resent, and a lookup's early 404
 counted as "not run": 39 + 137 duplicates in a ten-minute run.)
 """
@@ -89,7 +89,7 @@ async def _send(send: Any, status: int, body: Any) -> None:
     await send({"type": "http.response.body", "body": content})
 
 
-def _agent(url: str, journal: Path, steps: list[Step], verify: bool, seed: int) -> list[str]:
+def _agent(url: str, journal: Path, steps: list[Step], reconcile: bool, seed: int) -> list[str]:
     """One agent: its own invoker on the shared journal; each step once, in its own order."""
     order = list(steps)
     random.Random(seed).shuffle(order)
@@ -101,8 +101,8 @@ def _agent(url: str, journal: Path, steps: list[Step], verify: bool, seed: int) 
         "hooks": (),
         "retry": RetryPolicy(max_attempts=4, deadline=5.0, initial_backoff=0.01, max_backoff=0.1),
     }
-    if verify:
-        options["verify"] = HttpLookup("/lookup/{key}")
+    if reconcile:
+        options["reconcile"] = HttpLookup("/lookup/{key}")
     with ToolInvoker(url, **options) as invoker:
         for step in order:
             try:
@@ -113,15 +113,15 @@ def _agent(url: str, journal: Path, steps: list[Step], verify: bool, seed: int) 
     return ended
 
 
-@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
-def test_four_agents_on_one_journal_never_run_a_key_twice(verify: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reconcile", [False, True], ids=["plain", "reconcile"])
+def test_four_agents_on_one_journal_never_run_a_key_twice(reconcile: bool, tmp_path: Path) -> None:
     """Faults after the effect, held requests, lost answers: executions per key <= 1."""
     tool = FaultyPlainTool(seed=34)
     plan = PlanSession.new()
     steps = [plan.step(n, "charge", {"amount": 100 + n}) for n in range(40)]
     journal = tmp_path / "journal.sqlite3"
     with serve(tool) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        runs = [pool.submit(_agent, url, journal, steps, verify, seed) for seed in range(4)]
+        runs = [pool.submit(_agent, url, journal, steps, reconcile, seed) for seed in range(4)]
         ended = Counter(e for run in runs for e in run.result(timeout=300))
     assert tool.runs, "the tool never ran"
     worst = max(tool.runs.values())

@@ -176,7 +176,7 @@ def test_max_attempts_ends_the_retries() -> None:
     run = Run()
     flow = invoke(CALL, run.settings(RETRY.replace(max_attempts=3), POLL))
     with pytest.raises(OutcomeUnknown, match="may have run"):
-        run.drive(flow, [Failure(FailureKind.AMBIGUOUS, "ReadTimeout")] * 5)
+        run.drive(flow, [Failure(FailureKind.IN_DOUBT, "ReadTimeout")] * 5)
     assert len(run.sent) == 3
     assert run.slept == [0.5, 1.0]
 

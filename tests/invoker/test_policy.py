@@ -116,12 +116,12 @@ def test_polls_have_a_floor() -> None:
         (httpx.ConnectError("x"), FailureKind.NOT_SENT),
         (httpx.ConnectTimeout("x"), FailureKind.NOT_SENT),
         (httpx.PoolTimeout("x"), FailureKind.NOT_SENT),
-        (httpx.ReadTimeout("x"), FailureKind.AMBIGUOUS),
-        (httpx.WriteTimeout("x"), FailureKind.AMBIGUOUS),
-        (httpx.ReadError("x"), FailureKind.AMBIGUOUS),
-        (httpx.WriteError("x"), FailureKind.AMBIGUOUS),
-        (httpx.RemoteProtocolError("x"), FailureKind.AMBIGUOUS),
-        (httpx.ProxyError("x"), FailureKind.AMBIGUOUS),
+        (httpx.ReadTimeout("x"), FailureKind.IN_DOUBT),
+        (httpx.WriteTimeout("x"), FailureKind.IN_DOUBT),
+        (httpx.ReadError("x"), FailureKind.IN_DOUBT),
+        (httpx.WriteError("x"), FailureKind.IN_DOUBT),
+        (httpx.RemoteProtocolError("x"), FailureKind.IN_DOUBT),
+        (httpx.ProxyError("x"), FailureKind.IN_DOUBT),
     ],
 )
 def test_transport_errors_translate(exc: httpx.RequestError, kind: FailureKind) -> None:

@@ -84,7 +84,7 @@ def test_202_with_location_polls() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "ambiguous", "hint"),
+    ("status", "in_doubt", "hint"),
     [
         (409, False, 7.0),
         (429, True, 7.0),
@@ -94,24 +94,24 @@ def test_202_with_location_polls() -> None:
         (504, True, None),
     ],
 )
-def test_retryable_statuses(status: int, ambiguous: bool, hint: float | None) -> None:
-    """409 retries (not ambiguous); 429 and every 5xx (503 too) were sent and answered, so
+def test_retryable_statuses(status: int, in_doubt: bool, hint: float | None) -> None:
+    """409 retries (not in doubt); 429 and every 5xx (503 too) were sent and answered, so
     they may have run (issue 34): resent only where the tool honours keys."""
     decision = classify(answer(status, Retry_After="7"), CTX, CFG)
     assert decision.action is Action.RETRY
     assert decision.retry
-    assert decision.ambiguous is ambiguous
+    assert decision.in_doubt is in_doubt
     assert decision.retry_after == hint
 
 
 @pytest.mark.parametrize(
-    ("kind", "ambiguous"), [(FailureKind.AMBIGUOUS, True), (FailureKind.NOT_SENT, False)]
+    ("kind", "in_doubt"), [(FailureKind.IN_DOUBT, True), (FailureKind.NOT_SENT, False)]
 )
-def test_transport_failures_retry(kind: FailureKind, ambiguous: bool) -> None:
-    """Read timeouts and resets retry as ambiguous; connect errors retry as not sent."""
+def test_transport_failures_retry(kind: FailureKind, in_doubt: bool) -> None:
+    """Read timeouts and resets retry as in doubt; connect errors retry as not sent."""
     decision = classify(Failure(kind, "x"), CTX, CFG)
     assert decision.action is Action.RETRY
-    assert decision.ambiguous is ambiguous
+    assert decision.in_doubt is in_doubt
 
 
 @pytest.mark.parametrize(
@@ -168,10 +168,10 @@ def test_redirects() -> None:
 def test_budget_exhausted_errors() -> None:
     """Out of budget: 409 gives StepInProgress, else OutcomeUnknown saying a resend is safe."""
     conflict = budget_exhausted(
-        Decision(Action.RETRY, "c", status_code=409, in_flight=True), CTX, saw_ambiguous=True
+        Decision(Action.RETRY, "c", status_code=409, in_flight=True), CTX, saw_in_doubt=True
     )
     assert isinstance(conflict, StepInProgress)
-    unknown = budget_exhausted(Decision(Action.RETRY, "ReadTimeout"), CTX, saw_ambiguous=True)
+    unknown = budget_exhausted(Decision(Action.RETRY, "ReadTimeout"), CTX, saw_in_doubt=True)
     assert isinstance(unknown, OutcomeUnknown)
     assert "may have run" in str(unknown)
     assert "same key is safe" in str(unknown)
@@ -291,7 +291,7 @@ def test_other_poll_answers() -> None:
     assert isinstance(_poll(b"", 404).error, ToolError)
     assert isinstance(_poll(b"", 401).error, TokenRejected)
     assert _poll(b"", 503).action is Action.WAIT
-    failure = interpret_poll(Failure(FailureKind.AMBIGUOUS, "ReadTimeout"), CTX, CFG)
+    failure = interpret_poll(Failure(FailureKind.IN_DOUBT, "ReadTimeout"), CTX, CFG)
     assert failure.action is Action.WAIT
 
 

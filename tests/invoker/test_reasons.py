@@ -109,16 +109,16 @@ def test_409_mismatch_is_final_and_423_waits() -> None:
 def test_give_up_messages_claim_only_what_was_seen() -> None:
     """After an in-flight answer, a final 503 never says the tool did not run the step."""
     last = Decision(Action.RETRY, "overloaded (503)", status_code=503)
-    after_409 = budget_exhausted(last, CTX, saw_ambiguous=False, saw_in_flight=True)
+    after_409 = budget_exhausted(last, CTX, saw_in_doubt=False, saw_in_flight=True)
     assert isinstance(after_409, OutcomeUnknown)
     assert "did not run" not in str(after_409)
     assert "in flight" in str(after_409)
-    plain = budget_exhausted(last, CTX, saw_ambiguous=False)
+    plain = budget_exhausted(last, CTX, saw_in_doubt=False)
     assert "did not run" not in str(plain)
     stuck = budget_exhausted(
         Decision(Action.RETRY, "in flight (409)", status_code=409, in_flight=True),
         CTX,
-        saw_ambiguous=False,
+        saw_in_doubt=False,
     )
     assert isinstance(stuck, StepInProgress)
     assert "died" in str(stuck)

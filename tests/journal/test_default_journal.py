@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from agentkey import ConfigurationError
-from agentkey.journal import ENV, MemoryJournal, SQLiteJournal, _default
+from agentkey.journal import MemoryJournal, SQLiteJournal, _default
+from agentkey.journal._default import ENV
 
 
 @pytest.fixture(autouse=True)

@@ -131,19 +131,19 @@ def test_a_call_that_may_have_run_runs_once(tool: Tool, fault: str, driver: str)
 
 @pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_verify_hook_settles_what_may_have_run(tool: Tool, fault: str, driver: str) -> None:
-    """With verify=HttpLookup the plain tool's call in doubt is looked up: its answer, one run."""
+def test_a_reconcile_hook_settles_what_may_have_run(tool: Tool, fault: str, driver: str) -> None:
+    """With reconcile=HttpLookup the plain tool's call in doubt is looked up: its answer, once."""
     tool.faults.faults["charge"] = fault
     step = step_for("charge")
-    result = invoke(driver, tool.url, step, verify=HttpLookup("/lookup/{key}"))
+    result = invoke(driver, tool.url, step, reconcile=HttpLookup("/lookup/{key}"))
     assert tool.plain.executions["charge"] == 1
     assert result.replayed
     assert result.body["run"] == 1
-    assert result.source == ("tool" if tool.protected else "verify")
+    assert result.source == ("tool" if tool.protected else "reconcile")
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
+def test_a_reconcile_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
     """A 502 before the tool ran, and a hook that finds nothing: believed once the request
     can no longer arrive (60 s on the invoker's injected wall clock), then sent: run once."""
     plain = PlainTool()
@@ -159,9 +159,9 @@ def test_a_verify_hook_that_says_not_run_lets_the_call_go(driver: str) -> None:
     journal = SQLiteJournal(os.environ["AGENTKEY_JOURNAL"])
     with serve(plain) as url:
         with pytest.raises(OutcomeUnknown, match="could still arrive"):
-            invoke(driver, url, step, verify=not_there, journal=journal)
+            invoke(driver, url, step, reconcile=not_there, journal=journal)
         assert plain.executions["charge"] == 0
-        result = invoke(driver, url, step, verify=not_there, journal=journal, wall_ahead=61.0)
+        result = invoke(driver, url, step, reconcile=not_there, journal=journal, wall_ahead=61.0)
     assert plain.executions["charge"] == 1
     assert not result.replayed
     assert {c.tool for c in asked} == {"charge"}
@@ -214,7 +214,7 @@ def _killed_agent(url: str, plan: str, plain: PlainTool, journal: Path) -> None:
 
 @pytest.mark.realtime
 @pytest.mark.parametrize("driver", DRIVERS)
-@pytest.mark.parametrize("settle", ["nothing", "verify"])
+@pytest.mark.parametrize("settle", ["nothing", "reconcile"])
 def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
     tool: Tool, driver: str, settle: str, tmp_path: Path
 ) -> None:
@@ -222,7 +222,7 @@ def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
 
     Behind the middleware it resends the same key and gets the replay; on the plain
     tool it raises OutcomeUnknown (nothing told it more), or settles the call with
-    its verify= hook.
+    its reconcile= hook.
     """
     tool.plain.modes["charge"] = "hold"
     plan = PlanSession.new().id
@@ -234,9 +234,9 @@ def test_a_killed_agent_leaves_its_call_in_doubt_and_the_restart_settles_it(
     assert record is not None
     assert record.state is CallState.PENDING  # its sender died before writing more
     options: dict[str, Any] = {"journal": journal}
-    if settle == "verify":
-        options["verify"] = HttpLookup("/lookup/{key}")
-    if tool.protected or settle == "verify":
+    if settle == "reconcile":
+        options["reconcile"] = HttpLookup("/lookup/{key}")
+    if tool.protected or settle == "reconcile":
         result = invoke(driver, tool.url, step, **options)
         assert result.replayed
         assert result.body["run"] == 1

@@ -39,26 +39,26 @@ def _says(value: bool | None) -> Callable[[Any], bool | None]:
 
 
 CASES: list[tuple[str, Answer | Failure, Callable[[Any], bool | None] | None, Verdict]] = [
-    ("no answer", Failure(FailureKind.AMBIGUOUS, "read timeout"), None,
-     Verdict.unknown("the lookup failed (read timeout)")),
+    ("no answer", Failure(FailureKind.IN_DOUBT, "read timeout"), None,
+     Verdict.in_doubt("the lookup failed (read timeout)")),
     ("404", _answer(404), None, Verdict.not_run()),
     ("410", _answer(410), None, Verdict.not_run()),
-    ("500", _answer(500), None, Verdict.unknown("the lookup answered 500")),
-    ("302", _answer(302), None, Verdict.unknown("the lookup answered 302")),
+    ("500", _answer(500), None, Verdict.in_doubt("the lookup answered 500")),
+    ("302", _answer(302), None, Verdict.in_doubt("the lookup answered 302")),
     ("oversize 200", _answer(200, oversize=True), None,
-     Verdict.unknown("the lookup answered 200")),
+     Verdict.in_doubt("the lookup answered 200")),
     ("unreadable 200", _answer(200, unreadable="stacked codings"), None,
-     Verdict.unknown("the lookup answered 200")),
+     Verdict.in_doubt("the lookup answered 200")),
     ("not JSON", _answer(200, b"{nope"), None,
-     Verdict.unknown("the lookup's answer is not JSON")),
+     Verdict.in_doubt("the lookup's answer is not JSON")),
     ("not UTF-8", _answer(200, b"\xff\xfe\x00"), None,
-     Verdict.unknown("the lookup's answer is not JSON")),
+     Verdict.in_doubt("the lookup's answer is not JSON")),
     ("empty 200", _answer(200, b"  "), None, Verdict.ran(None)),
     ("JSON 201", _answer(201, b'{"id": 7}'), None, Verdict.ran({"id": 7})),
     ("ran() True", _answer(200, b"[1]"), _says(True), Verdict.ran([1])),
     ("ran() False", _answer(200, b"[]"), _says(False), Verdict.not_run()),
     ("ran() None", _answer(200, b"[]"), _says(None),
-     Verdict.unknown("the lookup's answer does not say")),
+     Verdict.in_doubt("the lookup's answer does not say")),
 ]  # fmt: skip
 
 
@@ -121,5 +121,5 @@ def test_a_verdict_body_becomes_bytes(body: Any, content: bytes) -> None:
 
 def test_an_unknown_verdict_without_a_reason_has_none() -> None:
     """An empty reason is stored as None, so messages never show an empty pair of brackets."""
-    assert Verdict.unknown().reason is None
-    assert Verdict.unknown("x").reason == "x"
+    assert Verdict.in_doubt().reason is None
+    assert Verdict.in_doubt("x").reason == "x"

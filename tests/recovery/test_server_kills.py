@@ -156,7 +156,8 @@ async def _mcp_answer(url: str, step: Step) -> str:
     from mcp.shared.exceptions import MCPError
     from mcp_types import RequestParamsMeta
 
-    from agentkey.integrations.mcp import KEY_FIELD, REPLAYED_FIELD, connect
+    from agentkey.integrations.mcp import connect
+    from agentkey.integrations.mcp._wire import KEY_FIELD, REPLAYED_FIELD
 
     deadline = time.monotonic() + 60
     while True:

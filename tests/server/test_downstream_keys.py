@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import InvalidKey
-from agentkey.integrations.mcp import KEY_FIELD, IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp import IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD
 from agentkey.server import Claim, IdempotencyMiddleware, MemoryStore, RedisStore, current_claim
 from agentkey.server._records import Binding, digest
 from tests._loopback import RedisServer, free_port, serve

@@ -322,10 +322,10 @@ def _boom(context: ReconcileContext) -> Reconciled:
 
 @pytest.mark.parametrize(
     "verdict",
-    [lambda ctx: Reconciled.unknown(), _boom, _never, lambda ctx: "ran"],
-    ids=["unknown", "raises", "times out", "not a Reconciled"],
+    [lambda ctx: Reconciled.in_doubt(), _boom, _never, lambda ctx: "ran"],
+    ids=["in doubt", "raises", "times out", "not a Reconciled"],
 )
-def test_reconcile_unknown_or_broken_keeps_the_key_in_doubt(
+def test_reconcile_in_doubt_or_broken_keeps_the_key_in_doubt(
     verdict: Callable[[ReconcileContext], Any],
 ) -> None:
     """Still unknown, a hook that raises, hangs past its timeout or answers nonsense: the

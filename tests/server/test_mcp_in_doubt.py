@@ -20,13 +20,8 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, RequestParamsMeta
 
 from agentkey import StoreUnavailable
-from agentkey.integrations.mcp import (
-    KEY_FIELD,
-    PROTECTED_FIELD,
-    REPLAYED_FIELD,
-    IdempotentToolsMiddleware,
-    connect,
-)
+from agentkey.integrations.mcp import IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
 from agentkey.server import MemoryStore, ReconcileContext, Reconciled, current_claim
 from tests._loopback import serve
 

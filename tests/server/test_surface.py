@@ -17,7 +17,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import agentkey.server as server
-from agentkey import ConfigurationError, Profile, StepKey, StoreError
+from agentkey import ConfigurationError, StepKey, StoreError
+from agentkey._canonical import Profile
 from agentkey.server import (
     FileBlobStore,
     IdempotencyMiddleware,
@@ -42,7 +43,6 @@ def test_public_surface() -> None:
         "MemoryStore",
         "PostgresStore",
         "PostgresTransaction",
-        "PrincipalFunc",
         "ReconcileContext",
         "Reconciled",
         "RedisStore",

@@ -5,9 +5,9 @@ Both halves of the contract over the Model Context Protocol:
 - client: :class:`IdempotentSession` wraps an SDK ``ClientSession``; each
   ``call_tool`` derives its key from a :class:`~agentkey.PlanSession` (plan,
   step, tool, canonical arguments), sends it in ``params._meta`` under
-  :data:`KEY_FIELD` (``"io.agentkey/idempotency-key"``), resends the same key
+  ``"io.agentkey/idempotency-key"``, resends the same key
   after an ambiguous failure within a :class:`~agentkey.RetryPolicy`, and
-  reports a replay read from the result's ``_meta`` (:data:`REPLAYED_FIELD`).
+  reports a replay read from the result's ``_meta`` (``"io.agentkey/replayed"``).
   :func:`connect` opens a streamable HTTP session whose bearer token an
   agentkey token provider keeps valid.
 - server: :class:`IdempotentToolsMiddleware`, a middleware for the SDK's
@@ -36,28 +36,22 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         raise
     raise missing_extra("mcp", "mcp", exc) from None
 
-from ._client import IdempotentSession, MCPToolResult, SessionFactory, connect
-from ._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
+from ._client import IdempotentSession, MCPToolResult, connect
 
 if TYPE_CHECKING:
-    from ._server import IdempotentToolsMiddleware, MCPPrincipalFunc
+    from ._server import IdempotentToolsMiddleware
 
 __all__ = [
-    "KEY_FIELD",
-    "PROTECTED_FIELD",
-    "REPLAYED_FIELD",
     "IdempotentSession",
     "IdempotentToolsMiddleware",
-    "MCPPrincipalFunc",
     "MCPToolResult",
-    "SessionFactory",
     "connect",
 ]
 
 
 def __getattr__(name: str) -> object:
     """The server half loads on first use: it needs the ``server`` extra (redis) too."""
-    if name in ("IdempotentToolsMiddleware", "MCPPrincipalFunc"):
+    if name == "IdempotentToolsMiddleware":
         from . import _server
 
         return getattr(_server, name)

@@ -47,7 +47,7 @@ from ...auth import TokenProvider
 from ...client import _httpx2
 from ...client._drive import Handlers, async_carrier, run_async
 from ...client._effects import Answer, Failure, FailureKind, Outgoing, Received, Sleep
-from ...client._flow import Call, Finished, Settings, Verifier
+from ...client._flow import Call, Finished, Reconciler, Settings
 from ...client._flow import invoke as flow_invoke
 from ...client._hooks import InvokeHook, LoggingHook
 from ...client._invoker import JournalOption, shared_handlers
@@ -77,7 +77,7 @@ SessionFactory = Callable[[], AbstractAsyncContextManager["ClientSession | Clien
 #: JSON-RPC codes after which the tool may or may not have run: the connection closed
 #: (a reset, a stream that ended without an answer), the read timed out, or the server
 #: (or a proxy, as an HTTP 5xx) failed while handling the call.
-_AMBIGUOUS_CODES = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, INTERNAL_ERROR})
+_IN_DOUBT_CODES = frozenset({CONNECTION_CLOSED, REQUEST_TIMEOUT, INTERNAL_ERROR})
 #: Exceptions of the transport itself, seen when the session's streams broke.
 _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     anyio.ClosedResourceError,
@@ -127,7 +127,7 @@ class MCPToolResult:
     true when the server answered with the result stored for this key.
     ``source`` says who answered, as on :class:`~agentkey.ToolResult`:
     ``"tool"``, ``"journal"`` (the result an earlier send of this call got; nothing
-    was sent) or ``"verify"``; ``repeat_of`` names the earlier step a repeated call
+    was sent) or ``"reconcile"``; ``repeat_of`` names the earlier step a repeated call
     was sent as.
     """
 
@@ -276,14 +276,15 @@ class IdempotentSession:
     ``honours_keys=True``, or the server marked the tool protected (its results
     and its ``tools/list`` entry carry ``_meta["io.agentkey/protected"]``, which
     agentkey's server middleware sets). Otherwise the call ends in
-    :class:`~agentkey.OutcomeUnknown` (or the ``verify=`` hook settles it). Whether
+    :class:`~agentkey.OutcomeUnknown` (or the ``reconcile=`` hook settles it). Whether
     the server marks the tool protected is asked again, with ``policy``'s backoff,
     until the call's deadline (on ``clock``): a server that restarts meanwhile gets
     the resend. A refusal as in progress or unavailable is waited out within
     ``policy``. Each attempt waits at most ``attempt_timeout`` seconds for its answer.
 
     ``session`` is an initialised ``ClientSession``, or a function that opens one
-    (:data:`SessionFactory`, e.g. ``lambda: connect(url, auth=provider)``); then use
+    (no arguments, returning an async context manager of a session, e.g.
+    ``lambda: connect(url, auth=provider)``); then use
     the object as ``async with IdempotentSession(factory, plan) as tools:``, and a
     session that its transport ended is replaced by a new one before the resend.
     ``server`` names the server (its URL, say): the journal keeps each call, and
@@ -314,7 +315,7 @@ class IdempotentSession:
         clock: Callable[[], float] = time.monotonic,
         journal: JournalOption = None,
         honours_keys: bool | None = None,
-        verify: Verifier | None = None,
+        reconcile: Reconciler | None = None,
         server: str | None = None,
     ) -> None:
         if not isinstance(plan, PlanSession):
@@ -332,8 +333,10 @@ class IdempotentSession:
             )
         if honours_keys not in (True, False, None):
             raise ConfigurationError(f"honours_keys must be True, False or None: {honours_keys!r}")
-        if verify is not None and not callable(verify):
-            raise ConfigurationError(f"verify must be a function of the call in doubt: {verify!r}")
+        if reconcile is not None and not callable(reconcile):
+            raise ConfigurationError(
+                f"reconcile must be a function of the call in doubt: {reconcile!r}"
+            )
         if server is not None and (not isinstance(server, str) or not server):
             raise ConfigurationError(
                 f"server must be a non-empty str naming the server: {server!r}"
@@ -349,14 +352,14 @@ class IdempotentSession:
         self._hooks: tuple[InvokeHook, ...] = (LoggingHook(),) if hooks is None else tuple(hooks)
         self._sleep = sleep
         self._clock = clock
-        self._verify = verify
+        self._reconcile = reconcile
         self._journal = resolve_journal(journal)
         if self._journal is not None and not self._journal.supports_async:
             raise ConfigurationError(
                 f"{self._journal!r} serves ToolInvoker only; an MCP session needs a journal "
                 "with an asyncio client"
             )
-        # How each call's flow sleeps, tells the hooks, writes the journal and asks verify=
+        # How each call's flow sleeps, tells the hooks, writes the journal and asks reconcile=
         # (its requests go through the call's _Carrier).
         self._handlers: Handlers = {
             **shared_handlers(self._hooks, self._journal, asynchronous=True),
@@ -556,7 +559,7 @@ class IdempotentSession:
             None,
             current_owner(),
             planned.repeat_of,
-            self._verify,
+            self._reconcile,
             planned.on_repeat,
         )
         carrier = _Carrier(self, planned, dict(meta or {}))
@@ -622,7 +625,7 @@ class _Carrier:
         except MCPError as exc:
             return _reply_of(exc, statuses, out.url)
         except _TRANSPORT_ERRORS as exc:
-            return Failure(FailureKind.AMBIGUOUS, type(exc).__name__)
+            return Failure(FailureKind.IN_DOUBT, type(exc).__name__)
         finally:
             _STATUSES.reset(reset)
         if (result.meta or {}).get(PROTECTED_FIELD) is not True:
@@ -692,7 +695,7 @@ class _Carrier:
                     listed = True
                     break
                 except MCPError as exc:
-                    if exc.code not in _AMBIGUOUS_CODES:  # answered: it lists no tools
+                    if exc.code not in _IN_DOUBT_CODES:  # answered: it lists no tools
                         return Answer(200, {}, b"", out.url)
                 except _PROBE_ERRORS:
                     pass
@@ -756,8 +759,8 @@ def _reply_of(exc: MCPError, statuses: list[int], url: str) -> Received:
             headers["retry-after"] = str(max(0, round(retry_after)))
         body = {"type": f"urn:agentkey:problem:{problem}", "detail": _cut(exc.message)}
         return Answer(status, headers, json.dumps(body).encode(), url)
-    if exc.code in _AMBIGUOUS_CODES:
-        return Failure(FailureKind.AMBIGUOUS, f"JSON-RPC error {exc.code}")
+    if exc.code in _IN_DOUBT_CODES:
+        return Failure(FailureKind.IN_DOUBT, f"JSON-RPC error {exc.code}")
     body = {"error": f"JSON-RPC error {exc.code}: {_cut(exc.message)}"}
     return Answer(400, {}, json.dumps(body).encode(), url)
 
