@@ -119,6 +119,8 @@ class _Flight:
         return self.token
 
     def wait_sync(self, timeout: float) -> Token:
+        # Real time, whatever the provider's clock: the leader is another thread, refreshing
+        # in real time; ``timeout`` only rescues a waiter whose leader can never finish.
         if not self.done.wait(timeout):
             raise AuthError(
                 f"a token refresh did not finish within {timeout:g} s; if a synchronous client "
