@@ -14,6 +14,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from typing import Any
 
 import pytest
@@ -26,8 +27,9 @@ from agentkey import (
     RetryPolicy,
     ToolInvoker,
 )
+from agentkey._clock import SYSTEM
 from agentkey.auth import ClientCredentials, TokenPolicy
-from agentkey.testing import FakeClock
+from agentkey.testing import FakeClock, check_server
 from tests._loopback import serve
 
 from ._support import DRIVERS, Driver
@@ -175,3 +177,46 @@ def test_a_clock_that_is_not_a_clock_is_refused(build: Callable[[Any], object]) 
     at construction, naming the option."""
     with pytest.raises(ConfigurationError, match=r"clock must be an agentkey\.Clock"):
         build(lambda: 0.0)
+
+
+def _stuck(retry_after: str) -> Any:
+    """A tool that replays, except step 1 of any plan: in progress forever (409 +
+    ``retry_after``)."""
+    answers: dict[str, bytes] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        key = dict(scope["headers"]).get(b"idempotency-key", b"").decode()
+        headers = [(b"content-type", b"application/json")]
+        if ":step_001:" in key:
+            status, body = 409, b'{"error": "in_progress"}'
+            headers.append((b"retry-after", retry_after.encode()))
+        elif key in answers:
+            status, body = 200, answers[key]
+            headers.append((b"idempotent-replayed", b"true"))
+        else:
+            status, body = 200, answers.setdefault(key, b'{"vm": %d}' % len(answers))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def test_the_checker_reads_retry_after_dates_on_its_clock() -> None:
+    """check_server(clock=) measures a Retry-After date from the clock's wall time: a date ten
+    days after the FakeClock's now is absurd advice, the same date (years past) on the system
+    clock is none (before: check_server took no clock)."""
+    clock = FakeClock()
+    date = formatdate(clock.time() + 10 * 86400, usegmt=True)
+    args = {"region": "eu-west-1"}
+    row = "in-flight duplicate gets 409 + Retry-After"
+    with serve(_stuck(date)) as url:
+        faked = check_server(url, path="/tools/x", args=args, timeout=10.0, clock=clock)
+        real = check_server(url, path="/tools/x", args=args, timeout=10.0, clock=SYSTEM)
+    on_fake = next(r for r in faked.results if r.name == row)
+    on_system = next(r for r in real.results if r.name == row)
+    assert (on_fake.verdict, "an absurd Retry-After" in on_fake.detail) == ("FAIL", True)
+    assert "absurd" not in on_system.detail
