@@ -32,13 +32,12 @@ import asyncio
 import contextlib
 import copy
 import logging
-import random
 import threading
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .._clock import Clock, default_clock
 from .._exceptions import AuthError, ConfigurationError
 from ..client import _clients, _http, _httpx2
 from ..client._drive import Handlers, async_carrier, carrier, run_async, run_sync
@@ -120,6 +119,8 @@ class _Flight:
         return self.token
 
     def wait_sync(self, timeout: float) -> Token:
+        # Real time, whatever the provider's clock: the leader is another thread, refreshing
+        # in real time; ``timeout`` only rescues a waiter whose leader can never finish.
         if not self.done.wait(timeout):
             raise AuthError(
                 f"a token refresh did not finish within {timeout:g} s; if a synchronous client "
@@ -171,19 +172,17 @@ class TokenProvider(_http.Auth):
     ``close()`` / ``aclose()`` (or ``with`` / ``async with``) release them, and
     a later token request opens new ones. Each hook in ``hooks`` receives a
     :class:`TokenEvent` when a token request starts and ends.
+
+    Token lifetimes, refresh points, remembered failures, the rejection interval,
+    each refresh's deadline, the waits between token requests and their jitter all
+    run on ``clock`` (an :class:`agentkey.Clock`; default: the system's). Tests pass
+    ``agentkey.testing.FakeClock()`` and move it by hand, so a loaded machine never
+    expires a short-lived token between two lines of a test.
     """
 
     requires_request_body = True  # the same request may be sent twice after a 401
 
     _can_refresh = True
-
-    #: How the provider waits between token requests (tests replace them: nothing really waits).
-    _sleep: Callable[[float], None] = staticmethod(time.sleep)
-    _asleep: Callable[[float], Awaitable[None]] = staticmethod(asyncio.sleep)
-    #: The random source of the jitter and the wall clock of Retry-After dates, injected into
-    #: each token request's flow (the policy's clock measures everything else).
-    _rng: Callable[[], float] = staticmethod(random.random)
-    _wall: Callable[[], float] = staticmethod(time.time)
 
     def __init__(
         self,
@@ -191,9 +190,17 @@ class TokenProvider(_http.Auth):
         *,
         policy: TokenPolicy,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(policy, TokenPolicy):
             raise ConfigurationError(f"policy must be an agentkey.auth.TokenPolicy, got {policy!r}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(
+                "clock must be an agentkey.Clock (e.g. agentkey.testing.FakeClock()), or None "
+                f"for the system clock; got {clock!r}"
+            )
+        #: What token times are measured on, waits are slept on and jitter is drawn from.
+        self._clock: Clock = clock if clock is not None else default_clock()
         chosen = () if hooks is None else hooks
         if callable(chosen) or not isinstance(chosen, Iterable):
             raise ConfigurationError(
@@ -286,7 +293,7 @@ class TokenProvider(_http.Auth):
         itself means "not renewed": a 401 caused a refresh less than
         ``rejection_interval`` ago, so this 401 goes back to the caller.
         """
-        now = self._policy.clock()
+        now = self._clock.monotonic()
         with self._lock:
             current = self._token
             if current is not None:
@@ -327,7 +334,7 @@ class TokenProvider(_http.Auth):
                 self._token = token
                 self._failure = None
             elif error is not None and remember:
-                self._failure = (error, self._policy.clock() + self._policy.failure_ttl)
+                self._failure = (error, self._clock.monotonic() + self._policy.failure_ttl)
         flight.finish(token, error)
 
     @staticmethod
@@ -371,7 +378,10 @@ class TokenProvider(_http.Auth):
         return factory(timeout, verify=self._require_endpoint().verify, pooled=False, cookies=False)
 
     def _flow(self, request: TokenRequest) -> TokenFlow:
-        return self._require_endpoint().exchange(request, rng=self._rng, wall=self._wall)
+        clock = self._clock
+        return self._require_endpoint().exchange(
+            request, clock=clock.monotonic, rng=clock.random, wall=clock.time
+        )
 
     def _carry_sync(self) -> Callable[[Any], Any]:
         """How a refresh's ``_obtain`` and its token requests' flows are carried out."""
@@ -379,7 +389,7 @@ class TokenProvider(_http.Auth):
             TokenRequest: lambda request: run_sync(self._flow(request), self._carry_sync()),
             Call: lambda call: call.fn(),
             Outgoing: self._send_sync,
-            Sleep: lambda sleep: self._sleep(sleep.seconds),
+            Sleep: lambda sleep: self._clock.sleep(sleep.seconds),
             Emit: self._tell,
         }
         return carrier(handlers)  # built per refresh: the provider keeps no cycle through it
@@ -391,7 +401,7 @@ class TokenProvider(_http.Auth):
             auth=None,
             timeout=None,
             max_bytes=MAX_TOKEN_ANSWER_BYTES,
-            clock=self._policy.clock,
+            clock=self._clock,
         )
 
     def _token_sync(self, rejected: Token | None = None) -> Token:
@@ -436,7 +446,7 @@ class TokenProvider(_http.Auth):
             TokenRequest: lambda request: run_async(self._flow(request), self._carry_async()),
             Call: lambda call: asyncio.to_thread(call.fn),
             Outgoing: self._send_async,
-            Sleep: lambda sleep: self._asleep(sleep.seconds),
+            Sleep: lambda sleep: self._clock.asleep(sleep.seconds),
             Emit: self._tell,
         }
         return async_carrier(handlers)
@@ -448,7 +458,7 @@ class TokenProvider(_http.Auth):
             auth=None,
             timeout=None,
             max_bytes=MAX_TOKEN_ANSWER_BYTES,
-            clock=self._policy.clock,
+            clock=self._clock,
         )
 
     async def _lead_async(self, flight: _Flight, current: Token | None) -> None:
@@ -480,7 +490,7 @@ class TokenProvider(_http.Auth):
 
     def _fallback(self, current: Token | None, rejected: Token | None, error: AuthError) -> Token:
         """After a failed early renewal, keep using a token that has not expired yet."""
-        now = self._policy.clock()
+        now = self._clock.monotonic()
         if rejected is not None or not _still_usable(current, now):
             raise error
         assert current is not None

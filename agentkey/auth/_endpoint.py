@@ -3,13 +3,14 @@
 :meth:`TokenEndpoint.exchange` is a flow of the core's effects (``_effects``),
 run on the client's one retry loop (``_flow.attempts``) with a classifier of its
 own (:meth:`TokenEndpoint.interpret`): it yields each token request as an
-``Outgoing`` whose deadline is on the policy's clock, a ``Sleep`` between
+``Outgoing`` whose deadline is on the provider's clock, a ``Sleep`` between
 attempts, and an ``Emit`` for each :class:`~agentkey.auth.TokenEvent` and each
 log line (:class:`Note`). The provider runs it with the shared drivers
 (``_drive``) and carries the effects out: the request through ``_http`` on the
 client it owns, the waits, the hooks and the logger. Time is read from the
-policy's clock only, the jitter from the injected ``rng``, and a ``Retry-After``
-date is measured from the injected ``wall``; waits come from
+injected ``clock`` only, the jitter from the injected ``rng``, and a ``Retry-After``
+date is measured from the injected ``wall`` (all three the provider's ``Clock``'s);
+waits come from
 ``TokenPolicy.schedule``, the same backoff formula and deadline rule as step
 retries and polls.
 """
@@ -241,7 +242,7 @@ class TokenEndpoint:
     def outgoing(self, request: TokenRequest, *, deadline: float | None = None) -> Outgoing:
         """``request`` as the POST to send: form body, client authentication applied.
 
-        ``deadline`` is on the policy's clock.
+        ``deadline`` is on the provider's clock.
         """
         headers, body = self.build(request)
         # Sent bare (same_origin=False): no cookie jar, no client defaults, no auth flow.
@@ -273,14 +274,14 @@ class TokenEndpoint:
         *,
         secrets: tuple[str, ...] | None = None,
         now: float | None = None,
-        rand: float | None = None,
+        rand: float = 0.0,
     ) -> Token:
         """The Token in a successful answer; raises TokenError or _Retryable otherwise.
 
         The token endpoint's classifier. ``secrets`` (default: :meth:`sent_secrets` of
         ``request``) never reach an error; ``now`` is the wall time (Unix seconds) a
-        ``Retry-After`` date is measured from; ``rand`` in [0, 1) draws the refresh
-        jitter (default: a random draw).
+        ``Retry-After`` date is measured from (None: a date says nothing); ``rand`` in
+        [0, 1) is the draw that stretches the refresh leeway (0: not stretched).
         """
         sent = self.sent_secrets(request) if secrets is None else secrets
         where = f"token endpoint {redact_url(self.url)}"
@@ -402,17 +403,23 @@ class TokenEndpoint:
     # -- the token request as a flow on the engine --------------------------------------
 
     def exchange(
-        self, request: TokenRequest, *, rng: Callable[[], float], wall: Callable[[], float]
+        self,
+        request: TokenRequest,
+        *,
+        clock: Callable[[], float],
+        rng: Callable[[], float],
+        wall: Callable[[], float],
     ) -> TokenFlow:
         """Obtain a token for ``request``, retrying as the policy allows: a flow of effects.
 
-        ``rng`` (uniform in [0, 1)) draws the jitter of waits and refresh points;
+        ``clock`` (monotonic seconds) measures the deadline, the token's lifetime and its
+        refresh point; ``rng`` (uniform in [0, 1)) draws the jitter of waits and refresh points;
         ``wall`` gives the Unix time a ``Retry-After`` date is measured from. A
         TokenEvent is emitted when the request starts and when it ends, also when a
         failure the driver throws in ends it.
         """
         grant, origin = request.grant_name, str(self.origin)
-        run = _Attempts(self, request, rng, wall)
+        run = _Attempts(self, request, clock, rng, wall)
         yield Emit(TokenEvent("start", grant, origin, 0))
         try:
             token = yield from attempts(run)
@@ -440,14 +447,15 @@ class _Attempts(Exchange[Token]):
         self,
         endpoint: TokenEndpoint,
         grant: TokenRequest,
+        clock: Callable[[], float],
         rng: Callable[[], float],
         wall: Callable[[], float],
     ) -> None:
         self.endpoint, self.grant, self.rng, self.wall = endpoint, grant, rng, wall
-        self.clock = endpoint.policy.clock
+        self.clock = clock
         self.deadline = self.clock() + endpoint.policy.deadline  # the whole refresh, waits included
         self.attempts = 0  # token requests made so far
-        self.sent_at = 0.0  # when the last one was sent, on the policy's clock
+        self.sent_at = 0.0  # when the last one was sent, on the provider's clock
         self.secrets: tuple[str, ...] = ()  # the credentials it carried
 
     def request(self) -> Generator[Effect, Any, Outgoing]:

@@ -10,6 +10,7 @@ from typing import ClassVar, get_args
 
 from pydantic import SecretStr
 
+from .._clock import Clock
 from .._exceptions import AuthError, ConfigurationError, DelegationExpired, TokenError
 from ..client._net import redact_url
 from ._base import Obtain, TokenProvider, call, send
@@ -155,6 +156,7 @@ class OAuthProvider(TokenProvider):
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         client = _client_auth(
             client_id,
@@ -169,6 +171,7 @@ class OAuthProvider(TokenProvider):
             TokenEndpoint(token_url, client, policy=policy, verify=verify),
             policy=policy,
             hooks=hooks,
+            clock=clock,
         )
 
     def __repr__(self) -> str:
@@ -225,6 +228,7 @@ class ClientCredentials(OAuthProvider):
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -238,6 +242,7 @@ class ClientCredentials(OAuthProvider):
             policy=policy,
             verify=verify,
             hooks=hooks,
+            clock=clock,
         )
         params: list[tuple[str, str | SecretStr]] = []
         text = scope_text(scope)
@@ -284,6 +289,7 @@ class RefreshTokenGrant(OAuthProvider):
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -297,6 +303,7 @@ class RefreshTokenGrant(OAuthProvider):
             policy=policy,
             verify=verify,
             hooks=hooks,
+            clock=clock,
         )
         if store is not None and not isinstance(store, TokenStore):
             raise ConfigurationError("store must implement load, save and delete (TokenStore)")
@@ -415,7 +422,7 @@ class _Delegated(OAuthProvider):
                     token = dataclasses.replace(token, refresh_token=current.refresh_token)
                 return token
         subject = self._subject()
-        if jwt_expired(subject.get_secret_value()):
+        if jwt_expired(subject.get_secret_value(), now=self._clock.time()):
             raise DelegationExpired(
                 f"{self._who()}: the user's token ({self._subject_name}) has expired and no "
                 "refresh token can renew the delegation; the user must authorise the agent "
@@ -480,6 +487,7 @@ class TokenExchange(_Delegated):
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -493,6 +501,7 @@ class TokenExchange(_Delegated):
             policy=policy,
             verify=verify,
             hooks=hooks,
+            clock=clock,
         )
         self._set_subject(subject_token)
         if not isinstance(subject_token_type, str) or not subject_token_type:
@@ -555,6 +564,7 @@ class OnBehalfOf(_Delegated):
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(
             token_url,
@@ -568,6 +578,7 @@ class OnBehalfOf(_Delegated):
             policy=policy,
             verify=verify,
             hooks=hooks,
+            clock=clock,
         )
         self._set_subject(user_token)
         text = scope_text(scope)
@@ -597,8 +608,8 @@ class StaticToken(TokenProvider):
 
     _can_refresh = False
 
-    def __init__(self, token: SecretInput) -> None:
-        super().__init__(None, policy=TokenPolicy())
+    def __init__(self, token: SecretInput, *, clock: Clock | None = None) -> None:
+        super().__init__(None, policy=TokenPolicy(), clock=clock)
         secret = _secret(token, "token", required=True)
         assert secret is not None
         if not header_safe(secret.get_secret_value()):
@@ -606,7 +617,7 @@ class StaticToken(TokenProvider):
                 "token holds spaces, control or non-ASCII characters, which an Authorization "
                 "header cannot carry; pass the bare access token (without 'Bearer ')"
             )
-        self._token = Token(access_token=secret, obtained_at=self._policy.clock())
+        self._token = Token(access_token=secret, obtained_at=self._clock.monotonic())
 
     def __repr__(self) -> str:
         return "StaticToken(<token hidden>)"

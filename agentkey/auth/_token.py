@@ -5,9 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import random
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
@@ -33,7 +31,7 @@ def header_safe(token: str) -> bool:
 class Token:
     """An access token as agentkey holds it.
 
-    Times are on the monotonic clock (``time.monotonic()``), so a wall-clock
+    Times are on the provider's monotonic clock (``Clock.monotonic()``), so a wall-clock
     jump (NTP, a laptop waking up) never makes a token look fresh or stale.
     ``refresh_at`` is ``None`` when the token carries no lifetime: it is then
     only renewed when a tool rejects it with 401.
@@ -87,7 +85,7 @@ def refresh_deadline(
     leeway: float,
     lifetime_fraction: float,
     jitter: float,
-    rand: float | None = None,
+    rand: float,
 ) -> float | None:
     """When a token obtained at ``obtained_at`` and valid for ``lifetime`` seconds is due.
 
@@ -95,17 +93,17 @@ def refresh_deadline(
     many processes spread out) and then capped to ``lifetime_fraction`` of the
     lifetime, so a token shorter than the leeway (2 s, or 60 s with a 60 s
     leeway) is still used for part of its life instead of being refreshed on
-    every call. ``rand`` in [0, 1) makes the jitter reproducible in tests.
+    every call. ``rand`` in [0, 1) is the draw that stretches it (the provider's
+    ``Clock.random()``).
     """
     if lifetime is None:
         return None
-    draw = random.random() if rand is None else rand  # noqa: S311 - jitter, not security
-    effective = min(leeway * (1.0 + jitter * draw), lifetime_fraction * lifetime)
+    effective = min(leeway * (1.0 + jitter * rand), lifetime_fraction * lifetime)
     return obtained_at + lifetime - effective
 
 
-def jwt_expired(token: str, *, now: float | None = None) -> bool:
-    """True when ``token`` is a JWT whose ``exp`` claim is in the past (wall clock).
+def jwt_expired(token: str, *, now: float) -> bool:
+    """True when ``token`` is a JWT whose ``exp`` claim is before ``now`` (Unix seconds).
 
     The signature is not checked: this only spares the token endpoint a
     request that is bound to fail. Anything that is not a readable JWT gives
@@ -124,5 +122,4 @@ def jwt_expired(token: str, *, now: float | None = None) -> bool:
     exp = claims.get("exp")
     if isinstance(exp, bool) or not isinstance(exp, (int, float)):
         return False
-    current = time.time() if now is None else now
-    return float(exp) <= current
+    return float(exp) <= now

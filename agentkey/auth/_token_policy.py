@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .._exceptions import ConfigurationError
@@ -42,11 +40,9 @@ class TokenPolicy:
       is not renewed: the 401 goes back to the caller (``TokenRejected``),
       so a tool that refuses every token costs the identity provider one request
       per interval, not one per call.
-    - ``clock``: the monotonic clock token lifetimes, refresh points,
-      remembered failures, the rejection interval and each token request's
-      deadline are measured on (default ``time.monotonic``). Tests pass a fake
-      clock they advance by hand, so a loaded machine cannot make a short-lived
-      token expire between two lines of the test.
+
+    A policy is a value: it holds no clock. Times are measured on the clock of the
+    provider it is given to (its ``clock=``).
     """
 
     leeway: float = 60.0
@@ -62,7 +58,6 @@ class TokenPolicy:
     timeout: float = 10.0
     failure_ttl: float = 2.0
     rejection_interval: float = 10.0
-    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("leeway", "leeway_jitter", "failure_ttl", "rejection_interval"):
@@ -91,11 +86,6 @@ class TokenPolicy:
                 f"TokenPolicy.max_attempts must be an integer >= 1, got {self.max_attempts!r}"
             )
         check_backoff(self, "TokenPolicy.")
-        if not callable(self.clock):
-            raise ConfigurationError(
-                "TokenPolicy.clock must be a function returning monotonic seconds, "
-                f"such as time.monotonic; got {type(self.clock).__name__}"
-            )
 
     def replace(self, **changes: Any) -> TokenPolicy:
         """A copy with ``changes`` applied (validated like the original)."""

@@ -316,17 +316,22 @@ else:
 
 
 def _acquire(handle: IO[bytes], path: Path, timeout: float) -> None:
-    """Take the OS lock on ``handle``, polling until ``timeout`` seconds have passed."""
-    deadline = time.monotonic() + timeout
+    """Take the OS lock on ``handle``, polling until ``timeout`` seconds have passed.
+
+    On the real clock, whatever clock the provider runs on: the lock is held by another
+    thread or process, which frees it in real time. A fake or skipping clock would spin
+    through ``timeout`` while the holder is still working, and blame it wrongly.
+    """
+    deadline = time.monotonic() + timeout  # real time: another process holds the OS lock
     delay = 0.001
     while not _try_lock(handle):
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:  # real time: see above
             raise AuthError(
                 f"the token store lock {str(path)!r} was held by another process or thread "
                 f"for more than {timeout:g} s; check for a hung process using the store, "
                 "or raise lock_timeout"
             )
-        time.sleep(delay)
+        time.sleep(delay)  # real time: the holder needs real time to finish
         delay = min(delay * 2, 0.05)
 
 

@@ -45,7 +45,6 @@ import hashlib
 import re
 import socket
 import ssl
-import time
 import unicodedata
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +53,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from .._canonical import canonical_json, to_jsonable
+from .._clock import Clock, default_clock
 from .._exceptions import ConfigurationError
 from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
 from . import _clients, _http, _httpx2
@@ -218,12 +218,18 @@ class _NoAnswer(Exception):
 
 class _Target:
     def __init__(
-        self, client: _httpx2.AsyncClient, url: str, token: str | None, timeout: float
+        self,
+        client: _httpx2.AsyncClient,
+        url: str,
+        token: str | None,
+        timeout: float,
+        clock: Clock,
     ) -> None:
         self.client = client
         self.url = url
         self.token = token
         self.timeout = timeout
+        self.clock = clock  # each exchange's deadline, and the wall time of Retry-After dates
         self.log: list[str] = []  # one line per request answered, for the rows' evidence
 
     async def post(self, body: bytes, key: str | None, *, url: str | None = None) -> _Sent:
@@ -261,10 +267,10 @@ class _Target:
         headers: tuple[tuple[str, str], ...],
         body: bytes,
     ) -> Answer | Failure:
-        deadline = time.monotonic() + self.timeout  # the whole exchange, not each read
+        deadline = self.clock.monotonic() + self.timeout  # the whole exchange, not each read
         out = Outgoing("POST", url, headers, body, same_origin=True, deadline=deadline)
         return await _http.send_async(
-            client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES
+            client, out, auth=None, timeout=None, max_bytes=MAX_ANSWER_BYTES, clock=self.clock
         )
 
 
@@ -334,13 +340,13 @@ def _status(sent: _Sent) -> str:
     )
 
 
-def _retry_after_problem(sent: _Sent) -> str | None:
-    """Why a 409's Retry-After is no usable advice, or None when it is."""
+def _retry_after_problem(sent: _Sent, now: float) -> str | None:
+    """Why a 409's Retry-After is no usable advice, or None when it is (``now``: wall time)."""
     value = sent.retry_after
     if value is None:
         return "no Retry-After"
     # Never raises: hundreds of digits read as "very long"; a date counts from now.
-    seconds = retry_after(value, time.time())
+    seconds = retry_after(value, now)
     if seconds is None:
         return f"an unparseable Retry-After ({_clip(sent.shown(value))})"
     if seconds > _SANE_RETRY_AFTER:
@@ -502,8 +508,9 @@ async def _concurrent(run: _Run, n: int) -> list[CheckResult]:
         )
         return results
     bad = sorted({s.status for s in waiting if s.status != 409})
+    now = run.target.clock.time()
     advice = [
-        p for p in map(_retry_after_problem, (s for s in waiting if s.status in _NOT_NOW)) if p
+        p for p in (_retry_after_problem(s, now) for s in waiting if s.status in _NOT_NOW) if p
     ]
     problems = []
     if bad:
@@ -856,15 +863,23 @@ async def acheck_server(
     timeout: float = 30.0,
     other_path: str | None = None,
     progress: Callable[[CheckResult], None] | None = None,
+    clock: Clock | None = None,
 ) -> CheckReport:
     """Check every point of the contract against ``base_url + path``. Real side effects!
 
     ``other_path`` is a second route the step's key is sent to (default: ``path`` plus
     ``/agentkey-check-other-route``, a route no tool serves that a prefix rule such as
     ``/tools/*`` still protects). ``progress`` is called with each row as soon as it is
-    decided (the CLI prints them on a terminal while the check runs).
+    decided (the CLI prints them on a terminal while the check runs). ``clock`` (an
+    :class:`agentkey.Clock`; default: the system's) measures each request's ``timeout``
+    and the ``Retry-After`` dates.
     """
     url, other_url = _validate(base_url, path, token, style, concurrency, timeout, other_path)
+    if clock is not None and not isinstance(clock, Clock):
+        raise ConfigurationError(
+            f"clock must be an agentkey.Clock, or None for the system clock; got {clock!r}"
+        )
+    clock = clock if clock is not None else default_clock()
     plain = to_jsonable(args)
     changed = (
         to_jsonable(changed_args, root="changed_args")
@@ -878,7 +893,7 @@ async def acheck_server(
     results: list[CheckResult] = []
     no_verdict = None
     async with _clients.make_async_client(_clients.make_timeout(timeout)) as client:
-        target = _Target(client, url, token, float(timeout))
+        target = _Target(client, url, token, float(timeout), clock)
         run = _Run(target, plan, canonical_json(plain), plain, changed, style, other_url)
         try:
             results += _done(await _fresh_and_duplicate(run), target, progress)
@@ -941,6 +956,7 @@ def check_server(
     timeout: float = 30.0,
     other_path: str | None = None,
     progress: Callable[[CheckResult], None] | None = None,
+    clock: Clock | None = None,
 ) -> CheckReport:
     """Blocking form of :func:`acheck_server`."""
     return asyncio.run(
@@ -955,5 +971,6 @@ def check_server(
             timeout=timeout,
             other_path=other_path,
             progress=progress,
+            clock=clock,
         )
     )

@@ -51,8 +51,8 @@ DEADLINE_PASSED = "the call's deadline passed before the answer was read"
 
 
 def seconds_left(deadline: float | None) -> float | None:
-    """Seconds left before ``deadline`` (on ``time.monotonic()``, the sockets' clock)."""
-    return None if deadline is None else deadline - time.monotonic()
+    """Seconds left before ``deadline`` (on the real monotonic clock, the sockets' clock)."""
+    return None if deadline is None else deadline - time.monotonic()  # real time: sockets
 
 
 _DEADLINE: ContextVar[float | None] = ContextVar("agentkey_deadline", default=None)
@@ -61,7 +61,7 @@ _DEADLINE: ContextVar[float | None] = ContextVar("agentkey_deadline", default=No
 class deadline_scope:
     """Within it, every socket operation of a :class:`DeadlineTransport` ends by ``deadline``.
 
-    ``deadline`` is on ``time.monotonic()``. A sync request does all its I/O in the
+    ``deadline`` is on the real monotonic clock. A sync request does all its I/O in the
     calling thread, so the context variable reaches the streams it uses. (A class, not
     a ``@contextmanager`` generator: it runs on every request.)
     """
@@ -83,7 +83,7 @@ def _bounded(timeout: float | None, expired: type[Exception]) -> float | None:
     deadline = _DEADLINE.get()
     if deadline is None:
         return timeout
-    left = deadline - time.monotonic()
+    left = deadline - time.monotonic()  # real time: a socket operation's timeout
     if left <= 0:
         raise expired("the call's deadline passed")
     return left if timeout is None else min(timeout, left)
@@ -271,7 +271,7 @@ class _Alarms:
     def _run(self) -> None:
         with self._cond:
             while True:
-                now = time.monotonic()
+                now = time.monotonic()  # real time: the alarm shuts real sockets at deadlines
                 for dog in [d for d in self._live if d.deadline <= now]:
                     dog.fired = True
                     with suppress(OSError):  # already closed: nothing left to stop

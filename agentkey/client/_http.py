@@ -20,14 +20,13 @@ client, that error is turned into the same typed failure (:func:`_bad_location`)
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import anyio
 import httpx
 
+from .._clock import SYSTEM, Clock, real_deadline
 from ._clients import MADE, Made, foreign
 from ._deadline import DEADLINE_PASSED, REDIRECTS, Watchdog, deadline_scope, seconds_left
 from ._decode import ACCEPT_ENCODING, Body
@@ -52,17 +51,6 @@ Timeout = httpx.Timeout
 Request = httpx.Request
 Response = httpx.Response
 ReadTimeout = httpx.ReadTimeout
-
-
-def _at_socket(out: Outgoing, clock: Callable[[], float]) -> float | None:
-    """``out``'s deadline (on ``clock``, the flow's) as a deadline on the sockets' clock.
-
-    The time left is read once, on the clock the flow measured its deadline on, so a
-    flow on a test's fake clock and the request it sends agree on how long is left.
-    """
-    if out.deadline is None or clock is time.monotonic:
-        return out.deadline
-    return time.monotonic() + (out.deadline - clock())
 
 
 def _cut(lib: Any, timeout: httpx.Timeout, left: float | None) -> httpx.Timeout:
@@ -193,7 +181,7 @@ def send_sync(
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = SYSTEM,
     poll_client: Any = None,
 ) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
@@ -201,7 +189,9 @@ def send_sync(
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
     ``poll_client`` sends requests to another origin (the invoker's ``poll_client=``).
     """
-    deadline = _at_socket(out, clock)
+    # The time left is read once, on the clock the flow measured its deadline on, so a flow
+    # on a test's fake clock and the request it sends agree on how long is left.
+    deadline = real_deadline(clock, out.deadline)
     target, lib, made = _target(client, out, poll_client)
     request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):
@@ -251,7 +241,7 @@ async def send_async(
     auth: httpx.Auth | None,
     timeout: httpx.Timeout | None,  # noqa: ASYNC109 - httpx per-phase timeouts; the call's deadline is out.deadline
     max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = SYSTEM,
     poll_client: Any = None,
 ) -> Received:
     """Send ``out`` and read the answer, up to ``max_bytes``; the response is always closed.
@@ -259,7 +249,9 @@ async def send_async(
     ``clock`` is the one ``out.deadline`` is on: the clock of the flow that yielded it.
     ``poll_client`` sends requests to another origin (the invoker's ``poll_client=``).
     """
-    deadline = _at_socket(out, clock)
+    # The time left is read once, on the clock the flow measured its deadline on, so a flow
+    # on a test's fake clock and the request it sends agree on how long is left.
+    deadline = real_deadline(clock, out.deadline)
     target, lib, made = _target(client, out, poll_client)
     request = _build(lib, target, out, timeout, deadline)
     if isinstance(request, Failure):

@@ -16,9 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
-import random
 import re
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
@@ -26,13 +24,13 @@ from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
 
+from .._clock import Clock, default_clock
 from .._exceptions import AgentKeyError, ConfigurationError, InsecureTransport, JournalError
 from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
 from .._plan import Step
 from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
 
 if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
-    import asyncio
     import types
 
     from ..journal._base import Journal, current_owner, in_flight
@@ -64,7 +62,7 @@ def _load_engine() -> None:
     ToolInvoker``, only by a program that makes an invoker, and an ImportError
     (a broken install) is raised here, by the constructor.
     """
-    global _engine_loaded, asyncio, _flow, async_carrier, carrier, run_async, run_sync
+    global _engine_loaded, _flow, async_carrier, carrier, run_async, run_sync
     global Emit, Journaled, Outgoing, Sleep, Reconcile, Call, Settings, check_headers
     global LoggingHook, listened, AsyncClient, Auth, Client, make_async_client, make_client
     global make_max_response_bytes, make_timeout, send_async, send_sync, is_loopback
@@ -72,7 +70,6 @@ def _load_engine() -> None:
     global current_owner, in_flight, resolve_journal, HttpLookup, honours_option
     if _engine_loaded:
         return
-    import asyncio
 
     from ..journal._base import current_owner, in_flight
     from ..journal._default import resolve_journal
@@ -167,12 +164,6 @@ class ToolResult(BaseModel):
 
 
 class _InvokerBase:
-    #: The clock, random source and wall clock every flow of the invoker runs on (injected
-    #: into its Settings and its driver; tests replace them before building an invoker).
-    _clock: Callable[[], float] = staticmethod(time.monotonic)
-    _rng: Callable[[], float] = staticmethod(random.random)
-    _wall: Callable[[], float] = staticmethod(time.time)
-
     def __init__(
         self,
         base_url: str,
@@ -181,6 +172,7 @@ class _InvokerBase:
         retry: RetryPolicy,
         polling: PollPolicy,
         timeout: float | Timeout | None,
+        clock: Clock | None,
         key_header_style: HeaderStyle,
         replay_headers: Sequence[str],
         allowed_poll_origins: Iterable[str],
@@ -215,6 +207,13 @@ class _InvokerBase:
             raise ConfigurationError(f"retry must be a RetryPolicy, got {retry!r}")
         if not isinstance(polling, PollPolicy):
             raise ConfigurationError(f"polling must be a PollPolicy, got {polling!r}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(
+                "clock must be an agentkey.Clock (monotonic, time, sleep, asleep, random), "
+                f"e.g. agentkey.testing.FakeClock(), or None for the system clock; got {clock!r}"
+            )
+        #: The one clock of every flow (time, jitter, wall time) and every wait of the driver.
+        self._clock: Clock = clock if clock is not None else default_clock()
         if key_header_style not in HEADER_STYLES:
             raise ConfigurationError(
                 "key_header_style must be 'raw', 'sf-string' or 'uuid' (a UUIDv5 of the key, "
@@ -293,9 +292,9 @@ class _InvokerBase:
             retry,
             polling,
             bool(hooks),
-            self._clock,
-            self._rng,
-            self._wall,
+            self._clock.monotonic,
+            self._clock.random,
+            self._clock.time,
             journal=self._journal is not None,
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=declared,
@@ -322,7 +321,7 @@ class _InvokerBase:
         self,
         client: Client | AsyncClient,
         send: Callable[..., Any],
-        sleep: Callable[[Sleep], Any],
+        sleep: Callable[[Clock, Sleep], Any],
         *,
         asynchronous: bool,
         poll_client: Client | AsyncClient | None = None,
@@ -330,8 +329,9 @@ class _InvokerBase:
         """How this invoker's driver carries out each effect: ``send`` (send_sync or send_async)
         through ``client``.
 
-        The request goes out with the deadline read on the flows' own clock. The table
-        holds what the invoker holds, never the invoker, so it makes no reference cycle.
+        The request goes out with the deadline read on the flows' own clock, and the waits
+        are the clock's. The table holds what the invoker holds, never the invoker, so it
+        makes no reference cycle.
         """
         options = {
             "auth": self._auth,
@@ -341,8 +341,8 @@ class _InvokerBase:
         }
         return {
             **shared_handlers(self._hooks, self._journal, asynchronous=asynchronous),
-            Outgoing: functools.partial(send, client, **options, clock=self._settings.clock),
-            Sleep: sleep,
+            Outgoing: functools.partial(send, client, **options, clock=self._clock),
+            Sleep: functools.partial(sleep, self._clock),
         }
 
     @property
@@ -584,12 +584,12 @@ def _reconcile_sync(effect: Reconcile) -> Any:
     return verdict
 
 
-def _sleep(effect: Sleep) -> None:
-    time.sleep(effect.seconds)
+def _sleep(clock: Clock, effect: Sleep) -> None:
+    clock.sleep(effect.seconds)
 
 
-def _asleep(effect: Sleep) -> Awaitable[None]:
-    return asyncio.sleep(effect.seconds)
+def _asleep(clock: Clock, effect: Sleep) -> Awaitable[None]:
+    return clock.asleep(effect.seconds)
 
 
 def _close_awaitable(value: object) -> None:
@@ -635,7 +635,8 @@ class ToolInvoker(_InvokerBase):
     origin of ``allowed_poll_origins`` go out bare (no credentials, cookies or
     default headers) through ``poll_client`` when given (a second client with your
     transport, mounts, proxy or certificates; not closed either), else through a
-    cookieless client agentkey builds.
+    cookieless client agentkey builds. Every wait, deadline and jitter draw runs on
+    ``clock`` (an :class:`agentkey.Clock`; tests pass ``agentkey.testing.FakeClock()``).
     """
 
     def __init__(
@@ -648,6 +649,7 @@ class ToolInvoker(_InvokerBase):
         client: Client | None = None,
         poll_client: Client | None = None,
         timeout: float | Timeout | None = None,
+        clock: Clock | None = None,
         key_header_style: HeaderStyle = "raw",
         replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
         allowed_poll_origins: Iterable[str] = (),
@@ -663,7 +665,7 @@ class ToolInvoker(_InvokerBase):
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
         super().__init__(
-            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout,
+            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout, clock=clock,
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
@@ -760,6 +762,7 @@ class AsyncToolInvoker(_InvokerBase):
         client: AsyncClient | None = None,
         poll_client: AsyncClient | None = None,
         timeout: float | Timeout | None = None,
+        clock: Clock | None = None,
         key_header_style: HeaderStyle = "raw",
         replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
         allowed_poll_origins: Iterable[str] = (),
@@ -775,7 +778,7 @@ class AsyncToolInvoker(_InvokerBase):
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
         super().__init__(
-            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout,
+            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout, clock=clock,
             key_header_style=key_header_style, replay_headers=replay_headers,
             allowed_poll_origins=allowed_poll_origins, routes=routes,
             route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,

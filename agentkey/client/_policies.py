@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -192,9 +191,13 @@ class PollPolicy:
         """The wait between polls, as one :class:`~agentkey._schedule.Backoff`."""
         return schedule_of(self, floor=self.min_interval)
 
-    def wait(self, poll_number: int) -> float:
-        """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``."""
-        return self.schedule.delay(poll_number, rng=random.random)
+    def wait(self, poll_number: int, *, rng: Callable[[], float] | None = None) -> float:
+        """The wait before poll ``poll_number + 1`` when the server gives no ``Retry-After``.
+
+        A policy is a value with no clock: a jittered one (``jitter=True``) draws from
+        ``rng`` (uniform in [0, 1), e.g. a clock's ``random``), which it then needs.
+        """
+        return self.schedule.delay(poll_number, rng=rng)
 
 
 def _statuses(value: object) -> frozenset[int]:

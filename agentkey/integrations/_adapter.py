@@ -159,7 +159,7 @@ def unsettled(invoker: ToolInvoker | AsyncToolInvoker) -> list[CallRecord]:
         _warn_unreadable(journal)
         return []
     found = journal.calls(states=[CallState.IN_DOUBT, CallState.PENDING], limit=200)
-    now = invoker._wall()
+    now = invoker._clock.time()
     return [r for r in found if not is_live(r, now)]
 
 

@@ -62,8 +62,9 @@ class IdP:
     delay: float = 0.0
     replies: list[Reply] = field(default_factory=list)
     url: str = ""
-    # Token lifetimes run on this clock; tests that share a FakeClock with the provider's
-    # TokenPolicy(clock=...) advance time by hand, so machine load never expires a token.
+    # Token lifetimes run on this clock; tests that give it a FakeClock's monotonic and the
+    # provider the same FakeClock (clock=) advance time by hand, so machine load never
+    # expires a token.
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:

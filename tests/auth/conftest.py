@@ -11,7 +11,7 @@ import httpx
 import pytest
 from joserfc.jwk import RSAKey
 
-from agentkey.auth import TokenProvider
+from agentkey import _clock
 from tests._loopback import serve
 from tests.auth._idp import IdP
 
@@ -43,29 +43,14 @@ def idp(_idp_server: IdP) -> IdP:
 
 
 @pytest.fixture(autouse=True)
-def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Providers never really wait between token requests here: each wait is only recorded."""
-    waits: list[float] = []
-
-    async def asleep(seconds: float) -> None:
-        waits.append(seconds)
-
-    monkeypatch.setattr(TokenProvider, "_sleep", staticmethod(waits.append))
-    monkeypatch.setattr(TokenProvider, "_asleep", staticmethod(asleep))
-    return waits
-
-
-class FakeClock:
-    """A monotonic clock that moves only when the test says so (shared by IdP and provider)."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+def _waits_skipped() -> Iterator[None]:
+    """Providers built here without clock= never really wait between token requests: the
+    default clock is testing mode's skipping one. Tests that look at the waits, or move time
+    by hand, pass a ``FakeClock`` as ``clock=``."""
+    prior = _clock.default_clock()
+    _clock.set_default_clock(_clock.SkippingClock())
+    yield
+    _clock.set_default_clock(prior)
 
 
 @dataclass(frozen=True)

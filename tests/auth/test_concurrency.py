@@ -15,8 +15,9 @@ from agentkey import TokenError
 from agentkey.auth import ClientCredentials, TokenPolicy
 from agentkey.auth._base import _Flight
 from agentkey.auth._token import Token
+from agentkey.testing import FakeClock
 from tests.auth._idp import IdP, Reply
-from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
 
 POLICY = TokenPolicy(initial_backoff=0.01, max_backoff=0.05, max_attempts=1, failure_ttl=5.0)
 
@@ -28,13 +29,15 @@ def clock(idp: IdP) -> FakeClock:
     On the real clock the IdP's tokens live 2 s: on a loaded machine a burst outlived its
     token, the tool answered 401, and a second refresh looked like a broken single flight.
     """
-    idp.clock = fake = FakeClock()
+    fake = FakeClock()
+    idp.clock = fake.monotonic
     return fake
 
 
-def _provider(idp: IdP) -> ClientCredentials:
-    policy = POLICY.replace(clock=idp.clock)
-    return ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=policy)
+def _provider(idp: IdP, clock: FakeClock) -> ClientCredentials:
+    return ClientCredentials(
+        idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=POLICY, clock=clock
+    )
 
 
 async def _expire(auth: ClientCredentials, clock: FakeClock) -> None:
@@ -47,7 +50,7 @@ async def test_1000_concurrent_async_calls_make_one_token_request(
     idp: IdP, clock: FakeClock
 ) -> None:
     """1,000 concurrent async tool calls over an expired token cause exactly one token request."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     await _expire(auth, clock)
     before = idp.token_requests
     # The token endpoint is reached over loopback; the tool is the same app served in-process
@@ -62,7 +65,7 @@ async def test_1000_concurrent_async_calls_make_one_token_request(
 
 def test_16_threads_make_one_token_request(idp: IdP, clock: FakeClock) -> None:
     """16 threads calling at once over an expired token cause exactly one token request."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     asyncio.run(_expire(auth, clock))
     before = idp.token_requests
     barrier = threading.Barrier(16)
@@ -82,7 +85,7 @@ async def test_threads_and_coroutines_together_make_one_token_request(
     idp: IdP, clock: FakeClock
 ) -> None:
     """Threads and coroutines hitting one expired credential at once share a single refresh."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     await _expire(auth, clock)
     idp.delay = 0.3  # keep the refresh in flight while everyone arrives
     before = idp.token_requests
@@ -100,9 +103,11 @@ async def test_threads_and_coroutines_together_make_one_token_request(
     assert idp.token_requests - before == 1
 
 
-async def test_cancelled_waiters_do_not_cancel_the_shared_refresh(idp: IdP) -> None:
+async def test_cancelled_waiters_do_not_cancel_the_shared_refresh(
+    idp: IdP, clock: FakeClock
+) -> None:
     """Cancelling the refresh's starter and a waiter still serves the rest from one refresh."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     idp.delay = 0.5
     leader = asyncio.ensure_future(auth.aget_token())
     await asyncio.sleep(0.05)
@@ -119,9 +124,9 @@ async def test_cancelled_waiters_do_not_cancel_the_shared_refresh(idp: IdP) -> N
     assert await auth.aget_token() == results[2]  # the refresh landed for later callers too
 
 
-async def test_failure_is_shared_and_remembered(idp: IdP) -> None:
+async def test_failure_is_shared_and_remembered(idp: IdP, clock: FakeClock) -> None:
     """One failed refresh fails every waiter, and callers right after fail without a new request."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     idp.delay = 0.2
     idp.replies = [Reply(503, {"error": "temporarily_unavailable"})]
     results = await asyncio.gather(*(auth.aget_token() for _ in range(50)), return_exceptions=True)
@@ -134,9 +139,9 @@ async def test_failure_is_shared_and_remembered(idp: IdP) -> None:
     assert idp.token_requests == 1
 
 
-async def test_401_from_many_callers_refreshes_once(idp: IdP) -> None:
+async def test_401_from_many_callers_refreshes_once(idp: IdP, clock: FakeClock) -> None:
     """Many concurrent 401s on the same token cause one refresh; each request is resent once."""
-    auth = _provider(idp)
+    auth = _provider(idp, clock)
     await auth.aget_token()
     idp.revoke_all()
     async with httpx.AsyncClient(auth=auth, timeout=60) as client:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from agentkey.auth import (
     TokenExchange,
     TokenPolicy,
 )
+from agentkey.testing import FakeClock
 from tests.auth._idp import ACCESS_TOKEN_TYPE, IdP, Reply
 from tests.auth.conftest import (
     CLIENT_ID,
@@ -36,7 +36,6 @@ from tests.auth.conftest import (
     PRIVATE_PEM,
     PUBLIC_CLIENT,
     Driver,
-    FakeClock,
 )
 
 CLOCK = FakeClock()
@@ -46,18 +45,18 @@ FAST = TokenPolicy(
     max_retry_after=0.05,
     max_attempts=3,
     failure_ttl=0.5,
-    clock=CLOCK,
 )
 
 
 @pytest.fixture(autouse=True)
 def _fake_time(idp: IdP) -> None:
-    """The identity provider measures token lifetimes on the same fake clock as FAST."""
-    idp.clock = CLOCK
+    """The identity provider measures token lifetimes on the same fake clock as the providers."""
+    idp.clock = CLOCK.monotonic
 
 
 def _cc(idp: IdP, **kwargs: Any) -> ClientCredentials:
     kwargs.setdefault("policy", FAST)
+    kwargs.setdefault("clock", CLOCK)
     return ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, **kwargs)
 
 
@@ -88,7 +87,7 @@ async def test_basic_auth_is_form_encoded(
     idp: IdP, driver: Driver, client: tuple[str, str]
 ) -> None:
     """client_secret_basic url-encodes id and secret (RFC 6749 2.3.1), so ':' and '@' survive."""
-    auth = ClientCredentials(idp.url + "/token", client[0], client[1], policy=FAST)
+    auth = ClientCredentials(idp.url + "/token", client[0], client[1], policy=FAST, clock=CLOCK)
     response = await driver.request("GET", idp.url + "/tool", auth=auth)
     assert response.status_code == 200
 
@@ -113,6 +112,7 @@ async def test_private_key_jwt_fresh_jti_and_short_exp(idp: IdP, driver: Driver)
         private_key=PRIVATE_PEM,
         key_id="k1",
         policy=FAST,
+        clock=CLOCK,
     )
     idp.lifetime = 0.4
     for _ in range(3):
@@ -217,7 +217,7 @@ async def test_oauth_errors_raise_at_once(idp: IdP, driver: Driver, error: str) 
 
 async def test_wrong_secret_is_invalid_client(idp: IdP, driver: Driver) -> None:
     """A wrong client secret gives the real endpoint's invalid_client, not a generic failure."""
-    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, "wrong", policy=FAST)
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, "wrong", policy=FAST, clock=CLOCK)
     with pytest.raises(TokenError) as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)
     assert info.value.error == "invalid_client"
@@ -253,6 +253,7 @@ async def test_refresh_token_rotation_is_persisted(idp: IdP, driver: Driver) -> 
         refresh_token=first,
         store=store,
         policy=FAST,
+        clock=CLOCK,
     )
     idp.lifetime = 0.4
     seen = []
@@ -275,7 +276,13 @@ async def test_refresh_token_kept_without_rotation(idp: IdP, driver: Driver) -> 
     first = idp.grant_refresh_token(CLIENT_ID)
     store = MemoryTokenStore()
     auth = RefreshTokenGrant(
-        idp.url + "/token", CLIENT_ID, CLIENT_SECRET, refresh_token=first, store=store, policy=FAST
+        idp.url + "/token",
+        CLIENT_ID,
+        CLIENT_SECRET,
+        refresh_token=first,
+        store=store,
+        policy=FAST,
+        clock=CLOCK,
     )
     response = await driver.request("GET", idp.url + "/tool", auth=auth)
     assert response.status_code == 200
@@ -296,6 +303,7 @@ async def test_stored_refresh_token_wins_over_configured(idp: IdP, driver: Drive
         refresh_token=spent,
         store=store,
         policy=FAST,
+        clock=CLOCK,
     )
     store.save(probe.store_key, SecretStr(current))
     response = await driver.request("GET", idp.url + "/tool", auth=probe)
@@ -310,6 +318,7 @@ async def test_refused_refresh_token_is_delegation_expired(idp: IdP, driver: Dri
         auth_method="none",
         refresh_token="rt-revoked",
         policy=FAST,
+        clock=CLOCK,
     )
     with pytest.raises(DelegationExpired) as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)
@@ -319,6 +328,7 @@ async def test_refused_refresh_token_is_delegation_expired(idp: IdP, driver: Dri
 
 def _exchange(idp: IdP, subject: Any, **kwargs: Any) -> TokenExchange:
     kwargs.setdefault("policy", FAST)
+    kwargs.setdefault("clock", CLOCK)
     return TokenExchange(
         idp.url + "/token", CLIENT_ID, CLIENT_SECRET, subject_token=subject, **kwargs
     )
@@ -418,7 +428,7 @@ async def test_expired_subject_token_is_delegation_expired(idp: IdP, driver: Dri
 async def test_expired_jwt_subject_is_caught_before_the_request(idp: IdP, driver: Driver) -> None:
     """A user JWT whose exp has passed raises DelegationExpired without asking the endpoint."""
     key = OctKey.generate_key(256)
-    expired = jwt.encode({"alg": "HS256"}, {"sub": "u1", "exp": int(time.time()) - 5}, key)
+    expired = jwt.encode({"alg": "HS256"}, {"sub": "u1", "exp": int(CLOCK.time()) - 5}, key)
     with pytest.raises(DelegationExpired, match="authorise"):
         await driver.request("GET", idp.url + "/tool", auth=_exchange(idp, expired))
     assert idp.token_requests == 0
@@ -434,6 +444,7 @@ async def test_on_behalf_of_uses_entra_parameters(idp: IdP, driver: Driver) -> N
         user_token=lambda: user,
         scope="api://tool/.default",
         policy=FAST,
+        clock=CLOCK,
     )
     response = await driver.request("GET", idp.url + "/tool", auth=auth)
     assert response.status_code == 200
@@ -456,6 +467,7 @@ async def test_on_behalf_of_user_must_sign_in_again(idp: IdP, driver: Driver, er
         user_token=idp.user_token(),
         scope="api://tool/.default",
         policy=FAST,
+        clock=CLOCK,
     )
     with pytest.raises(DelegationExpired) as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)
@@ -497,7 +509,9 @@ async def test_unreachable_token_endpoint(driver: Driver) -> None:
     from tests._loopback import free_port
 
     url = f"http://127.0.0.1:{free_port()}/token"
-    auth = ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, policy=FAST.replace(max_attempts=2))
+    auth = ClientCredentials(
+        url, CLIENT_ID, CLIENT_SECRET, policy=FAST.replace(max_attempts=2), clock=CLOCK
+    )
     with pytest.raises(TokenError, match="could not be reached"):
         await driver.request("GET", "http://127.0.0.1:9/tool", auth=auth)
 

@@ -14,9 +14,10 @@ from agentkey import (
     ToolInvoker,
     ToolResult,
 )
-from agentkey.auth import ClientCredentials, TokenPolicy, TokenProvider
+from agentkey.auth import ClientCredentials, TokenProvider
+from agentkey.testing import FakeClock
 from tests.auth._idp import IdP
-from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, FakeClock
+from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET
 
 STEPS = 10
 INTERVAL = 0.6  # 10 steps over 6 seconds of the fake clock
@@ -53,13 +54,13 @@ async def _run_plan(
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_plan_of_10_steps_with_2s_tokens_sees_no_401(idp: IdP, kind: str) -> None:
     """10 steps over 6 s with 2 s tokens (one revoked mid-plan) all succeed; no 401 reaches us."""
-    clock = idp.clock = FakeClock()  # token lifetimes pass only between steps
+    clock = FakeClock()  # token lifetimes pass only between steps
+    idp.clock = clock.monotonic
     idp.lifetime = 2.0
-    policy = TokenPolicy(clock=clock)
-    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, policy=policy)
-    started = clock()
+    auth = ClientCredentials(idp.url + "/token", CLIENT_ID, CLIENT_SECRET, clock=clock)
+    started = clock.monotonic()
     results = await _run_plan(kind, idp, auth, revoke_at=5, clock=clock)
-    elapsed = clock() - started
+    elapsed = clock.monotonic() - started
     assert [r.status_code for r in results] == [200] * STEPS
     assert [r.attempts for r in results] == [1] * STEPS  # the 401 was absorbed by the auth layer
     assert idp.tool_calls == STEPS

@@ -21,6 +21,7 @@ from agentkey import ConfigurationError, OutcomeUnknown, PlanSession, RetryPolic
 from agentkey.integrations.mcp import IdempotentSession, MCPToolResult, connect
 from agentkey.journal import MemoryJournal
 from agentkey.server import MemoryStore, RedisStore
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer
 from tests.integrations._mcp_app import Lab, running
 
@@ -46,7 +47,6 @@ async def test_a_call_waits_for_its_server_to_come_back_and_gets_the_real_answer
         first: AbstractContextManager[Lab] = running(RedisStore(redis_proc.url, prefix=prefix), lab)
         servers.enter_context(first)
         port = int(lab.url.rsplit(":", 1)[1])
-        waits_while_down = 0
         phases: list[str] = []
 
         def stop() -> None:
@@ -58,19 +58,25 @@ async def test_a_call_waits_for_its_server_to_come_back_and_gets_the_real_answer
             servers.enter_context(running(store, lab, port=port))
             phases.append("started")
 
-        async def sleep(seconds: float) -> None:
-            nonlocal waits_while_down
-            if lab.down or phases == ["stopped"]:
-                waits_while_down += 1
-                if waits_while_down == 2:
-                    await anyio.to_thread.run_sync(stop)
-                elif waits_while_down == 4:
-                    await anyio.to_thread.run_sync(start)
-            await anyio.sleep(seconds)
+        class Restarting(FakeClock):
+            """The session's clock: its second wait while the server is down stops the
+            server, its fourth starts it again."""
+
+            waits_while_down = 0
+
+            async def asleep(self, seconds: float) -> None:
+                if lab.down or phases == ["stopped"]:
+                    self.waits_while_down += 1
+                    if self.waits_while_down == 2:
+                        await anyio.to_thread.run_sync(stop)
+                    elif self.waits_while_down == 4:
+                        await anyio.to_thread.run_sync(start)
+                await super().asleep(seconds)
 
         policy = RetryPolicy(max_attempts=4, deadline=30.0, initial_backoff=0.02, max_backoff=0.1)
         factory = functools.partial(Client, f"http://127.0.0.1:{port}/mcp")
-        async with IdempotentSession(factory, PlanSession.new(), policy=policy, sleep=sleep) as s:
+        clock = Restarting()
+        async with IdempotentSession(factory, PlanSession.new(), policy=policy, clock=clock) as s:
             got = await s.call_tool("create_vm", {"region": "eu-west-1"})
         assert lab.runs["create_vm"] == 1
     assert phases == ["stopped", "started"]
@@ -83,24 +89,17 @@ async def test_a_server_that_stays_down_is_asked_until_the_deadline() -> None:
     """The server never comes back: the check is repeated, with backoff, until the call's
     deadline on the session's own clock (no real time waited), then OutcomeUnknown (before:
     given up after 0.05 s of a 40 s deadline)."""
-    now = [1000.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
-        await anyio.lowlevel.checkpoint()
-
+    clock = FakeClock()
     lab = Lab(down_after_drop=True)
     lab.drop["create_vm"] = 1
     policy = RetryPolicy(max_attempts=4, deadline=40.0, initial_backoff=0.5, max_backoff=5.0)
     with running(MemoryStore(), lab) as lab:
         factory = functools.partial(Client, lab.url + "/mcp")
-        tools = IdempotentSession(
-            factory, PlanSession.new(), policy=policy, sleep=sleep, clock=lambda: now[0]
-        )
+        tools = IdempotentSession(factory, PlanSession.new(), policy=policy, clock=clock)
         async with tools:
             with pytest.raises(OutcomeUnknown):
                 await tools.call_tool("create_vm", {"region": "eu-west-1"})
-    assert now[0] >= 1000.0 + 40.0 - 1e-6  # the whole deadline was spent waiting for it
+    assert sum(clock.sleeps) >= 40.0 - 1e-6  # the whole deadline was spent waiting for it
     assert lab.runs["create_vm"] == 1
 
 

@@ -45,6 +45,7 @@ from agentkey.journal import (
     Verdict,
 )
 from agentkey.journal._records import route_of
+from agentkey.testing import FakeClock
 from tests._loopback import serve
 
 DRIVERS = ("sync", "async")
@@ -146,10 +147,10 @@ def invoke(
     options.setdefault("journal", MemoryJournal())
     extra = options.pop("invoke", {})
     ahead = options.pop("wall_ahead", 0.0)  # the invoker's wall clock, this much later
-    sync, asynchronous = _shifted(ToolInvoker, ahead), _shifted(AsyncToolInvoker, ahead)
+    options.setdefault("clock", FakeClock(wall=time.time() + ahead))
     out: list[ToolResult | InvokeError] = []
     if driver == "sync":
-        with sync(url, **options) as invoker:
+        with ToolInvoker(url, **options) as invoker:
             for step in steps:
                 try:
                     out.append(invoker.invoke(step, **extra))
@@ -158,7 +159,7 @@ def invoke(
         return out
 
     async def main() -> None:
-        async with asynchronous(url, **options) as invoker:
+        async with AsyncToolInvoker(url, **options) as invoker:
             for step in steps:
                 try:
                     out.append(await invoker.invoke(step, **extra))
@@ -167,13 +168,6 @@ def invoke(
 
     asyncio.run(main())
     return out
-
-
-def _shifted(cls: Any, ahead: float) -> Any:
-    """``cls`` whose injected wall clock runs ``ahead`` seconds later."""
-    if not ahead:
-        return cls
-    return type(cls.__name__, (cls,), {"_wall": staticmethod(lambda: time.time() + ahead)})
 
 
 def charge(n: int = 0, **args: Any) -> Step:
@@ -517,24 +511,26 @@ def test_evidence_seen_again_is_refreshed_in_the_journal_once_a_while(
     tool, url = plain
     tool.script["/tools/charge"] = [ran(201, None, **{"Idempotency-Protected": "true"})] * 6
     journal = CountingJournal()
-    ahead = [0.0]
-    clock = {"_clock": staticmethod(lambda: time.monotonic() + ahead[0])}
+    clock = FakeClock()
     options: dict[str, Any] = {
         "route_template": "/tools/{tool}", "hooks": (), "journal": journal, "retry": FAST,
+        "clock": clock,
     }  # fmt: skip
     learnt: list[int] = []
     if driver == "sync":
-        with type("Later", (ToolInvoker,), clock)(url, **options) as invoker:
+        with ToolInvoker(url, **options) as invoker:
             for n in range(6):
-                ahead[0] = 0.0 if n < 3 else 601.0
+                if n == 3:
+                    clock.advance(601.0)
                 invoker.invoke(charge(n))
                 learnt.append(len(journal.learnt))
     else:
 
         async def main() -> None:
-            async with type("Later", (AsyncToolInvoker,), clock)(url, **options) as invoker:
+            async with AsyncToolInvoker(url, **options) as invoker:
                 for n in range(6):
-                    ahead[0] = 0.0 if n < 3 else 601.0
+                    if n == 3:
+                        clock.advance(601.0)
                     await invoker.invoke(charge(n))
                     learnt.append(len(journal.learnt))
 

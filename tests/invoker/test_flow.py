@@ -33,6 +33,7 @@ from agentkey.client._hooks import (
 from agentkey.client._net import origin_of
 from agentkey.client._policies import DEFAULT_RETRY_STATUSES
 from agentkey.client._protocol import Answer, Failure, FailureKind, ProtocolConfig, Received
+from agentkey.testing import FakeClock
 
 BASE = "https://tool.test"
 KEY = "plan:step_004:" + "c" * 64
@@ -44,23 +45,17 @@ CONFIG = ProtocolConfig(
 
 
 @dataclass
-class Clock:
-    """Monotonic seconds that move only when the test says so."""
-
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
 class Run:
     """What one hand-driven flow did: its requests, its sleeps, its events."""
 
-    clock: Clock = field(default_factory=Clock)
+    clock: FakeClock = field(default_factory=lambda: FakeClock(start=1000.0, wall=1.7e9 + 1000.0))
     sent: list[Outgoing] = field(default_factory=list)
-    slept: list[float] = field(default_factory=list)
     events: list[InvokeEvent] = field(default_factory=list)
+
+    @property
+    def slept(self) -> list[float]:
+        """The waits the flow asked for, in order (slept on the fake clock)."""
+        return self.clock.sleeps
 
     def record(self, event: InvokeEvent) -> None:
         self.events.append(event)
@@ -80,9 +75,9 @@ class Run:
             retry,
             polling,
             True,
-            self.clock,
-            lambda: 1.0,
-            lambda: 1.7e9 + self.clock.now,
+            self.clock.monotonic,
+            lambda: 1.0,  # the top of every jittered range (a FakeClock draws below 1)
+            self.clock.time,
             honours_keys=honours_keys,
         )
 
@@ -92,8 +87,7 @@ class Run:
 
         def carry(effect: object) -> object:
             if isinstance(effect, Sleep):
-                self.slept.append(effect.seconds)
-                self.clock.now += effect.seconds
+                self.clock.sleep(effect.seconds)
                 return None
             if isinstance(effect, Emit):
                 for hook in self.hooks:
@@ -101,7 +95,7 @@ class Run:
                 return None
             assert isinstance(effect, Outgoing)
             self.sent.append(effect)
-            self.clock.now += latency
+            self.clock.advance(latency)
             return next(script)
 
         return run_sync(flow, carry)
@@ -160,7 +154,7 @@ def test_poll_schedule_grows_to_its_cap() -> None:
 def test_deadline_cuts_the_wait_and_stops_the_retries() -> None:
     """At 3 s per request a 20 s Retry-After is cut to the 7 s left; no send after the deadline."""
     run = Run()
-    start = run.clock.now
+    start = run.clock.monotonic()
     flow = invoke(CALL, run.settings(RETRY.replace(deadline=10.0), POLL))
     with pytest.raises(OutcomeUnknown) as caught:
         run.drive(flow, [answer(503, retry_after="20")] * 5, latency=3.0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +14,7 @@ from hypothesis import strategies as st
 
 from agentkey import AsyncToolInvoker, ConfigurationError, PlanSession, ToolInvoker, ToolResult
 from agentkey._schedule import Backoff
-from agentkey.client import _invoker
-from agentkey.client._effects import Sleep
-from agentkey.client._invoker import _InvokerBase
+from agentkey.testing import FakeClock
 from tests._loopback import serve
 
 seconds = st.floats(0, 1e6, allow_nan=False)
@@ -114,29 +111,12 @@ def test_no_wait_is_below_the_floor(
 # --- a key in flight elsewhere: Retry-After: 0 does not make the questions spin ----------
 
 
-class _Paced:
-    """The invoker's monotonic clock: it moves only when the invoker sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1e6
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, effect: Sleep) -> None:
-        self.now += effect.seconds
-
-    def asleep(self, effect: Sleep) -> Awaitable[None]:
-        self.now += effect.seconds
-        return asyncio.sleep(0)
-
-
 @dataclass
 class _Busy:
     """A plain tool that answers 409 in_progress, Retry-After: 0, until ``clock`` passes
     ``until``; then it runs. It counts the POSTs it got and its executions."""
 
-    clock: _Paced
+    clock: FakeClock  # the invoker's: it moves only when the invoker sleeps
     until: float
     posts: int = 0
     executions: int = 0
@@ -149,7 +129,7 @@ class _Busy:
         status, headers = 201, [(b"content-type", b"application/json")]
         if scope["method"] == "POST":
             self.posts += 1
-            if self.clock() < self.until:
+            if self.clock.monotonic() < self.until:
                 status = 409
                 headers.append((b"retry-after", b"0"))
             else:
@@ -163,13 +143,14 @@ class _Busy:
 def test_retry_after_zero_in_flight_is_paced_by_the_backoff(driver: str) -> None:
     """409 in_progress + Retry-After: 0 for 30 s (the invoker's clock): the questions follow
     the growing backoff, at most 20 requests (before: one per initial_backoff, 61)."""
-    clock = _Paced()
-    tool = _Busy(clock, clock.now + 30.0)
-    with serve(tool) as url, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_InvokerBase, "_clock", staticmethod(clock))
-        patch.setattr(_invoker, "_sleep", clock.sleep)
-        patch.setattr(_invoker, "_asleep", clock.asleep)
-        options: dict[str, Any] = {"route_template": "/tools/{tool}", "journal": False}
+    clock = FakeClock()
+    tool = _Busy(clock, clock.monotonic() + 30.0)
+    with serve(tool) as url:
+        options: dict[str, Any] = {
+            "route_template": "/tools/{tool}",
+            "journal": False,
+            "clock": clock,
+        }
         step = PlanSession.new().step(0, "charge", {"amount": 1})
         if driver == "sync":
             with ToolInvoker(url, **options) as invoker:

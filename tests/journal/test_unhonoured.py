@@ -39,6 +39,7 @@ from agentkey import (
 from agentkey.journal import CallState, HttpLookup, InDoubt, SQLiteJournal, Verdict
 from agentkey.journal._base import Begun, is_live
 from agentkey.server import IdempotencyMiddleware, MemoryStore
+from agentkey.testing import FakeClock
 from tests._loopback import serve
 from tests.journal._tools import FaultOnce, PassThrough, PlainTool
 
@@ -75,19 +76,15 @@ def invoke(driver: str, url: str, step: Step, **options: Any) -> ToolResult:
     options.setdefault("timeout", READ_TIMEOUT)
     options.setdefault("route_template", "/tools/{tool}")
     ahead = options.pop("wall_ahead", 0.0)  # the invoker's wall clock, this much later
-    sync: Any = ToolInvoker
-    asynchronous: Any = AsyncToolInvoker
     if ahead:
-        wall = staticmethod(lambda: time.time() + ahead)
-        sync = type("ToolInvoker", (ToolInvoker,), {"_wall": wall})
-        asynchronous = type("AsyncToolInvoker", (AsyncToolInvoker,), {"_wall": wall})
+        options["clock"] = FakeClock(start=time.monotonic(), wall=time.time() + ahead)
     if driver == "sync":
-        with sync(url, **options) as invoker:
+        with ToolInvoker(url, **options) as invoker:
             result: ToolResult = invoker.invoke(step)
             return result
 
     async def run() -> ToolResult:
-        async with asynchronous(url, **options) as invoker:
+        async with AsyncToolInvoker(url, **options) as invoker:
             result: ToolResult = await invoker.invoke(step)
             return result
 

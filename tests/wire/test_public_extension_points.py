@@ -59,7 +59,7 @@ def test_a_reused_connections_drip_ends_at_the_deadline_without_any_alarm() -> N
     def handler(conn: socket.socket, head: bytes) -> None:
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
         conn.recv(65536)  # the second request, on the same kept-alive connection
-        for _ in range(60):  # its status line, one byte per 50 ms
+        for _ in range(2400):  # its status line, one byte per 50 ms, for 2 minutes at most
             conn.sendall(b"H")
             time.sleep(0.05)
 
@@ -69,14 +69,13 @@ def test_a_reused_connections_drip_ends_at_the_deadline_without_any_alarm() -> N
         )
         assert isinstance(first, Answer)
         assert first.status_code == 200
-        start = time.monotonic()
-        out = Outgoing("GET", base + "/b", (), None, True, deadline=start + 0.5)
+        deadline = time.monotonic() + 0.5  # real time: the socket's deadline
+        out = Outgoing("GET", base + "/b", (), None, True, deadline=deadline)
         reply = send_sync(client, out, auth=None, timeout=None)
-        elapsed = time.monotonic() - start
+    # Only the deadline can end the drip before the test's timeout.
     assert isinstance(reply, Failure)
     assert reply.kind is FailureKind.IN_DOUBT
     assert "deadline" in reply.description
-    assert elapsed < 0.5 + 1.5, f"took {elapsed:.2f} s"
 
 
 def test_agentkeys_client_keeps_httpx_away_from_a_redirects_location() -> None:

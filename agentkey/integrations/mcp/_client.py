@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import secrets
-import time
 from collections.abc import (
     AsyncIterator,
-    Awaitable,
     Callable,
     Mapping,
     Sequence,
@@ -41,6 +38,7 @@ from mcp_types import (
 from pydantic import BaseModel
 
 from ..._canonical import args_hash
+from ..._clock import Clock, default_clock
 from ..._exceptions import ConfigurationError
 from ..._plan import OnRepeat, PlanSession, Step, check_on_repeat
 from ...auth import TokenProvider
@@ -311,8 +309,7 @@ class IdempotentSession:
         attempt_timeout: float | None = 30.0,
         on_repeat: OnRepeat = "replay",
         hooks: Sequence[InvokeHook] | None = None,
-        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         journal: JournalOption = None,
         honours_keys: bool | None = None,
         reconcile: Reconciler | None = None,
@@ -337,6 +334,11 @@ class IdempotentSession:
             raise ConfigurationError(
                 f"reconcile must be a function of the call in doubt: {reconcile!r}"
             )
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(
+                "clock must be an agentkey.Clock (e.g. agentkey.testing.FakeClock()), or None "
+                f"for the system clock; got {clock!r}"
+            )
         if server is not None and (not isinstance(server, str) or not server):
             raise ConfigurationError(
                 f"server must be a non-empty str naming the server: {server!r}"
@@ -350,8 +352,9 @@ class IdempotentSession:
         self._attempt_timeout = attempt_timeout
         self._on_repeat = check_on_repeat(on_repeat)
         self._hooks: tuple[InvokeHook, ...] = (LoggingHook(),) if hooks is None else tuple(hooks)
-        self._sleep = sleep
-        self._clock = clock
+        clock = clock if clock is not None else default_clock()
+        #: The deadlines, the waits and their jitter of every call (tests: a FakeClock).
+        self._clock: Clock = clock
         self._reconcile = reconcile
         self._journal = resolve_journal(journal)
         if self._journal is not None and not self._journal.supports_async:
@@ -363,7 +366,7 @@ class IdempotentSession:
         # (its requests go through the call's _Carrier).
         self._handlers: Handlers = {
             **shared_handlers(self._hooks, self._journal, asynchronous=True),
-            Sleep: lambda effect: sleep(effect.seconds),
+            Sleep: lambda effect: clock.asleep(effect.seconds),
         }
         self._server = server  # else connect()'s URL, or a scope of this session alone
         self._own_scope = f"session-{secrets.token_hex(8)}"  # a factory's sessions share it
@@ -382,9 +385,9 @@ class IdempotentSession:
             self._policy,
             PollPolicy(),
             bool(self._hooks),
-            clock,
-            random.random,
-            time.time,
+            self._clock.monotonic,
+            self._clock.random,
+            self._clock.time,
             journal=self._journal is not None,
             journal_max_body=getattr(self._journal, "max_body_bytes", 0),
             honours_keys=honours_keys,
@@ -670,7 +673,7 @@ class _Carrier:
         """How long one request may wait: the time left before the deadline, at most
         ``attempt_timeout``."""
         tools = self.tools
-        left = None if out.deadline is None else max(0.0, out.deadline - tools._clock())
+        left = None if out.deadline is None else max(0.0, out.deadline - tools._clock.monotonic())
         if tools._attempt_timeout is None:
             return left
         return tools._attempt_timeout if left is None else min(left, tools._attempt_timeout)
@@ -700,13 +703,13 @@ class _Carrier:
                 except _PROBE_ERRORS:
                     pass
             tries += 1
-            left = None if out.deadline is None else out.deadline - tools._clock()
+            left = None if out.deadline is None else out.deadline - tools._clock.monotonic()
             if (left is not None and left <= 0) or (
                 left is None and tries >= tools._policy.max_attempts
             ):
                 break
-            wait = tools._policy.schedule.delay(tries, rng=random.random)
-            await tools._sleep(wait if left is None else min(wait, left))
+            wait = tools._policy.schedule.delay(tries, rng=tools._clock.random)
+            await tools._clock.asleep(wait if left is None else min(wait, left))
         if not listed:
             return Failure(FailureKind.NOT_SENT, f"tools/list failed ({tries} tries)")
         if self.sent_as in tools._advertised.get(self.planned.tool, ()):
