@@ -97,7 +97,7 @@ def tests_all(session: nox.Session) -> None:
 
 @nox.session
 def long(session: nox.Session) -> None:
-    """Long and real-time suites: Redis Cluster, SIGKILL runs, restarts, Hypothesis's long profile."""
+    """Long and real-time suites: Redis Cluster, SIGKILL runs, restarts, the long profile."""
     # The long-marked tests, the real-time ones (processes killed and restarted, agent
     # runtimes on their own timers: the default suite leaves them out, so that it passes on
     # a loaded machine) and every property test (Hypothesis marks its own tests), on the

@@ -9,7 +9,6 @@ proxy in front that refuses the first two requests with agentkey's ``503 not_run
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 from collections.abc import Iterator
@@ -21,16 +20,11 @@ import pytest
 
 from agentkey import Clock, ConfigurationError, PlanSession, Step, ToolInvoker
 from agentkey._clock import SYSTEM, SkippingClock, default_clock
-from agentkey.journal import ENV, MemoryJournal, SQLiteJournal, _default
+from agentkey.journal import MemoryJournal, SQLiteJournal, _default
+from agentkey.journal._default import ENV
 from agentkey.testing import FakeClock, example_app, set_testing
 from tests._loopback import serve
 from tests.journal._tools import PlainTool
-
-#: The invoker waits on its clock once the client half is on it (issue 36 item 1, client side).
-ON_THE_CLOCK = "clock" in inspect.signature(ToolInvoker).parameters
-needs_invoker_clock = pytest.mark.xfail(
-    not ON_THE_CLOCK, reason="the invoker does not wait on the default clock yet", strict=True
-)
 
 NOT_RUN = json.dumps(
     {"type": "urn:agentkey:problem:not_run", "title": "Not run", "status": 503,
@@ -102,7 +96,6 @@ def skipped(clock: Clock) -> float:
     return clock.monotonic() - time.monotonic()
 
 
-@needs_invoker_clock
 def test_a_production_retry_schedule_runs_without_waiting_and_journals_in_memory(
     testing_mode: Path, tool: tuple[Flaky, str]
 ) -> None:
