@@ -34,6 +34,7 @@ from starlette.routing import Route
 from agentkey import ConfigurationError
 from agentkey.integrations.mcp import KEY_FIELD, REPLAYED_FIELD, IdempotentToolsMiddleware, connect
 from agentkey.server import IdempotencyMiddleware, MemoryStore, ServerOptions
+from agentkey.server._records import InProgress, StoredOutcome, decode_record
 from agentkey.testing import FakeClock
 from tests._loopback import serve
 
@@ -146,13 +147,16 @@ class _Recording(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.ttls: list[tuple[str, int]] = []
+        self.written: list[bytes] = []  # the records claimed and finished, in order
 
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         self.ttls.append(("claim", ttl_ms))
+        self.written.append(value)
         return await super().claim(key, value, ttl_ms=ttl_ms)
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         self.ttls.append(("finish", ttl_ms))
+        self.written.append(value)
         return await super().finish(key, owner, value, ttl_ms=ttl_ms)
 
 
@@ -173,7 +177,9 @@ _HTTP_KINDS = {"idempotency_key_missing": "key-required", "in_progress": "in-pro
 
 
 @asynccontextmanager
-async def _http(options: ServerOptions, store: MemoryStore) -> AsyncIterator[_Front]:
+async def _http(
+    options: ServerOptions, store: MemoryStore, clock: FakeClock | None = None
+) -> AsyncIterator[_Front]:
     runs: Counter[str] = Counter()
     gate, entered = threading.Event(), threading.Event()
     front: _Front
@@ -191,6 +197,7 @@ async def _http(options: ServerOptions, store: MemoryStore) -> AsyncIterator[_Fr
         store=store,
         options=options,
         shared_key_space=True,
+        clock=clock,
     )
     async with AsyncExitStack() as stack:
         url = stack.enter_context(serve(middleware))
@@ -211,10 +218,14 @@ async def _http(options: ServerOptions, store: MemoryStore) -> AsyncIterator[_Fr
 
 
 @asynccontextmanager
-async def _mcp(options: ServerOptions, store: MemoryStore) -> AsyncIterator[_Front]:
+async def _mcp(
+    options: ServerOptions, store: MemoryStore, clock: FakeClock | None = None
+) -> AsyncIterator[_Front]:
     runs: Counter[str] = Counter()
     gate, entered = threading.Event(), threading.Event()
-    middleware = IdempotentToolsMiddleware(store, options=options, shared_key_space=True)
+    middleware = IdempotentToolsMiddleware(
+        store, options=options, shared_key_space=True, clock=clock
+    )
     server: MCPServer[Any] = MCPServer("options-test", middleware=[middleware])
     front: _Front
 
@@ -325,3 +336,17 @@ async def test_a_duplicate_in_flight_is_refused_or_held_alike(front: str, hold: 
     assert answers == [("ran", None)]
     assert duplicate == ([("replay", None)] if hold else [("in-progress", 7.0)])
     assert tool.runs["charge"] == 1
+
+
+@pytest.mark.parametrize("front", ["http", "mcp"])
+async def test_records_are_stamped_on_the_middlewares_clock(front: str) -> None:
+    """clock= (a Clock) reaches the records: the claim and the result carry the FakeClock's
+    wall time, in both front ends (the HTTP middleware took no clock on the old code)."""
+    clock = FakeClock(wall=1_800_000_000.0)
+    store = _Recording()
+    async with FRONTS[front](ServerOptions(auto_renew=False), store, clock) as tool:
+        assert await tool.call(_key()) == ("ran", None)
+    claimed, finished = (decode_record(value, key="k") for value in store.written[:2])
+    assert isinstance(claimed, InProgress)
+    assert isinstance(finished, StoredOutcome)
+    assert claimed.started_ms == finished.finished_ms == 1_800_000_000_000
