@@ -272,16 +272,13 @@ def _principal(principal: PrincipalFunc | None, shared_key_space: bool) -> Princ
 
 def _methods(methods: object) -> frozenset[str]:
     """The protected HTTP methods, upper case."""
-    if (
-        isinstance(methods, str)
-        or not isinstance(methods, Iterable)
-        or not all(isinstance(m, str) and m for m in methods)
-    ):
+    names = () if isinstance(methods, str) or not isinstance(methods, Iterable) else tuple(methods)
+    if not names or not all(isinstance(m, str) and m for m in names):
         # A bare "POST" would become the methods P, O, S and T and protect nothing.
         raise ConfigurationError(
             f"methods is a collection of HTTP method names, got {methods!r}; use ['POST']"
         )
-    return frozenset(m.upper() for m in methods)
+    return frozenset(m.upper() for m in names)
 
 
 def _blob_store(blob_store: object, result_ttl: float) -> BlobStore | None:
@@ -515,7 +512,7 @@ class IdempotencyMiddleware:
         principal: PrincipalFunc | None = None,
         shared_key_space: bool = False,
         routes: Collection[str] | RoutesFunc | None = None,
-        methods: Sequence[str] = ("POST",),
+        methods: Iterable[str] = ("POST",),
         blob_store: BlobStore | None = None,
         hooks: Sequence[DecisionHook] = (),
         reconcile: ReconcileHook | None = None,

@@ -350,3 +350,31 @@ async def test_records_are_stamped_on_the_middlewares_clock(front: str) -> None:
     assert isinstance(claimed, InProgress)
     assert isinstance(finished, StoredOutcome)
     assert claimed.started_ms == finished.finished_ms == 1_800_000_000_000
+
+
+async def test_methods_given_as_a_generator_are_all_protected() -> None:
+    """methods=(a generator): checking it no longer uses it up, so POST stays protected (on
+    the old code the check consumed it, nothing was protected, and a keyless POST ran)."""
+    runs: Counter[str] = Counter()
+
+    async def charge(request: Request) -> JSONResponse:
+        runs["charge"] += 1
+        return JSONResponse({"run": runs["charge"]}, status_code=201)
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=MemoryStore(),
+        shared_key_space=True,
+        methods=(method for method in ["POST"]),
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        answer = await client.post("/charge", json={"amount": 5})
+    assert answer.status_code == 400
+    assert runs["charge"] == 0
+
+
+def test_an_empty_methods_is_refused() -> None:
+    """methods=[] would protect nothing, silently: a ConfigurationError instead."""
+    with pytest.raises(ConfigurationError, match="methods"):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), shared_key_space=True, methods=[])
