@@ -74,7 +74,7 @@ from starlette.routing import Route
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
 from agentkey import PlanSession, canonical_json
-from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, ServerOptions, current_claim
 from bench._harness import (
     Server,
     machine,
@@ -131,8 +131,9 @@ def protected(*, from_claim: bool = False, canonical: bool = False) -> App:
         app(from_claim=from_claim),
         store=MemoryStore(),
         shared_key_space=True,
-        max_body_bytes=4 * 1024 * 1024,  # the re-serialised 1 MB body is larger than 1 MiB
-        body_fingerprint="canonical" if canonical else "bytes",
+        options=ServerOptions(
+            max_body_bytes=4 * 1024 * 1024, body_fingerprint="canonical" if canonical else "bytes"
+        ),
     )
 
 
@@ -286,13 +287,14 @@ def uvicorn_app() -> Any:
     from agentkey.server import RedisStore
 
     # The option only when asked for: --before serves this file from a tree without it.
-    options = {"body_fingerprint": "canonical"} if config.endswith("canonical") else {}
+    options: dict[str, Any] = (
+        {"body_fingerprint": "canonical"} if config.endswith("canonical") else {}
+    )
     return IdempotencyMiddleware(
         app(),
         store=RedisStore(os.environ["BENCH_REDIS"]),
         shared_key_space=True,
-        max_body_bytes=4 * 1024 * 1024,
-        **options,  # type: ignore[arg-type]
+        options=ServerOptions(max_body_bytes=4 * 1024 * 1024, **options),
     )
 
 

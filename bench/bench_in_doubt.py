@@ -41,10 +41,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import agentkey.server
 from agentkey import PlanSession
 from agentkey.server import IdempotencyMiddleware, current_claim
 
-_HAS_MODES = "mutation_starts" in inspect.signature(IdempotencyMiddleware).parameters
+_HAS_MODES = (
+    hasattr(agentkey.server, "ServerOptions")
+    or "mutation_starts" in inspect.signature(IdempotencyMiddleware).parameters
+)
 
 
 class Counting:
@@ -107,7 +111,10 @@ def _app(store: Counting, pg: Any, **options: Any) -> Any:
         Route("/tx", tx, methods=["POST"]),
     ]
     return IdempotencyMiddleware(
-        Starlette(routes=routes), store=store, shared_key_space=True, **options
+        Starlette(routes=routes),
+        store=store,
+        shared_key_space=True,
+        **({"options": agentkey.server.ServerOptions(**options)} if options else {}),
     )
 
 

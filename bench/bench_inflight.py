@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harnes
 
 from agentkey import PlanSession, RetryPolicy, Step, ToolInvoker
 from agentkey.client._flow import IN_FLIGHT_CAP
+from agentkey.server import ServerOptions
 from bench._harness import machine, servers, spread, write_results
 
 APP = "bench.bench_inflight:app"
@@ -100,7 +101,9 @@ def app() -> Any:
         from agentkey.server import IdempotencyMiddleware, RedisStore
 
         store = RedisStore(redis_url, prefix=namespace)
-        return IdempotencyMiddleware(tool, store=store, shared_key_space=True, hold_in_flight=hold)
+        return IdempotencyMiddleware(
+            tool, store=store, shared_key_space=True, options=ServerOptions(hold_in_flight=hold)
+        )
     if config in ("idemkit", "idemkit_hold"):
         import idemkit
 

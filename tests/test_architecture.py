@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "agentkey.client._protocol": 0,
     "agentkey.client._retry_after": 0,
     "agentkey._schedule": 0,
+    "agentkey._validate": 0,
     "agentkey._version": 0,
     "agentkey.auth._token_policy": 0,
     "agentkey.auth._token": 0,
@@ -68,6 +69,7 @@ PURE = {
     "agentkey.client._protocol",
     "agentkey.client._retry_after",
     "agentkey._schedule",
+    "agentkey._validate",
     "agentkey.journal._records",
     "agentkey.journal._verify",
     "agentkey.server._decide",
@@ -235,6 +237,7 @@ SHARED = {
     "agentkey._keys",
     "agentkey._plan",
     "agentkey._schedule",
+    "agentkey._validate",
     "agentkey._version",
 }
 #: What else may sit at the top: the package's front door and its applications.

@@ -20,6 +20,7 @@ from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, current_claim
 from ._decide import DecisionEvent
 from ._middleware import IdempotencyMiddleware, starlette_user_identity
+from ._options import ServerOptions
 from ._reconcile import ReconcileContext, Reconciled
 from ._stores import MemoryStore, Store
 
@@ -56,6 +57,7 @@ __all__ = [
     "ReconcileContext",
     "Reconciled",
     "RedisStore",
+    "ServerOptions",
     "Store",
     "current_claim",
     "starlette_user_identity",

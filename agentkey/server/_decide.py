@@ -80,7 +80,6 @@ __all__ = [
     "Unavailable",
     "body_too_large",
     "check_body",
-    "check_body_fingerprint",
     "check_replay_header",
     "check_request",
     "in_progress_retry_after",
@@ -406,17 +405,6 @@ def parse_key(
     if isinstance(parsed, str):
         return Reject(400, "idempotency_key_invalid", parsed)
     return parsed
-
-
-def check_body_fingerprint(value: object) -> BodyFingerprint:
-    """``value`` as a :data:`BodyFingerprint`, or a ConfigurationError."""
-    if value == "bytes" or value == "canonical":
-        return value
-    raise ConfigurationError(
-        "body_fingerprint must be 'bytes' (an opaque key's retry resends the same bytes; "
-        "the default) or 'canonical' (equivalent JSON, such as other spacing or member "
-        f"order, is the same body), got {value!r}"
-    )
 
 
 def check_body(

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from ._blobs import BlobStore
 from ._claim import current_claim
 from ._middleware import IdempotencyMiddleware, Scope
+from ._options import ServerOptions
 from ._stores import MemoryStore, Store
 
 __all__ = ["bearer_principal", "example_app"]
@@ -113,7 +114,7 @@ def example_app(
                 principal=None if shared_key_space else bearer_principal,
                 shared_key_space=shared_key_space,
                 blob_store=blob_store,
-                lock_ttl=lock_ttl,
+                options=ServerOptions(lock_ttl=lock_ttl),
             )
         ],
     )

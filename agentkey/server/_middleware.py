@@ -56,14 +56,13 @@ from typing import Any
 
 import anyio
 
-from .._canonical import Profile, check_profile
+from .._clock import Clock, default_clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, _wall_ms, reset_current, set_current
+from ._claim import Claim, reset_current, set_current
 from ._decide import (
     REPLAY_HEADER,
-    BodyFingerprint,
     Conflict,
     DecisionEvent,
     InDoubt,
@@ -75,8 +74,6 @@ from ._decide import (
     Unavailable,
     body_too_large,
     check_body,
-    check_body_fingerprint,
-    check_replay_header,
     is_storable,
     not_finished,
     on_finished,
@@ -86,14 +83,8 @@ from ._decide import (
     unauthenticated,
     unavailable,
 )
-from ._lifecycle import (
-    SHARED_PRINCIPAL,
-    Lifecycle,
-    MutationStarts,
-    check_mutation_starts,
-    check_principal_options,
-    resolve_principal,
-)
+from ._lifecycle import SHARED_PRINCIPAL, Lifecycle, check_principal_options, resolve_principal
+from ._options import ServerOptions, check_hooks, check_store, options_or_default
 from ._reconcile import ReconcileHook, check_reconcile, context_for
 from ._stores import MemoryStore, Store
 
@@ -265,6 +256,47 @@ class _Routes:
         )
 
 
+def _principal(principal: PrincipalFunc | None, shared_key_space: bool) -> PrincipalFunc | None:
+    """The principal function; refused when there is none and no shared key space."""
+    check_principal_options(principal, shared_key_space, what="scope")
+    if principal is None and not shared_key_space:
+        raise ConfigurationError(
+            "IdempotencyMiddleware cannot tell callers apart: pass principal=, a function "
+            "(scope) -> str | None giving the caller from the app's authentication "
+            "(starlette_user_identity for Starlette's AuthenticationMiddleware), or "
+            "shared_key_space=True if every caller may share one key space (and so "
+            "replay each other's answers)"
+        )
+    return principal
+
+
+def _methods(methods: object) -> frozenset[str]:
+    """The protected HTTP methods, upper case."""
+    names = () if isinstance(methods, str) or not isinstance(methods, Iterable) else tuple(methods)
+    if not names or not all(isinstance(m, str) and m for m in names):
+        # A bare "POST" would become the methods P, O, S and T and protect nothing.
+        raise ConfigurationError(
+            f"methods is a collection of HTTP method names, got {methods!r}; use ['POST']"
+        )
+    return frozenset(m.upper() for m in names)
+
+
+def _blob_store(blob_store: object, result_ttl: float) -> BlobStore | None:
+    """The blob store given (None: a FileBlobStore, built on first use)."""
+    if blob_store is not None and not isinstance(blob_store, BlobStore):
+        raise ConfigurationError(
+            "blob_store must implement agentkey.server.BlobStore (put, get, delete), "
+            f"got {type(blob_store).__name__}"
+        )
+    if isinstance(blob_store, FileBlobStore) and blob_store.ttl < result_ttl:
+        raise ConfigurationError(
+            f"the FileBlobStore's ttl ({blob_store.ttl:g} s) is shorter than result_ttl "
+            f"({result_ttl:g} s): large answers would expire before their records; give "
+            "it ttl=result_ttl"
+        )
+    return blob_store
+
+
 class _Exchange:
     """One claimed request between the app and the server.
 
@@ -358,7 +390,7 @@ class _Exchange:
             chunk = message.get("body", b"")
             self.size += len(chunk)
             if not self.dropped:
-                if self.size > self.middleware.max_recorded_bytes:
+                if self.size > self.middleware.options.max_recorded_bytes:
                     # Never an unbounded buffer: the answer goes out as it comes, and
                     # the record says it was too large to keep.
                     self.dropped = True
@@ -421,10 +453,15 @@ class IdempotencyMiddleware:
     It must know whose key space a request belongs to: give it ``principal=``
     (a function of the request's authentication) or, when every caller may
     share one key space, ``shared_key_space=True``; with neither it refuses to
-    start. Keyword options (production defaults):
+    start. How keys are claimed, recorded and replayed (``require_key``,
+    ``lock_ttl``, ``result_ttl``, the body and answer limits ...) is one
+    :class:`ServerOptions` value, the one the MCP middleware takes too; the
+    keywords here are what only this front end knows:
 
     ``store``
         A :class:`Store` (``RedisStore`` in production, ``MemoryStore`` for tests).
+    ``options``
+        A :class:`ServerOptions` (default: ``ServerOptions()``, production defaults).
     ``principal``
         ``(scope) -> str | None`` (or async): the tenant, user or client the
         request acts for, from the same authentication the app trusts (for
@@ -441,84 +478,29 @@ class IdempotencyMiddleware:
         request whose method is in ``methods``.
     ``methods``
         HTTP methods to protect (default ``POST``).
-    ``require_key``
-        Answer 400 when the key is missing (default). False lets keyless
-        requests through unprotected.
-    ``key_format``
-        ``"any"`` (default): agentkey keys (``<plan>:<step>:<hash>``, checked
-        against the body) and opaque keys such as UUIDs or ``ik_...`` (bound to
-        a digest of the body: see ``body_fingerprint``). ``"agentkey"``: only
-        agentkey keys.
-    ``body_fingerprint``
-        What an opaque key's body is compared by. ``"bytes"`` (default): its bytes
-        as sent; a retry that re-serialises the body (other spacing or member
-        order) gets 422 ``payload_mismatch``, never a second run. ``"canonical"``:
-        its canonical JSON (``hash_profile``), so equivalent JSON is one body, at
-        the cost of parsing every body (about 3x the bytes' cost on a 1 MB body).
-        A record stored under the other kind (including by a version that knew
-        only ``"canonical"``) is compared by that kind too, computed only then:
-        the same body replays, another never does.
-    ``lock_ttl``
-        Seconds a claim's lease lasts (15 s). It is renewed every third of that
-        while the handler runs, so a claim whose server died is known within one
-        lease: in doubt when its side effect may have started, else free.
-    ``auto_renew``
-        False turns the automatic renewal off: the claim then lives ``lock_ttl``
-        unless the handler calls ``claim.renew()`` or ``claim.keep_alive()``
-        (set ``lock_ttl`` to the tool's timeout plus slack).
-    ``hold_in_flight``
-        Seconds a duplicate of a request in flight waits for it to finish and
-        then gets its replay, before a 409 (default 0: a 409 at once). The
-        first request's settle wakes the duplicates held in its process; for
-        a request running elsewhere one held duplicate per key asks the store
-        (every 0.1 s, doubling to 1 s). At most 1,000 are held at once; keep
-        it below your clients' read timeout.
-    ``result_ttl``
-        Seconds a finished record lives (24 h).
-    ``retry_after``
-        Seconds sent in ``Retry-After`` with 409 and 503 (default 1). A 409 for
-        a claim whose holder stopped renewing says when its lease ends instead.
-    ``hash_profile``
-        Canonical JSON profile used to re-serialise a body whose bytes do not
-        hash to ``args_hash`` directly (``python`` or ``jcs``).
-    ``max_recorded_bytes``
-        The largest answer recorded (default 1 MiB). A larger one, streamed or
-        not, still reaches its client as it comes, but is neither buffered nor
-        stored: the key records a 500 ``response_too_large`` that every resend
-        gets, so the step never runs twice.
-    ``max_inline_bytes``
-        Larger response bodies go to ``blob_store`` (default 100 KiB).
     ``blob_store``
-        A :class:`BlobStore`; default a :class:`FileBlobStore` in the temp dir
-        whose blobs live as long as ``result_ttl``. A ``FileBlobStore`` with a
-        shorter ``ttl`` is refused.
-    ``max_body_bytes``
-        Larger request bodies get 413 (default 1 MiB).
+        A :class:`BlobStore` for answers over ``options.max_inline_bytes``; default
+        a :class:`FileBlobStore` in the temp dir whose blobs live as long as
+        ``options.result_ttl``. A ``FileBlobStore`` with a shorter ``ttl`` is refused.
     ``hooks``
         Callables each receiving one :class:`DecisionEvent` per request once its
         answer is sent (``claimed``, ``replay``, ``conflict``, ``rejected`` ...).
         An exception in a hook propagates.
-    ``replay_header``
-        The header, set to ``true``, that marks a replayed answer (default
-        ``Idempotent-Replayed``, as Stripe sends it; some clients expect
-        ``Idempotency-Replayed`` or ``X-Idempotent-Replayed``).
-    ``mutation_starts``
-        When a handler's side effect may have started. ``"on_run"`` (default): as
-        soon as it runs (the claim's own write says so, at no extra cost). Then a
-        server that dies, or a handler that answers 5xx or raises, leaves the key
-        *in doubt* (409 ``in_doubt`` to every later request) instead of free, unless
-        the handler called ``claim.nothing_started()``. ``"on_mark"``: only once
-        the handler awaits ``claim.begin_mutation()`` (one more store write);
-        before that a failure or a crash frees the key. A ``begin_mutation()`` not
-        awaited is never written (a crash after the side effect frees the key): the
-        middleware logs a WARNING, once per route, when it meets one.
     ``reconcile``
         ``(ReconcileContext) -> Reconciled`` (or async): asked when a request meets
         a key in doubt; it answers ``Reconciled.ran(...)`` (recorded, replayed),
-        ``Reconciled.not_run()`` (the request runs now) or ``Reconciled.in_doubt()``.
-    ``reconcile_timeout``
-        Seconds an async ``reconcile`` may take (default 5); after that, or when it
-        raises, the key stays in doubt.
+        ``Reconciled.not_run()`` (the request runs now) or ``Reconciled.in_doubt()``
+        (within ``options.reconcile_timeout``; after that the key stays in doubt).
+    ``clock``
+        The :class:`~agentkey.Clock` leases, records and waits are measured on
+        (default: the system clock; ``agentkey.testing.FakeClock`` in tests).
+
+    A duplicate of a request in flight gets a 409 with ``Retry-After`` at once, or
+    waits ``options.hold_in_flight`` for its replay: the first request's settle wakes
+    the duplicates held in its process; for a request running elsewhere one held
+    duplicate per key asks the store (every 0.1 s, doubling to 1 s), and at most
+    1,000 are held at once. With ``mutation_starts="on_mark"`` a ``begin_mutation()``
+    not awaited is never written: the middleware logs a WARNING, once per route.
     """
 
     def __init__(
@@ -526,94 +508,29 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         store: Store,
+        options: ServerOptions | None = None,
         principal: PrincipalFunc | None = None,
         shared_key_space: bool = False,
         routes: Collection[str] | RoutesFunc | None = None,
-        methods: Sequence[str] = ("POST",),
-        require_key: bool = True,
-        key_format: KeyFormat = "any",
-        lock_ttl: float = 15.0,
-        auto_renew: bool = True,
-        hold_in_flight: float = 0.0,
-        result_ttl: float = 86_400.0,
-        retry_after: int = 1,
-        hash_profile: Profile = "python",
-        body_fingerprint: BodyFingerprint = "bytes",
-        max_recorded_bytes: int = 1024 * 1024,
-        max_inline_bytes: int = 100 * 1024,
+        methods: Iterable[str] = ("POST",),
         blob_store: BlobStore | None = None,
-        max_body_bytes: int = 1024 * 1024,
         hooks: Sequence[DecisionHook] = (),
-        replay_header: str = REPLAY_HEADER,
-        mutation_starts: MutationStarts = "on_run",
         reconcile: ReconcileHook | None = None,
-        reconcile_timeout: float = 5.0,
+        clock: Clock | None = None,
     ) -> None:
-        self._replay_header = check_replay_header(replay_header)
-        self.mutation_starts = check_mutation_starts(mutation_starts)
-        check_reconcile(reconcile, reconcile_timeout)
-        self._reconcile = reconcile
-        self._reconcile_timeout = float(reconcile_timeout)
-        if not isinstance(store, Store):
-            raise ConfigurationError(
-                f"store must implement agentkey.server.Store, got {type(store).__name__}"
-            )
-        check_principal_options(principal, shared_key_space, what="scope")
-        if principal is None and not shared_key_space:
-            raise ConfigurationError(
-                "IdempotencyMiddleware cannot tell callers apart: pass principal=, a function "
-                "(scope) -> str | None giving the caller from the app's authentication "
-                "(starlette_user_identity for Starlette's AuthenticationMiddleware), or "
-                "shared_key_space=True if every caller may share one key space (and so "
-                "replay each other's answers)"
-            )
-        for name, value in (("lock_ttl", lock_ttl), ("result_ttl", result_ttl)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0.001:
-                raise ConfigurationError(f"{name} must be a positive number of seconds")
-        if (
-            isinstance(hold_in_flight, bool)
-            or not isinstance(hold_in_flight, (int, float))
-            or not 0 <= hold_in_flight <= 60
-        ):
-            raise ConfigurationError("hold_in_flight must be 0 to 60 seconds")
-        if result_ttl < lock_ttl:
-            raise ConfigurationError("result_ttl must be at least lock_ttl")
-        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
-            raise ConfigurationError("retry_after must be a whole number of seconds >= 0")
-        if key_format not in ("any", "agentkey"):
-            raise ConfigurationError(
-                f"key_format must be 'any' (agentkey and opaque keys) or 'agentkey', "
-                f"got {key_format!r}"
-            )
-        for name, size in (
-            ("max_recorded_bytes", max_recorded_bytes),
-            ("max_inline_bytes", max_inline_bytes),
-            ("max_body_bytes", max_body_bytes),
-        ):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ConfigurationError(f"{name} must be a whole number of bytes >= 0")
-        if isinstance(methods, str) or not all(isinstance(m, str) and m for m in methods):
-            # A bare "POST" would become the methods P, O, S and T and protect nothing.
-            raise ConfigurationError(
-                f"methods is a collection of HTTP method names, got {methods!r}; use ['POST']"
-            )
-        if callable(hooks) or not all(callable(h) for h in hooks):
-            raise ConfigurationError(
-                f"hooks must be a sequence of callables taking one DecisionEvent, got {hooks!r}"
-            )
-        if blob_store is not None and not isinstance(blob_store, BlobStore):
-            raise ConfigurationError(
-                "blob_store must implement agentkey.server.BlobStore (put, get, delete), "
-                f"got {type(blob_store).__name__}"
-            )
-        if isinstance(blob_store, FileBlobStore) and blob_store.ttl < result_ttl:
-            raise ConfigurationError(
-                f"the FileBlobStore's ttl ({blob_store.ttl:g} s) is shorter than result_ttl "
-                f"({result_ttl:g} s): large answers would expire before their records; give "
-                "it ttl=result_ttl"
-            )
         self.app = app
-        self.store = store
+        self.store = check_store(store)
+        self.options = options = options_or_default(options)
+        self._principal = _principal(principal, shared_key_space)
+        self.shared_key_space = shared_key_space
+        self._routes = _Routes(routes)
+        self.methods = _methods(methods)
+        self._blob_store = _blob_store(blob_store, options.result_ttl)
+        self._hooks = check_hooks(hooks)
+        check_reconcile(reconcile, options.reconcile_timeout)
+        self._reconcile = reconcile
+        self._clock = clock if clock is not None else default_clock()
+        self._replay_header = options.replay_header.lower()
         # A MemoryStore answers without ever waiting, so its settle cannot hold the app's
         # stack across a wait: a task beside the app (_Exchange.send) would only cost one.
         self._settle_inline = type(store) is MemoryStore
@@ -621,39 +538,25 @@ class IdempotencyMiddleware:
         # runs, and both places are correct: a count skewed by event loops in several
         # threads sharing this middleware changes nothing but that choice.
         self._in_flight = 0
-        self._routes = _Routes(routes)
-        self.methods = frozenset(m.upper() for m in methods)
-        self.require_key = require_key
-        self.key_format: KeyFormat = key_format
-        self.lock_ttl_ms = max(3, round(lock_ttl * 1000))
-        self.auto_renew = bool(auto_renew)
-        self.hold_in_flight = float(hold_in_flight)
-        self.result_ttl_ms = max(self.lock_ttl_ms, round(result_ttl * 1000))
-        self.retry_after = retry_after
-        self._principal = principal
-        self.shared_key_space = shared_key_space
-        self.hash_profile = check_profile(hash_profile)
-        self.body_fingerprint = check_body_fingerprint(body_fingerprint)
-        self.max_recorded_bytes = max_recorded_bytes
-        self.max_inline_bytes = max_inline_bytes
-        self.max_body_bytes = max_body_bytes
-        self._blob_store = blob_store
-        self._hooks = tuple(hooks)
         self._life = Lifecycle(
             store,
-            lock_ttl_ms=self.lock_ttl_ms,
-            result_ttl_ms=self.result_ttl_ms,
-            retry_after=retry_after,
-            auto_renew=self.auto_renew,
-            clock=_wall_ms,  # Unix ms; tests inject their own
+            lock_ttl_ms=options.lock_ttl_ms,
+            result_ttl_ms=options.result_ttl_ms,
+            retry_after=options.retry_after,
+            auto_renew=options.auto_renew,
+            clock=self._wall_ms,
             blob_store=lambda: self.blob_store,
-            mutation_starts=self.mutation_starts,
+            mutation_starts=options.mutation_starts,
         )
+
+    def _wall_ms(self) -> int:
+        """Unix milliseconds on the middleware's clock: what records are stamped with."""
+        return int(self._clock.time() * 1000)
 
     @property
     def blob_store(self) -> BlobStore:
         if self._blob_store is None:
-            self._blob_store = FileBlobStore(ttl=self.result_ttl_ms / 1000)
+            self._blob_store = FileBlobStore(ttl=self.options.result_ttl_ms / 1000)
         return self._blob_store
 
     # --- ASGI ----------------------------------------------------------------
@@ -681,7 +584,7 @@ class IdempotencyMiddleware:
                 self._routes.passed_unprotected(scope, path)
             await self._pass(scope, receive, send, method, path)
             return
-        if not values and not self.require_key:
+        if not values and not self.options.require_key:
             await self._pass(scope, receive, send, method, path)
             return
         send = _advertising(send)
@@ -694,15 +597,15 @@ class IdempotencyMiddleware:
                 await self._problem(send, unauthenticated(), "rejected", method, path, None)
                 return
             principal = found
-        key = parse_key(values, key_format=self.key_format)
+        key = parse_key(values, key_format=self.options.key_format)
         if isinstance(key, Reject):
             await self._problem(send, key, "rejected", method, path, None)
             return
-        body = await _read_body(scope, receive, self.max_body_bytes)
+        body = await _read_body(scope, receive, self.options.max_body_bytes)
         if body is None:
             return  # the client went away
         if isinstance(body, int):
-            reject = body_too_large(self.max_body_bytes)
+            reject = body_too_large(self.options.max_body_bytes)
             await self._problem(send, reject, "rejected", method, path, key.format())
             return
         # The binding names the route with its mount prefix: two mounted apps that share
@@ -712,14 +615,14 @@ class IdempotencyMiddleware:
             key,
             operation,
             body,
-            hash_profile=self.hash_profile,
-            body_fingerprint=self.body_fingerprint,
+            hash_profile=self.options.hash_profile,
+            body_fingerprint=self.options.body_fingerprint,
         )
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
         claim = self._life.new_claim(checked, principal, body, " ".join(operation))
-        decision = await self._life.claim(claim, checked, hold=self.hold_in_flight)
+        decision = await self._life.claim(claim, checked, hold=self.options.hold_in_flight)
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
                 claim.idempotency_key,
@@ -737,9 +640,9 @@ class IdempotencyMiddleware:
                 decision,
                 self._reconcile,
                 context,
-                self._reconcile_timeout,
-                max_inline_bytes=self.max_inline_bytes,
-                max_recorded_bytes=self.max_recorded_bytes,
+                self.options.reconcile_timeout,
+                max_inline_bytes=self.options.max_inline_bytes,
+                max_recorded_bytes=self.options.max_recorded_bytes,
             )
         if isinstance(decision, Run):
             await self._run(scope, receive, send, body, claim, method, path)
@@ -790,7 +693,7 @@ class IdempotencyMiddleware:
                 body = await self.blob_store.get(replay.blob_uri)
             except StoreError as exc:
                 _logger.error("stored response of %s is unreadable: %s", shown_key(key), exc)
-                problem = unavailable(self.retry_after, reading=True)
+                problem = unavailable(self.options.retry_after, reading=True)
                 await self._problem(send, problem, "unavailable", method, path, key)
                 return
         await _send(send, replay.status, replay_headers(replay, self._replay_header), body)
@@ -874,9 +777,9 @@ class IdempotencyMiddleware:
             else "not finished: some of its work may have committed",
         )
         problem = (
-            unavailable(self.retry_after, str(exc))
+            unavailable(self.options.retry_after, str(exc))
             if nothing
-            else not_finished(self.retry_after, str(exc))
+            else not_finished(self.options.retry_after, str(exc))
         )
         exchange.held, final = _messages(problem.status, problem.headers, problem.body)
         exchange.status, exchange.started = problem.status, True
@@ -947,7 +850,7 @@ class IdempotencyMiddleware:
                 "the answer of %s is over max_recorded_bytes (%d) and was not stored; "
                 "resends of the key get 500 response_too_large",
                 shown_key(claim.idempotency_key),
-                self.max_recorded_bytes,
+                self.options.max_recorded_bytes,
             )
         decision = on_finished(
             exchange.status,
@@ -958,8 +861,8 @@ class IdempotencyMiddleware:
             may_have_started=claim._may_have_started,
             binding=claim.binding,
             now_ms=self._life.clock(),
-            max_inline_bytes=self.max_inline_bytes,
-            max_recorded_bytes=self.max_recorded_bytes,
+            max_inline_bytes=self.options.max_inline_bytes,
+            max_recorded_bytes=self.options.max_recorded_bytes,
             size=exchange.size,
         )
         deliver = exchange.deliver if exchange.final is not None else None

@@ -36,7 +36,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentkey.server import DecisionEvent, IdempotencyMiddleware, RedisStore, current_claim
+from agentkey.server import (
+    DecisionEvent,
+    IdempotencyMiddleware,
+    RedisStore,
+    ServerOptions,
+    current_claim,
+)
 
 # A token seen valid is trusted this long before the provider is asked again; tokens live
 # a few seconds and agents use them for half of that, so expiry is still enforced.
@@ -133,8 +139,10 @@ def app() -> Starlette:
                     os.environ["AGENTKEY_CHAOS_REDIS"], prefix=os.environ["AGENTKEY_CHAOS_PREFIX"]
                 ),
                 routes=["/tools/*"],
-                lock_ttl=float(os.environ["AGENTKEY_CHAOS_LEASE"]),
-                auto_renew=os.environ.get("AGENTKEY_CHAOS_AUTO_RENEW", "1") == "1",
+                options=ServerOptions(
+                    lock_ttl=float(os.environ["AGENTKEY_CHAOS_LEASE"]),
+                    auto_renew=os.environ.get("AGENTKEY_CHAOS_AUTO_RENEW", "1") == "1",
+                ),
                 principal=lambda scope: "chaos-agent",
                 hooks=[note_doubt],
             ),

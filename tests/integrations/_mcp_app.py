@@ -26,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from agentkey.integrations.mcp import IdempotentToolsMiddleware
 from agentkey.server import Store, current_claim
+from tests.server._util import with_options
 
 __all__ = ["Lab", "running"]
 
@@ -217,7 +218,9 @@ def running(
     lab.down = False
     if "principal" not in options:  # the lab's bearer check is not the SDK's OAuth
         options.setdefault("shared_key_space", True)
-    middleware = None if store is None else IdempotentToolsMiddleware(store, **options)
+    middleware = (
+        None if store is None else IdempotentToolsMiddleware(store, **with_options(options))
+    )
     app = wrap(build_server(lab, middleware).streamable_http_app(), lab)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

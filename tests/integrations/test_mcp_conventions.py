@@ -177,7 +177,7 @@ async def test_require_key_is_satisfied_by_each_convention(convention: Conventio
 async def test_key_conventions_restricts_what_is_read_and_is_advertised() -> None:
     """key_conventions=("sep-3182",): a key in another convention is not read (the tool runs
     each time, as without a key), params.idempotencyKey is; tools/list names the set."""
-    with running(MemoryStore(), key_conventions=["sep-3182"]) as lab:
+    with running(MemoryStore(), key_conventions=["sep-3182"], require_key=False) as lab:
         async with connect(lab.url + "/mcp") as s:
             for _ in range(2):
                 await _argument(s, "transfer", {"amount": 1}, "k-arg")
@@ -242,7 +242,7 @@ async def test_a_call_run_without_a_key_the_server_reads_tells_the_client_where(
     """A server that reads only the argument convention and does not require a key: the
     first call runs unkeyed, its result names the convention, and the next call sends its
     key there, so its lost answer is resent and replayed: 1 execution each."""
-    with running(MemoryStore(), key_conventions=["argument"]) as lab:
+    with running(MemoryStore(), key_conventions=["argument"], require_key=False) as lab:
         async with connect(lab.url + "/mcp") as s:
             tools = IdempotentSession(s, PlanSession.new(), policy=FAST)
             first = await tools.call_tool("transfer", {"amount": 4})
@@ -265,7 +265,7 @@ async def test_an_argument_key_without_a_caller_scope_is_refused_unless_left_out
         assert strict.runs["transfer"] == 0
     assert caught.value.data == {"type": "io.agentkey/unauthenticated"}
     others = ["agentkey", "sep-3182", "sep-3182-meta", "ucp"]
-    with running(MemoryStore(), principal=None, key_conventions=others) as old:
+    with running(MemoryStore(), principal=None, key_conventions=others, require_key=False) as old:
         async with connect(old.url + "/mcp") as s:
             await _argument(s, "transfer", {"amount": 2}, "k-1")
             await _argument(s, "transfer", {"amount": 2}, "k-1")

@@ -24,7 +24,7 @@ from agentkey import ConfigurationError, PlanSession, TokenRejected
 from agentkey.auth import StaticToken
 from agentkey.integrations.mcp import IdempotentSession, IdempotentToolsMiddleware, connect
 from agentkey.integrations.mcp._wire import KEY_FIELD, REPLAYED_FIELD
-from agentkey.server import MemoryStore, current_claim
+from agentkey.server import MemoryStore, ServerOptions, current_claim
 from agentkey.server import _lifecycle as lifecycle_module
 from tests._loopback import serve
 from tests.integrations._mcp_app import running
@@ -112,7 +112,9 @@ async def test_a_result_over_the_cap_is_returned_once_and_never_stored() -> None
     """Over max_recorded_bytes: the first call gets it, a resend an isError result, one run."""
     runs: Counter[str] = Counter()
     middleware = IdempotentToolsMiddleware(
-        MemoryStore(), shared_key_space=True, max_recorded_bytes=64 * 1024
+        MemoryStore(),
+        shared_key_space=True,
+        options=ServerOptions(max_recorded_bytes=64 * 1024),
     )
     async with Client(_tools(runs, middleware)) as client:
         tools = IdempotentSession(client.session, PlanSession.new())

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agentkey import AsyncToolInvoker, InvokeError, RetryPolicy, Step, ToolInvoker, ToolResult
 from agentkey.server import IdempotencyMiddleware, RedisStore, Store
 from tests._loopback import RedisServer
-from tests.server._util import serve_closing
+from tests.server._util import serve_closing, with_options
 
 try:
     import idemkit
@@ -263,7 +263,7 @@ def serve_agentkey(redis: RedisServer, **options: Any) -> Iterator[Served]:
     tool = Tool()
     store = RedisStore(redis.url, prefix=f"ak{uuid.uuid4().hex[:12]}")
     options.setdefault("shared_key_space", True)
-    middleware = Middleware(IdempotencyMiddleware, store=store, **options)
+    middleware = Middleware(IdempotencyMiddleware, store=store, **with_options(options))
     wire = Wire(Starlette(routes=tool.routes, middleware=[middleware]))
     with serve_closing(wire, store) as url:
         yield Served(url, tool, wire, Events())

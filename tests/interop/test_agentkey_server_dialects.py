@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from agentkey import ConfigurationError, PlanSession, ToolResult
-from agentkey.server import IdempotencyMiddleware, MemoryStore
+from agentkey.server import ServerOptions
 from agentkey.server._decide import PROBLEM_DOCS
 from tests._loopback import RedisServer
 
@@ -57,7 +57,7 @@ def test_replay_header_name_is_configurable(redis_proc: RedisServer, name: str) 
 def test_a_bad_replay_header_name_is_refused(name: object) -> None:
     """A replay_header that is no header name is a ConfigurationError at start."""
     with pytest.raises(ConfigurationError, match="replay_header"):
-        IdempotencyMiddleware(lambda *a: None, store=MemoryStore(), replay_header=name)  # type: ignore[arg-type]
+        ServerOptions(replay_header=name)  # type: ignore[arg-type]
 
 
 def test_an_sf_item_with_parameters_is_the_same_key(redis_proc: RedisServer) -> None:

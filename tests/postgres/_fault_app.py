@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, PostgresStore, current_claim
+from agentkey.server import IdempotencyMiddleware, PostgresStore, ServerOptions, current_claim
 
 #: Seconds each tool works before its side effect, so racing duplicates overlap it.
 WORK = 0.02
@@ -71,7 +71,7 @@ def app() -> Starlette:
                 IdempotencyMiddleware,
                 store=store,
                 routes=["/tools/*"],
-                lock_ttl=float(os.environ.get("AGENTKEY_FAULT_LEASE", "15")),
+                options=ServerOptions(lock_ttl=float(os.environ.get("AGENTKEY_FAULT_LEASE", "15"))),
                 principal=lambda scope: "agent",
             )
         ],

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import PlanSession, StoreUnavailable
-from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, ServerOptions, current_claim
 from agentkey.server._postgres import PostgresStore
 from agentkey.server._records import encode_in_progress
 from tests._postgres import PostgresServer
@@ -86,7 +86,7 @@ def _charge_app(store: PostgresStore, before_commit: Callable[[Any], Any] | None
     app = IdempotencyMiddleware(
         Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
         store=store,
-        lock_ttl=30,  # a key left blocked would answer 409 for the rest of the test
+        options=ServerOptions(lock_ttl=30),
         principal=lambda scope: "agent",
     )
     app.attempts = attempts  # type: ignore[attr-defined]
@@ -339,7 +339,7 @@ async def test_a_failed_release_is_retried_so_the_key_is_not_blocked_for_the_lea
     app = IdempotencyMiddleware(
         Starlette(routes=[Route("/t", tool, methods=["POST"])]),
         store=store,
-        lock_ttl=30,
+        options=ServerOptions(lock_ttl=30),
         principal=lambda scope: "agent",
     )
     step = PlanSession.new().step(0, "t", {})

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import PlanSession
-from agentkey.server import IdempotencyMiddleware, current_claim
+from agentkey.server import IdempotencyMiddleware, ServerOptions, current_claim
 from agentkey.server._postgres import PostgresStore
 from tests._postgres import PostgresServer
 
@@ -67,7 +67,10 @@ def _app(store: PostgresStore, kill_at: str) -> Any:
     # commit changed nothing, so the key frees with the lease (on_mark: the claim never
     # says "may have started"). tests/recovery/test_server_kills.py kills the default.
     return IdempotencyMiddleware(
-        app, store=store, lock_ttl=LEASE, shared_key_space=True, mutation_starts="on_mark"
+        app,
+        store=store,
+        options=ServerOptions(lock_ttl=LEASE, mutation_starts="on_mark"),
+        shared_key_space=True,
     )
 
 

@@ -23,6 +23,7 @@ from agentkey.server._records import StoredOutcome, encode_in_progress, encode_o
 from tests._loopback import free_port
 from tests._postgres import PostgresServer
 from tests.postgres.conftest import TurnCounter
+from tests.server._util import with_options
 
 Factory = Callable[..., PostgresStore]
 
@@ -83,7 +84,9 @@ def _charge_app(store: PostgresStore, **middleware: Any) -> Any:
             return await tx.complete(JSONResponse({"charge_id": row[0]}, status_code=201))
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(app, store=store, shared_key_space=True, **middleware)
+    return IdempotencyMiddleware(
+        app, store=store, shared_key_space=True, **with_options(middleware)
+    )
 
 
 async def _charges(dsn: str) -> int:

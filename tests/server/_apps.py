@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentkey.server import IdempotencyMiddleware, Store, current_claim
+from tests.server._util import with_options
 
 __all__ = ["tenant_principal", "tool_app"]
 
@@ -113,7 +114,7 @@ def tool_app(store: Store, **options: Any) -> Starlette:
             Route("/stream", stream, methods=["POST"]),
             Route("/wait", wait, methods=["POST"]),
         ],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, **options)],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, **with_options(options))],
     )
     app.state.runs = runs
     app.state.gates = gates

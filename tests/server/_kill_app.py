@@ -35,6 +35,7 @@ from agentkey.server import (
     ReconcileContext,
     Reconciled,
     RedisStore,
+    ServerOptions,
     Store,
     current_claim,
 )
@@ -145,7 +146,7 @@ def app() -> Starlette:
                 IdempotencyMiddleware,
                 store=store,
                 routes=["/tools/*"],
-                lock_ttl=float(os.environ.get("AK_KILL_LEASE", "1.0")),
+                options=ServerOptions(lock_ttl=float(os.environ.get("AK_KILL_LEASE", "1.0"))),
                 shared_key_space=True,
                 **options,
             )
@@ -183,7 +184,7 @@ def mcp_app() -> Any:
     middleware = IdempotentToolsMiddleware(
         store,
         shared_key_space=True,
-        lock_ttl=float(os.environ.get("AK_KILL_LEASE", "1.0")),
+        options=ServerOptions(lock_ttl=float(os.environ.get("AK_KILL_LEASE", "1.0"))),
         **options,
     )
     server: MCPServer[Any] = MCPServer("kills", middleware=[middleware])

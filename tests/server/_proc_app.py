@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
+from agentkey.server import IdempotencyMiddleware, RedisStore, ServerOptions, current_claim
 
 
 def app() -> Starlette:
@@ -41,8 +41,9 @@ def app() -> Starlette:
                     os.environ["AGENTKEY_TEST_REDIS"], prefix=os.environ["AGENTKEY_TEST_PREFIX"]
                 ),
                 routes=["/tools/*"],
-                lock_ttl=float(os.environ["AGENTKEY_TEST_LEASE"]),
-                mutation_starts="on_mark",  # the work before the mark has no side effect
+                options=ServerOptions(
+                    lock_ttl=float(os.environ["AGENTKEY_TEST_LEASE"]), mutation_starts="on_mark"
+                ),
                 shared_key_space=True,
             )
         ],

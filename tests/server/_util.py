@@ -12,12 +12,25 @@ from typing import Any
 import httpx
 
 from agentkey import StepKey, StoreUnavailable, canonical_json
-from agentkey.server import MemoryStore, Store
+from agentkey.server import MemoryStore, ServerOptions, Store
 from tests._loopback import serve
 
-__all__ = ["CLOSE_PATH", "call", "new_plan", "request_for", "serve_closing"]
+__all__ = ["CLOSE_PATH", "call", "new_plan", "request_for", "serve_closing", "with_options"]
 
 CLOSE_PATH = "/__test_close_store__"
+
+_FIELDS = frozenset(ServerOptions.__dataclass_fields__)
+
+
+def with_options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A test helper's keyword arguments for a middleware: the :class:`ServerOptions` fields
+    among them folded into ``options=`` (so helpers keep taking ``lock_ttl=...``)."""
+    fields = {name: value for name, value in arguments.items() if name in _FIELDS}
+    rest = {name: value for name, value in arguments.items() if name not in _FIELDS}
+    if fields:
+        base = rest.pop("options", None) or ServerOptions()
+        rest["options"] = base.replace(**fields)
+    return rest
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from agentkey import ConfigurationError, StoreError
-from agentkey.server import FileBlobStore, IdempotencyMiddleware, MemoryStore
+from agentkey.server import FileBlobStore, IdempotencyMiddleware, MemoryStore, ServerOptions
 from tests.server._apps import tool_app
 from tests.server._util import request_for
 
@@ -116,11 +116,14 @@ def test_a_blob_store_that_would_expire_before_its_records_is_refused(tmp_path: 
             inner,
             store=MemoryStore(),
             blob_store=short,
-            result_ttl=48 * HOUR,
+            options=ServerOptions(result_ttl=48 * HOUR),
             shared_key_space=True,
         )
     default = IdempotencyMiddleware(
-        inner, store=MemoryStore(), result_ttl=48 * HOUR, shared_key_space=True
+        inner,
+        store=MemoryStore(),
+        options=ServerOptions(result_ttl=48 * HOUR),
+        shared_key_space=True,
     ).blob_store
     assert isinstance(default, FileBlobStore)
     assert default.ttl == 48 * HOUR

@@ -23,7 +23,7 @@ from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from agentkey.server import _claim as claim_module
 from agentkey.server._claim import Claim
 from agentkey.server._decide import Checked, Reject, check_body
-from tests.server._util import new_plan, serve_closing
+from tests.server._util import new_plan, serve_closing, with_options
 
 OP = ("POST", "/tools/echo")
 
@@ -61,7 +61,9 @@ class _Tool:
         ]
         store = MemoryStore()
         options.setdefault("shared_key_space", True)
-        return IdempotencyMiddleware(Starlette(routes=routes), store=store, **options), store
+        return IdempotencyMiddleware(
+            Starlette(routes=routes), store=store, **with_options(options)
+        ), store
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from agentkey import ConfigurationError, StepKey
 from agentkey.server import (
     IdempotencyMiddleware,
     MemoryStore,
+    ServerOptions,
     Store,
     current_claim,
     starlette_user_identity,
@@ -59,7 +60,7 @@ async def test_cancelled_handler_settles_its_claim(
         tool,
         store=store,
         principal=lambda scope: "alice",
-        mutation_starts=starts,  # type: ignore[arg-type]
+        options=ServerOptions(mutation_starts=starts),  # type: ignore[arg-type]
     )
     headers, body = request_for({"amount": 1})
     scope = {
@@ -166,7 +167,10 @@ def _charge(
     # on_mark: the request held in the app and cancelled there frees its key with no write
     # that the tests counting this store's writes would see.
     middleware = IdempotencyMiddleware(
-        app, store=store, principal=principal, mutation_starts="on_mark"
+        app,
+        store=store,
+        principal=principal,
+        options=ServerOptions(mutation_starts="on_mark"),
     )
     headers, body = request_for({"amount": 1})
     request, sent = _exchange(middleware, headers, body, on_send)
@@ -504,7 +508,10 @@ def test_off_asyncio_the_settle_runs_inside_the_apps_send() -> None:
     pytest.importorskip("trio")
     store = _SlowFinish(hangs=0)  # not a plain MemoryStore, which always settles inline
     app = IdempotencyMiddleware(
-        _answer_201, store=store, principal=lambda scope: "alice", auto_renew=False
+        _answer_201,
+        store=store,
+        principal=lambda scope: "alice",
+        options=ServerOptions(auto_renew=False),
     )
     headers, body = request_for({"amount": 1})
 

@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import StepKey, canonical_json
-from agentkey.server import IdempotencyMiddleware, RedisStore, current_claim
+from agentkey.server import IdempotencyMiddleware, RedisStore, ServerOptions, current_claim
 from agentkey.server._decide import record_key
 from tests._loopback import free_port
 from tests.server._nodes import Cluster, cluster, master_and_replica, replica_online, until
@@ -77,7 +77,9 @@ def _app(store: RedisStore, ledger: Ledger) -> Any:
         return JSONResponse({"execution": n}, status_code=201)
 
     tool = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
-    return IdempotencyMiddleware(tool, store=store, lock_ttl=LOCK_TTL, shared_key_space=True)
+    return IdempotencyMiddleware(
+        tool, store=store, options=ServerOptions(lock_ttl=LOCK_TTL), shared_key_space=True
+    )
 
 
 def _store(nodes: Cluster, *, replicas: int | None = None, dead_first: bool = False) -> RedisStore:

@@ -27,6 +27,7 @@ from agentkey.server import (
     MemoryStore,
     ReconcileContext,
     Reconciled,
+    ServerOptions,
     Store,
     current_claim,
 )
@@ -38,7 +39,7 @@ from agentkey.server._records import (
     encode_in_progress,
 )
 from agentkey.server._stores import owner_prefix
-from tests.server._util import request_for, serve_closing
+from tests.server._util import request_for, serve_closing, with_options
 
 StoreFactory = Callable[[], Store]
 OWNER = "ab" * 16
@@ -79,7 +80,7 @@ def charging_app(store: Store, **options: Any) -> Starlette:
                 store=store,
                 routes=["/charge"],
                 shared_key_space=True,
-                **options,
+                **with_options(options),
             )
         ],
     )
@@ -427,7 +428,7 @@ def test_a_held_duplicate_of_a_request_that_fails_after_it_started_gets_in_doubt
         Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
         store=store,
         shared_key_space=True,
-        hold_in_flight=30,
+        options=ServerOptions(hold_in_flight=30),
     )
     headers, body = request_for({"amount": 5})
     with (
@@ -472,4 +473,6 @@ def test_bad_options_are_refused_at_construction(options: dict[str, Any], messag
     from agentkey import ConfigurationError
 
     with pytest.raises(ConfigurationError, match=message):
-        IdempotencyMiddleware(Starlette(), store=MemoryStore(), shared_key_space=True, **options)
+        IdempotencyMiddleware(
+            Starlette(), store=MemoryStore(), shared_key_space=True, **with_options(options)
+        )

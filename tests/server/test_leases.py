@@ -24,7 +24,14 @@ from starlette.routing import Route
 
 from agentkey import LeaseLost
 from agentkey._keys import shown_key
-from agentkey.server import Claim, IdempotencyMiddleware, MemoryStore, RedisStore, current_claim
+from agentkey.server import (
+    Claim,
+    IdempotencyMiddleware,
+    MemoryStore,
+    RedisStore,
+    ServerOptions,
+    current_claim,
+)
 from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
 from tests._loopback import RedisServer, free_port, serve
@@ -125,8 +132,7 @@ def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
     app = IdempotencyMiddleware(
         Starlette(routes=[Route("/x", provision, methods=["POST"])]),
         store=MemoryStore(),
-        lock_ttl=0.1,
-        auto_renew=False,
+        options=ServerOptions(lock_ttl=0.1, auto_renew=False),
         shared_key_space=True,
     )
     headers, body = request_for({"region": "eu"})
@@ -333,7 +339,9 @@ async def test_a_claim_read_back_after_a_resend_renews_its_lease_before_the_hand
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route("/x", tool, methods=["POST"])])
-    wrapped = IdempotencyMiddleware(app, store=store, lock_ttl=60, shared_key_space=True)
+    wrapped = IdempotencyMiddleware(
+        app, store=store, options=ServerOptions(lock_ttl=60), shared_key_space=True
+    )
     headers, body = request_for({"a": 1})
     transport = httpx.ASGITransport(app=wrapped)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -24,6 +24,7 @@ from agentkey.integrations.mcp import IdempotentToolsMiddleware, connect
 from agentkey.integrations.mcp._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
 from agentkey.server import MemoryStore, ReconcileContext, Reconciled, current_claim
 from tests._loopback import serve
+from tests.server._util import with_options
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 def _server(store: MemoryStore | None = None, **options: Any) -> Iterator[tuple[str, Counter[str]]]:
     runs: Counter[str] = Counter()
     store = MemoryStore() if store is None else store
-    middleware = IdempotentToolsMiddleware(store, shared_key_space=True, **options)
+    middleware = IdempotentToolsMiddleware(store, shared_key_space=True, **with_options(options))
     server: MCPServer[Any] = MCPServer("in-doubt-test", middleware=[middleware])
 
     @server.tool()

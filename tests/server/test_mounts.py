@@ -17,7 +17,7 @@ from starlette.routing import Mount, Route
 from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
 from agentkey.server._middleware import route_path
 from tests._loopback import serve
-from tests.server._util import request_for
+from tests.server._util import request_for, with_options
 
 
 def _tools(runs: Counter[str], **options: Any) -> Starlette:
@@ -34,7 +34,7 @@ def _tools(runs: Counter[str], **options: Any) -> Starlette:
                 store=MemoryStore(),
                 routes=["/tools/*"],
                 shared_key_space=True,
-                **options,
+                **with_options(options),
             )
         ],
     )

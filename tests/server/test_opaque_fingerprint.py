@@ -21,7 +21,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import ConfigurationError, canonical_json
-from agentkey.server import FileBlobStore, IdempotencyMiddleware, MemoryStore, Store, current_claim
+from agentkey.server import (
+    FileBlobStore,
+    IdempotencyMiddleware,
+    MemoryStore,
+    ServerOptions,
+    Store,
+    current_claim,
+)
 from agentkey.server._decide import OpaqueKey, record_key
 from agentkey.server._records import (
     Binding,
@@ -31,7 +38,7 @@ from agentkey.server._records import (
     encode_outcome,
 )
 from tests.server._apps import tool_app
-from tests.server._util import serve_closing
+from tests.server._util import serve_closing, with_options
 
 StoreFactory = Callable[[], Store]
 SEED_PATH = "/__seed"
@@ -203,7 +210,7 @@ def test_body_fingerprint_is_checked_at_construction(value: object) -> None:
             Starlette(),
             store=MemoryStore(),
             shared_key_space=True,
-            body_fingerprint=value,  # type: ignore[arg-type]
+            options=ServerOptions(body_fingerprint=value),  # type: ignore[arg-type]
         )
 
 
@@ -234,7 +241,7 @@ def test_no_parsed_body_is_held_while_the_handler_runs(kind: str) -> None:
         Starlette(routes=[Route("/t", tool, methods=["POST"])]),
         store=store,
         shared_key_space=True,
-        **options,
+        **with_options(options),
     )
     if kind.startswith("agentkey"):
         from agentkey import StepKey

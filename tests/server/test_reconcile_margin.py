@@ -30,7 +30,7 @@ from agentkey.server import (
     Reconciled,
     current_claim,
 )
-from tests.server._util import request_for, serve_closing
+from tests.server._util import request_for, serve_closing, with_options
 
 
 class _Clock:
@@ -78,7 +78,7 @@ def _server(
         store=store,
         shared_key_space=True,
         reconcile=hook,
-        **options,
+        **with_options(options),
     )
     middleware._life.clock = clock  # the server's clock, moved by the test
     middleware.state = {"entered": entered, "store": store, "loop": loop}  # type: ignore[attr-defined]

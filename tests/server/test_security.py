@@ -36,6 +36,7 @@ from agentkey.server import (
     DecisionEvent,
     IdempotencyMiddleware,
     MemoryStore,
+    ServerOptions,
     current_claim,
     starlette_user_identity,
 )
@@ -275,7 +276,10 @@ def test_an_answer_over_the_cap_is_delivered_but_never_stored_or_run_again() -> 
     """Over max_recorded_bytes: the client gets it whole; every resend a 500, no second run."""
     runs: Counter[str] = Counter()
     app = IdempotencyMiddleware(
-        _big_answers(runs), store=MemoryStore(), shared_key_space=True, max_recorded_bytes=1 << 20
+        _big_answers(runs),
+        store=MemoryStore(),
+        shared_key_space=True,
+        options=ServerOptions(max_recorded_bytes=1 << 20),
     )
     streamed = request_for({"chunks": 8})  # 2 MiB in 256 KiB chunks
     whole = request_for({"size": 3 << 20})  # 3 MiB in one body
@@ -299,7 +303,10 @@ async def test_a_streamed_answer_over_the_cap_is_never_buffered() -> None:
     """A 24 MiB stream through the middleware raises peak memory by far less than its size."""
     runs: Counter[str] = Counter()
     app = IdempotencyMiddleware(
-        _big_answers(runs), store=MemoryStore(), shared_key_space=True, max_recorded_bytes=1 << 20
+        _big_answers(runs),
+        store=MemoryStore(),
+        shared_key_space=True,
+        options=ServerOptions(max_recorded_bytes=1 << 20),
     )
     headers, body = request_for({"chunks": 96})
     received = 0
@@ -425,7 +432,9 @@ async def _hold_burst(leader_app: Any, held_app: Any, store: _Counting, n: int) 
 async def test_held_duplicates_wait_for_a_notification_not_a_poll_each() -> None:
     """300 held duplicates of one key: about two store calls each, not one per 0.1 s each."""
     store = _Counting()
-    app = IdempotencyMiddleware(_answer_201, store=store, shared_key_space=True, hold_in_flight=30)
+    app = IdempotencyMiddleware(
+        _answer_201, store=store, shared_key_space=True, options=ServerOptions(hold_in_flight=30)
+    )
     statuses = await _hold_burst(app, app, store, 300)
     assert statuses == [201] * 301
     total = store.calls["claim"] + store.calls["get"]
@@ -437,7 +446,9 @@ async def test_a_key_held_elsewhere_is_polled_by_one_duplicate() -> None:
     """The first request runs in another process: one duplicate polls, the rest are woken."""
     store = _Counting()
     elsewhere = IdempotencyMiddleware(_answer_201, store=store, shared_key_space=True)
-    here = IdempotencyMiddleware(_answer_201, store=store, shared_key_space=True, hold_in_flight=30)
+    here = IdempotencyMiddleware(
+        _answer_201, store=store, shared_key_space=True, options=ServerOptions(hold_in_flight=30)
+    )
     statuses = await _hold_burst(elsewhere, here, store, 200)
     assert statuses == [201] * 201
     total = store.calls["claim"] + store.calls["get"]

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey.server import IdempotencyMiddleware, MemoryStore, ServerOptions, current_claim
 from agentkey.server._decide import Checked, check_body
 from agentkey.server._records import encode_in_progress
 from tests.server._util import request_for, serve_closing
@@ -39,7 +39,7 @@ def test_an_unawaited_mark_under_on_mark_is_logged_once_per_route(
         Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
         store=store,
         shared_key_space=True,
-        mutation_starts="on_mark",
+        options=ServerOptions(mutation_starts="on_mark"),
     )
     with (
         caplog.at_level(logging.WARNING, logger="agentkey.server"),

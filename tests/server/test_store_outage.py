@@ -26,6 +26,7 @@ from agentkey.server import (
     MemoryStore,
     PostgresStore,
     RedisStore,
+    ServerOptions,
     current_claim,
 )
 from agentkey.server._records import Binding, digest
@@ -48,7 +49,12 @@ def _gated_app(store: RedisStore | MemoryStore, *, lock_ttl: float) -> Starlette
         return JSONResponse({"charged": await request.json(), "run": runs[0]}, status_code=201)
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, lock_ttl=lock_ttl, shared_key_space=True)
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        options=ServerOptions(lock_ttl=lock_ttl),
+        shared_key_space=True,
+    )
     app.state.gate, app.state.entered, app.state.runs = gate, entered, runs
     return app
 

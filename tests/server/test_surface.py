@@ -23,11 +23,12 @@ from agentkey.server import (
     FileBlobStore,
     IdempotencyMiddleware,
     MemoryStore,
+    ServerOptions,
     current_claim,
 )
 from agentkey.server._decide import OpaqueKey, _parse_key
 from agentkey.server._decide import record_key as _record_key
-from tests.server._util import request_for
+from tests.server._util import request_for, with_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,6 +47,7 @@ def test_public_surface() -> None:
         "ReconcileContext",
         "Reconciled",
         "RedisStore",
+        "ServerOptions",
         "Store",
         "current_claim",
         "starlette_user_identity",
@@ -232,7 +234,7 @@ def test_bad_middleware_options_are_refused(options: dict[str, Any]) -> None:
     """Each invalid option is a ConfigurationError at construction."""
     with pytest.raises(ConfigurationError):
         IdempotencyMiddleware(
-            _plain(None), store=MemoryStore(), **{"shared_key_space": True, **options}
+            _plain(None), store=MemoryStore(), **with_options({"shared_key_space": True, **options})
         )
 
 
@@ -370,7 +372,7 @@ async def test_hash_profile_decides_how_a_reformatted_body_is_checked(profile: P
         app = IdempotencyMiddleware(
             Starlette(routes=[Route("/x", handler, methods=["POST"])]),
             store=MemoryStore(),
-            hash_profile=configured,
+            options=ServerOptions(hash_profile=configured),
             shared_key_space=True,
         )
         status = await _asgi_call(app, [(b"idempotency-key", str(step_key).encode())], loose)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -20,7 +19,8 @@ from mcp.server.request_state import authenticated_principal
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel
 
-from ..._canonical import Profile, canonical_json, check_profile
+from ..._canonical import canonical_json
+from ..._clock import Clock, default_clock
 from ..._exceptions import ConfigurationError, InvalidArguments
 from ..._keys import shown_key
 from ...server._claim import Claim, reset_current, set_current
@@ -29,7 +29,6 @@ from ...server._decide import (
     Conflict,
     DecisionEvent,
     InDoubt,
-    KeyFormat,
     Reject,
     Replay,
     Unavailable,
@@ -39,11 +38,10 @@ from ...server._decide import (
 from ...server._lifecycle import (
     SHARED_PRINCIPAL,
     Lifecycle,
-    MutationStarts,
-    check_mutation_starts,
     check_principal_options,
     resolve_principal,
 )
+from ...server._options import ServerOptions, check_hooks, check_store, options_or_default
 from ...server._reconcile import ReconcileHook, check_reconcile, context_for
 from ...server._records import StoredOutcome
 from ...server._stores import Store
@@ -95,8 +93,24 @@ _STATUS = {
 }
 
 
-def _wall_ms() -> int:
-    return int(time.time() * 1000)
+def _principal(
+    principal: MCPPrincipalFunc | None, shared_key_space: bool
+) -> MCPPrincipalFunc | None:
+    """Whose key space a call is in: ``principal``, else the OAuth identity; None: shared."""
+    check_principal_options(principal, shared_key_space, what="ctx")
+    return None if shared_key_space else principal or _oauth_principal
+
+
+def _tools(tools: object) -> frozenset[str] | None:
+    """The protected tool names (None: every tool)."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Iterable):
+        raise ConfigurationError("tools must be a collection of tool names, not one str")
+    names = frozenset(tools)
+    if not all(isinstance(name, str) for name in names):
+        raise ConfigurationError("tools must be a collection of tool names (str)")
+    return names
 
 
 def _oauth_principal(ctx: ServerRequestContext[Any, Any]) -> str | None:
@@ -123,14 +137,15 @@ class IdempotentToolsMiddleware:
       ``key_format="agentkey"``); an agentkey key's ``args_hash`` must be the
       SHA-256 of the canonical JSON of ``arguments``;
     - the key is claimed atomically in ``store`` under the principal; while
-      the tool runs the lease is renewed every ``lock_ttl / 3``, and other
-      calls with the key are refused as ``in-progress`` with ``retryAfter``;
-    - a successful result is stored for ``result_ttl`` seconds and replayed,
+      the tool runs the lease is renewed every ``options.lock_ttl / 3``, and other
+      calls with the key are refused as ``in-progress`` with ``retryAfter`` (after
+      waiting up to ``options.hold_in_flight`` for the first call's result);
+    - a successful result is stored for ``options.result_ttl`` seconds and replayed,
       with ``_meta["io.agentkey/replayed"] = true``, to every later call with
       the key; the same key with another tool is refused (``key-reused``),
       with other arguments (``payload-mismatch``);
     - a result with ``isError`` (MCPServer's answer to a tool that raised) or an
-      exception leaves the key *in doubt* by default (``mutation_starts="on_run"``:
+      exception leaves the key *in doubt* by default (``options.mutation_starts="on_run"``:
       the tool may have begun its side effect as soon as it ran): every later call
       with the key is refused as ``in-doubt`` until ``reconcile`` or an operator
       settles it. It releases the key instead when the tool called
@@ -148,97 +163,61 @@ class IdempotentToolsMiddleware:
     server without OAuth) is refused as ``unauthenticated``, unless the app
     passes ``shared_key_space=True``: then every session shares one key space
     (one client, or callers that trust each other). A result larger than
-    ``max_recorded_bytes`` (1 MiB) reaches its caller but is not stored: later
+    ``options.max_recorded_bytes`` (1 MiB) reaches its caller but is not stored: later
     calls with the key get an ``isError`` result saying so, never a second run.
 
-    A call without a key runs as before, or is refused (``key-required``)
-    when ``require_key`` is true. ``tools`` limits protection to those tool
+    A call without a key is refused (``key-required``), and nothing runs, unless
+    ``options.require_key`` is False: then it runs unprotected, as before. The
+    options are a :class:`~agentkey.server.ServerOptions`, the value the HTTP
+    middleware takes too (same fields, same defaults). ``tools`` limits protection to those tool
     names (the others pass through); ``tools/list`` marks them protected and names
     the conventions read (``io.agentkey/key-conventions``). Refusals are JSON-RPC
-    errors whose ``data.type`` is ``io.agentkey/<kind>``.
+    errors whose ``data.type`` is ``io.agentkey/<kind>``. Leases and records are
+    measured on ``clock`` (an :class:`~agentkey.Clock`; default the system clock).
     """
 
     def __init__(
         self,
         store: Store,
         *,
-        require_key: bool = False,
-        tools: Collection[str] | None = None,
-        lock_ttl: float = 15.0,
-        result_ttl: float = 86400.0,
-        retry_after: int = 1,
-        key_format: KeyFormat = "any",
-        hash_profile: Profile = "python",
+        options: ServerOptions | None = None,
         principal: MCPPrincipalFunc | None = None,
         shared_key_space: bool = False,
-        max_recorded_bytes: int = 1024 * 1024,
-        auto_renew: bool = True,
-        hooks: Sequence[Callable[[DecisionEvent], None]] = (),
-        clock: Callable[[], int] = _wall_ms,
-        mutation_starts: MutationStarts = "on_run",
-        reconcile: ReconcileHook | None = None,
-        reconcile_timeout: float = 5.0,
+        tools: Collection[str] | None = None,
         key_conventions: Collection[KeyConvention] = CONVENTIONS,
+        hooks: Sequence[Callable[[DecisionEvent], object]] = (),
+        reconcile: ReconcileHook | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        self.store = check_store(store)
+        self.options = options = options_or_default(options)
+        self._principal = _principal(principal, shared_key_space)
+        self.shared_key_space = shared_key_space
+        self.tools = _tools(tools)
         self.key_conventions = check_conventions(key_conventions)
+        self._hooks = check_hooks(hooks)
+        check_reconcile(reconcile, options.reconcile_timeout)
+        self._reconcile = reconcile
+        self._clock = clock if clock is not None else default_clock()
         self._needs_key = "this tool needs an idempotency key, in " + " or ".join(
             FIELD_NAMES[name] for name in self.key_conventions
         )
-        self.mutation_starts = check_mutation_starts(mutation_starts)
-        check_reconcile(reconcile, reconcile_timeout)
-        self._reconcile = reconcile
-        self._reconcile_timeout = float(reconcile_timeout)
-        for method in ("claim", "finish", "release", "get"):
-            if not callable(getattr(store, method, None)):
-                raise ConfigurationError(
-                    f"store must be an agentkey Store (MemoryStore, RedisStore...), got {store!r}"
-                )
-        if not (0 < lock_ttl <= result_ttl):
-            raise ConfigurationError(
-                f"need 0 < lock_ttl <= result_ttl, got lock_ttl={lock_ttl!r}, "
-                f"result_ttl={result_ttl!r}"
-            )
-        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
-            raise ConfigurationError(f"retry_after must be an int >= 0, got {retry_after!r}")
-        if key_format not in ("any", "agentkey"):
-            raise ConfigurationError(f"key_format must be 'any' or 'agentkey', got {key_format!r}")
-        check_principal_options(principal, shared_key_space, what="ctx")
-        if (
-            isinstance(max_recorded_bytes, bool)
-            or not isinstance(max_recorded_bytes, int)
-            or max_recorded_bytes < 0
-        ):
-            raise ConfigurationError("max_recorded_bytes must be a whole number of bytes >= 0")
-        if isinstance(tools, str):
-            raise ConfigurationError("tools must be a collection of tool names, not one str")
-        self.store = store
-        self.require_key = bool(require_key)
-        self.tools = None if tools is None else frozenset(tools)
-        self.lock_ttl_ms = max(3, round(lock_ttl * 1000))
-        self.result_ttl_ms = max(self.lock_ttl_ms, round(result_ttl * 1000))
-        self.retry_after = retry_after
-        self.key_format: KeyFormat = key_format
-        self.hash_profile = check_profile(hash_profile)
-        self.auto_renew = auto_renew
-        self.shared_key_space = shared_key_space
-        self.max_recorded_bytes = max_recorded_bytes
-        self._principal: MCPPrincipalFunc | None = (
-            None if shared_key_space else principal or _oauth_principal
-        )
-        self._hooks = tuple(hooks)
-        self._clock = clock
         self._life = Lifecycle(
             store,
-            lock_ttl_ms=self.lock_ttl_ms,
-            result_ttl_ms=self.result_ttl_ms,
-            retry_after=retry_after,
-            auto_renew=auto_renew,
-            clock=clock,
-            mutation_starts=self.mutation_starts,
+            lock_ttl_ms=options.lock_ttl_ms,
+            result_ttl_ms=options.result_ttl_ms,
+            retry_after=options.retry_after,
+            auto_renew=options.auto_renew,
+            clock=self._wall_ms,
+            mutation_starts=options.mutation_starts,
         )
 
+    def _wall_ms(self) -> int:
+        """Unix milliseconds on the middleware's clock: what records are stamped with."""
+        return int(self._clock.time() * 1000)
+
     def __repr__(self) -> str:
-        return f"IdempotentToolsMiddleware(store={self.store!r}, require_key={self.require_key})"
+        return f"IdempotentToolsMiddleware(store={self.store!r}, options={self.options!r})"
 
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
@@ -253,7 +232,7 @@ class IdempotentToolsMiddleware:
             return await call_next(ctx)
         carried = keys_in(params, self.key_conventions)
         value = self._one_key(carried, name)
-        if value is None and not self.require_key:
+        if value is None and not self.options.require_key:
             self._emit("passthrough", name, None)
             return self._unkeyed(await call_next(ctx))
         # Whose key space, before anything about the key: a caller nobody authenticated
@@ -273,11 +252,11 @@ class IdempotentToolsMiddleware:
         arguments = without_keys(params.get("arguments"), [field for field, _ in carried])
         checked, body = self._check(value, carried, name, arguments)
         claim = self._life.new_claim(checked, principal, operation=f"{_METHOD} {name}")
-        decision = await self._life.claim(claim, checked)
+        decision = await self._life.claim(claim, checked, hold=self.options.hold_in_flight)
         key = checked.idempotency_key
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
-                key, principal, _METHOD, name, body, decision.record, self._clock(), claim.key_for
+                key, principal, _METHOD, name, body, decision.record, self._wall_ms(), claim.key_for
             )
             decision = await self._life.reconcile(
                 claim,
@@ -285,8 +264,8 @@ class IdempotentToolsMiddleware:
                 decision,
                 self._reconcile,
                 context,
-                self._reconcile_timeout,
-                max_recorded_bytes=self.max_recorded_bytes,
+                self.options.reconcile_timeout,
+                max_recorded_bytes=self.options.max_recorded_bytes,
             )
         if isinstance(decision, InDoubt):
             self._emit("in_doubt", name, key, 409)
@@ -360,7 +339,7 @@ class IdempotentToolsMiddleware:
         if arguments is None:
             arguments = {}
         try:
-            body = canonical_json(arguments, profile=self.hash_profile)
+            body = canonical_json(arguments, profile=self.options.hash_profile)
         except InvalidArguments:
             self._emit("rejected", name, None, 400)
             raise _refusal(
@@ -371,8 +350,8 @@ class IdempotentToolsMiddleware:
             None if value is None else [value],
             (_METHOD, name),
             body,
-            key_format=self.key_format,
-            hash_profile=self.hash_profile,
+            key_format=self.options.key_format,
+            hash_profile=self.options.hash_profile,
         )
         if isinstance(checked, Reject):
             raise self._rejected(checked, name, value)
@@ -417,12 +396,12 @@ class IdempotentToolsMiddleware:
         doc = _as_dict(result)
         final = doc is not None and doc.get("isError") is not True and _complete(doc)
         body = b"" if doc is None else json.dumps(doc, separators=(",", ":")).encode()
-        if len(body) > self.max_recorded_bytes and (final or claim.mutation_started):
+        if len(body) > self.options.max_recorded_bytes and (final or claim.mutation_started):
             _logger.warning(
                 "the result of %s is over max_recorded_bytes (%d) and was not stored; "
                 "later calls with the key get an isError result saying so",
                 shown_key(claim.idempotency_key),
-                self.max_recorded_bytes,
+                self.options.max_recorded_bytes,
             )
         decision = on_finished(
             200 if final else 500,
@@ -432,9 +411,9 @@ class IdempotentToolsMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started and _complete_or_error(doc),
             binding=claim.binding,
-            now_ms=self._clock(),
+            now_ms=self._wall_ms(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
-            max_recorded_bytes=self.max_recorded_bytes,
+            max_recorded_bytes=self.options.max_recorded_bytes,
         )
         self._emit(await self._life.settle(claim, decision), name, claim.idempotency_key)
 
