@@ -57,10 +57,11 @@ from typing import Any
 import anyio
 
 from .._canonical import Profile, check_profile
+from .._clock import default_clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, _wall_ms, reset_current, set_current
+from ._claim import Claim, reset_current, set_current
 from ._decide import (
     REPLAY_HEADER,
     BodyFingerprint,
@@ -639,13 +640,14 @@ class IdempotencyMiddleware:
         self.max_body_bytes = max_body_bytes
         self._blob_store = blob_store
         self._hooks = tuple(hooks)
+        self._clock = default_clock()  # sclock: replaced by the clock= of ServerOptions (sopts)
         self._life = Lifecycle(
             store,
             lock_ttl_ms=self.lock_ttl_ms,
             result_ttl_ms=self.result_ttl_ms,
             retry_after=retry_after,
             auto_renew=self.auto_renew,
-            clock=_wall_ms,  # Unix ms; tests inject their own
+            clock=self._clock,
             blob_store=lambda: self.blob_store,
             mutation_starts=self.mutation_starts,
         )
@@ -653,7 +655,7 @@ class IdempotencyMiddleware:
     @property
     def blob_store(self) -> BlobStore:
         if self._blob_store is None:
-            self._blob_store = FileBlobStore(ttl=self.result_ttl_ms / 1000)
+            self._blob_store = FileBlobStore(ttl=self.result_ttl_ms / 1000, clock=self._clock)
         return self._blob_store
 
     # --- ASGI ----------------------------------------------------------------
@@ -728,7 +730,7 @@ class IdempotencyMiddleware:
                 path,
                 b"".join(body),
                 decision.record,
-                self._life.clock(),
+                self._life.now_ms(),
                 claim.key_for,
             )
             decision = await self._life.reconcile(
@@ -957,7 +959,7 @@ class IdempotencyMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started,
             binding=claim.binding,
-            now_ms=self._life.clock(),
+            now_ms=self._life.now_ms(),
             max_inline_bytes=self.max_inline_bytes,
             max_recorded_bytes=self.max_recorded_bytes,
             size=exchange.size,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from .._clock import Clock, default_clock
 from .._exceptions import ConfigurationError
 from .._keys import shown_key
 
@@ -120,16 +119,18 @@ class MemoryStore:
     whose time has passed (a heap of expiry times: O(log n) per write), so memory
     follows the live records.
 
-    ``clock`` (monotonic seconds, default ``time.monotonic``) is what leases and
-    record lifetimes are measured on; tests pass a fake clock they advance.
+    Leases and record lifetimes are measured on ``clock``'s monotonic time (default: the
+    system's); tests pass ``agentkey.testing.FakeClock`` and advance it.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        if not callable(clock):
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        if clock is not None and not callable(getattr(clock, "monotonic", None)):
             raise ConfigurationError(
-                f"MemoryStore clock must return monotonic seconds, got {clock!r}"
+                f"MemoryStore clock must be an agentkey Clock (such as "
+                f"agentkey.testing.FakeClock), got {type(clock).__name__}"
             )
-        self._clock = clock
+        self._clock = clock if clock is not None else default_clock()
+        self._now = self._clock.monotonic  # read on every call: bound once
         self._data: dict[str, tuple[bytes, float]] = {}
         # (expiry, key) of every write; an entry whose key was rewritten since is stale,
         # and is dropped when its time comes without touching the newer record.
@@ -162,7 +163,7 @@ class MemoryStore:
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is not None:
                 return current
@@ -172,7 +173,7 @@ class MemoryStore:
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
@@ -182,7 +183,7 @@ class MemoryStore:
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
@@ -191,7 +192,7 @@ class MemoryStore:
 
     async def release(self, key: str, owner: str) -> bool:
         with self._lock:
-            current = self._live(key, self._clock())
+            current = self._live(key, self._now())
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
             del self._data[key]
@@ -199,7 +200,7 @@ class MemoryStore:
 
     async def get(self, key: str) -> bytes | None:
         with self._lock:
-            return self._live(key, self._clock())
+            return self._live(key, self._now())
 
     async def aclose(self) -> None:
         return None

@@ -27,6 +27,7 @@ from agentkey._keys import shown_key
 from agentkey.server import Claim, IdempotencyMiddleware, MemoryStore, RedisStore, current_claim
 from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer, free_port, serve
 from tests.server._util import request_for
 
@@ -55,16 +56,6 @@ def test_retry_after_reflects_the_lease_that_remains(
     assert in_progress_retry_after(record, now, retry_after=1) == expected
 
 
-class _Clock:
-    """A monotonic clock that moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Claim:
     key = "k-" + uuid.uuid4().hex
     return Claim(
@@ -82,11 +73,11 @@ def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Cl
 
 async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
     """renew() after the lease lapsed with no competitor takes the key back: lost stays False."""
-    clock = _Clock()
+    clock = FakeClock()
     store = MemoryStore(clock=clock)
     claim = _claim(store, lease_ms=50)
     assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=50) is None
-    clock.now += 0.12  # the lease lapses; nobody else asks for the key
+    clock.advance(0.12)  # the lease lapses; nobody else asks for the key
     assert await store.get(claim.record_key) is None
     assert await claim.renew() is True
     assert not claim.lost
@@ -96,12 +87,12 @@ async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
 
 async def test_lost_means_another_request_took_the_key() -> None:
     """Only a record of another request makes renew() False, lost True, begin_mutation() raise."""
-    clock = _Clock()
+    clock = FakeClock()
     store = MemoryStore(clock=clock)
     mine, theirs = _claim(store, lease_ms=50), _claim(store, lease_ms=5000)
     theirs.record_key = mine.record_key
     assert await store.claim(mine.record_key, mine.in_progress_record(), ttl_ms=50) is None
-    clock.now += 0.12
+    clock.advance(0.12)
     assert await store.claim(mine.record_key, theirs.in_progress_record(), ttl_ms=5000) is None
     assert await mine.renew() is False
     assert mine.lost

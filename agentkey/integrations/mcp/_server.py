@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel
 
 from ..._canonical import Profile, canonical_json, check_profile
+from ..._clock import Clock, default_clock
 from ..._exceptions import ConfigurationError, InvalidArguments
 from ..._keys import shown_key
 from ...server._claim import Claim, reset_current, set_current
@@ -93,10 +93,6 @@ _STATUS = {
     "in_doubt": 500,
     "passthrough": 0,
 }
-
-
-def _wall_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _oauth_principal(ctx: ServerRequestContext[Any, Any]) -> str | None:
@@ -174,7 +170,7 @@ class IdempotentToolsMiddleware:
         max_recorded_bytes: int = 1024 * 1024,
         auto_renew: bool = True,
         hooks: Sequence[Callable[[DecisionEvent], None]] = (),
-        clock: Callable[[], int] = _wall_ms,
+        clock: Clock | None = None,
         mutation_starts: MutationStarts = "on_run",
         reconcile: ReconcileHook | None = None,
         reconcile_timeout: float = 5.0,
@@ -226,14 +222,14 @@ class IdempotentToolsMiddleware:
             None if shared_key_space else principal or _oauth_principal
         )
         self._hooks = tuple(hooks)
-        self._clock = clock
+        self._clock = clock if clock is not None else default_clock()
         self._life = Lifecycle(
             store,
             lock_ttl_ms=self.lock_ttl_ms,
             result_ttl_ms=self.result_ttl_ms,
             retry_after=retry_after,
             auto_renew=auto_renew,
-            clock=clock,
+            clock=self._clock,
             mutation_starts=self.mutation_starts,
         )
 
@@ -277,7 +273,14 @@ class IdempotentToolsMiddleware:
         key = checked.idempotency_key
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
-                key, principal, _METHOD, name, body, decision.record, self._clock(), claim.key_for
+                key,
+                principal,
+                _METHOD,
+                name,
+                body,
+                decision.record,
+                self._life.now_ms(),
+                claim.key_for,
             )
             decision = await self._life.reconcile(
                 claim,
@@ -432,7 +435,7 @@ class IdempotentToolsMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started and _complete_or_error(doc),
             binding=claim.binding,
-            now_ms=self._clock(),
+            now_ms=self._life.now_ms(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
             max_recorded_bytes=self.max_recorded_bytes,
         )
