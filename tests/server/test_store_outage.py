@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -30,10 +31,12 @@ from agentkey.server import (
     current_claim,
 )
 from agentkey.server._claim import _RENEW_BACKOFF, SETTLE_BACKOFF
-from agentkey.server._records import Binding, digest
+from agentkey.server._records import Binding, digest, encode_in_progress
+from agentkey.server.redis._store import _RELEASE_BACKOFF
 from agentkey.testing import FakeClock
+from tests._loopback import RedisServer
 from tests.server._util import FailingFinish, built_on, request_for, serve_closing
-from tests.server.test_redis_resilience import RestartableRedis
+from tests.server.test_redis_resilience import ReplyDropper, RestartableRedis
 
 _LOGGER = "agentkey.server"
 
@@ -230,3 +233,66 @@ def test_a_postgres_outage_message_says_whether_the_handler_ran() -> None:
     assert "the request was refused, not run" in str(claim)
     assert "the handler already ran" in str(finish)
     assert "refused" not in str(finish)
+
+
+async def _lost_claim(store: RedisStore, proxy: ReplyDropper, key: str, lost_releases: int) -> None:
+    """Claim ``key`` through ``proxy`` so that the SET lands, its answer and its re-send are
+    lost, and the next ``lost_releases`` release sends (each with redis-py's one re-send)
+    are cut before Redis sees them."""
+    owner = secrets.token_hex(16)
+    assert await store.claim("warm", encode_in_progress(owner, 1), ttl_ms=60_000) is None
+    assert await store.release("warm", owner)  # loads the release script
+    sha = store._release.sha.encode()
+    proxy.arm(b"\r\nSET\r\n")
+    proxy.swallow(b"\r\nSET\r\n", *[sha] * (2 * lost_releases))
+    with pytest.raises(StoreUnavailable, match="could not be reached during claim"):
+        await store.claim(key, encode_in_progress(owner, 1), ttl_ms=1000)
+
+
+async def test_a_lost_claims_release_is_retried_with_backoff_on_the_stores_clock(
+    redis_proc: RedisServer,
+) -> None:
+    """A claim that landed but whose answer was lost, and whose inline release and first
+    background retry were lost too, is released by the second retry: the background
+    retries wait on the store's injected clock (their waits are in clock.sleeps)."""
+    clock = FakeClock()
+    proxy = ReplyDropper(redis_proc.port)
+    prefix = "rel-" + secrets.token_hex(4)
+    store = RedisStore(proxy.url, prefix=prefix, clock=clock)
+    try:
+        await _lost_claim(store, proxy, "k", lost_releases=2)
+        with redis.Redis(port=redis_proc.port) as probe:
+            for _ in range(400):  # the release runs in the background, on real sockets
+                if not probe.exists(f"{prefix}:{{k}}"):
+                    break
+                await asyncio.sleep(0.025)
+            assert not probe.exists(f"{prefix}:{{k}}")
+    finally:
+        proxy.close()
+        await store.aclose()
+    assert clock.sleeps == pytest.approx(_jittered(_RELEASE_BACKOFF, 2, cap=1.0))
+
+
+async def test_the_background_release_gives_up_when_the_lease_ends_on_the_stores_clock(
+    redis_proc: RedisServer,
+) -> None:
+    """While Redis keeps losing the release, the background retries stop once the claim's
+    lease (1 s) has passed on the store's clock: the key then expires by itself, and the
+    retries are a bounded series of waits in clock.sleeps, not a loop that outlives it."""
+    clock = FakeClock()
+    proxy = ReplyDropper(redis_proc.port)
+    prefix = "rel-" + secrets.token_hex(4)
+    store = RedisStore(proxy.url, prefix=prefix, clock=clock)
+    try:
+        await _lost_claim(store, proxy, "k", lost_releases=50)
+        for _ in range(400):
+            if not store._releasing:  # the background task ended
+                break
+            await asyncio.sleep(0.025)
+        assert not store._releasing
+    finally:
+        proxy.close()
+        await store.aclose()
+    waits = _jittered(_RELEASE_BACKOFF, len(clock.sleeps), cap=1.0)
+    assert clock.sleeps == pytest.approx(waits)
+    assert sum(waits[:-1]) < 1.0 <= sum(waits)  # it stopped at the first wait past the lease
