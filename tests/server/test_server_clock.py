@@ -1,18 +1,26 @@
-"""The server's own waits run on its injected clock: a held duplicate's polls and the example
-app's simulated work are waits recorded in ``FakeClock.sleeps``, none waited in real time."""
+"""The server's own waits run on its injected clock: a held duplicate's polls, a settle's
+retries and the example app's simulated work are waits recorded in ``FakeClock.sleeps``,
+none waited in real time."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from agentkey.server import MemoryStore
+from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey.server._claim import SETTLE_BACKOFF
+from agentkey.server._stores import SETTLE_SECONDS
 from agentkey.testing import FakeClock, example_app
 from tests.server._apps import tool_app
-from tests.server._util import built_on, request_for, serve_closing
+from tests.server._util import FailingFinish, built_on, request_for, serve_closing
 
 
 def test_a_held_duplicate_polls_on_the_servers_clock_and_gets_its_409_when_the_hold_ends() -> None:
@@ -52,3 +60,37 @@ async def test_the_example_apps_work_sleeps_on_its_clock() -> None:
     assert got.status_code == 200, got.text
     assert clock.sleeps == [5.0]
     assert app.state.executions["provision"] == 1
+
+
+async def test_a_settle_whose_store_stays_down_gives_up_after_its_budget_on_the_clock(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The handler ran and the store never takes its outcome: the answer is delivered, the
+    write is retried with backoff on the server's clock until SETTLE_SECONDS (10 s) have
+    passed on it, then abandoned with an ERROR naming the key; no real time is waited."""
+    clock = FakeClock()
+    store = FailingFinish(failures=1_000_000, clock=clock)
+    runs = [0]
+
+    async def charge(request: Request) -> Response:
+        current_claim().begin_mutation()
+        runs[0] += 1
+        return JSONResponse({"run": runs[0]}, status_code=201)
+
+    with built_on(clock):
+        app = IdempotencyMiddleware(
+            Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+            store=store,
+            shared_key_space=True,
+        )
+    headers, body = request_for({"amount": 3})
+    transport = httpx.ASGITransport(app=app)
+    with caplog.at_level(logging.WARNING, logger="agentkey.server"):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            got = await client.post("/charge", headers=headers, content=body)
+    assert got.status_code == 201  # delivered after the first failed write
+    assert runs == [1]
+    assert sum(clock.sleeps) == pytest.approx(SETTLE_SECONDS)
+    assert max(clock.sleeps) <= SETTLE_BACKOFF.cap
+    assert store.finishes == len(clock.sleeps) + 1  # the inline write, then one per wait
+    assert "did not finish within 10.0 s" in caplog.text
