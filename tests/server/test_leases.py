@@ -29,7 +29,7 @@ from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
 from agentkey.testing import FakeClock
 from tests._loopback import RedisServer, free_port, serve
-from tests.server._util import request_for
+from tests.server._util import built_on, request_for
 
 ROOT = Path(__file__).resolve().parents[2]
 _BINDING = Binding(digest(b"POST /x"))
@@ -100,32 +100,36 @@ async def test_lost_means_another_request_took_the_key() -> None:
         mine.begin_mutation()
 
 
-@pytest.mark.realtime
 def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
-    """auto_renew=False, work past the lease, renew() + begin_mutation(): runs once, replays."""
+    """auto_renew=False, work past the lease on the server's clock, renew() + begin_mutation():
+    runs once, replays (the work is a wait on a FakeClock: no real time passes)."""
     runs: list[int] = []
+    clock = FakeClock()
 
     async def provision(request: Request) -> JSONResponse:
         claim = current_claim()
-        await asyncio.sleep(0.4)  # four leases of unrenewed work, no competitor
+        await clock.asleep(0.4)  # four leases of unrenewed work, no competitor
         await claim.renew()
         claim.begin_mutation()
         runs.append(1)
         return JSONResponse({"vm": len(runs)})
 
-    app = IdempotencyMiddleware(
-        Starlette(routes=[Route("/x", provision, methods=["POST"])]),
-        store=MemoryStore(),
-        lock_ttl=0.1,
-        auto_renew=False,
-        shared_key_space=True,
-    )
+    with built_on(clock):
+        store = MemoryStore()
+        app = IdempotencyMiddleware(
+            Starlette(routes=[Route("/x", provision, methods=["POST"])]),
+            store=store,
+            lock_ttl=0.1,
+            auto_renew=False,
+            shared_key_space=True,
+        )
     headers, body = request_for({"region": "eu"})
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         first = client.post("/x", headers=headers, content=body)
         again = client.post("/x", headers=headers, content=body)
     assert (first.status_code, again.headers["idempotent-replayed"]) == (200, "true")
     assert runs == [1]
+    assert clock.sleeps == [0.4]
 
 
 class _StubbornStore(MemoryStore):
@@ -147,7 +151,10 @@ class _StubbornStore(MemoryStore):
 
 @pytest.mark.realtime
 async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> None:
-    """keep_alive stops its loop with an event and a bounded wait: no endless renewals."""
+    """keep_alive stops its loop with an event and a bounded wait: no endless renewals.
+
+    Real time: the first renewal is due on the event loop's timer, and the swallowed
+    cancellation needs a store write really in flight when the block ends."""
     store = _StubbornStore()
     claim = _claim(store, lease_ms=150)
     await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=150)
@@ -161,7 +168,9 @@ async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> N
 
 @pytest.mark.realtime
 async def test_a_cancelled_handler_stays_cancelled() -> None:
-    """A cancellation aimed at the handler while keep_alive stops its loop propagates."""
+    """A cancellation aimed at the handler while keep_alive stops its loop propagates.
+
+    Real time: the cancellation must land while a renewal is really in flight."""
     store = _StubbornStore()
     claim = _claim(store, lease_ms=3000)
     claim._renew_ms = 50  # renew soon, so a renewal is in flight when the block ends
@@ -183,7 +192,8 @@ async def test_a_cancelled_handler_stays_cancelled() -> None:
 
 @pytest.mark.realtime
 async def test_keep_alive_exits_against_a_real_redis(redis_proc: RedisServer) -> None:
-    """Leaving keep_alive just as a renewal is sent to a real Redis never hangs.
+    """Leaving keep_alive just as a renewal is sent to a real Redis never hangs (real time:
+    the exits sweep across a real send on the event loop's timer).
 
     The old loop (cancel, then await with no bound, under suppress(CancelledError))
     hung about half of these exits on CPython 3.10 and 3.11: redis-py's send goes
@@ -248,7 +258,8 @@ def _tool_server(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen[by
 def test_a_killed_servers_claim_clears_within_one_lease(
     redis_proc: RedisServer, tmp_path: Path
 ) -> None:
-    """SIGKILL a tool server mid-step: a retry on a replica succeeds within about one lease."""
+    """SIGKILL a tool server mid-step: a retry on a replica succeeds within about one lease
+    (real time: a killed process and leases that expire in a real Redis)."""
     lease = 1.5
     runs = tmp_path / "runs"
     runs.touch()

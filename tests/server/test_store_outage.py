@@ -64,7 +64,8 @@ def test_a_redis_restart_after_the_handler_ran_neither_loses_nor_repeats_the_ste
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Redis (AOF, fsync always) stops while a handler runs and comes back after its lease
-    ended: the outcome is still recorded, the retry gets the replay, the step ran once."""
+    ended: the outcome is still recorded, the retry gets the replay, the step ran once.
+    Real time: a real Redis process stops and its records expire on its own clock."""
     server = RestartableRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
     server.start()
     store = RedisStore(server.url, prefix="outage")
