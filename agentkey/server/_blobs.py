@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
-from .._clock import Clock, default_clock
+from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError
+from ._stores import resolve_clock
 
 __all__ = ["BlobStore", "FileBlobStore"]
 
@@ -122,7 +123,7 @@ class FileBlobStore:
                 f"result_ttl), got {ttl!r}"
             )
         self.ttl = float(ttl)
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "FileBlobStore")
         self._next_sweep = float("-inf")
         if directory is None:
             suffix = f"-{os.getuid()}" if hasattr(os, "getuid") else ""

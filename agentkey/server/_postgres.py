@@ -49,12 +49,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._clock import Clock, default_clock, real_deadline
+from .._clock import Clock, real_deadline
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
 from ._records import StoredOutcome, encode_outcome
-from ._stores import _check_ttl, after_failure, owner_prefix, shown
+from ._stores import _check_ttl, after_failure, owner_prefix, resolve_clock, shown
 
 try:
     import psycopg
@@ -492,7 +492,7 @@ class PostgresStore:
                 raise ConfigurationError(f"{name} must be a positive number of seconds or None")
             limits.append(None if limit is None else f"{max(1, round(limit * 1000))}ms")
         self.table = table
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "PostgresStore")
         self.result_ttl_ms = max(1, round(result_ttl * 1000))
         self.recovery_ttl = float(recovery_ttl)
         self.sweep_every = sweep_every

@@ -104,6 +104,20 @@ class Store(Protocol):
         ...
 
 
+def resolve_clock(clock: Clock | None, owner: str) -> Clock:
+    """``clock``, or the default clock when None; a ConfigurationError for anything else
+    (the ``time.monotonic``-style function the stores took before :class:`~agentkey.Clock`)."""
+    if clock is None:
+        return default_clock()
+    if not all(callable(getattr(clock, name, None)) for name in ("monotonic", "time", "asleep")):
+        raise ConfigurationError(
+            f"{owner} clock must be an agentkey Clock (monotonic(), time(), sleep(), asleep(), "
+            f"random(): agentkey.testing.FakeClock in tests), got {type(clock).__name__}; "
+            "leave it out for the system clock"
+        )
+    return clock
+
+
 def _check_ttl(ttl_ms: int) -> int:
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms <= 0:
         raise ConfigurationError(f"store TTLs are positive whole milliseconds, got {ttl_ms!r}")
@@ -124,12 +138,7 @@ class MemoryStore:
     """
 
     def __init__(self, *, clock: Clock | None = None) -> None:
-        if clock is not None and not callable(getattr(clock, "monotonic", None)):
-            raise ConfigurationError(
-                f"MemoryStore clock must be an agentkey Clock (such as "
-                f"agentkey.testing.FakeClock), got {type(clock).__name__}"
-            )
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "MemoryStore")
         self._now = self._clock.monotonic  # read on every call: bound once
         self._data: dict[str, tuple[bytes, float]] = {}
         # (expiry, key) of every write; an entry whose key was rewritten since is stale,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
+from typing import Any
 
 import httpx
 import pytest
@@ -15,7 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkey.server import IdempotencyMiddleware, MemoryStore, current_claim
+from agentkey import ConfigurationError
+from agentkey.server import (
+    FileBlobStore,
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    RedisStore,
+    current_claim,
+)
 from agentkey.server._claim import SETTLE_BACKOFF
 from agentkey.server._stores import SETTLE_SECONDS
 from agentkey.testing import FakeClock, example_app
@@ -94,3 +104,23 @@ async def test_a_settle_whose_store_stays_down_gives_up_after_its_budget_on_the_
     assert max(clock.sleeps) <= SETTLE_BACKOFF.cap
     assert store.finishes == len(clock.sleeps) + 1  # the inline write, then one per wait
     assert "did not finish within 10.0 s" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda clock: MemoryStore(clock=clock),
+        lambda clock: RedisStore("redis://127.0.0.1:1/0", clock=clock),
+        lambda clock: PostgresStore("postgresql://u@127.0.0.1:1/db", clock=clock),
+        lambda clock: FileBlobStore(clock=clock),
+    ],
+    ids=["MemoryStore", "RedisStore", "PostgresStore", "FileBlobStore"],
+)
+@pytest.mark.parametrize(
+    "clock", [time.monotonic, lambda: 1.0, 5], ids=["monotonic", "lambda", "5"]
+)
+def test_a_store_refuses_a_clock_that_is_not_a_clock(build: Any, clock: Any) -> None:
+    """A store given a time function (what MemoryStore and FileBlobStore took before) or
+    anything else that is not a Clock says so when it is built, not at its first wait."""
+    with pytest.raises(ConfigurationError, match=r"clock must be an agentkey Clock"):
+        build(clock)

@@ -32,10 +32,10 @@ import logging
 import math
 from typing import Any
 
-from ..._clock import Clock, default_clock
+from ..._clock import Clock
 from ..._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from ..._schedule import Backoff
-from .._stores import _check_ttl, after_failure, owner_prefix, shown
+from .._stores import _check_ttl, after_failure, owner_prefix, resolve_clock, shown
 
 try:
     from redis import asyncio as aioredis
@@ -417,7 +417,7 @@ class RedisStore:
                 "(it then defaults to the smaller of 1 s and half the timeout)"
             )
         self.prefix = prefix
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "RedisStore")
         self._connect_timeout, self._timeout = connect_timeout, timeout
         self._url: str | None = None
         self._client: Any = None
