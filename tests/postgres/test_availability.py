@@ -153,7 +153,8 @@ async def test_a_request_waiting_through_an_outage_is_served_when_the_database_i
 ) -> None:
     """The database goes away for 1.5 s (its connections cut, new ones refused): a claim
     that waited through it is served soon after the database is back, though the pool
-    had given up reconnecting, instead of failing at the pool's 5 s timeout."""
+    had given up reconnecting, instead of failing at the pool's 5 s timeout. Real time:
+    the pool's reconnection and timeout are waits of the driver on real sockets."""
     store = PostgresStore(cut_proxy.dsn, table="av_outage", min_size=1, max_size=2, timeout=5)
     try:
         await store.create_table()
@@ -389,7 +390,8 @@ async def test_a_burst_of_first_requests_shares_a_failed_table_creation(
     cut_proxy: CutProxy,
 ) -> None:
     """With the database down, a burst of first claims fails together in about one pool
-    timeout: the requests that waited for the failed creation do not each wait out another."""
+    timeout: the requests that waited for the failed creation do not each wait out another.
+    Real time: the pool's timeout is a wait of the driver on real sockets."""
     store = PostgresStore(cut_proxy.dsn, table=f"av_down_{_owner()[:8]}", timeout=1.0)
     cut_proxy.go_down()
     try:
