@@ -96,26 +96,21 @@ def _charge_app(store: PostgresStore, before_commit: Callable[[Any], Any] | None
     return app
 
 
-@pytest.mark.realtime
 async def test_dead_pooled_connections_are_replaced_before_use(
     postgres_store_factory: Factory, postgres_proc: PostgresServer
 ) -> None:
-    """Every pooled connection killed (as by a restart): the next operations succeed at once.
-
-    Real time: "at once" is against the pool's timeout, a wait of the driver on real
-    sockets that no injected clock can stand in for."""
+    """Every pooled connection killed (as by a restart): the next operations succeed; a
+    statement sent on them would fail twice (it is resent once) and answer 503."""
     store = postgres_store_factory(min_size=4, max_size=4)
     try:
         await store.create_table()
         await asyncio.gather(*(store.get(f"warm{i}") for i in range(8)))  # the pool fills
         await _admin(postgres_proc.dsn, _TERMINATE_OTHERS)
         await asyncio.sleep(0.1)  # the FATAL notices and FINs reach the idle sockets
-        started = time.monotonic()
         owner = _owner()
         assert await store.claim("p:k", encode_in_progress(owner, 1), ttl_ms=5000) is None
         assert await store.renew("p:k", owner, ttl_ms=5000)
         assert await store.release("p:k", owner)
-        assert time.monotonic() - started < 2.0
     finally:
         await store.aclose()
 
@@ -173,15 +168,14 @@ async def test_a_request_waiting_through_an_outage_is_served_when_the_database_i
         await store.aclose()
 
 
-@pytest.mark.realtime
 async def test_a_locked_records_table_answers_503_within_the_lock_timeout(
     postgres_store_factory: Factory, postgres_proc: PostgresServer
 ) -> None:
     """LOCK TABLE held by another session: fresh and replayed requests get 503 + Retry-After
-    after about lock_timeout, not when the lock is released; the statement is not resent.
-
-    Real time: lock_timeout is the database server's own timer."""
-    store = postgres_store_factory(lock_timeout=0.3)
+    at lock_timeout, not when the lock is released (only after the loop: with no statement
+    timeout, a request that waited for the lock would never be answered); the statement
+    is not resent."""
+    store = postgres_store_factory(lock_timeout=0.3, statement_timeout=None)
     await store.create_table()
     seen: list[int] = []
 
@@ -208,13 +202,14 @@ async def test_a_locked_records_table_answers_503_within_the_lock_timeout(
             assert first.status_code == 201
             await locker.execute(f"LOCK TABLE {store.table} IN ACCESS EXCLUSIVE MODE")
             for step in (done, fresh):
-                started = time.monotonic()
-                answer = await client.post(
-                    "/t", headers={"idempotency-key": step.idempotency_key}, content=step.body
+                answer = await asyncio.wait_for(  # a bound on a hang, never a measure
+                    client.post(
+                        "/t", headers={"idempotency-key": step.idempotency_key}, content=step.body
+                    ),
+                    60,
                 )
                 assert answer.status_code == 503
                 assert answer.headers["retry-after"] == "1"
-                assert time.monotonic() - started < 3.0  # the lock is held until rollback
             await locker.rollback()
             again = await client.post(
                 "/t", headers={"idempotency-key": fresh.idempotency_key}, content=fresh.body
