@@ -8,13 +8,13 @@ import re
 import secrets
 import stat
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
+from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError
+from ._stores import resolve_clock
 
 __all__ = ["BlobStore", "FileBlobStore"]
 
@@ -98,7 +98,8 @@ class FileBlobStore:
     killed write) at most once every ``SWEEP_INTERVAL`` seconds, so the
     directory holds only the blobs of live records. An expired blob is never
     served: :meth:`get` raises :class:`~agentkey.StoreError` as for a missing one.
-    ``clock`` (wall-clock seconds, shared by every replica) is for tests.
+    Expiries are on ``clock``'s wall time (``clock.time()``, shared by every replica);
+    tests pass ``agentkey.testing.FakeClock``.
     """
 
     #: Seconds a blob outlives ``ttl``: its record's TTL starts a moment later, at
@@ -114,7 +115,7 @@ class FileBlobStore:
         directory: str | os.PathLike[str] | None = None,
         *,
         ttl: float = 86_400.0,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | None = None,
     ) -> None:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < 1e10:
             raise ConfigurationError(
@@ -122,7 +123,7 @@ class FileBlobStore:
                 f"result_ttl), got {ttl!r}"
             )
         self.ttl = float(ttl)
-        self._clock = clock
+        self._clock = resolve_clock(clock, "FileBlobStore")
         self._next_sweep = float("-inf")
         if directory is None:
             suffix = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
@@ -153,11 +154,11 @@ class FileBlobStore:
 
     def _name(self) -> str:
         """A new blob's file name, its expiry in it."""
-        expires = int(self._clock() + self.ttl + self.GRACE) + 1
+        expires = int(self._clock.time() + self.ttl + self.GRACE) + 1
         return f"{secrets.token_hex(16)}.{expires}.blob"
 
     def _put(self, data: bytes, name: str) -> str:
-        now = self._clock()
+        now = self._clock.time()
         if now >= self._next_sweep:
             self._next_sweep = now + self.SWEEP_INTERVAL
             self._sweep(now)
@@ -173,7 +174,7 @@ class FileBlobStore:
 
     def _get(self, uri: str) -> bytes:
         path, expires = self._path(uri)
-        if expires is not None and expires <= self._clock():
+        if expires is not None and expires <= self._clock.time():
             path.unlink(missing_ok=True)
             raise StoreError(
                 f"blob {uri!r} expired and was purged; its record outlived the blob "
@@ -232,7 +233,7 @@ class FileBlobStore:
     def purge(self, *, older_than: float | None = None) -> int:
         """Delete expired blobs now; with ``older_than`` (seconds), every blob written
         longer ago than that too. Return how many went."""
-        now = self._clock()
+        now = self._clock.time()
         removed = self._sweep(now)
         if older_than is not None:
             cutoff = now - older_than

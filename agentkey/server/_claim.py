@@ -17,15 +17,16 @@ import hashlib
 import itertools
 import json
 import logging
-import random
 import re
-import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
+
+from .._clock import Clock, SystemClock, default_clock
 from .._exceptions import (
     ConfigurationError,
     InvalidArguments,
@@ -67,8 +68,38 @@ _DOWNSTREAM_NAME = re.compile(r"[A-Za-z0-9._~-]{1,64}")
 _UNPARSED: Any = object()
 
 
-def _wall_ms() -> int:
-    return int(time.time() * 1000)
+def wall_ms(clock: Clock) -> int:
+    """``clock``'s wall time in Unix milliseconds: what records and ``Retry-After`` count in."""
+    return int(clock.time() * 1000)
+
+
+async def wait_for_event(wait: Callable[[], Awaitable[Any]], seconds: float, clock: Clock) -> bool:
+    """Wait until ``wait()`` returns or ``seconds`` pass on ``clock``; True if ``wait()`` did.
+
+    The timeout is a sleep on ``clock``, so an injected clock (a ``FakeClock``) runs it:
+    the wait is recorded there and no real time passes.
+    """
+    if type(clock) is SystemClock:  # the same wait, without a task for the timer
+        with anyio.move_on_after(seconds):
+            await wait()
+            return True
+        return False
+    woken = False
+    async with anyio.create_task_group() as group:
+
+        async def timer() -> None:
+            await clock.asleep(seconds)
+            group.cancel_scope.cancel()
+
+        group.start_soon(timer)
+        await wait()
+        woken = True
+        group.cancel_scope.cancel()
+    return woken
+
+
+class OutOfTime(Exception):
+    """A retry loop of a settle found its budget spent on the clock (caught by the settle)."""
 
 
 class Claim:
@@ -136,7 +167,7 @@ class Claim:
         auto_renew: bool = True,
         binding: Binding | None = None,
         started_ms: int | None = None,
-        clock: Callable[[], int] = _wall_ms,
+        clock: Clock | None = None,
         body: Sequence[bytes] | None = None,
         phase: Phase = "claimed",
         result_ttl_ms: int | None = None,
@@ -154,8 +185,8 @@ class Claim:
         self._lease_ms = lock_ttl_ms
         self._renew_ms = max(1, lock_ttl_ms // 3)
         self._binding = binding
-        self._clock = clock
-        self._started_ms = clock() if started_ms is None else started_ms
+        self._clock = clock if clock is not None else default_clock()
+        self._started_ms = wall_ms(self._clock) if started_ms is None else started_ms
         self._mutation_started = False
         self._mark_awaited = False  # begin_mutation()'s answer was awaited (on_mark)
         self._downstream = False  # key_for() was called: a foreign call is (about to be) made
@@ -383,7 +414,7 @@ class Claim:
 
     def in_progress_record(self, now_ms: int | None = None) -> bytes:
         """This claim's ``IN_PROGRESS`` value, its lease starting now (or at ``now_ms``)."""
-        now = self._clock() if now_ms is None else now_ms
+        now = wall_ms(self._clock) if now_ms is None else now_ms
         return encode_in_progress(
             self._owner,
             self._started_ms,
@@ -443,12 +474,18 @@ class Claim:
 
     async def _loop(self, stop: asyncio.Event) -> None:
         """Renew every third of the lease; after a failed renewal (the store is away) retry
-        sooner, with backoff, so the lease is extended as soon as the store is back."""
+        sooner, with backoff, so the lease is extended as soon as the store is back.
+
+        Started once the first interval has passed on the event loop's timer (one timer
+        serves every claim, see :class:`_FirstRenewals`: a handler that ends sooner costs
+        no task, and on an injected clock a short handler is never renewed); from then on
+        the waits are on the claim's clock."""
         interval, lease = self._renew_ms / 1000, self._lease_ms / 1000
+        clock = self._clock
         failures = 0
         lapse_warned = False
         while not stop.is_set() and not self._settled:  # an interval has passed: renew
-            stalled = time.monotonic() - self._renewed
+            stalled = clock.monotonic() - self._renewed
             if stalled > lease and not lapse_warned:
                 lapse_warned = True
                 _logger.warning(
@@ -473,7 +510,7 @@ class Claim:
                         exc,
                         lease,
                     )
-                wait = min(interval, _RENEW_BACKOFF.delay(failures, rng=random.random))
+                wait = min(interval, _RENEW_BACKOFF.delay(failures, rng=clock.random))
             else:
                 if failures:
                     _logger.warning(
@@ -481,10 +518,9 @@ class Claim:
                         shown_key(self.idempotency_key),
                         failures,
                     )
-                self._renewed = time.monotonic()
+                self._renewed = clock.monotonic()
                 failures, lapse_warned, wait = 0, False, interval
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+            await wait_for_event(stop.wait, wait, clock)
 
     def _spawn(self) -> None:
         """The first interval passed with the handler still running: start the loop."""
@@ -511,7 +547,7 @@ class Claim:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # trio, or no loop: the handler renews by itself
             return False
-        self._renewed = time.monotonic()
+        self._renewed = self._clock.monotonic()
         self._waiting = _FirstRenewals.of(loop, self._renew_ms)
         self._waiting.add(self, loop)
         return True
@@ -708,36 +744,44 @@ async def record_outcome(
 
 
 async def record_until_stored(
-    store: Store, claim: Claim, outcome: StoredOutcome, *, ttl_ms: int
+    store: Store, claim: Claim, outcome: StoredOutcome, *, ttl_ms: int, deadline: float
 ) -> bool:
     """Retry :func:`record_outcome` with backoff until the store answers.
 
     For a handler that has run: an unrecorded outcome would free the key after its
-    lease and let a retry run the side effect again. The caller's cancel scope (its
-    settle deadline) bounds the retries.
+    lease and let a retry run the side effect again. The retries wait on the claim's
+    clock and stop at ``deadline`` on it (:class:`OutOfTime`); the caller's cancel
+    scope bounds a store call that hangs.
     """
-    return await _until_answered(
+    return await until_answered(
         claim,
         "recorded the outcome of",
         lambda: record_outcome(store, claim, outcome, ttl_ms=ttl_ms),
+        deadline,
     )
 
 
-async def release_until_done(store: Store, claim: Claim) -> bool:
+async def release_until_done(store: Store, claim: Claim, *, deadline: float) -> bool:
     """Retry the release of ``claim`` with backoff until the store answers.
 
     For a request that ended without running its side effect: until the release
-    lands, every retry of the step gets 409 for the rest of the lease. The caller's
-    cancel scope (its settle deadline) bounds the retries.
+    lands, every retry of the step gets 409 for the rest of the lease. The retries
+    wait on the claim's clock and stop at ``deadline`` on it (:class:`OutOfTime`).
     """
-    return await _until_answered(
-        claim, "released", lambda: store.release(claim.record_key, claim.owner)
+    return await until_answered(
+        claim, "released", lambda: store.release(claim.record_key, claim.owner), deadline
     )
 
 
-async def _until_answered(claim: Claim, done: str, write: Callable[[], Awaitable[bool]]) -> bool:
+async def until_answered(
+    claim: Claim, done: str, write: Callable[[], Awaitable[bool]], deadline: float
+) -> bool:
+    clock = claim._clock
     for attempt in itertools.count(1):
-        await asyncio.sleep(SETTLE_BACKOFF.delay(attempt, rng=random.random))
+        left = deadline - clock.monotonic()
+        if left <= 0:
+            raise OutOfTime
+        await clock.asleep(min(left, SETTLE_BACKOFF.delay(attempt, rng=clock.random)))
         try:
             answer = await write()
         except StoreError as exc:

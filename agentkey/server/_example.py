@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections import Counter
 from typing import Any
@@ -13,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .._clock import Clock, default_clock
 from ._blobs import BlobStore
 from ._claim import current_claim
 from ._middleware import IdempotencyMiddleware, Scope
@@ -47,6 +47,7 @@ def example_app(
     work_seconds: float = 0.2,
     lock_ttl: float = 15.0,
     shared_key_space: bool = False,
+    clock: Clock | None = None,
 ) -> Starlette:
     """A tool server with ``POST /tools/charge``, ``/tools/provision`` and ``/tools/report``.
 
@@ -59,8 +60,11 @@ def example_app(
     (any token is accepted: this is a demo). ``shared_key_space=True`` drops
     that: every caller shares one key space, for one agent talking to the
     server in its own process.
+
+    ``clock`` paces the simulated work (``agentkey.testing.FakeClock``: none waited).
     """
     executions: Counter[str] = Counter()
+    clock = clock if clock is not None else default_clock()
 
     async def charge(request: Request) -> JSONResponse:
         args: dict[str, Any] = await request.json()
@@ -79,7 +83,7 @@ def example_app(
         args: dict[str, Any] = await request.json()
         claim = current_claim()
         async with claim.keep_alive():
-            await asyncio.sleep(work_seconds)  # quota checks, image lookup: no side effect yet
+            await clock.asleep(work_seconds)  # quota checks, image lookup: no side effect yet
             claim.begin_mutation()
             executions["provision"] += 1
             n = executions["provision"]
@@ -109,7 +113,7 @@ def example_app(
         middleware=[
             Middleware(
                 IdempotencyMiddleware,
-                store=store if store is not None else MemoryStore(),
+                store=store if store is not None else MemoryStore(clock=clock),
                 routes=["/tools/*"],
                 principal=None if shared_key_space else bearer_principal,
                 shared_key_space=shared_key_space,

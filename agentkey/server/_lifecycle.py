@@ -26,25 +26,27 @@ import asyncio
 import inspect
 import logging
 import os
-import random
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import anyio
 
+from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
 from ._blobs import BlobStore
 from ._claim import (
-    SETTLE_BACKOFF,
     Claim,
+    OutOfTime,
     record_outcome,
     record_until_stored,
     release_until_done,
+    until_answered,
+    wait_for_event,
+    wall_ms,
 )
 from ._decide import (
     Checked,
@@ -173,7 +175,9 @@ class Lifecycle:
     """The I/O of one front end's claims: claiming, holding, settling.
 
     ``blob_store`` is a function returning the blob store (it may be built on
-    first use); None keeps every answer inline.
+    first use); None keeps every answer inline. ``clock`` is the front end's: the
+    claims' wall times (Unix ms in the records), the hold of a duplicate, the settle's
+    budget and its retries all run on it.
     """
 
     __slots__ = (
@@ -198,7 +202,7 @@ class Lifecycle:
         result_ttl_ms: int,
         retry_after: int,
         auto_renew: bool,
-        clock: Callable[[], int],
+        clock: Clock,
         blob_store: Callable[[], BlobStore] | None = None,
         mutation_starts: MutationStarts = "on_run",
     ) -> None:
@@ -247,6 +251,10 @@ class Lifecycle:
             operation=operation,
         )
 
+    def now_ms(self) -> int:
+        """The clock's wall time in Unix milliseconds."""
+        return wall_ms(self.clock)
+
     def claim(
         self, claim: Claim, checked: Checked, *, hold: float = 0.0
     ) -> Coroutine[Any, Any, Problem | Run | Replay]:
@@ -263,7 +271,7 @@ class Lifecycle:
     async def _claim_or_hold(
         self, claim: Claim, checked: Checked, hold: float
     ) -> Problem | Run | Replay:
-        until = time.monotonic() + hold
+        until = self.clock.monotonic() + hold
         decision = await self._claim_once(claim, checked)
         if isinstance(decision, Conflict):
             return await self._hold(claim, checked, decision, until)
@@ -271,7 +279,7 @@ class Lifecycle:
 
     async def _claim_once(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
         existing: bytes | StoreError | None
-        now = self.clock()  # the lease's start; a 409's Retry-After counts from it
+        now = wall_ms(self.clock)  # the lease's start; a 409's Retry-After counts from it
         try:
             existing = await self.store.claim(
                 claim.record_key, claim.in_progress_record(now), ttl_ms=claim._record_ttl_ms
@@ -315,7 +323,7 @@ class Lifecycle:
         polls = 0
         try:
             while True:
-                left = until - time.monotonic()
+                left = until - self.clock.monotonic()
                 if left <= 0:
                     return decision
                 if held.poller is None:
@@ -325,8 +333,7 @@ class Lifecycle:
                 if polling:
                     polls += 1
                     left = min(left, _HOLD_BACKOFF.delay(polls))
-                with anyio.move_on_after(left):
-                    await event.wait()
+                await wait_for_event(event.wait, left, self.clock)
                 if held.finished == seen and not polling:
                     continue  # a handover, or out of time: look again
                 result = await self._claim_once(claim, checked)
@@ -391,7 +398,7 @@ class Lifecycle:
         answer = await ask(hook, context, seconds)
         if answer.outcome == "in_doubt":
             return doubt
-        now = self.clock()
+        now = wall_ms(self.clock)
         if answer.outcome == "not_run" and record.phase != "in_doubt":
             alive_until = record.lease_end_ms + self.lock_ttl_ms
             if now < alive_until:
@@ -498,7 +505,7 @@ class Lifecycle:
         Returns the decision for the hooks: ``claimed``, ``failed``, ``released`` or
         ``in_doubt``.
         """
-        started = time.monotonic()
+        started = self.clock.monotonic()
         if claim._mutation_started and not claim._mark_awaited and claim._phase == "claimed":
             self._unawaited_mark(claim)
         blob = None if isinstance(decision, (Release, Doubt)) or not decision.offload else _Blob()
@@ -513,7 +520,7 @@ class Lifecycle:
                 await _stop_lease(claim)
                 left = await self._write(claim, decision, blob)
                 if left is not None:
-                    await self._until_written(claim, left)
+                    await self._until_written(claim, left, started + SETTLE_SECONDS)
 
             await self._shielded(claim, started, again, blob)
             raise
@@ -523,7 +530,10 @@ class Lifecycle:
         finally:
             if pending is not None:
                 await self._shielded(
-                    claim, started, lambda: self._until_written(claim, pending), blob
+                    claim,
+                    started,
+                    lambda: self._until_written(claim, pending, started + SETTLE_SECONDS),
+                    blob,
                 )
         if isinstance(decision, Release):
             return "released"
@@ -539,11 +549,18 @@ class Lifecycle:
         blob: _Blob | None,
     ) -> None:
         """Run ``work`` shielded from cancellation, until the settle budget that began at
-        ``started`` (``time.monotonic()``) runs out; log when it cut the work short."""
-        left = SETTLE_SECONDS - (time.monotonic() - started)
+        ``started`` (on the clock) runs out; log when it cut the work short.
+
+        The retries in ``work`` wait on the clock and stop when the budget is spent on it
+        (:class:`OutOfTime`); the cancel scope, on the event loop's real clock, also cuts
+        a store call that hangs (a socket cannot be faked)."""
+        left = SETTLE_SECONDS - (self.clock.monotonic() - started)
         with anyio.CancelScope(deadline=anyio.current_time() + left, shield=True):
-            await work()
-            return
+            try:
+                await work()
+                return
+            except OutOfTime:
+                pass
         if blob is not None and blob.uri is None and blob.task is not None:
             # Still being written, and no record will name it now.
             blob.task.add_done_callback(self._drop_late_blob)
@@ -613,7 +630,7 @@ class Lifecycle:
     async def _doubt(self, claim: Claim) -> bool:
         """Write the claim's record as in doubt (compare-and-set on the owner), kept as long
         as a result; False when another request owns the key now."""
-        now = self.clock()
+        now = wall_ms(self.clock)
         record = encode_in_progress(
             claim.owner,
             claim._started_ms,
@@ -691,13 +708,18 @@ class Lifecycle:
         except StoreError as exc:
             _logger.warning("could not delete the unused blob of an %s: %s", why, exc)
 
-    async def _until_written(self, claim: Claim, pending: StoredOutcome | Release | Doubt) -> None:
-        """Retry a write the store failed until it answers; the caller's deadline cuts it."""
+    async def _until_written(
+        self, claim: Claim, pending: StoredOutcome | Release | Doubt, deadline: float
+    ) -> None:
+        """Retry a write the store failed until it answers, or ``deadline`` (on the clock)
+        passes (:class:`OutOfTime`); the caller's cancel scope cuts a call that hangs."""
         if isinstance(pending, Release):
-            await release_until_done(self.store, claim)
+            await release_until_done(self.store, claim, deadline=deadline)
         elif isinstance(pending, Doubt):
-            await _until_done(lambda: self._doubt(claim))
-        elif not await record_until_stored(self.store, claim, pending, ttl_ms=self.result_ttl_ms):
+            await until_answered(claim, "marked in doubt", lambda: self._doubt(claim), deadline)
+        elif not await record_until_stored(
+            self.store, claim, pending, ttl_ms=self.result_ttl_ms, deadline=deadline
+        ):
             await self._lost(claim, pending)
             return
         if self._held:
@@ -720,19 +742,6 @@ class Lifecycle:
                     shown_key(claim.idempotency_key),
                     exc,
                 )
-
-
-async def _until_done(write: Callable[[], Awaitable[bool]]) -> None:
-    """Retry ``write`` with backoff until the store answers (the caller's scope bounds it)."""
-    attempt = 0
-    while True:
-        attempt += 1
-        await anyio.sleep(SETTLE_BACKOFF.delay(attempt, rng=random.random))
-        try:
-            await write()
-        except StoreError:
-            continue
-        return
 
 
 async def _stop_lease(claim: Claim) -> None:

@@ -544,19 +544,17 @@ class IdempotencyMiddleware:
             result_ttl_ms=options.result_ttl_ms,
             retry_after=options.retry_after,
             auto_renew=options.auto_renew,
-            clock=self._wall_ms,
+            clock=self._clock,
             blob_store=lambda: self.blob_store,
             mutation_starts=options.mutation_starts,
         )
 
-    def _wall_ms(self) -> int:
-        """Unix milliseconds on the middleware's clock: what records are stamped with."""
-        return int(self._clock.time() * 1000)
-
     @property
     def blob_store(self) -> BlobStore:
         if self._blob_store is None:
-            self._blob_store = FileBlobStore(ttl=self.options.result_ttl_ms / 1000)
+            self._blob_store = FileBlobStore(
+                ttl=self.options.result_ttl_ms / 1000, clock=self._clock
+            )
         return self._blob_store
 
     # --- ASGI ----------------------------------------------------------------
@@ -631,7 +629,7 @@ class IdempotencyMiddleware:
                 path,
                 b"".join(body),
                 decision.record,
-                self._life.clock(),
+                self._life.now_ms(),
                 claim.key_for,
             )
             decision = await self._life.reconcile(
@@ -860,7 +858,7 @@ class IdempotencyMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started,
             binding=claim.binding,
-            now_ms=self._life.clock(),
+            now_ms=self._life.now_ms(),
             max_inline_bytes=self.options.max_inline_bytes,
             max_recorded_bytes=self.options.max_recorded_bytes,
             size=exchange.size,

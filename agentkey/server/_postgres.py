@@ -49,11 +49,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._clock import Clock, real_deadline
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
 from ._records import StoredOutcome, encode_outcome
-from ._stores import _check_ttl, after_failure, owner_prefix, shown
+from ._stores import _check_ttl, after_failure, owner_prefix, resolve_clock, shown
 
 try:
     import psycopg
@@ -390,14 +391,15 @@ class PostgresTransaction:
         if self._done == "complete":
             raise ConfigurationError("complete() was already called in this transaction")
         headers = stored_headers(raw)
-        finished = int(time.time() * 1000)
+        clock = self._store._clock
+        finished = int(clock.time() * 1000)
         outcome = StoredOutcome(
             "COMPLETED", status, headers, body, None, finished, binding=self._claim.binding
         )
         value = encode_outcome(outcome)
         ttl = self._store.result_ttl_ms
         params = self._params(v=value, o=self._claim.owner, ttl=ttl)
-        sent = time.monotonic()
+        sent = clock.monotonic()
         cur = await self._store._execute(self._conn, "seal", params, self._key)
         if cur.rowcount != 1:
             raise self._lost("completing")
@@ -433,6 +435,11 @@ class PostgresStore:
         Seconds a released claim keeps its recovery point for the retry (24 h).
     ``sweep_every``
         Claims between two inline purges of expired records (0: only :meth:`purge`).
+    ``clock``
+        An :class:`~agentkey.Clock` (tests: ``agentkey.testing.FakeClock``): the time a
+        completed record is stamped with, and how long this process trusts a record its
+        own transaction sealed. Record expiry is the database's clock; the pool's
+        ``timeout`` is a wait on the driver, in real time.
 
     Unreachable database: :class:`~agentkey.StoreUnavailable` (the middleware
     answers 503 and never runs the handler). The DSN is never shown.
@@ -456,6 +463,7 @@ class PostgresStore:
         result_ttl: float = 86_400.0,
         recovery_ttl: float = 86_400.0,
         sweep_every: int = 1024,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(dsn, str) or not (
             dsn.startswith(("postgresql://", "postgres://")) or "=" in dsn
@@ -484,6 +492,7 @@ class PostgresStore:
                 raise ConfigurationError(f"{name} must be a positive number of seconds or None")
             limits.append(None if limit is None else f"{max(1, round(limit * 1000))}ms")
         self.table = table
+        self._clock = resolve_clock(clock, "PostgresStore")
         self.result_ttl_ms = max(1, round(result_ttl * 1000))
         self.recovery_ttl = float(recovery_ttl)
         self.sweep_every = sweep_every
@@ -590,7 +599,9 @@ class PostgresStore:
         Give it back with :meth:`_checkin`.
         """
         timeout = self._pool.timeout
-        deadline = time.monotonic() + timeout
+        # A deadline on the real clock: the pool waits for a connection in real time.
+        deadline = real_deadline(self._clock, self._clock.monotonic() + timeout)
+        assert deadline is not None
         await self._slots.acquire(timeout)
         try:
             return await self._live(deadline)
@@ -619,7 +630,7 @@ class PostgresStore:
         return await self._getconn(deadline)  # the statement tells
 
     async def _getconn(self, deadline: float) -> _Connection:
-        """A pooled connection, by ``deadline`` (``time.monotonic()``).
+        """A pooled connection, by ``deadline`` (on the real monotonic clock).
 
         After an outage the pool may have given up reconnecting (it retries for
         ``_RECONNECT_SECONDS``), and only a new request makes it try again: requests
@@ -627,13 +638,13 @@ class PostgresStore:
         back. So a request that waits asks the pool, every ``_KICK_SECONDS``, to grow
         (``check()``: with no idle connection, that is a connection attempt).
         """
-        left = deadline - time.monotonic()
+        left = deadline - time.monotonic()  # real time: psycopg_pool's getconn waits on it
         try:
             return await self._pool.getconn(timeout=min(left, _KICK_SECONDS))
         except PoolTimeout:
             if left <= _KICK_SECONDS:
                 raise
-        left = deadline - time.monotonic()
+        left = deadline - time.monotonic()  # real time: psycopg_pool's getconn waits on it
         waiting = asyncio.ensure_future(self._pool.getconn(timeout=left))
         try:
             while not (await asyncio.wait({waiting}, timeout=_KICK_SECONDS))[0]:
@@ -728,7 +739,7 @@ class PostgresStore:
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         sealed = self._sealed.pop((key, owner), None)
-        if sealed is not None and time.monotonic() + _check_ttl(ttl_ms) / 1000 <= sealed + 1:
+        if sealed is not None and self._clock.monotonic() + _check_ttl(ttl_ms) / 1000 <= sealed + 1:
             # This owner's own transaction committed the record, which lives long enough
             # (to within a second, the time since the seal): the statement would change
             # nothing else (a sealed record is never rewritten).

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from .._clock import Clock, default_clock
 from .._exceptions import ConfigurationError
 from .._keys import shown_key
 
@@ -105,6 +104,20 @@ class Store(Protocol):
         ...
 
 
+def resolve_clock(clock: Clock | None, owner: str) -> Clock:
+    """``clock``, or the default clock when None; a ConfigurationError for anything else
+    (the ``time.monotonic``-style function the stores took before :class:`~agentkey.Clock`)."""
+    if clock is None:
+        return default_clock()
+    if not all(callable(getattr(clock, name, None)) for name in ("monotonic", "time", "asleep")):
+        raise ConfigurationError(
+            f"{owner} clock must be an agentkey Clock (monotonic(), time(), sleep(), asleep(), "
+            f"random(): agentkey.testing.FakeClock in tests), got {type(clock).__name__}; "
+            "leave it out for the system clock"
+        )
+    return clock
+
+
 def _check_ttl(ttl_ms: int) -> int:
     if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms <= 0:
         raise ConfigurationError(f"store TTLs are positive whole milliseconds, got {ttl_ms!r}")
@@ -120,16 +133,13 @@ class MemoryStore:
     whose time has passed (a heap of expiry times: O(log n) per write), so memory
     follows the live records.
 
-    ``clock`` (monotonic seconds, default ``time.monotonic``) is what leases and
-    record lifetimes are measured on; tests pass a fake clock they advance.
+    Leases and record lifetimes are measured on ``clock``'s monotonic time (default: the
+    system's); tests pass ``agentkey.testing.FakeClock`` and advance it.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        if not callable(clock):
-            raise ConfigurationError(
-                f"MemoryStore clock must return monotonic seconds, got {clock!r}"
-            )
-        self._clock = clock
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        self._clock = resolve_clock(clock, "MemoryStore")
+        self._now = self._clock.monotonic  # read on every call: bound once
         self._data: dict[str, tuple[bytes, float]] = {}
         # (expiry, key) of every write; an entry whose key was rewritten since is stale,
         # and is dropped when its time comes without touching the newer record.
@@ -162,7 +172,7 @@ class MemoryStore:
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is not None:
                 return current
@@ -172,7 +182,7 @@ class MemoryStore:
     async def renew(self, key: str, owner: str, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
@@ -182,7 +192,7 @@ class MemoryStore:
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
         ttl = _check_ttl(ttl_ms)
         with self._lock:
-            now = self._clock()
+            now = self._now()
             current = self._live(key, now)
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
@@ -191,7 +201,7 @@ class MemoryStore:
 
     async def release(self, key: str, owner: str) -> bool:
         with self._lock:
-            current = self._live(key, self._clock())
+            current = self._live(key, self._now())
             if current is None or not current.startswith(owner_prefix(owner)):
                 return False
             del self._data[key]
@@ -199,7 +209,7 @@ class MemoryStore:
 
     async def get(self, key: str) -> bytes | None:
         with self._lock:
-            return self._live(key, self._clock())
+            return self._live(key, self._now())
 
     async def aclose(self) -> None:
         return None

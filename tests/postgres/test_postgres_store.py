@@ -19,7 +19,13 @@ from starlette.routing import Route
 from agentkey import ConfigurationError, PlanSession, StoreError, StoreUnavailable
 from agentkey.server import IdempotencyMiddleware, current_claim
 from agentkey.server._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
-from agentkey.server._records import StoredOutcome, encode_in_progress, encode_outcome
+from agentkey.server._records import (
+    StoredOutcome,
+    decode_record,
+    encode_in_progress,
+    encode_outcome,
+)
+from agentkey.testing import FakeClock
 from tests._loopback import free_port
 from tests._postgres import PostgresServer
 from tests.postgres.conftest import TurnCounter
@@ -590,5 +596,26 @@ async def test_its_messages_show_the_key_as_a_digest(
         for exc in (left.value, lost.value):
             assert secret not in str(exc)
             assert secret[-6:] not in str(exc)
+    finally:
+        await store.aclose()
+
+
+async def test_a_completed_record_is_stamped_on_the_stores_clock(
+    postgres_store_factory: Factory,
+) -> None:
+    """complete() stamps the record's finish time from the store's injected clock (its wall
+    time, in Unix ms), not from the process's own time."""
+    clock = FakeClock(wall=1_800_000_000.0)
+    store = postgres_store_factory(clock=clock)
+    claim = _claim(store, "p:stamped")
+    await store.claim(claim.record_key, encode_in_progress(claim.owner, 1), ttl_ms=5000)
+    try:
+        async with store.transaction(claim) as tx:
+            await tx.complete(JSONResponse({"ok": 1}, status_code=201))
+        value = await store.get(claim.record_key)
+        assert value is not None
+        record = decode_record(value, key=claim.idempotency_key)
+        assert isinstance(record, StoredOutcome)
+        assert record.finished_ms == 1_800_000_000_000
     finally:
         await store.aclose()

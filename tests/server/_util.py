@@ -11,11 +11,20 @@ from typing import Any
 
 import httpx
 
-from agentkey import StepKey, StoreUnavailable, canonical_json
+from agentkey import Clock, StepKey, StoreUnavailable, canonical_json
+from agentkey._clock import default_clock, set_default_clock
 from agentkey.server import MemoryStore, ServerOptions, Store
 from tests._loopback import serve
 
-__all__ = ["CLOSE_PATH", "call", "new_plan", "request_for", "serve_closing", "with_options"]
+__all__ = [
+    "CLOSE_PATH",
+    "built_on",
+    "call",
+    "new_plan",
+    "request_for",
+    "serve_closing",
+    "with_options",
+]
 
 CLOSE_PATH = "/__test_close_store__"
 
@@ -31,6 +40,18 @@ def with_options(arguments: dict[str, Any]) -> dict[str, Any]:
         base = rest.pop("options", None) or ServerOptions()
         rest["options"] = base.replace(**fields)
     return rest
+
+
+@contextmanager
+def built_on(clock: Clock) -> Iterator[Clock]:
+    """Objects built inside the block with no ``clock=`` run on ``clock`` (the middleware
+    reads its default clock when it is built)."""
+    previous = default_clock()
+    set_default_clock(clock)
+    try:
+        yield clock
+    finally:
+        set_default_clock(previous)
 
 
 @contextmanager
@@ -101,8 +122,8 @@ def call(
 class FailingFinish(MemoryStore):
     """A MemoryStore whose next ``failures`` finish calls raise StoreUnavailable."""
 
-    def __init__(self, failures: int) -> None:
-        super().__init__()
+    def __init__(self, failures: int, *, clock: Clock | None = None) -> None:
+        super().__init__(clock=clock)
         self.failures = failures
         self.finishes = 0
 

@@ -12,20 +12,11 @@ import pytest
 
 from agentkey import ConfigurationError, StoreError
 from agentkey.server import FileBlobStore, IdempotencyMiddleware, MemoryStore, ServerOptions
+from agentkey.testing import FakeClock
 from tests.server._apps import tool_app
 from tests.server._util import request_for
 
 HOUR = 3600.0
-
-
-class Clock:
-    """Wall-clock seconds that a test moves by hand."""
-
-    def __init__(self, now: float = 1_800_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _blobs(directory: Path) -> list[Path]:
@@ -35,12 +26,12 @@ def _blobs(directory: Path) -> list[Path]:
 async def test_a_blob_expires_after_its_ttl_and_is_then_refused(tmp_path: Path) -> None:
     """A blob is readable for ttl (plus a grace that covers its record); after that get() raises
     StoreError naming the fix, and the file is gone."""
-    clock = Clock()
+    clock = FakeClock(wall=1_800_000_000.0)
     blobs = FileBlobStore(tmp_path, ttl=2 * HOUR, clock=clock)
     uri = await blobs.put(b"answer")
-    clock.now += 2 * HOUR + FileBlobStore.GRACE - 1
+    clock.advance(2 * HOUR + FileBlobStore.GRACE - 1)
     assert await blobs.get(uri) == b"answer"
-    clock.now += 2
+    clock.advance(2)
     with pytest.raises(StoreError, match=r"expired .*result_ttl"):
         await blobs.get(uri)
     assert _blobs(tmp_path) == []
@@ -49,20 +40,20 @@ async def test_a_blob_expires_after_its_ttl_and_is_then_refused(tmp_path: Path) 
 async def test_writing_sweeps_expired_blobs_at_most_once_per_interval(tmp_path: Path) -> None:
     """Blobs nobody reads again are deleted by later puts (and a killed write's temp file, and a
     blob named before expiries by its age), so the directory follows the live records."""
-    clock = Clock()
+    clock = FakeClock(wall=1_800_000_000.0)
     blobs = FileBlobStore(tmp_path, ttl=HOUR, clock=clock)
     old = [await blobs.put(b"old %d" % i) for i in range(20)]
     stale_temp = tmp_path / ".tmp-killed"
     legacy_old, legacy_new = tmp_path / ("a" * 32 + ".blob"), tmp_path / ("b" * 32 + ".blob")
     for path in (stale_temp, legacy_old, legacy_new):
         path.write_bytes(b"x")
-    clock.now += HOUR + FileBlobStore.GRACE + 1  # every "old" blob has expired
+    clock.advance(HOUR + FileBlobStore.GRACE + 1)  # every "old" blob has expired
     for path, age in (
         (stale_temp, FileBlobStore.STALE_TEMP + 1),
         (legacy_old, HOUR + FileBlobStore.GRACE + 1),  # named before expiries: mtime + ttl
         (legacy_new, HOUR),
     ):
-        os.utime(path, (clock.now - age, clock.now - age))
+        os.utime(path, (clock.time() - age, clock.time() - age))
     fresh = await blobs.put(b"fresh")
     assert _blobs(tmp_path) == sorted([blobs._path(fresh)[0], legacy_new])
     assert not stale_temp.exists()
@@ -71,11 +62,11 @@ async def test_writing_sweeps_expired_blobs_at_most_once_per_interval(tmp_path: 
             await blobs.get(uri)
 
     # Within SWEEP_INTERVAL of that sweep a put does not list the directory again; later one does.
-    expired = tmp_path / f"{'c' * 32}.{int(clock.now) - 1}.blob"
+    expired = tmp_path / f"{'c' * 32}.{int(clock.time()) - 1}.blob"
     expired.write_bytes(b"x")
     await blobs.put(b"newer")
     assert expired.exists()
-    clock.now += FileBlobStore.SWEEP_INTERVAL
+    clock.advance(FileBlobStore.SWEEP_INTERVAL)
     await blobs.put(b"newest")
     assert not expired.exists()
     assert blobs.purge() == 0  # nothing else has expired
@@ -92,7 +83,7 @@ def test_blob_ttl_must_be_positive_seconds(tmp_path: Path, ttl: Any) -> None:
 async def test_replay_of_a_record_whose_blob_expired_is_refused_not_rerun(tmp_path: Path) -> None:
     """A record that outlives its blob (a blob host's clock ran ahead) answers 503 with the key
     kept: the stored answer is never replaced by a new run nor by a wrong body."""
-    clock = Clock()
+    clock = FakeClock(wall=1_800_000_000.0)
     store = MemoryStore()
     blobs = FileBlobStore(tmp_path, ttl=48 * HOUR, clock=clock)
     app = tool_app(store, blob_store=blobs, max_inline_bytes=100, result_ttl=48 * HOUR)
@@ -101,7 +92,7 @@ async def test_replay_of_a_record_whose_blob_expired_is_refused_not_rerun(tmp_pa
         first = await c.post("/big", headers=headers, content=body)
         assert first.status_code == 200
         assert (await c.post("/big", headers=headers, content=body)).content == first.content
-        clock.now += 48 * HOUR + FileBlobStore.GRACE + 1
+        clock.advance(48 * HOUR + FileBlobStore.GRACE + 1)
         late = await c.post("/big", headers=headers, content=body)
     assert late.status_code == 503
     assert app.state.runs["big"] == 1

@@ -34,6 +34,7 @@ from agentkey.server import (
 )
 from agentkey.server._decide import in_progress_retry_after
 from agentkey.server._records import Binding, InProgress, digest
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer, free_port, serve
 from tests.server._util import request_for
 
@@ -62,16 +63,6 @@ def test_retry_after_reflects_the_lease_that_remains(
     assert in_progress_retry_after(record, now, retry_after=1) == expected
 
 
-class _Clock:
-    """A monotonic clock that moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Claim:
     key = "k-" + uuid.uuid4().hex
     return Claim(
@@ -89,11 +80,11 @@ def _claim(store: MemoryStore, *, lease_ms: int, auto_renew: bool = False) -> Cl
 
 async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
     """renew() after the lease lapsed with no competitor takes the key back: lost stays False."""
-    clock = _Clock()
+    clock = FakeClock()
     store = MemoryStore(clock=clock)
     claim = _claim(store, lease_ms=50)
     assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=50) is None
-    clock.now += 0.12  # the lease lapses; nobody else asks for the key
+    clock.advance(0.12)  # the lease lapses; nobody else asks for the key
     assert await store.get(claim.record_key) is None
     assert await claim.renew() is True
     assert not claim.lost
@@ -103,12 +94,12 @@ async def test_an_expired_lease_nobody_took_is_not_lost() -> None:
 
 async def test_lost_means_another_request_took_the_key() -> None:
     """Only a record of another request makes renew() False, lost True, begin_mutation() raise."""
-    clock = _Clock()
+    clock = FakeClock()
     store = MemoryStore(clock=clock)
     mine, theirs = _claim(store, lease_ms=50), _claim(store, lease_ms=5000)
     theirs.record_key = mine.record_key
     assert await store.claim(mine.record_key, mine.in_progress_record(), ttl_ms=50) is None
-    clock.now += 0.12
+    clock.advance(0.12)
     assert await store.claim(mine.record_key, theirs.in_progress_record(), ttl_ms=5000) is None
     assert await mine.renew() is False
     assert mine.lost
@@ -116,14 +107,15 @@ async def test_lost_means_another_request_took_the_key() -> None:
         mine.begin_mutation()
 
 
-@pytest.mark.realtime
 def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
-    """auto_renew=False, work past the lease, renew() + begin_mutation(): runs once, replays."""
+    """auto_renew=False, work past the lease on the server's clock, renew() + begin_mutation():
+    runs once, replays (the work is a wait on a FakeClock: no real time passes)."""
     runs: list[int] = []
+    clock = FakeClock()
 
     async def provision(request: Request) -> JSONResponse:
         claim = current_claim()
-        await asyncio.sleep(0.4)  # four leases of unrenewed work, no competitor
+        await clock.asleep(0.4)  # four leases of unrenewed work, no competitor
         await claim.renew()
         claim.begin_mutation()
         runs.append(1)
@@ -131,9 +123,10 @@ def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
 
     app = IdempotencyMiddleware(
         Starlette(routes=[Route("/x", provision, methods=["POST"])]),
-        store=MemoryStore(),
+        store=MemoryStore(clock=clock),
         options=ServerOptions(lock_ttl=0.1, auto_renew=False),
         shared_key_space=True,
+        clock=clock,
     )
     headers, body = request_for({"region": "eu"})
     with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
@@ -141,6 +134,7 @@ def test_docs_recipe_completes_work_longer_than_the_lease() -> None:
         again = client.post("/x", headers=headers, content=body)
     assert (first.status_code, again.headers["idempotent-replayed"]) == (200, "true")
     assert runs == [1]
+    assert clock.sleeps == [0.4]
 
 
 class _StubbornStore(MemoryStore):
@@ -162,7 +156,10 @@ class _StubbornStore(MemoryStore):
 
 @pytest.mark.realtime
 async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> None:
-    """keep_alive stops its loop with an event and a bounded wait: no endless renewals."""
+    """keep_alive stops its loop with an event and a bounded wait: no endless renewals.
+
+    Real time: the first renewal is due on the event loop's timer, and the swallowed
+    cancellation needs a store write really in flight when the block ends."""
     store = _StubbornStore()
     claim = _claim(store, lease_ms=150)
     await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=150)
@@ -176,7 +173,9 @@ async def test_leaving_keep_alive_never_hangs_on_a_swallowed_cancellation() -> N
 
 @pytest.mark.realtime
 async def test_a_cancelled_handler_stays_cancelled() -> None:
-    """A cancellation aimed at the handler while keep_alive stops its loop propagates."""
+    """A cancellation aimed at the handler while keep_alive stops its loop propagates.
+
+    Real time: the cancellation must land while a renewal is really in flight."""
     store = _StubbornStore()
     claim = _claim(store, lease_ms=3000)
     claim._renew_ms = 50  # renew soon, so a renewal is in flight when the block ends
@@ -198,7 +197,8 @@ async def test_a_cancelled_handler_stays_cancelled() -> None:
 
 @pytest.mark.realtime
 async def test_keep_alive_exits_against_a_real_redis(redis_proc: RedisServer) -> None:
-    """Leaving keep_alive just as a renewal is sent to a real Redis never hangs.
+    """Leaving keep_alive just as a renewal is sent to a real Redis never hangs (real time:
+    the exits sweep across a real send on the event loop's timer).
 
     The old loop (cancel, then await with no bound, under suppress(CancelledError))
     hung about half of these exits on CPython 3.10 and 3.11: redis-py's send goes
@@ -263,7 +263,8 @@ def _tool_server(env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen[by
 def test_a_killed_servers_claim_clears_within_one_lease(
     redis_proc: RedisServer, tmp_path: Path
 ) -> None:
-    """SIGKILL a tool server mid-step: a retry on a replica succeeds within about one lease."""
+    """SIGKILL a tool server mid-step: a retry on a replica succeeds within about one lease
+    (real time: a killed process and leases that expire in a real Redis)."""
     lease = 1.5
     runs = tmp_path / "runs"
     runs.touch()

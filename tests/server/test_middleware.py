@@ -364,7 +364,6 @@ def test_hold_in_flight_replays_when_the_first_finishes(
     headers, body = request_for({"gate": f"hold-{finishes}"})
     first = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
     _wait_entered(s, f"hold-{finishes}")
-    started = time.monotonic()
     dup = _in_thread(lambda: s.client.post("/wait", headers=headers, content=body))
     if finishes:
         time.sleep(0.3)
@@ -375,8 +374,7 @@ def test_hold_in_flight_replays_when_the_first_finishes(
         assert got.content == first.result(timeout=10).content
     else:
         got = dup.result(timeout=10)
-        assert got.status_code == 409
-        assert time.monotonic() - started >= 0.6
+        assert got.status_code == 409  # the hold's length: test_server_clock.py, on a FakeClock
         s.app.state.gates.setdefault(f"hold-{finishes}", threading.Event()).set()
         assert first.result(timeout=10).status_code == 200
     assert s.runs["wait"] == 1

@@ -30,17 +30,8 @@ from agentkey.server import (
     Reconciled,
     current_claim,
 )
+from agentkey.testing import FakeClock
 from tests.server._util import request_for, serve_closing, with_options
-
-
-class _Clock:
-    """Unix milliseconds that move only when the test moves them."""
-
-    def __init__(self) -> None:
-        self.now = 1_900_000_000_000
-
-    def __call__(self) -> int:
-        return self.now
 
 
 def _post(client: httpx.Client, headers: dict[str, str], body: bytes) -> httpx.Response:
@@ -49,7 +40,7 @@ def _post(client: httpx.Client, headers: dict[str, str], body: bytes) -> httpx.R
 
 def _server(
     hook: Any, *, gate: threading.Event | None = None, **options: Any
-) -> tuple[IdempotencyMiddleware, Counter[str], list[str], _Clock]:
+) -> tuple[IdempotencyMiddleware, Counter[str], list[str], FakeClock]:
     """``/charge`` behind the middleware on an injected clock; the first run waits for
     ``gate`` (a provider call in flight) before it charges; ``seen`` gets the handler's
     ``claim.key_for("payments")``."""
@@ -71,16 +62,16 @@ def _server(
             return JSONResponse({"error": "downstream timeout"}, 500)
         return JSONResponse({"charged": charges["charge"]}, 201)
 
-    clock = _Clock()
-    store = MemoryStore()
+    clock = FakeClock(wall=1_900_000_000.0)  # the server's clock, moved by the test
+    store = MemoryStore(clock=clock)
     middleware = IdempotencyMiddleware(
         Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
         store=store,
         shared_key_space=True,
         reconcile=hook,
+        clock=clock,
         **with_options(options),
     )
-    middleware._life.clock = clock  # the server's clock, moved by the test
     middleware.state = {"entered": entered, "store": store, "loop": loop}  # type: ignore[attr-defined]
     return middleware, charges, seen, clock
 
@@ -106,7 +97,7 @@ def test_not_run_for_a_lapsed_lease_waits_until_its_handler_can_no_longer_run() 
         try:
             first = pool.submit(_post, client, headers, body)
             assert middleware.state["entered"].wait(30)  # type: ignore[attr-defined]
-            clock.now += 1_500  # the lease (1 s) lapsed 0.5 s ago; its handler still runs
+            clock.advance(1.5)  # the lease (1 s) lapsed 0.5 s ago; its handler still runs
             second = _post(client, headers, body)
         finally:
             gate.set()
@@ -141,7 +132,7 @@ def test_not_run_for_a_lapsed_lease_runs_once_its_handler_cannot_be_running() ->
         try:
             first = pool.submit(_post, client, headers, body)
             assert middleware.state["entered"].wait(30)  # type: ignore[attr-defined]
-            clock.now += 2_001  # lease end (1 s) + one lock_ttl (1 s) has passed
+            clock.advance(2.001)  # lease end (1 s) + one lock_ttl (1 s) has passed
             second = _post(client, headers, body)
         finally:
             gate.set()
@@ -167,11 +158,11 @@ def test_a_key_its_handler_put_in_doubt_is_run_at_once_on_not_run() -> None:
         httpx.Client(base_url=url, timeout=60) as client,
     ):
         assert _post(client, headers, body).status_code == 500
-        clock.now += 7
+        clock.advance(7)
         assert _post(client, headers, body).status_code == 500  # it ran again, at once
     assert charges["runs"] == 2
     context = asked[0]
-    assert (context.why, context.doubt_for_ms) == ("failed after start", 7)
+    assert (context.why, context.doubt_for_ms) == ("failed after start", 7000)
     assert context.key_for("payments") == seen[0] == seen[1]
     assert context.key_for("payments") != context.idempotency_key
     assert "why='failed after start'" in repr(context)

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from agentkey import StoreUnavailable
 from agentkey.server import RedisStore
 from agentkey.server._records import encode_in_progress
+from agentkey.testing import FakeClock
 from tests.server._apps import tool_app
 from tests.server._nodes import Node, master_and_replica
 from tests.server._util import request_for, serve_closing
@@ -249,24 +250,31 @@ async def test_a_lost_claim_is_released_once_redis_answers_again(
         await store.aclose()
 
 
-async def test_a_replica_attached_later_is_found(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """replicas=None on a Redis without replicas starts at 0 and asks again (every 30 s; at
-    once here) beside later claims: a replica attached meanwhile turns the wait on for good."""
-    from agentkey.server.redis import _store as _redis
-
-    monkeypatch.setattr(_redis, "_RECHECK_SECONDS", 0.0)
+async def test_a_replica_attached_later_is_found(tmp_path: Path) -> None:
+    """replicas=None on a Redis without replicas starts at 0 and asks again every 30 s of the
+    store's clock (a FakeClock here) beside later claims: not before, and a replica attached
+    meanwhile turns the wait on for good."""
+    clock = FakeClock()
     master = Node(tmp_path, "--appendonly", "no")
     master.start()
     replica = Node(tmp_path, "--appendonly", "no")
-    store = RedisStore(master.url, prefix="later-replica", replica_timeout=_PATIENT)
+    store = RedisStore(master.url, prefix="later-replica", replica_timeout=_PATIENT, clock=clock)
     try:
         assert await store.claim("a", _held(), ttl_ms=60_000) is None
         assert store.replicas == 0
         replica.start("--replicaof", "127.0.0.1", str(master.port))
-        for _ in range(400):
-            await store.claim(secrets.token_hex(4), _held(), ttl_ms=60_000)
+        with master.admin() as probe:
+            for _ in range(400):  # the replica is attached (the store is not asked yet)
+                if probe.info("replication")["connected_slaves"]:
+                    break
+                await asyncio.sleep(0.05)
+        clock.advance(29.9)
+        await store.claim("b0", _held(), ttl_ms=60_000)
+        await asyncio.sleep(0.2)
+        assert store.replicas == 0  # 30 s have not passed on the store's clock
+        clock.advance(0.2)  # now they have
+        for n in range(400):
+            await store.claim(f"b{n + 1}", _held(), ttl_ms=60_000)
             if store.replicas:
                 break
             await asyncio.sleep(0.05)

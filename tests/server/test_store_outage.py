@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from starlette.routing import Route
 
 from agentkey import StoreUnavailable
 from agentkey._keys import shown_key
+from agentkey._schedule import Backoff
 from agentkey.server import (
     Claim,
     IdempotencyMiddleware,
@@ -29,9 +31,13 @@ from agentkey.server import (
     ServerOptions,
     current_claim,
 )
-from agentkey.server._records import Binding, digest
+from agentkey.server._claim import _RENEW_BACKOFF, SETTLE_BACKOFF
+from agentkey.server._records import Binding, digest, encode_in_progress
+from agentkey.server.redis._store import _RELEASE_BACKOFF
+from agentkey.testing import FakeClock
+from tests._loopback import RedisServer
 from tests.server._util import FailingFinish, request_for, serve_closing
-from tests.server.test_redis_resilience import RestartableRedis
+from tests.server.test_redis_resilience import ReplyDropper, RestartableRedis
 
 _LOGGER = "agentkey.server"
 
@@ -64,7 +70,8 @@ def test_a_redis_restart_after_the_handler_ran_neither_loses_nor_repeats_the_ste
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Redis (AOF, fsync always) stops while a handler runs and comes back after its lease
-    ended: the outcome is still recorded, the retry gets the replay, the step ran once."""
+    ended: the outcome is still recorded, the retry gets the replay, the step ran once.
+    Real time: a real Redis process stops and its records expire on its own clock."""
     server = RestartableRedis(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
     server.start()
     store = RedisStore(server.url, prefix="outage")
@@ -105,38 +112,69 @@ def test_a_redis_restart_after_the_handler_ran_neither_loses_nor_repeats_the_ste
     assert "could not record the outcome" in caplog.text  # the outage was seen and logged
 
 
-@pytest.mark.realtime
-async def test_failed_writes_of_an_outcome_are_retried_until_one_lands() -> None:
-    """Three failed finish calls after the handler ran: the fourth records the outcome, and a
-    retry after the lease would have ended gets the replay (the handler ran once)."""
-    store = FailingFinish(failures=3)
-    app = _gated_app(store, lock_ttl=0.2)
-    app.state.gate.set()
+class _TimedFailingFinish(FailingFinish):
+    """FailingFinish that notes the time of each finish call on its clock."""
+
+    def __init__(self, failures: int, clock: FakeClock) -> None:
+        super().__init__(failures, clock=clock)
+        self.at: list[float] = []
+        self._fake = clock
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        self.at.append(self._fake.monotonic())
+        return await super().finish(key, owner, value, ttl_ms=ttl_ms)
+
+
+def _jittered(backoff: Backoff, attempts: int, cap: float) -> list[float]:
+    """What ``backoff`` waits after each of ``attempts`` failures with FakeClock's 0.5 draw."""
+    return [min(cap, backoff.delay(n, rng=lambda: 0.5)) for n in range(1, attempts + 1)]
+
+
+async def test_failed_writes_of_an_outcome_are_retried_on_the_servers_clock() -> None:
+    """Three failed finish calls after the handler ran: the settle retries them with backoff on
+    the server's injected clock (the waits are in clock.sleeps; none is waited in real time),
+    the fourth records the outcome, and a retry after the lease has ended on that clock gets
+    the replay (the handler ran once)."""
+    clock = FakeClock()
+    store = _TimedFailingFinish(3, clock)
+    runs = [0]
+
+    async def charge(request: Request) -> Response:
+        current_claim().begin_mutation()
+        runs[0] += 1
+        return JSONResponse({"charged": await request.json(), "run": runs[0]}, status_code=201)
+
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=store,
+        options=ServerOptions(lock_ttl=0.2),
+        shared_key_space=True,
+        clock=clock,
+    )
     headers, body = request_for({"amount": 7})
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         first = await client.post("/charge", headers=headers, content=body)
-        # The answer went out after the first failed write; the retries go on behind it.
-        for _ in range(500):
-            if store.finishes >= 4:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)  # past the lease: an unrecorded claim would be free now
+        # The answer went out after the first failed write; the retries ran behind it.
+        assert store.finishes == 4
+        assert clock.sleeps == pytest.approx(_jittered(SETTLE_BACKOFF, 3, cap=1.0))
+        clock.advance(0.3)  # past the lease: an unrecorded claim would be free now
         again = await client.post("/charge", headers=headers, content=body)
     assert first.status_code == 201
     assert (again.status_code, again.headers.get("idempotent-replayed")) == (201, "true")
     assert again.json() == first.json()
-    assert app.state.runs == [1]
+    assert runs == [1]
     assert store.finishes == 4
 
 
-@pytest.mark.realtime
-async def test_a_failed_renewal_is_retried_before_the_next_interval(
+async def test_a_failed_renewal_is_retried_on_the_claims_clock_before_the_lease_lapses(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Renewals that fail while the store is away are retried with backoff, not once per
-    interval: the lease is extended again well before it lapses, and the failure is logged."""
-    store = FailingFinish(failures=3)  # Claim.renew() rewrites the record with finish
+    """Renewals that fail while the store is away are retried with backoff on the claim's
+    injected clock, not once per interval: the waits are in clock.sleeps, the lease is
+    extended again before it lapses on that clock, and the failure is logged."""
+    clock = FakeClock()
+    store = _TimedFailingFinish(3, clock)  # Claim.renew() rewrites the record with finish
     claim = Claim(
         key=None,
         idempotency_key="ik_outage",
@@ -144,20 +182,24 @@ async def test_a_failed_renewal_is_retried_before_the_next_interval(
         record_key="p:ik_outage",
         owner="0" * 32,
         store=store,
-        lock_ttl_ms=3000,
+        lock_ttl_ms=300,
         binding=Binding(digest(b"POST /x")),
+        clock=clock,
     )
-    assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=3000) is None
-    started = time.monotonic()
+    assert await store.claim(claim.record_key, claim.in_progress_record(), ttl_ms=300) is None
     with caplog.at_level(logging.WARNING, logger=_LOGGER):
-        assert claim.start_renewing()
-        while store.finishes < 4:  # three failures, then the renewal that lands
-            assert time.monotonic() - started < 10
+        assert claim.start_renewing()  # the first renewal is due on the event loop's timer
+        for _ in range(3000):  # three failures, then the renewal that lands
+            if store.finishes >= 4:
+                break
             await asyncio.sleep(0.01)
-        renewed_after = time.monotonic() - started
         await claim.stop_renewing()
-    # Once per interval (1 s) the fourth attempt would come at 4 s, after the 3 s lease.
-    assert renewed_after < 2.9
+    assert store.finishes >= 4
+    interval = 0.1  # a third of the lease
+    assert clock.sleeps[:3] == pytest.approx(_jittered(_RENEW_BACKOFF, 3, cap=interval))
+    # Once per interval the fourth attempt would come 0.3 s after the first: the whole lease.
+    assert store.at[3] - store.at[0] < 0.3
+    assert await store.get(claim.record_key) is not None
     shown = shown_key("ik_outage")
     assert f"renewing the lease on {shown} failed" in caplog.text
     assert f"renewed the lease on {shown} after 3 failed attempts" in caplog.text
@@ -198,3 +240,66 @@ def test_a_postgres_outage_message_says_whether_the_handler_ran() -> None:
     assert "the request was refused, not run" in str(claim)
     assert "the handler already ran" in str(finish)
     assert "refused" not in str(finish)
+
+
+async def _lost_claim(store: RedisStore, proxy: ReplyDropper, key: str, lost_releases: int) -> None:
+    """Claim ``key`` through ``proxy`` so that the SET lands, its answer and its re-send are
+    lost, and the next ``lost_releases`` release sends (each with redis-py's one re-send)
+    are cut before Redis sees them."""
+    owner = secrets.token_hex(16)
+    assert await store.claim("warm", encode_in_progress(owner, 1), ttl_ms=60_000) is None
+    assert await store.release("warm", owner)  # loads the release script
+    sha = store._release.sha.encode()
+    proxy.arm(b"\r\nSET\r\n")
+    proxy.swallow(b"\r\nSET\r\n", *[sha] * (2 * lost_releases))
+    with pytest.raises(StoreUnavailable, match="could not be reached during claim"):
+        await store.claim(key, encode_in_progress(owner, 1), ttl_ms=1000)
+
+
+async def test_a_lost_claims_release_is_retried_with_backoff_on_the_stores_clock(
+    redis_proc: RedisServer,
+) -> None:
+    """A claim that landed but whose answer was lost, and whose inline release and first
+    background retry were lost too, is released by the second retry: the background
+    retries wait on the store's injected clock (their waits are in clock.sleeps)."""
+    clock = FakeClock()
+    proxy = ReplyDropper(redis_proc.port)
+    prefix = "rel-" + secrets.token_hex(4)
+    store = RedisStore(proxy.url, prefix=prefix, clock=clock)
+    try:
+        await _lost_claim(store, proxy, "k", lost_releases=2)
+        with redis.Redis(port=redis_proc.port) as probe:
+            for _ in range(400):  # the release runs in the background, on real sockets
+                if not probe.exists(f"{prefix}:{{k}}"):
+                    break
+                await asyncio.sleep(0.025)
+            assert not probe.exists(f"{prefix}:{{k}}")
+    finally:
+        proxy.close()
+        await store.aclose()
+    assert clock.sleeps == pytest.approx(_jittered(_RELEASE_BACKOFF, 2, cap=1.0))
+
+
+async def test_the_background_release_gives_up_when_the_lease_ends_on_the_stores_clock(
+    redis_proc: RedisServer,
+) -> None:
+    """While Redis keeps losing the release, the background retries stop once the claim's
+    lease (1 s) has passed on the store's clock: the key then expires by itself, and the
+    retries are a bounded series of waits in clock.sleeps, not a loop that outlives it."""
+    clock = FakeClock()
+    proxy = ReplyDropper(redis_proc.port)
+    prefix = "rel-" + secrets.token_hex(4)
+    store = RedisStore(proxy.url, prefix=prefix, clock=clock)
+    try:
+        await _lost_claim(store, proxy, "k", lost_releases=50)
+        for _ in range(400):
+            if not store._releasing:  # the background task ended
+                break
+            await asyncio.sleep(0.025)
+        assert not store._releasing
+    finally:
+        proxy.close()
+        await store.aclose()
+    waits = _jittered(_RELEASE_BACKOFF, len(clock.sleeps), cap=1.0)
+    assert clock.sleeps == pytest.approx(waits)
+    assert sum(waits[:-1]) < 1.0 <= sum(waits)  # it stopped at the first wait past the lease

@@ -23,6 +23,7 @@ from agentkey.server._records import (
     encode_in_progress,
     encode_outcome,
 )
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer, free_port
 
 
@@ -238,16 +239,16 @@ async def test_cluster_records_hash_on_their_tag_and_spread(redis_cluster_port: 
 
 async def test_memory_store_drops_expired_records_nobody_reads_again() -> None:
     """Records whose keys are never touched again are dropped, so memory follows the live set."""
-    now = [0.0]
-    store = MemoryStore(clock=lambda: now[0])
+    clock = FakeClock(start=0.0)
+    store = MemoryStore(clock=clock)
     for i in range(500):
         await store.claim(f"old:{i}", encode_in_progress(_owner(), 1), ttl_ms=1_000)
     # A renewal moves one record's end; its first expiry entry must not drop it.
     owner = _owner()
     await store.claim("kept", encode_in_progress(owner, 1), ttl_ms=1_000)
-    now[0] = 0.5
+    clock.advance(0.5)
     assert await store.renew("kept", owner, ttl_ms=60_000)
-    now[0] = 2.0  # every "old" record is now past its TTL
+    clock.advance(1.5)  # every "old" record is now past its TTL
     await store.claim("new", encode_in_progress(_owner(), 1), ttl_ms=60_000)
     assert repr(store) == "MemoryStore(records=2)"
     assert await store.get("kept") is not None

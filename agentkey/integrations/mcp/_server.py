@@ -208,13 +208,9 @@ class IdempotentToolsMiddleware:
             result_ttl_ms=options.result_ttl_ms,
             retry_after=options.retry_after,
             auto_renew=options.auto_renew,
-            clock=self._wall_ms,
+            clock=self._clock,
             mutation_starts=options.mutation_starts,
         )
-
-    def _wall_ms(self) -> int:
-        """Unix milliseconds on the middleware's clock: what records are stamped with."""
-        return int(self._clock.time() * 1000)
 
     def __repr__(self) -> str:
         return f"IdempotentToolsMiddleware(store={self.store!r}, options={self.options!r})"
@@ -256,7 +252,14 @@ class IdempotentToolsMiddleware:
         key = checked.idempotency_key
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
-                key, principal, _METHOD, name, body, decision.record, self._wall_ms(), claim.key_for
+                key,
+                principal,
+                _METHOD,
+                name,
+                body,
+                decision.record,
+                self._life.now_ms(),
+                claim.key_for,
             )
             decision = await self._life.reconcile(
                 claim,
@@ -411,7 +414,7 @@ class IdempotentToolsMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started and _complete_or_error(doc),
             binding=claim.binding,
-            now_ms=self._wall_ms(),
+            now_ms=self._life.now_ms(),
             max_inline_bytes=1 << 62,  # MCP results stay inline: no blob store here
             max_recorded_bytes=self.options.max_recorded_bytes,
         )

@@ -30,13 +30,12 @@ import inspect
 import itertools
 import logging
 import math
-import random
-import time
 from typing import Any
 
+from ..._clock import Clock
 from ..._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from ..._schedule import Backoff
-from .._stores import _check_ttl, after_failure, owner_prefix, shown
+from .._stores import _check_ttl, after_failure, owner_prefix, resolve_clock, shown
 
 try:
     from redis import asyncio as aioredis
@@ -366,6 +365,10 @@ class RedisStore:
     Beside its first claim (never delaying it) the store asks Redis for
     ``appendonly`` and logs one WARNING when it is ``no``: a restart then loses
     finished records, and a retry of their steps runs them again.
+
+    ``clock`` (an :class:`~agentkey.Clock`; tests pass ``agentkey.testing.FakeClock``)
+    paces the background retries of a release and the replica recheck; the commands'
+    own ``timeout`` is a socket timeout, on real time.
     """
 
     def __init__(
@@ -377,6 +380,7 @@ class RedisStore:
         timeout: float = 5.0,
         replicas: int | None = None,
         replica_timeout: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}"):
             raise ConfigurationError(
@@ -413,6 +417,7 @@ class RedisStore:
                 "(it then defaults to the smaller of 1 s and half the timeout)"
             )
         self.prefix = prefix
+        self._clock = resolve_clock(clock, "RedisStore")
         self._connect_timeout, self._timeout = connect_timeout, timeout
         self._url: str | None = None
         self._client: Any = None
@@ -586,7 +591,7 @@ class RedisStore:
                 self.prefix,
             )
         self._replicas = found
-        self._recheck_at = time.monotonic() + _RECHECK_SECONDS
+        self._recheck_at = self._clock.monotonic() + _RECHECK_SECONDS
         link = self._link_
         if link is not None:
             link.wait, link.wait_ms = found, round(self._replica_timeout * 1000)
@@ -597,14 +602,14 @@ class RedisStore:
             self._asked is None
             and self._replicas == 0
             and self._recheck is None
-            and time.monotonic() >= self._recheck_at
+            and self._clock.monotonic() >= self._recheck_at
         ):
 
             async def recheck() -> None:
                 try:
                     self._use_replicas(await self._ask_replicas(link))
                 except Exception:
-                    self._recheck_at = time.monotonic() + _RECHECK_SECONDS
+                    self._recheck_at = self._clock.monotonic() + _RECHECK_SECONDS
                 finally:
                     self._recheck = None
 
@@ -738,12 +743,13 @@ class RedisStore:
         """Retry a release that failed, in the background, until Redis answers or the claim's
         lease would have ended anyway: a key refused with 503 is freed as soon as its store
         is back (after a failover, say), not a lease later."""
-        give_up = time.monotonic() + ttl_ms / 1000
+        clock = self._clock
+        give_up = clock.monotonic() + ttl_ms / 1000
 
         async def retry() -> None:
             for attempt in itertools.count(1):
-                await asyncio.sleep(_RELEASE_BACKOFF.delay(attempt, rng=random.random))
-                if time.monotonic() >= give_up:
+                await clock.asleep(_RELEASE_BACKOFF.delay(attempt, rng=clock.random))
+                if clock.monotonic() >= give_up:
                     return
                 try:
                     op = await asyncio.wait_for(
