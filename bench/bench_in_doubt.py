@@ -110,11 +110,10 @@ def _app(store: Counting, pg: Any, **options: Any) -> Any:
         Route("/fail", fail, methods=["POST"]),
         Route("/tx", tx, methods=["POST"]),
     ]
+    # Only a tree with ServerOptions is given options (a --before tree has none).
+    extra: dict[str, Any] = {"options": agentkey.server.ServerOptions(**options)} if options else {}
     return IdempotencyMiddleware(
-        Starlette(routes=routes),
-        store=store,
-        shared_key_space=True,
-        **({"options": agentkey.server.ServerOptions(**options)} if options else {}),
+        Starlette(routes=routes), store=store, shared_key_space=True, **extra
     )
 
 

@@ -32,7 +32,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import ConfigurationError
-from agentkey.integrations.mcp import KEY_FIELD, REPLAYED_FIELD, IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp import IdempotentToolsMiddleware, connect
+from agentkey.integrations.mcp._wire import KEY_FIELD, REPLAYED_FIELD
 from agentkey.server import IdempotencyMiddleware, MemoryStore, ServerOptions
 from agentkey.server._records import InProgress, StoredOutcome, decode_record
 from agentkey.testing import FakeClock
@@ -125,7 +126,7 @@ def test_both_middlewares_stamp_records_on_their_injected_clock(front: str) -> N
     clock = FakeClock()
     clock.advance(1_000_000.0)
     middleware = _middleware(front, MemoryStore(), None, clock=clock)
-    assert middleware._wall_ms() == int(clock.time() * 1000)
+    assert middleware._life.now_ms() == int(clock.time() * 1000)
 
 
 def _middleware(
