@@ -262,9 +262,9 @@ class FakeClock:
         return self._now + self._offset
 
     def advance(self, seconds: float) -> None:
-        """Move the clock on by ``seconds`` (>= 0)."""
-        if seconds < 0:
-            raise ValueError(f"a clock does not go back; got advance({seconds!r})")
+        """Move the clock on by ``seconds`` (a finite number >= 0)."""
+        if not 0 <= seconds < float("inf"):  # NaN too
+            raise ValueError(f"a clock moves on by a finite number >= 0; got {seconds!r}")
         self._now += seconds
 
     def sleep(self, seconds: float) -> None:
@@ -308,8 +308,9 @@ def set_testing(testing: bool = True) -> AbstractContextManager[None]:
     """Turn testing mode on (or off): no real waits, and an in-memory journal per invoker.
 
     For a user's own test suite, in a fixture or ``conftest.py``. Objects built afterwards
-    with no ``clock=`` (invokers, token providers, middlewares, stores, journals) use a
-    clock whose waits return at once while the time they would have taken still counts,
+    with no ``clock=`` (invokers, token providers, MCP sessions, journals; not the server
+    half, whose leases the store times in real seconds) use a clock whose waits return at
+    once while the time they would have taken still counts,
     so a production retry schedule, 409 waits and polls run in microseconds and deadlines
     still expire. Invokers built afterwards with no ``journal=`` get a journal in memory
     of their own, whatever file ``$AGENTKEY_JOURNAL`` names (``off`` still means none):

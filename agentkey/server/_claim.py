@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from .._clock import Clock, SystemClock, default_clock
+from .._clock import SYSTEM, Clock, SystemClock
 from .._exceptions import (
     ConfigurationError,
     InvalidArguments,
@@ -185,7 +185,7 @@ class Claim:
         self._lease_ms = lock_ttl_ms
         self._renew_ms = max(1, lock_ttl_ms // 3)
         self._binding = binding
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = clock if clock is not None else SYSTEM
         self._started_ms = wall_ms(self._clock) if started_ms is None else started_ms
         self._mutation_started = False
         self._mark_awaited = False  # begin_mutation()'s answer was awaited (on_mark)
@@ -479,7 +479,11 @@ class Claim:
         Started once the first interval has passed on the event loop's timer (one timer
         serves every claim, see :class:`_FirstRenewals`: a handler that ends sooner costs
         no task, and on an injected clock a short handler is never renewed); from then on
-        the waits are on the claim's clock."""
+        the waits are on real time too: the lease is timed by the store (Redis and PostgreSQL
+        in real seconds), and on a clock that moves when something sleeps on it (a FakeClock,
+        set_testing's) a loop of waits would renew as fast as the CPU allows and push that
+        clock on by an interval each time. Stalls are measured, and the jitter drawn, on the
+        claim's clock."""
         interval, lease = self._renew_ms / 1000, self._lease_ms / 1000
         clock = self._clock
         failures = 0
@@ -520,7 +524,7 @@ class Claim:
                     )
                 self._renewed = clock.monotonic()
                 failures, lapse_warned, wait = 0, False, interval
-            await wait_for_event(stop.wait, wait, clock)
+            await wait_for_event(stop.wait, wait, SYSTEM)  # real time: the store's lease
 
     def _spawn(self) -> None:
         """The first interval passed with the handler still running: start the loop."""

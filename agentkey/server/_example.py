@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .._clock import Clock, default_clock
+from .._clock import SYSTEM, Clock
 from ._blobs import BlobStore
 from ._claim import current_claim
 from ._middleware import IdempotencyMiddleware, Scope
@@ -64,7 +64,7 @@ def example_app(
     ``clock`` paces the simulated work (``agentkey.testing.FakeClock``: none waited).
     """
     executions: Counter[str] = Counter()
-    clock = clock if clock is not None else default_clock()
+    clock = clock if clock is not None else SYSTEM
 
     async def charge(request: Request) -> JSONResponse:
         args: dict[str, Any] = await request.json()

@@ -56,7 +56,7 @@ from typing import Any
 
 import anyio
 
-from .._clock import Clock, default_clock
+from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
@@ -86,7 +86,7 @@ from ._decide import (
 from ._lifecycle import SHARED_PRINCIPAL, Lifecycle, check_principal_options, resolve_principal
 from ._options import ServerOptions, check_hooks, check_store, options_or_default
 from ._reconcile import ReconcileHook, check_reconcile, context_for
-from ._stores import MemoryStore, Store
+from ._stores import MemoryStore, Store, resolve_clock
 
 __all__ = [
     "REPLAY_HEADER",
@@ -529,7 +529,7 @@ class IdempotencyMiddleware:
         self._hooks = check_hooks(hooks)
         check_reconcile(reconcile, options.reconcile_timeout)
         self._reconcile = reconcile
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "IdempotencyMiddleware")
         self._replay_header = options.replay_header.lower()
         # A MemoryStore answers without ever waiting, so its settle cannot hold the app's
         # stack across a wait: a task beside the app (_Exchange.send) would only cost one.

@@ -13,7 +13,7 @@ import heapq
 import threading
 from typing import Protocol, runtime_checkable
 
-from .._clock import Clock, default_clock
+from .._clock import SYSTEM, Clock
 from .._exceptions import ConfigurationError
 from .._keys import shown_key
 
@@ -105,10 +105,15 @@ class Store(Protocol):
 
 
 def resolve_clock(clock: Clock | None, owner: str) -> Clock:
-    """``clock``, or the default clock when None; a ConfigurationError for anything else
-    (the ``time.monotonic``-style function the stores took before :class:`~agentkey.Clock`)."""
+    """``clock``, or the system clock when None; a ConfigurationError for anything else
+    (the ``time.monotonic``-style function the stores took before :class:`~agentkey.Clock`).
+
+    The server half does not follow ``set_testing()``'s skipping clock: its leases are
+    timed by the store (Redis, PostgreSQL) in real seconds, and a clock that jumps over one
+    request's waits would age every other request's lease and record. Tests that want the
+    server's waits on a fake clock pass ``clock=`` explicitly."""
     if clock is None:
-        return default_clock()
+        return SYSTEM
     if not all(callable(getattr(clock, name, None)) for name in ("monotonic", "time", "asleep")):
         raise ConfigurationError(
             f"{owner} clock must be an agentkey Clock (monotonic(), time(), sleep(), asleep(), "

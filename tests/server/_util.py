@@ -12,13 +12,11 @@ from typing import Any
 import httpx
 
 from agentkey import Clock, StepKey, StoreUnavailable, canonical_json
-from agentkey._clock import default_clock, set_default_clock
 from agentkey.server import MemoryStore, ServerOptions, Store
 from tests._loopback import serve
 
 __all__ = [
     "CLOSE_PATH",
-    "built_on",
     "call",
     "new_plan",
     "request_for",
@@ -40,18 +38,6 @@ def with_options(arguments: dict[str, Any]) -> dict[str, Any]:
         base = rest.pop("options", None) or ServerOptions()
         rest["options"] = base.replace(**fields)
     return rest
-
-
-@contextmanager
-def built_on(clock: Clock) -> Iterator[Clock]:
-    """Objects built inside the block with no ``clock=`` run on ``clock`` (the middleware
-    reads its default clock when it is built)."""
-    previous = default_clock()
-    set_default_clock(clock)
-    try:
-        yield clock
-    finally:
-        set_default_clock(previous)
 
 
 @contextmanager

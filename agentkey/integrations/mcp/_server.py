@@ -20,7 +20,7 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel
 
 from ..._canonical import canonical_json
-from ..._clock import Clock, default_clock
+from ..._clock import Clock
 from ..._exceptions import ConfigurationError, InvalidArguments
 from ..._keys import shown_key
 from ...server._claim import Claim, reset_current, set_current
@@ -44,7 +44,7 @@ from ...server._lifecycle import (
 from ...server._options import ServerOptions, check_hooks, check_store, options_or_default
 from ...server._reconcile import ReconcileHook, check_reconcile, context_for
 from ...server._records import StoredOutcome
-from ...server._stores import Store
+from ...server._stores import Store, resolve_clock
 from ._wire import (
     CONVENTIONS,
     CONVENTIONS_FIELD,
@@ -198,7 +198,7 @@ class IdempotentToolsMiddleware:
         self._hooks = check_hooks(hooks)
         check_reconcile(reconcile, options.reconcile_timeout)
         self._reconcile = reconcile
-        self._clock = clock if clock is not None else default_clock()
+        self._clock = resolve_clock(clock, "IdempotentToolsMiddleware")
         self._needs_key = "this tool needs an idempotency key, in " + " or ".join(
             FIELD_NAMES[name] for name in self.key_conventions
         )
