@@ -27,7 +27,7 @@ __all__ = [
     "RetryPolicy",
 ]
 
-#: 409 and 423 (in flight), 429/503 (overloaded), 500/502/504 (ambiguous: may have run).
+#: 409 and 423 (in flight), 429/503 (overloaded), 500/502/504 (in doubt: may have run).
 DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({409, 423, 429, 500, 502, 503, 504})
 
 #: Replay headers recognised by default. An entry is a header name (its value ``true``

@@ -6,7 +6,7 @@ Both halves of the contract over the Model Context Protocol:
   ``call_tool`` derives its key from a :class:`~agentkey.PlanSession` (plan,
   step, tool, canonical arguments), sends it in ``params._meta`` under
   ``"io.agentkey/idempotency-key"``, resends the same key
-  after an ambiguous failure within a :class:`~agentkey.RetryPolicy`, and
+  after a failure in doubt within a :class:`~agentkey.RetryPolicy`, and
   reports a replay read from the result's ``_meta`` (``"io.agentkey/replayed"``).
   :func:`connect` opens a streamable HTTP session whose bearer token an
   agentkey token provider keeps valid.

@@ -264,7 +264,7 @@ class IdempotentSession:
     it runs the call at most once and replays its stored result afterwards. It
     goes in ``params._meta["io.agentkey/idempotency-key"]``, or where the server's
     ``tools/list`` says it reads keys for the tool (``io.agentkey/key-conventions``,
-    read after a ``key-required`` refusal or an ambiguous failure, or on the result
+    read after a ``key-required`` refusal or a failure in doubt, or on the result
     of a call that ran without a key the server reads).
 
     The call runs on the same engine as :class:`~agentkey.AsyncToolInvoker`
