@@ -95,7 +95,7 @@ class ClientAuth:
     key_id: str | None
     assertion_lifetime: float
     # The key, read once from ``private_key``; the value is compared by what it was built from.
-    _key: PrivateKey | None = field(repr=False, compare=False)
+    _key: PrivateKey | None = field(init=False, repr=False, compare=False)
 
     def __init__(
         self,

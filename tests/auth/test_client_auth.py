@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +77,8 @@ def test_client_auth_validation(kwargs: dict[str, Any], field: str) -> None:
 
 
 def test_client_auth_repr_and_equality_hide_secrets() -> None:
-    """Neither the secret nor the key is in a repr; equal inputs make equal values."""
+    """Neither the secret nor the key is in a repr; equal inputs make equal, hashable values;
+    a copy made with dataclasses.replace is validated like the original."""
     basic = ClientAuth("c", SECRET)
     keyed = ClientAuth("c", method="private_key_jwt", private_key=PRIVATE_PEM, key_id="k1")
     for value in (
@@ -95,6 +97,11 @@ def test_client_auth_repr_and_equality_hide_secrets() -> None:
     assert keyed == ClientAuth(
         "c", method="private_key_jwt", private_key=SecretStr(PRIVATE_PEM), key_id="k1"
     )
+    assert len({basic, ClientAuth("c", SECRET), keyed}) == 2
+    posted = dataclasses.replace(basic, method="client_secret_post")
+    assert posted == ClientAuth("c", SECRET, method="client_secret_post")
+    with pytest.raises(ConfigurationError, match="assertion_lifetime"):
+        dataclasses.replace(keyed, assertion_lifetime=3600)
 
 
 def test_the_shorthand_builds_the_same_client_auth() -> None:
