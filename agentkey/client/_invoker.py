@@ -707,6 +707,8 @@ class ToolInvoker(_InvokerBase):
     transport, mounts, proxy or certificates; not closed either), else through a
     cookieless client agentkey builds. Every wait, deadline and jitter draw runs on
     ``clock`` (an :class:`agentkey.Clock`; tests pass ``agentkey.testing.FakeClock()``).
+    The options besides ``base_url``, ``auth``, ``client`` and ``poll_client`` are
+    :class:`InvokerOptions`, shared with :class:`AsyncToolInvoker`.
     """
 
     def __init__(
