@@ -15,9 +15,11 @@ import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from pydantic import SecretStr
+
 from ._exceptions import ConfigurationError
 
-__all__ = ["choice", "flag", "number", "replace", "whole"]
+__all__ = ["choice", "flag", "number", "replace", "secret", "text", "whole"]
 
 _T = TypeVar("_T")
 _S = TypeVar("_S", bound=str)
@@ -90,3 +92,26 @@ def replace(value: _T, changes: Mapping[str, Any]) -> _T:
             f"valid options: {', '.join(sorted(names))}"
         )
     return dataclasses.replace(value, **changes)  # type: ignore[type-var]
+
+
+def text(name: str, value: object) -> str:
+    """``value`` when it is a non-empty str."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{name} must be a non-empty string, got {_got(value)}")
+    return value
+
+
+def secret(name: str, value: object) -> SecretStr | None:
+    """``value`` (a str or a ``SecretStr``, never empty) as a ``SecretStr``; None stays None.
+
+    The message names the field and the type passed, never the value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{name} must be a str or pydantic.SecretStr, got {_got(value)}")
+    if not value:
+        raise ConfigurationError(f"{name} must not be empty")
+    return SecretStr(value)

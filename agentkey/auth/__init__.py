@@ -7,7 +7,7 @@ that returns a :class:`TokenRequest` from ``token_request``.
 """
 
 from ._base import TokenProvider
-from ._endpoint import TokenRequest
+from ._endpoint import ClientAuth, TokenRequest
 from ._providers import (
     ClientCredentials,
     OAuthProvider,
@@ -21,6 +21,7 @@ from ._token_policy import TokenPolicy
 from ._token_stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
 
 __all__ = [
+    "ClientAuth",
     "ClientCredentials",
     "EncryptedFileTokenStore",
     "MemoryTokenStore",

@@ -20,18 +20,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from pydantic import SecretStr
+from pydantic import SecretBytes, SecretStr
 
 from .._exceptions import ConfigurationError, TokenError
+from .._validate import choice, number, secret, text
 from ..client._effects import Effect, Emit, Failure, Outgoing, Received
 from ..client._flow import Again, Exchange, attempts
 from ..client._net import origin_of, redact_url, require_secure, scrub, secret_forms
 from ..client._protocol import parse_json
 from ..client._retry_after import parse_retry_after
-from ._oauth import AuthMethod, apply_client_auth, sign_client_assertion
+from ._oauth import AuthMethod, apply_client_auth, load_private_key, sign_client_assertion
 from ._token import Token, TokenEvent, header_safe, refresh_deadline
 from ._token_policy import TokenPolicy
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_TOKEN_ANSWER_BYTES",
-    "ClientAuthConfig",
+    "ClientAuth",
     "Note",
     "TokenEndpoint",
     "TokenFlow",
@@ -68,17 +69,126 @@ _HINTS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ClientAuthConfig:
-    """How the client authenticates at the token endpoint (secrets stay wrapped)."""
+_METHODS: tuple[AuthMethod, ...] = get_args(AuthMethod)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class ClientAuth:
+    """How a client authenticates at a token endpoint: one validated value, secrets hidden.
+
+    ``ClientAuth("my-agent", "s3cret")`` is ``client_secret_basic`` (the default
+    ``method``); ``method="client_secret_post"`` puts the secret in the form instead;
+    ``method="none"`` is a public client (no secret). ``method="private_key_jwt"``
+    takes ``private_key`` (the PEM private key, str, bytes or ``SecretStr``, whose
+    public half the identity provider knows) instead of a secret, ``private_key_alg``
+    (RS256, PS256, ES256, EdDSA...), ``key_id`` (sent as ``kid``) and
+    ``assertion_lifetime`` (seconds, at most 300, each assertion lives). Everything is
+    checked here, once: a mistake raises ConfigurationError naming the field, and no
+    secret or key appears in a message or in ``repr``.
+    """
 
     client_id: str
+    client_secret: SecretStr | None
     method: AuthMethod
-    client_secret: SecretStr | None = None
-    private_key: PrivateKey | None = field(default=None, repr=False)
-    private_key_alg: str = "RS256"
-    key_id: str | None = None
-    assertion_lifetime: float = 60.0
+    private_key: SecretStr | SecretBytes | None = field(repr=False)
+    private_key_alg: str
+    key_id: str | None
+    assertion_lifetime: float
+    # The key, read once from ``private_key``; the value is compared by what it was built from.
+    _key: PrivateKey | None = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        client_id: str,
+        client_secret: str | SecretStr | None = None,
+        *,
+        method: AuthMethod = "client_secret_basic",
+        private_key: str | bytes | SecretStr | SecretBytes | None = None,
+        private_key_alg: str = "RS256",
+        key_id: str | None = None,
+        assertion_lifetime: float = 60.0,
+    ) -> None:
+        client_id = text("client_id", client_id)
+        method = choice("method", method, _METHODS, "how the client authenticates")
+        secret_value = secret("client_secret", client_secret)
+        private_key_alg = text("private_key_alg", private_key_alg)
+        if key_id is not None:
+            key_id = text("key_id", key_id)
+        lifetime = number("assertion_lifetime", assertion_lifetime, above=True, most=300)
+        pem: SecretStr | SecretBytes | None
+        if private_key is None or isinstance(private_key, (SecretStr, SecretBytes)):
+            pem = private_key
+        elif isinstance(private_key, bytes):
+            pem = SecretBytes(private_key)
+        elif isinstance(private_key, str):
+            pem = SecretStr(private_key)
+        else:
+            raise ConfigurationError(
+                "private_key must be the PEM text of a private key (str, bytes, SecretStr or "
+                f"SecretBytes), got a {type(private_key).__name__}"
+            )
+        key = None
+        if method == "private_key_jwt":
+            if pem is None:
+                raise ConfigurationError(
+                    "method='private_key_jwt' needs private_key= (the PEM private key whose "
+                    "public half is registered with the identity provider)"
+                )
+            if secret_value is not None:
+                raise ConfigurationError(
+                    "pass either client_secret or private_key_jwt's private_key, not both"
+                )
+            key = load_private_key(pem.get_secret_value(), private_key_alg)
+        elif pem is not None:
+            raise ConfigurationError(
+                f"private_key is only used with method='private_key_jwt', not {method!r}"
+            )
+        elif method == "none" and secret_value is not None:
+            raise ConfigurationError(
+                "method='none' is a public client, which sends no client_secret; pass "
+                "method='client_secret_basic' or 'client_secret_post' to send it"
+            )
+        elif method != "none" and secret_value is None:
+            raise ConfigurationError(
+                f"method={method!r} needs client_secret=; a public client uses method='none'"
+            )
+        for name, value in (
+            ("client_id", client_id),
+            ("client_secret", secret_value),
+            ("method", method),
+            ("private_key", pem),
+            ("private_key_alg", private_key_alg),
+            ("key_id", key_id),
+            ("assertion_lifetime", lifetime),
+            ("_key", key),
+        ):
+            object.__setattr__(self, name, value)
+
+    def authenticate(
+        self, token_url: str, headers: dict[str, str], body: str
+    ) -> tuple[dict[str, str], str]:
+        """``headers`` and form ``body`` of a request to ``token_url``, this client's
+        authentication added (a ``private_key_jwt`` assertion is signed fresh each time)."""
+        assertion = None
+        if self._key is not None:
+            assertion = sign_client_assertion(
+                self._key,
+                client_id=self.client_id,
+                audience=token_url,
+                alg=self.private_key_alg,
+                lifetime=self.assertion_lifetime,
+                key_id=self.key_id,
+            )
+        secret_text = self.client_secret.get_secret_value() if self.client_secret else None
+        return apply_client_auth(
+            self.method,
+            client_id=self.client_id,
+            client_secret=secret_text,
+            assertion=assertion,
+            token_url=token_url,
+            headers=headers,
+            body=body,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +285,15 @@ class TokenEndpoint:
     def __init__(
         self,
         token_url: str,
-        client: ClientAuthConfig,
+        client: ClientAuth,
         *,
         policy: TokenPolicy,
         verify: ssl.SSLContext | bool = True,
     ) -> None:
+        if not isinstance(client, ClientAuth):
+            raise ConfigurationError(
+                f"client must be an agentkey.auth.ClientAuth, got a {type(client).__name__}"
+            )
         if not isinstance(token_url, str) or not token_url:
             raise ConfigurationError("token_url must be the URL of the token endpoint")
         origin = origin_of(token_url)
@@ -214,29 +328,7 @@ class TokenEndpoint:
             "Accept": "application/json",
             "Content-Type": "application/x-www-form-urlencoded",
         }
-        body = urlencode(pairs)
-        auth = self.client
-        assertion = None
-        if auth.method == "private_key_jwt":
-            assert auth.private_key is not None
-            assertion = sign_client_assertion(
-                auth.private_key,
-                client_id=auth.client_id,
-                audience=self.url,
-                alg=auth.private_key_alg,
-                lifetime=auth.assertion_lifetime,
-                key_id=auth.key_id,
-            )
-        secret = auth.client_secret.get_secret_value() if auth.client_secret else None
-        headers, body = apply_client_auth(
-            auth.method,
-            client_id=auth.client_id,
-            client_secret=secret,
-            assertion=assertion,
-            token_url=self.url,
-            headers=headers,
-            body=body,
-        )
+        headers, body = self.client.authenticate(self.url, headers, urlencode(pairs))
         return headers, body.encode("ascii")
 
     def outgoing(self, request: TokenRequest, *, deadline: float | None = None) -> Outgoing:

@@ -6,16 +6,17 @@ import dataclasses
 import logging
 import ssl
 from collections.abc import Callable, Sequence
-from typing import ClassVar, get_args
+from typing import ClassVar
 
 from pydantic import SecretStr
 
 from .._clock import Clock
 from .._exceptions import AuthError, ConfigurationError, DelegationExpired, TokenError
+from .._validate import secret
 from ..client._net import redact_url
 from ._base import Obtain, TokenProvider, call, send
-from ._endpoint import ClientAuthConfig, TokenEndpoint, TokenRequest, scope_text
-from ._oauth import AuthMethod, load_private_key
+from ._endpoint import ClientAuth, TokenEndpoint, TokenRequest, scope_text
+from ._oauth import AuthMethod
 from ._token import Token, TokenHook, header_safe, jwt_expired
 from ._token_policy import TokenPolicy
 from ._token_stores import MemoryTokenStore, TokenStore
@@ -47,17 +48,9 @@ SubjectInput = str | SecretStr | Callable[[], str | SecretStr]
 
 
 def _secret(value: object, name: str, *, required: bool = False) -> SecretStr | None:
-    if value is None:
-        if required:
-            raise ConfigurationError(f"{name} is required")
-        return None
-    if isinstance(value, SecretStr):
-        value = value.get_secret_value()
-    if not isinstance(value, str):
-        raise ConfigurationError(f"{name} must be a str or pydantic.SecretStr")
-    if not value:
-        raise ConfigurationError(f"{name} must not be empty")
-    return SecretStr(value)
+    if value is None and required:
+        raise ConfigurationError(f"{name} is required")
+    return secret(name, value)
 
 
 def _strings(value: str | Sequence[str] | None, name: str) -> tuple[str, ...]:
@@ -69,56 +62,37 @@ def _strings(value: str | Sequence[str] | None, name: str) -> tuple[str, ...]:
     return items
 
 
-def _client_auth(
-    client_id: str,
+def _client(
+    kind: str,
+    client_id: str | None,
     client_secret: SecretInput | None,
-    *,
-    auth_method: AuthMethod,
-    private_key: SecretInput | bytes | None,
-    private_key_alg: str,
-    key_id: str | None,
-    assertion_lifetime: float,
-) -> ClientAuthConfig:
-    if not isinstance(client_id, str) or not client_id:
-        raise ConfigurationError("client_id must be a non-empty string")
-    if auth_method not in get_args(AuthMethod):
+    client: ClientAuth | None,
+    method: AuthMethod,
+) -> ClientAuth:
+    """The provider's ClientAuth: ``client``, or the shorthand of an id and a secret."""
+    if client is not None:
+        if client_id is not None or client_secret is not None:
+            raise ConfigurationError(
+                f"{kind} takes client=ClientAuth(...) or client_id and client_secret, not "
+                "both; put the id and the secret into the ClientAuth"
+            )
+        if not isinstance(client, ClientAuth):
+            raise ConfigurationError(
+                f"client must be an agentkey.auth.ClientAuth, got a {type(client).__name__}"
+            )
+        return client
+    if client_id is None:
         raise ConfigurationError(
-            f"auth_method must be one of {list(get_args(AuthMethod))}, got {auth_method!r}"
+            f"{kind} needs the client's authentication: client=ClientAuth(client_id, "
+            "client_secret) or, as a shorthand, client_id and client_secret"
         )
-    secret = _secret(client_secret, "client_secret")
-    key = None
-    if auth_method == "private_key_jwt":
-        if private_key is None:
-            raise ConfigurationError(
-                "auth_method='private_key_jwt' needs private_key= (the PEM private key whose "
-                "public half is registered with the identity provider)"
-            )
-        if secret is not None:
-            raise ConfigurationError(
-                "pass either client_secret or private_key_jwt's private_key, not both"
-            )
-        if not 0 < assertion_lifetime <= 300:
-            raise ConfigurationError(
-                "assertion_lifetime must be between 0 and 300 seconds (keep assertions short-lived)"
-            )
-        pem = private_key.get_secret_value() if isinstance(private_key, SecretStr) else private_key
-        key = load_private_key(pem, private_key_alg)
-    elif private_key is not None:
-        raise ConfigurationError("private_key is only used with auth_method='private_key_jwt'")
-    elif auth_method in ("client_secret_basic", "client_secret_post") and secret is None:
+    if client_secret is None:
         raise ConfigurationError(
-            f"auth_method={auth_method!r} needs client_secret=; a public client uses "
-            "auth_method='none'"
+            f"{kind} got client_id without client_secret; a public client passes "
+            "client=ClientAuth(client_id, method='none'), a client with a key passes "
+            "client=ClientAuth(client_id, method='private_key_jwt', private_key=...)"
         )
-    return ClientAuthConfig(
-        client_id=client_id,
-        method=auth_method,
-        client_secret=secret,
-        private_key=key,
-        private_key_alg=private_key_alg,
-        key_id=key_id,
-        assertion_lifetime=assertion_lifetime,
-    )
+    return ClientAuth(client_id, client_secret, method=method)
 
 
 class OAuthProvider(TokenProvider):
@@ -131,8 +105,8 @@ class OAuthProvider(TokenProvider):
     after a 401, hooks) is inherited::
 
         class JwtBearer(OAuthProvider):
-            def __init__(self, token_url, client_id, client_secret, *, assertion):
-                super().__init__(token_url, client_id, client_secret)
+            def __init__(self, token_url, client: ClientAuth, *, assertion):
+                super().__init__(token_url, client=client)
                 self._assertion = SecretStr(assertion)
 
             def token_request(self, current: Token | None) -> TokenRequest:
@@ -141,34 +115,24 @@ class OAuthProvider(TokenProvider):
     """
 
     _endpoint: TokenEndpoint
+    #: The method of the shorthand ``(token_url, client_id, client_secret)``.
+    _shorthand: ClassVar[AuthMethod] = "client_secret_basic"
 
     def __init__(
         self,
         token_url: str,
-        client_id: str,
+        client_id: str | None = None,
         client_secret: SecretInput | None = None,
         *,
-        auth_method: AuthMethod = "client_secret_basic",
-        private_key: SecretInput | bytes | None = None,
-        private_key_alg: str = "RS256",
-        key_id: str | None = None,
-        assertion_lifetime: float = 60.0,
+        client: ClientAuth | None = None,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
         clock: Clock | None = None,
     ) -> None:
-        client = _client_auth(
-            client_id,
-            client_secret,
-            auth_method=auth_method,
-            private_key=private_key,
-            private_key_alg=private_key_alg,
-            key_id=key_id,
-            assertion_lifetime=assertion_lifetime,
-        )
+        auth = _client(type(self).__name__, client_id, client_secret, client, self._shorthand)
         super().__init__(
-            TokenEndpoint(token_url, client, policy=policy, verify=verify),
+            TokenEndpoint(token_url, auth, policy=policy, verify=verify),
             policy=policy,
             hooks=hooks,
             clock=clock,
@@ -178,12 +142,17 @@ class OAuthProvider(TokenProvider):
         return (
             f"{type(self).__name__}(token_url={redact_url(self._endpoint.url)!r}, "
             f"client_id={self._endpoint.client.client_id!r}, "
-            f"auth_method={self._endpoint.client.method!r})"
+            f"method={self._endpoint.client.method!r})"
         )
 
     @property
     def client_id(self) -> str:
         return self._endpoint.client.client_id
+
+    @property
+    def client(self) -> ClientAuth:
+        """How this provider authenticates at its token endpoint."""
+        return self._endpoint.client
 
     def _who(self) -> str:
         return f"{type(self).__name__} for client {self.client_id!r}"
@@ -205,26 +174,21 @@ class ClientCredentials(OAuthProvider):
 
     ``scope`` may be a string or a list; ``audience`` (Auth0 and others) and
     ``resource`` (RFC 8707, may repeat) name the API the token is for.
-    Client authentication is ``client_secret_basic`` (the default),
-    ``client_secret_post`` or ``private_key_jwt`` (pass ``private_key``, the
-    PEM private key; every assertion gets a fresh ``jti`` and expires after
-    ``assertion_lifetime`` seconds).
+    ``ClientCredentials(token_url, client_id, client_secret)`` authenticates with
+    ``client_secret_basic``; any other way (``client_secret_post``,
+    ``private_key_jwt``, a public client) is ``client=ClientAuth(...)``.
     """
 
     def __init__(
         self,
         token_url: str,
-        client_id: str,
+        client_id: str | None = None,
         client_secret: SecretInput | None = None,
         *,
         scope: str | Sequence[str] | None = None,
         audience: str | Sequence[str] | None = None,
         resource: str | Sequence[str] | None = None,
-        auth_method: AuthMethod = "client_secret_basic",
-        private_key: SecretInput | bytes | None = None,
-        private_key_alg: str = "RS256",
-        key_id: str | None = None,
-        assertion_lifetime: float = 60.0,
+        client: ClientAuth | None = None,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
@@ -234,11 +198,7 @@ class ClientCredentials(OAuthProvider):
             token_url,
             client_id,
             client_secret,
-            auth_method=auth_method,
-            private_key=private_key,
-            private_key_alg=private_key_alg,
-            key_id=key_id,
-            assertion_lifetime=assertion_lifetime,
+            client=client,
             policy=policy,
             verify=verify,
             hooks=hooks,
@@ -274,18 +234,14 @@ class RefreshTokenGrant(OAuthProvider):
     def __init__(
         self,
         token_url: str,
-        client_id: str,
+        client_id: str | None = None,
         client_secret: SecretInput | None = None,
         *,
         refresh_token: SecretInput | None = None,
         store: TokenStore | None = None,
         store_key: str | None = None,
         scope: str | Sequence[str] | None = None,
-        auth_method: AuthMethod = "client_secret_basic",
-        private_key: SecretInput | bytes | None = None,
-        private_key_alg: str = "RS256",
-        key_id: str | None = None,
-        assertion_lifetime: float = 60.0,
+        client: ClientAuth | None = None,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
@@ -295,11 +251,7 @@ class RefreshTokenGrant(OAuthProvider):
             token_url,
             client_id,
             client_secret,
-            auth_method=auth_method,
-            private_key=private_key,
-            private_key_alg=private_key_alg,
-            key_id=key_id,
-            assertion_lifetime=assertion_lifetime,
+            client=client,
             policy=policy,
             verify=verify,
             hooks=hooks,
@@ -311,7 +263,7 @@ class RefreshTokenGrant(OAuthProvider):
         self._store: TokenStore = store if store is not None else MemoryTokenStore()
         if store is None and self._initial is None:
             raise ConfigurationError("RefreshTokenGrant needs refresh_token=, store=, or both")
-        self._store_key = store_key or f"refresh_token:{client_id}@{redact_url(token_url)}"
+        self._store_key = store_key or f"refresh_token:{self.client_id}@{redact_url(token_url)}"
         self._scope = scope_text(scope)
 
     @property
@@ -468,7 +420,7 @@ class TokenExchange(_Delegated):
     def __init__(
         self,
         token_url: str,
-        client_id: str,
+        client_id: str | None = None,
         client_secret: SecretInput | None = None,
         *,
         subject_token: SubjectInput,
@@ -479,11 +431,7 @@ class TokenExchange(_Delegated):
         resource: str | Sequence[str] | None = None,
         scope: str | Sequence[str] | None = None,
         requested_token_type: str | None = None,
-        auth_method: AuthMethod = "client_secret_basic",
-        private_key: SecretInput | bytes | None = None,
-        private_key_alg: str = "RS256",
-        key_id: str | None = None,
-        assertion_lifetime: float = 60.0,
+        client: ClientAuth | None = None,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
@@ -493,11 +441,7 @@ class TokenExchange(_Delegated):
             token_url,
             client_id,
             client_secret,
-            auth_method=auth_method,
-            private_key=private_key,
-            private_key_alg=private_key_alg,
-            key_id=key_id,
-            assertion_lifetime=assertion_lifetime,
+            client=client,
             policy=policy,
             verify=verify,
             hooks=hooks,
@@ -540,27 +484,26 @@ class OnBehalfOf(_Delegated):
 
     ``user_token`` is the access token the user sent to your service (or a
     callable returning it); ``scope`` names the downstream API, for example
-    ``"api://tool/.default"``. Entra wants ``client_secret_post`` or
-    ``private_key_jwt``. ``invalid_grant`` and ``interaction_required`` (the
-    user must sign in, consent or pass MFA again) raise DelegationExpired.
+    ``"api://tool/.default"``. Entra wants ``client_secret_post`` (what the
+    shorthand ``client_id, client_secret`` sends) or ``private_key_jwt`` (pass
+    ``client=ClientAuth(..., method="private_key_jwt", private_key=...)``).
+    ``invalid_grant`` and ``interaction_required`` (the user must sign in, consent or
+    pass MFA again) raise DelegationExpired.
     """
 
     _delegation_errors = frozenset({"invalid_grant", "interaction_required", "consent_required"})
     _subject_name = "user_token"
+    _shorthand: ClassVar[AuthMethod] = "client_secret_post"  # what Entra wants
 
     def __init__(
         self,
         token_url: str,
-        client_id: str,
+        client_id: str | None = None,
         client_secret: SecretInput | None = None,
         *,
         user_token: SubjectInput,
         scope: str | Sequence[str],
-        auth_method: AuthMethod = "client_secret_post",
-        private_key: SecretInput | bytes | None = None,
-        private_key_alg: str = "RS256",
-        key_id: str | None = None,
-        assertion_lifetime: float = 60.0,
+        client: ClientAuth | None = None,
         policy: TokenPolicy = TokenPolicy(),  # noqa: B008 - frozen, so one shared default is safe
         verify: ssl.SSLContext | bool = True,
         hooks: Sequence[TokenHook] | None = None,
@@ -570,11 +513,7 @@ class OnBehalfOf(_Delegated):
             token_url,
             client_id,
             client_secret,
-            auth_method=auth_method,
-            private_key=private_key,
-            private_key_alg=private_key_alg,
-            key_id=key_id,
-            assertion_lifetime=assertion_lifetime,
+            client=client,
             policy=policy,
             verify=verify,
             hooks=hooks,

@@ -13,13 +13,14 @@ an ImportError from that constructor, not from a call deep inside.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, computed_field
@@ -32,6 +33,8 @@ from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollP
 
 if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
     import types
+
+    from typing_extensions import Unpack  # typing's own from 3.12; for the type checker only
 
     from ..journal._base import Journal, current_owner, in_flight
     from ..journal._default import resolve_journal
@@ -50,6 +53,84 @@ if TYPE_CHECKING:  # bound at run time by _load_engine(), with the first invoker
 
 #: What ``journal=`` takes: a journal, None (the default SQLite file) or False (none).
 JournalOption: TypeAlias = "Journal | Literal[False] | None"
+
+
+class InvokerOptions(TypedDict, total=False):
+    """The options :class:`ToolInvoker` and :class:`AsyncToolInvoker` share, each a keyword.
+
+    Written once for both twins (``**options: Unpack[InvokerOptions]``); what is
+    left out takes its default. A misspelt name is a type error for the checker
+    and a TypeError naming it at run time.
+
+    - ``retry`` (``RetryPolicy()``): resends of one step with its one key.
+    - ``polling`` (``PollPolicy()``): how a ``202 Accepted`` is polled to its end.
+    - ``timeout`` (None: the default): seconds, or an ``httpx.Timeout``, per request.
+    - ``clock`` (None: the system clock): every wait, deadline and jitter draw.
+    - ``key_header_style`` (``"raw"``): the key as sent, ``"sf-string"`` or ``"uuid"``.
+    - ``replay_headers``: the headers by which a server marks a replayed answer.
+    - ``allowed_poll_origins`` (none): other origins a status URL may point to.
+    - ``routes`` / ``route_template``: a tool's path, by name or by ``'/tools/{tool}'``.
+    - ``hooks`` (a ``LoggingHook``): callables given each invoke event.
+    - ``max_response_bytes``: the largest answer read.
+    - ``journal`` (None: the default SQLite file; False: none): the call journal.
+    - ``honours_keys`` (None: learn it): whether the server is known to honour keys.
+    - ``reconcile``: the hook that settles a call in doubt (one, or one per tool).
+    """
+
+    retry: RetryPolicy
+    polling: PollPolicy
+    timeout: float | Timeout | None
+    clock: Clock | None
+    key_header_style: HeaderStyle
+    replay_headers: Sequence[str]
+    allowed_poll_origins: Iterable[str]
+    routes: Mapping[str, str] | None
+    route_template: str | None
+    hooks: Sequence[InvokeHook] | None
+    max_response_bytes: int
+    journal: JournalOption
+    honours_keys: bool | Mapping[str, bool] | None
+    reconcile: Reconciler | Mapping[str, Reconciler] | None
+
+
+#: Each option's default, in this one place.
+_DEFAULTS: InvokerOptions = {
+    "retry": RetryPolicy(),
+    "polling": PollPolicy(),
+    "timeout": None,
+    "clock": None,
+    "key_header_style": "raw",
+    "replay_headers": DEFAULT_REPLAY_HEADERS,
+    "allowed_poll_origins": (),
+    "routes": None,
+    "route_template": None,
+    "hooks": None,
+    "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
+    "journal": None,
+    "honours_keys": None,
+    "reconcile": None,
+}
+#: The keywords every invoker takes besides the shared options (their types differ by twin).
+_OWN = ("base_url", "auth", "client", "poll_client")
+
+
+def _options(kind: str, given: Mapping[str, object]) -> InvokerOptions:
+    """``given`` over the defaults; a name that is no option raises TypeError, as Python does."""
+    unknown = sorted(set(given) - set(_DEFAULTS))
+    if unknown:
+        hints = [difflib.get_close_matches(name, [*_DEFAULTS, *_OWN], n=1) for name in unknown]
+        said = ", ".join(
+            f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            for name, near in zip(unknown, hints, strict=True)
+        )
+        raise TypeError(
+            f"{kind}() got unexpected keyword argument(s) {said}; its options are "
+            f"{', '.join(_OWN)} and {', '.join(sorted(_DEFAULTS))}"
+        )
+    options = _DEFAULTS.copy()
+    options.update(given)  # type: ignore[typeddict-item]
+    return options
+
 
 _engine_loaded = False
 
@@ -89,7 +170,7 @@ def _load_engine() -> None:
     _engine_loaded = True
 
 
-__all__ = ["AsyncToolInvoker", "Outcome", "ToolInvoker", "ToolResult"]
+__all__ = ["AsyncToolInvoker", "InvokerOptions", "Outcome", "ToolInvoker", "ToolResult"]
 
 _RESERVED = frozenset(
     {
@@ -164,27 +245,16 @@ class ToolResult(BaseModel):
 
 
 class _InvokerBase:
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        auth: Auth | None,
-        retry: RetryPolicy,
-        polling: PollPolicy,
-        timeout: float | Timeout | None,
-        clock: Clock | None,
-        key_header_style: HeaderStyle,
-        replay_headers: Sequence[str],
-        allowed_poll_origins: Iterable[str],
-        routes: Mapping[str, str] | None,
-        route_template: str | None,
-        hooks: Sequence[InvokeHook] | None,
-        max_response_bytes: int,
-        journal: JournalOption,
-        honours_keys: bool | Mapping[str, bool] | None,
-        reconcile: Reconciler | Mapping[str, Reconciler] | None,
-    ) -> None:
+    def __init__(self, base_url: str, *, auth: Auth | None, options: InvokerOptions) -> None:
         _load_engine()
+        retry, polling, timeout = options["retry"], options["polling"], options["timeout"]
+        clock, key_header_style = options["clock"], options["key_header_style"]
+        replay_headers = options["replay_headers"]
+        allowed_poll_origins = options["allowed_poll_origins"]
+        routes, route_template = options["routes"], options["route_template"]
+        hooks, max_response_bytes = options["hooks"], options["max_response_bytes"]
+        journal, honours_keys = options["journal"], options["honours_keys"]
+        reconcile = options["reconcile"]
         origin = origin_of(base_url) if isinstance(base_url, str) else None
         if origin is None or urlsplit(base_url).query or urlsplit(base_url).fragment:
             raise ConfigurationError(
@@ -637,6 +707,8 @@ class ToolInvoker(_InvokerBase):
     transport, mounts, proxy or certificates; not closed either), else through a
     cookieless client agentkey builds. Every wait, deadline and jitter draw runs on
     ``clock`` (an :class:`agentkey.Clock`; tests pass ``agentkey.testing.FakeClock()``).
+    The options besides ``base_url``, ``auth``, ``client`` and ``poll_client`` are
+    :class:`InvokerOptions`, shared with :class:`AsyncToolInvoker`.
     """
 
     def __init__(
@@ -644,33 +716,15 @@ class ToolInvoker(_InvokerBase):
         base_url: str,
         *,
         auth: Auth | None = None,
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, so sharing is safe
-        polling: PollPolicy = PollPolicy(),  # noqa: B008 - frozen, so sharing is safe
         client: Client | None = None,
         poll_client: Client | None = None,
-        timeout: float | Timeout | None = None,
-        clock: Clock | None = None,
-        key_header_style: HeaderStyle = "raw",
-        replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
-        allowed_poll_origins: Iterable[str] = (),
-        routes: Mapping[str, str] | None = None,
-        route_template: str | None = None,
-        hooks: Sequence[InvokeHook] | None = None,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        journal: JournalOption = None,
-        honours_keys: bool | Mapping[str, bool] | None = None,
-        reconcile: Reconciler | Mapping[str, Reconciler] | None = None,
+        **options: Unpack[InvokerOptions],
     ) -> None:
+        resolved = _options(type(self).__name__, options)
         _load_engine()
         if client is not None and not isinstance(client, Client):
             raise ConfigurationError(f"client must be an httpx.Client, got {client!r}")
-        super().__init__(
-            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout, clock=clock,
-            key_header_style=key_header_style, replay_headers=replay_headers,
-            allowed_poll_origins=allowed_poll_origins, routes=routes,
-            route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
-            journal=journal, honours_keys=honours_keys, reconcile=reconcile,
-        )  # fmt: skip
+        super().__init__(base_url, auth=auth, options=resolved)
         self._owns_client = client is None
         self._check_client_headers(client)
         self._check_poll_client(poll_client, client, Client)
@@ -757,33 +811,15 @@ class AsyncToolInvoker(_InvokerBase):
         base_url: str,
         *,
         auth: Auth | None = None,
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, so sharing is safe
-        polling: PollPolicy = PollPolicy(),  # noqa: B008 - frozen, so sharing is safe
         client: AsyncClient | None = None,
         poll_client: AsyncClient | None = None,
-        timeout: float | Timeout | None = None,
-        clock: Clock | None = None,
-        key_header_style: HeaderStyle = "raw",
-        replay_headers: Sequence[str] = DEFAULT_REPLAY_HEADERS,
-        allowed_poll_origins: Iterable[str] = (),
-        routes: Mapping[str, str] | None = None,
-        route_template: str | None = None,
-        hooks: Sequence[InvokeHook] | None = None,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        journal: JournalOption = None,
-        honours_keys: bool | Mapping[str, bool] | None = None,
-        reconcile: Reconciler | Mapping[str, Reconciler] | None = None,
+        **options: Unpack[InvokerOptions],
     ) -> None:
+        resolved = _options(type(self).__name__, options)
         _load_engine()
         if client is not None and not isinstance(client, AsyncClient):
             raise ConfigurationError(f"client must be an httpx.AsyncClient, got {client!r}")
-        super().__init__(
-            base_url, auth=auth, retry=retry, polling=polling, timeout=timeout, clock=clock,
-            key_header_style=key_header_style, replay_headers=replay_headers,
-            allowed_poll_origins=allowed_poll_origins, routes=routes,
-            route_template=route_template, hooks=hooks, max_response_bytes=max_response_bytes,
-            journal=journal, honours_keys=honours_keys, reconcile=reconcile,
-        )  # fmt: skip
+        super().__init__(base_url, auth=auth, options=resolved)
         self._owns_client = client is None
         self._check_client_headers(client)
         self._check_poll_client(poll_client, client, AsyncClient)

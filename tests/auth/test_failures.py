@@ -6,7 +6,7 @@ import pytest
 from pydantic import SecretStr
 
 from agentkey import AuthError, DelegationExpired
-from agentkey.auth import RefreshTokenGrant, TokenExchange, TokenPolicy
+from agentkey.auth import ClientAuth, RefreshTokenGrant, TokenExchange, TokenPolicy
 from tests.auth._idp import IdP
 from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, PUBLIC_CLIENT, Driver
 
@@ -29,7 +29,10 @@ class BrokenStore:
 async def test_broken_store_is_an_auth_error_with_its_cause(idp: IdP, driver: Driver) -> None:
     """A store that raises surfaces as AuthError naming the failure, with the original as cause."""
     auth = RefreshTokenGrant(
-        idp.url + "/token", PUBLIC_CLIENT, auth_method="none", store=BrokenStore(), policy=POLICY
+        idp.url + "/token",
+        client=ClientAuth(PUBLIC_CLIENT, method="none"),
+        store=BrokenStore(),
+        policy=POLICY,
     )
     with pytest.raises(AuthError, match="ConnectionError") as info:
         await driver.request("GET", idp.url + "/tool", auth=auth)

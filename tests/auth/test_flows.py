@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from agentkey import DelegationExpired, InsecureTransport, TokenError
 from agentkey.auth import (
+    ClientAuth,
     ClientCredentials,
     MemoryTokenStore,
     OnBehalfOf,
@@ -94,7 +95,12 @@ async def test_basic_auth_is_form_encoded(
 
 async def test_client_secret_post(idp: IdP, driver: Driver) -> None:
     """client_secret_post sends id and secret in the form, no Authorization header."""
-    auth = _cc(idp, auth_method="client_secret_post")
+    auth = ClientCredentials(
+        idp.url + "/token",
+        client=ClientAuth(CLIENT_ID, CLIENT_SECRET, method="client_secret_post"),
+        policy=FAST,
+        clock=CLOCK,
+    )
     response = await driver.request("GET", idp.url + "/tool", auth=auth)
     assert response.status_code == 200
     form = _form(idp)
@@ -107,10 +113,9 @@ async def test_private_key_jwt_fresh_jti_and_short_exp(idp: IdP, driver: Driver)
     """private_key_jwt signs a new assertion per request: fresh jti, exp 60 s after iat."""
     auth = ClientCredentials(
         idp.url + "/token",
-        JWT_CLIENT,
-        auth_method="private_key_jwt",
-        private_key=PRIVATE_PEM,
-        key_id="k1",
+        client=ClientAuth(
+            JWT_CLIENT, method="private_key_jwt", private_key=PRIVATE_PEM, key_id="k1"
+        ),
         policy=FAST,
         clock=CLOCK,
     )
@@ -248,8 +253,7 @@ async def test_refresh_token_rotation_is_persisted(idp: IdP, driver: Driver) -> 
     store = MemoryTokenStore()
     auth = RefreshTokenGrant(
         idp.url + "/token",
-        PUBLIC_CLIENT,
-        auth_method="none",
+        client=ClientAuth(PUBLIC_CLIENT, method="none"),
         refresh_token=first,
         store=store,
         policy=FAST,
@@ -298,8 +302,7 @@ async def test_stored_refresh_token_wins_over_configured(idp: IdP, driver: Drive
     store = MemoryTokenStore()
     probe = RefreshTokenGrant(
         idp.url + "/token",
-        PUBLIC_CLIENT,
-        auth_method="none",
+        client=ClientAuth(PUBLIC_CLIENT, method="none"),
         refresh_token=spent,
         store=store,
         policy=FAST,
@@ -314,8 +317,7 @@ async def test_refused_refresh_token_is_delegation_expired(idp: IdP, driver: Dri
     """invalid_grant on a refresh token raises DelegationExpired: the user must re-authorise."""
     auth = RefreshTokenGrant(
         idp.url + "/token",
-        PUBLIC_CLIENT,
-        auth_method="none",
+        client=ClientAuth(PUBLIC_CLIENT, method="none"),
         refresh_token="rt-revoked",
         policy=FAST,
         clock=CLOCK,

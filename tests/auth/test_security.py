@@ -13,6 +13,7 @@ import pytest
 
 from agentkey import AgentKeyError, DelegationExpired, TokenError
 from agentkey.auth import (
+    ClientAuth,
     ClientCredentials,
     EncryptedFileTokenStore,
     MemoryTokenStore,
@@ -60,17 +61,20 @@ def test_nothing_secret_reaches_logs_reprs_or_errors(
     store = MemoryTokenStore()
     refreshing = RefreshTokenGrant(
         url,
-        PUBLIC_CLIENT,
-        auth_method="none",
+        client=ClientAuth(PUBLIC_CLIENT, method="none"),
         refresh_token=idp.grant_refresh_token(PUBLIC_CLIENT),
         store=store,
         policy=FAST,
     )
     providers: list[TokenProvider] = [
         ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, policy=FAST),
-        ClientCredentials(url, CLIENT_ID, CLIENT_SECRET, auth_method="client_secret_post"),
         ClientCredentials(
-            url, JWT_CLIENT, auth_method="private_key_jwt", private_key=PRIVATE_PEM, policy=FAST
+            url, client=ClientAuth(CLIENT_ID, CLIENT_SECRET, method="client_secret_post")
+        ),
+        ClientCredentials(
+            url,
+            client=ClientAuth(JWT_CLIENT, method="private_key_jwt", private_key=PRIVATE_PEM),
+            policy=FAST,
         ),
         refreshing,
         TokenExchange(
@@ -92,7 +96,11 @@ def test_nothing_secret_reaches_logs_reprs_or_errors(
         idp.revoke_all()
         use(auth)  # the 401 path
     # failures: refused refresh token, refused subject token, broken endpoint, insecure url
-    use(RefreshTokenGrant(url, PUBLIC_CLIENT, auth_method="none", refresh_token="rt-x-leak"))
+    use(
+        RefreshTokenGrant(
+            url, client=ClientAuth(PUBLIC_CLIENT, method="none"), refresh_token="rt-x-leak"
+        )
+    )
     use(TokenExchange(url, CLIENT_ID, CLIENT_SECRET, subject_token="user-unknown-leak"))
     use(ClientCredentials(url, CLIENT_ID, "wrong-secret-leak", policy=FAST))
     idp.replies = [Reply(503, {"error": "x"}, {"Retry-After": "0"})] * 2
@@ -103,7 +111,7 @@ def test_nothing_secret_reaches_logs_reprs_or_errors(
     except AgentKeyError as exc:
         errors.append(exc)
     try:
-        ClientCredentials(url, JWT_CLIENT, auth_method="private_key_jwt", private_key="junk-key")
+        ClientAuth(JWT_CLIENT, method="private_key_jwt", private_key="junk-key")
     except AgentKeyError as exc:
         errors.append(exc)
     file_store = EncryptedFileTokenStore(f"{tmp_path}/t.bin", key=STORE_KEY)
@@ -148,7 +156,8 @@ warnings.simplefilter("error")
 import agentkey, agentkey.auth
 from agentkey.auth._endpoint import TokenRequest
 auth = agentkey.auth.ClientCredentials(
-    "https://idp.example/token", "c", auth_method="private_key_jwt", private_key={PRIVATE_PEM!r}
+    "https://idp.example/token",
+    client=agentkey.auth.ClientAuth("c", method="private_key_jwt", private_key={PRIVATE_PEM!r}),
 )
 auth._endpoint.build(TokenRequest("client_credentials"))
 agentkey.auth.ClientCredentials("https://idp.example/token", "c", "s")._endpoint.build(
@@ -201,7 +210,9 @@ def test_secrets_the_token_endpoint_echoes_never_reach_errors(idp: IdP, where: s
     cases: list[tuple[TokenProvider, str, type[TokenError]]] = [
         (ClientCredentials(url, CLIENT_ID, secret, policy=FAST), secret, TokenError),
         (
-            ClientCredentials(url, CLIENT_ID, secret, auth_method="client_secret_post"),
+            ClientCredentials(
+                url, client=ClientAuth(CLIENT_ID, secret, method="client_secret_post")
+            ),
             secret,
             TokenError,
         ),
@@ -228,9 +239,9 @@ def test_secrets_the_token_endpoint_echoes_never_reach_errors(idp: IdP, where: s
 def test_a_private_key_jwt_assertion_echoed_is_cut_out() -> None:
     """The client assertion signed for one token request never comes back in its TokenError."""
     auth = ClientCredentials(
-        "https://idp.example/token", JWT_CLIENT, auth_method="private_key_jwt",
-        private_key=PRIVATE_PEM,
-    )  # fmt: skip
+        "https://idp.example/token",
+        client=ClientAuth(JWT_CLIENT, method="private_key_jwt", private_key=PRIVATE_PEM),
+    )
     endpoint = auth._endpoint
     request = TokenRequest("client_credentials")
     out = endpoint.outgoing(request)

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from agentkey import AuthError, ConfigurationError
-from agentkey.auth import EncryptedFileTokenStore, MemoryTokenStore, RefreshTokenGrant, TokenStore
+from agentkey.auth import (
+    ClientAuth,
+    EncryptedFileTokenStore,
+    MemoryTokenStore,
+    RefreshTokenGrant,
+    TokenStore,
+)
 from tests.auth._idp import IdP
 from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, PUBLIC_CLIENT
 
@@ -123,8 +129,7 @@ async def test_rotation_survives_a_restart_through_the_file(idp: IdP, tmp_path: 
     def provider() -> RefreshTokenGrant:
         return RefreshTokenGrant(
             idp.url + "/token",
-            PUBLIC_CLIENT,
-            auth_method="none",
+            client=ClientAuth(PUBLIC_CLIENT, method="none"),
             refresh_token=first,  # the configured, soon spent, bootstrap token
             store=EncryptedFileTokenStore(path, key=key),
         )

@@ -21,14 +21,13 @@ from agentkey.auth import (
     TokenPolicy,
 )
 from agentkey.auth._endpoint import (
-    ClientAuthConfig,
+    ClientAuth,
     TokenEndpoint,
     TokenRequest,
     _Retryable,
 )
 from agentkey.auth._token import jwt_expired, refresh_deadline
 from agentkey.client._protocol import Answer
-from tests.auth.conftest import PRIVATE_PEM
 
 URL = "https://idp.example/oauth2/token"
 
@@ -88,7 +87,7 @@ def test_jwt_expired(token: str, expired: bool) -> None:
 
 
 def _endpoint(**policy: Any) -> TokenEndpoint:
-    client = ClientAuthConfig(client_id="c", method="none")
+    client = ClientAuth("c", method="none")
     return TokenEndpoint(URL, client, policy=TokenPolicy(**policy))
 
 
@@ -175,7 +174,7 @@ def test_issued_token_type_checked() -> None:
     [
         lambda: ClientCredentials("http://idp.example/token", "c", "s"),
         lambda: RefreshTokenGrant(
-            "http://10.1.1.1/token", "c", auth_method="none", refresh_token="r"
+            "http://10.1.1.1/token", client=ClientAuth("c", method="none"), refresh_token="r"
         ),
     ],
 )
@@ -189,20 +188,9 @@ def test_token_url_must_be_https_unless_loopback(make: Any) -> None:
     ("kwargs", "match"),
     [
         ({"client_id": ""}, "client_id"),
-        ({"client_secret": None}, "needs client_secret"),
-        ({"auth_method": "magic"}, "auth_method"),
-        ({"auth_method": "private_key_jwt"}, "private_key"),
-        ({"auth_method": "private_key_jwt", "client_secret": None, "private_key": "junk"}, "PEM"),
-        (
-            {
-                "auth_method": "private_key_jwt",
-                "client_secret": None,
-                "private_key": PRIVATE_PEM,
-                "private_key_alg": "HS256",
-            },
-            "asymmetric",
-        ),
-        ({"private_key": PRIVATE_PEM}, "only used with"),
+        ({"client_secret": None}, "without client_secret"),
+        ({"client_id": None}, "needs the client's authentication"),
+        ({"client": ClientAuth("c", "s")}, "not both"),
         ({"scope": ["a b"]}, "scope"),
         ({"resource": [""]}, "resource"),
         ({"token_url": "ftp://idp.example/token"}, "http"),
@@ -231,8 +219,6 @@ def test_delegation_option_errors() -> None:
         OnBehalfOf(URL, "c", "s", user_token="u", scope=[])
     with pytest.raises(ConfigurationError, match="refresh_token"):
         RefreshTokenGrant(URL, "c", "s")
-    with pytest.raises(ConfigurationError, match="not both"):
-        ClientCredentials(URL, "c", "s", auth_method="private_key_jwt", private_key=PRIVATE_PEM)
     with pytest.raises(ConfigurationError, match="token"):
         StaticToken("")
 
@@ -287,7 +273,7 @@ def test_build_post_and_basic_bodies() -> None:
     """The form body carries the grant; client_secret_basic moves the secret to the header."""
     basic = TokenEndpoint(
         URL,
-        ClientAuthConfig(client_id="c", method="client_secret_basic", client_secret=SecretStr("s")),
+        ClientAuth("c", SecretStr("s")),
         policy=TokenPolicy(),
     )
     headers, body = basic.build(TokenRequest("refresh_token", (("refresh_token", SecretStr("r")),)))

@@ -20,7 +20,7 @@ from agentkey.auth import (
     TokenPolicy,
     TokenRequest,
 )
-from agentkey.auth._endpoint import ClientAuthConfig, Note, TokenEndpoint
+from agentkey.auth._endpoint import ClientAuth, Note, TokenEndpoint
 from agentkey.client._drive import run_sync
 from agentkey.client._effects import Emit, Outgoing, Sleep
 from agentkey.client._protocol import Answer, Failure, FailureKind, Received
@@ -72,7 +72,7 @@ def _run(endpoint: TokenEndpoint, replies: list[Received], clock: FakeClock) -> 
 
 
 def _endpoint(**policy: Any) -> TokenEndpoint:
-    client = ClientAuthConfig(client_id="c", method="none")
+    client = ClientAuth("c", method="none")
     return TokenEndpoint(URL, client, policy=TokenPolicy(jitter=False, **policy))
 
 
@@ -192,7 +192,7 @@ def test_a_failure_the_driver_throws_in_ends_the_request_with_an_end_event() -> 
 def test_jitter_and_retry_after_dates_come_from_the_injected_sources() -> None:
     """The jitter draw is the injected rng's; a Retry-After date counts from the injected wall."""
     jittered = TokenPolicy(jitter=True, initial_backoff=1.0)
-    endpoint = TokenEndpoint(URL, ClientAuthConfig(client_id="c", method="none"), policy=jittered)
+    endpoint = TokenEndpoint(URL, ClientAuth("c", method="none"), policy=jittered)
     _, slept, _ = _emitted(endpoint, [BUSY, GOOD], rng=0.25)
     assert slept == [0.25]
     dated = Answer(503, {"retry-after": "Thu, 01 Jan 1970 00:00:03 GMT"}, b"", URL)
