@@ -18,13 +18,12 @@ from ._providers import (
 )
 from ._token import Token, TokenEvent
 from ._token_policy import TokenPolicy
-from ._token_stores import EncryptedFileTokenStore, MemoryTokenStore, TokenStore
+from ._token_stores import EncryptedFileTokenStore, TokenStore
 
 __all__ = [
     "ClientAuth",
     "ClientCredentials",
     "EncryptedFileTokenStore",
-    "MemoryTokenStore",
     "OAuthProvider",
     "OnBehalfOf",
     "RefreshTokenGrant",

@@ -21,13 +21,13 @@ from agentkey import DelegationExpired, InsecureTransport, TokenError
 from agentkey.auth import (
     ClientAuth,
     ClientCredentials,
-    MemoryTokenStore,
     OnBehalfOf,
     RefreshTokenGrant,
     StaticToken,
     TokenExchange,
     TokenPolicy,
 )
+from agentkey.auth._token_stores import MemoryTokenStore
 from agentkey.testing import FakeClock
 from tests.auth._idp import ACCESS_TOKEN_TYPE, IdP, Reply
 from tests.auth.conftest import (

@@ -16,7 +16,6 @@ from agentkey.auth import (
     ClientAuth,
     ClientCredentials,
     EncryptedFileTokenStore,
-    MemoryTokenStore,
     OnBehalfOf,
     RefreshTokenGrant,
     StaticToken,
@@ -25,6 +24,7 @@ from agentkey.auth import (
 )
 from agentkey.auth._base import TokenProvider
 from agentkey.auth._endpoint import TokenRequest
+from agentkey.auth._token_stores import MemoryTokenStore
 from agentkey.client._protocol import Answer
 from tests.auth._idp import IdP, Reply
 from tests.auth.conftest import (

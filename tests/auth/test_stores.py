@@ -20,10 +20,10 @@ from agentkey import AuthError, ConfigurationError
 from agentkey.auth import (
     ClientAuth,
     EncryptedFileTokenStore,
-    MemoryTokenStore,
     RefreshTokenGrant,
     TokenStore,
 )
+from agentkey.auth._token_stores import MemoryTokenStore
 from tests.auth._idp import IdP
 from tests.auth.conftest import CLIENT_ID, CLIENT_SECRET, PUBLIC_CLIENT
 
