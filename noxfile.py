@@ -1,6 +1,6 @@
 """Development sessions.
 
-- ``nox -s tests``: the default suite on the Python running nox (a few minutes).
+- ``nox -s tests``: the default suite on the Python running nox (about 6 minutes on 2 cores).
 - ``nox -s tests_all``: the default suite on every supported Python that can be found.
 - ``nox -s long``: the long and real-time suites (Redis Cluster, kill runs, agent runtimes
   restarted in new processes, long property profiles).
