@@ -8,7 +8,8 @@ from typing import Any
 
 from .._exceptions import ConfigurationError
 from .._schedule import Backoff
-from ..client._policies import check_backoff, replace, schedule_of
+from .._validate import replace
+from ..client._policies import check_backoff, schedule_of
 
 __all__ = ["TokenPolicy"]
 

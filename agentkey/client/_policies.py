@@ -8,13 +8,13 @@ is the one backoff formula, :class:`~agentkey._schedule.Backoff`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from .._exceptions import ConfigurationError
+from .._validate import replace
 
 if TYPE_CHECKING:
     from .._schedule import Backoff
@@ -93,22 +93,6 @@ def schedule_of(policy: Any, *, floor: float = 0.0) -> Backoff:
         policy.max_retry_after,
         floor,
     )
-
-
-_P = TypeVar("_P")
-
-
-def replace(policy: _P, changes: Mapping[str, Any]) -> _P:
-    """``policy`` with ``changes`` applied, validated like the constructor."""
-    names = {f.name for f in dataclasses.fields(policy)}  # type: ignore[arg-type]
-    unknown = sorted(set(changes) - names)
-    if unknown:
-        raise ConfigurationError(
-            f"{type(policy).__name__} has no option(s) {', '.join(unknown)}; "
-            f"valid options: {', '.join(sorted(names))}"
-        )
-    current = {name: getattr(policy, name) for name in names}
-    return type(policy)(**{**current, **changes})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
