@@ -13,7 +13,6 @@ an ImportError from that constructor, not from a call deep inside.
 
 from __future__ import annotations
 
-import difflib
 import enum
 import functools
 import inspect
@@ -118,6 +117,8 @@ def _options(kind: str, given: Mapping[str, object]) -> InvokerOptions:
     """``given`` over the defaults; a name that is no option raises TypeError, as Python does."""
     unknown = sorted(set(given) - set(_DEFAULTS))
     if unknown:
+        import difflib  # only for the error
+
         hints = [difflib.get_close_matches(name, [*_DEFAULTS, *_OWN], n=1) for name in unknown]
         said = ", ".join(
             f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
