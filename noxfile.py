@@ -31,8 +31,10 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
-#: Branch coverage of the default suite was 94% when this floor was set (2026-12-01).
-COVERAGE_FLOOR = 92
+#: Branch coverage of the default suite: 94% when a floor was first set (2026-12-01); 91.9%
+#: since the real-time tests moved to `nox -s long` (2026-12-06: 91.89-91.95% in six runs).
+#: At 92, pytest-cov printed "FAIL ... not reached" yet passed (it compares the rounded total).
+COVERAGE_FLOOR = 91
 EXTRAS = ".[server,langchain,langgraph,postgres,mcp,otel,pydantic-ai,openai-agents]"
 
 
