@@ -224,7 +224,11 @@ def _serve(dsn: str, ledger: str, stderr: Any, agentkey: str | None) -> tuple[An
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--factory", "tests.postgres._fault_app:app",
          "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
-         "--log-level", "warning", "--no-access-log"],
+         "--log-level", "warning", "--no-access-log",
+         # Idle keep-alive connections stay open for the whole run: at uvicorn's default
+         # (5 s) a lane idle through a fault can send its POST on a connection the server is
+         # closing, and httpx reports a ReadError that is the harness's race, not a fault's.
+         "--timeout-keep-alive", "120"],
         # The working directory comes first on uvicorn's sys.path: it is the agentkey served.
         cwd=agentkey or _ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
     )  # fmt: skip
