@@ -510,7 +510,9 @@ class Lifecycle:
             self._unawaited_mark(claim)
         blob = None if isinstance(decision, (Release, Doubt)) or not decision.offload else _Blob()
         try:
-            await _stop_lease(claim)
+            if not claim._stopped_at_once():  # a renewal loop runs: wait for it to stop
+                await claim.stop_renewing()
+            claim.mark_settled()
             pending = await self._write(claim, decision, blob)
         except BaseException as exc:
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
