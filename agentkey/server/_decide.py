@@ -301,6 +301,9 @@ class Replay:
         return self.outcome.blob_uri
 
 
+_RUN = Run()  # immutable: every fresh claim's decision is this one
+
+
 def check_replay_header(name: object) -> str:
     """``name`` as a replay header name (lowercase), or a ConfigurationError."""
     if not isinstance(name, str) or not _TOKEN.fullmatch(name) or len(name) > 64:
@@ -558,7 +561,7 @@ def on_claimed(
     if isinstance(existing, StoreError):
         return unavailable(retry_after, str(existing))
     if existing is None:
-        return Run()
+        return _RUN
     try:
         record = decode_record(existing, key=checked.idempotency_key)
     except StoreError as exc:

@@ -63,6 +63,7 @@ from ._decide import (
     Unavailable,
     on_claimed,
     on_finished,
+    record_key,
     unavailable,
 )
 from ._reconcile import ReconcileContext, ReconcileHook, ask
@@ -236,9 +237,9 @@ class Lifecycle:
         key = checked.key
         return Claim(
             key=key if isinstance(key, StepKey) else None,
-            idempotency_key=checked.idempotency_key,
+            idempotency_key=key.format(),
             principal=principal,
-            record_key=checked.record_key(principal),
+            record_key=record_key(principal, key),
             owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,

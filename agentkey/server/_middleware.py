@@ -60,7 +60,7 @@ from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, reset_current, set_current
+from ._claim import Claim, reset_current, set_current, wall_ms
 from ._decide import (
     REPLAY_HEADER,
     Conflict,
@@ -189,6 +189,10 @@ def route_path(scope: Scope) -> str:
     return path
 
 
+def _every_path(scope: Scope) -> bool:
+    return True
+
+
 class _Routes:
     """Which route paths are protected; warns once when a pattern looks misplaced."""
 
@@ -198,7 +202,7 @@ class _Routes:
         self._prefixes: tuple[str, ...] = ()
         self._warned = False
         if routes is None:
-            self._func = lambda scope: True
+            self._func = _every_path
             self._unmatched: set[str] = set()
             return
         if callable(routes):
@@ -222,6 +226,11 @@ class _Routes:
         self._exact = frozenset(r for r in routes if not r.endswith("/*"))
         self._prefixes = tuple(r[:-1] for r in routes if r.endswith("/*"))
         self._unmatched = set(routes)
+
+    @property
+    def every(self) -> bool:
+        """Every path is protected (no ``routes`` given): nothing to match."""
+        return self._func is _every_path
 
     def match(self, scope: Scope, path: str) -> bool:
         if self._func is not None:
@@ -528,6 +537,7 @@ class IdempotencyMiddleware:
         self._principal = _principal(principal, shared_key_space)
         self.shared_key_space = shared_key_space
         self._routes = _Routes(routes)
+        self._every_route = self._routes.every
         self.methods = _methods(methods)
         self._blob_store = _blob_store(blob_store, options.result_ttl)
         self._hooks = check_hooks(hooks)
@@ -592,7 +602,7 @@ class IdempotencyMiddleware:
                     lengths = [value]
                 else:
                     lengths.append(value)
-        if not self._routes.match(scope, path):
+        if not (self._every_route or self._routes.match(scope, path)):
             if values:
                 self._routes.passed_unprotected(scope, path)
             await self._pass(scope, receive, send, method, path)
@@ -881,7 +891,7 @@ class IdempotencyMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started,
             binding=claim.binding,
-            now_ms=self._life.now_ms(),
+            now_ms=wall_ms(self._clock),
             max_inline_bytes=self.options.max_inline_bytes,
             max_recorded_bytes=self.options.max_recorded_bytes,
             size=exchange.size,
