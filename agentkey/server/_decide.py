@@ -322,9 +322,15 @@ def replay_headers(
     A stored header of that name (the app's own) is dropped, so the answer says it once.
     """
     stored = replay.headers
-    if any(k == name for k, _ in stored):
-        stored = tuple((k, v) for k, v in stored if k != name)
+    for k, _ in stored:
+        if k == name:
+            return (*_without(stored, name), (name, "true"))
     return (*stored, (name, "true"))
+
+
+def _without(headers: tuple[tuple[str, str], ...], name: str) -> tuple[tuple[str, str], ...]:
+    # Apart from replay_headers: a comprehension there would make every call build a cell.
+    return tuple((k, v) for k, v in headers if k != name)
 
 
 @dataclass(frozen=True, slots=True)
