@@ -24,8 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkey import StepKey
-from agentkey.server import IdempotencyMiddleware, MemoryStore
-from agentkey.server import _decide, _records
+from agentkey.server import IdempotencyMiddleware, MemoryStore, _decide, _records
 from agentkey.server._claim import Claim
 from agentkey.server._decide import check_body, stored_headers
 from agentkey.server._records import Binding, digest, encode_in_progress
@@ -52,7 +51,8 @@ class _HeldFinish(MemoryStore):
         return done
 
     def open(self) -> None:
-        assert self.loop is not None and self.gate is not None
+        assert self.loop is not None
+        assert self.gate is not None
         self.loop.call_soon_threadsafe(self.gate.set)
 
 
