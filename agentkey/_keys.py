@@ -250,6 +250,22 @@ class StepKey:
         return key
 
     @classmethod
+    def _parsed(
+        cls, plan_session_id: str, index: tuple[int, ...], args_hash: str, raw: str
+    ) -> StepKey:
+        """The key ``raw``, whose parts one exact match of its canonical raw form already
+        validated (the server's parse of the usual header): ``raw`` is the key as
+        :func:`raw_key` writes it, at most ``MAX_KEY_LENGTH`` characters, so it is kept as
+        is rather than written again."""
+        key = object.__new__(cls)
+        _set = object.__setattr__
+        _set(key, "plan_session_id", plan_session_id)
+        _set(key, "index", index)
+        _set(key, "args_hash", args_hash)
+        _set(key, "_raw", raw)
+        return key
+
+    @classmethod
     def build(
         cls,
         plan_session_id: str,

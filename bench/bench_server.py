@@ -25,6 +25,9 @@ than for the bare endpoint, which never waits (see docs/performance.md).
 
     python bench/bench_server.py            # about 4 minutes, writes bench/results/server.json
     python bench/bench_server.py --smoke    # a few seconds, for CI (writes nothing)
+    python bench/bench_server.py --before /tmp/old --out /tmp/ab.json
+        # also serves memory and redis from another checkout (an older commit) in the
+        # same rounds: rows "this tree / --before", a before/after pair on one machine state
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._harnes
 from bench._harness import (
     Block,
     Load,
+    Server,
     Slot,
     loadgen_row,
     machine,
@@ -70,6 +74,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per block")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one slot")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="another checkout whose memory and redis configurations run in the same rounds",
+    )
     ns = parser.parse_args()
     at_start = machine()
     rounds, seconds = (1, 0.1) if ns.smoke else (ns.rounds, ns.seconds)
@@ -90,6 +99,16 @@ def main() -> None:
         else:
             print("redis-server is not on PATH: the Redis rows are skipped")
         running = stack.enter_context(servers(configs, env))
+        rows_of = list(ROWS)
+        if ns.before is not None:
+            for name in [c for c in ("memory", "redis") if c in configs]:
+                old = Server(name, env, root=ns.before.resolve())
+                old.start()
+                stack.callback(old.stop)
+                old.wait_ready()
+                running[f"{name}@before"] = old
+                configs.append(f"{name}@before")
+                rows_of.append((f"{name}: this tree / --before tree", name, f"{name}@before"))
         load = Load(processes=2)
         stack.callback(load.close)
 
@@ -103,11 +122,13 @@ def main() -> None:
             for connections in (1, 64):
 
                 def slot(name: str, mode: str = mode, connections: int = connections) -> Slot:
-                    watch = redis_pid if name in ("redis", "naive", "idemkit") else None
+                    watch = (
+                        redis_pid if name in ("redis", "naive", "idemkit", "redis@before") else None
+                    )
                     return measure(load, running[name], mode, connections, seconds, watch=watch)
 
                 block = run_block(Block(mode, connections), rounds, slot, configs)
-                for what, ours, base in ROWS:
+                for what, ours, base in rows_of:
                     if ours in configs and base in configs:
                         rows.append(block.row(what, ours, base))
                         print_row(rows[-1])

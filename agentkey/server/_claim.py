@@ -419,7 +419,7 @@ class Claim:
             self._owner,
             self._started_ms,
             lease_end_ms=now + self._lease_ms,
-            renew_ms=self._renew_ms if self.renewing or self.auto_renew else 0,
+            renew_ms=self._renew_ms if self.auto_renew or self.renewing else 0,
             binding=self._binding,
             phase=self._phase,
             operation=self._operation,
@@ -556,6 +556,14 @@ class Claim:
         self._waiting.add(self, loop)
         return True
 
+    def _stopped_at_once(self) -> bool:
+        """Leave the queue of first renewals; True when no renewal loop runs either (the
+        usual handler, done within its first interval): nothing is left to wait for."""
+        if self._waiting is not None:
+            self._waiting.discard(self)
+            self._waiting = None
+        return self._task is None
+
     async def stop_renewing(self) -> None:
         """Stop the loop: set its event, wait (bounded) for a renewal in flight.
 
@@ -563,9 +571,8 @@ class Claim:
         and cancelled, and exits at its next check even if that cancellation is
         swallowed below it.
         """
-        if self._waiting is not None:
-            self._waiting.discard(self)
-            self._waiting = None
+        if self._stopped_at_once():
+            return
         task, stop = self._task, self._stop
         if task is None or stop is None:
             return

@@ -301,6 +301,9 @@ class Replay:
         return self.outcome.blob_uri
 
 
+_RUN = Run()  # immutable: every fresh claim's decision is this one
+
+
 def check_replay_header(name: object) -> str:
     """``name`` as a replay header name (lowercase), or a ConfigurationError."""
     if not isinstance(name, str) or not _TOKEN.fullmatch(name) or len(name) > 64:
@@ -319,9 +322,15 @@ def replay_headers(
     A stored header of that name (the app's own) is dropped, so the answer says it once.
     """
     stored = replay.headers
-    if any(k == name for k, _ in stored):
-        stored = tuple((k, v) for k, v in stored if k != name)
+    for k, _ in stored:
+        if k == name:
+            return (*_without(stored, name), (name, "true"))
     return (*stored, (name, "true"))
+
+
+def _without(headers: tuple[tuple[str, str], ...], name: str) -> tuple[tuple[str, str], ...]:
+    # Apart from replay_headers: a comprehension there would make every call build a cell.
+    return tuple((k, v) for k, v in headers if k != name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,37 +432,43 @@ def check_body(
     parser can read two meanings into one key, and the handler parses it once. Any
     other body must be a JSON object whose canonical JSON hashes to ``args_hash``.
     """
-    route = _route_digest(tuple(operation))
+    route = _route_binding(tuple(operation))
     chunks = (body,) if isinstance(body, bytes) else body
     if isinstance(key, StepKey):
-        sha = hashlib.sha256()
-        for chunk in chunks:
-            sha.update(chunk)
-        if sha.hexdigest() == key.args_hash:
-            return Checked(key, Binding(route))
+        if len(chunks) == 1:
+            hashed = hashlib.sha256(chunks[0]).hexdigest()
+        else:
+            sha = hashlib.sha256()
+            for chunk in chunks:
+                sha.update(chunk)
+            hashed = sha.hexdigest()
+        if hashed == key.args_hash:
+            return Checked(key, route)
         rejected = _check_body(b"".join(chunks), key, hash_profile)
         if rejected is not None:
             return Reject(*rejected)
-        return Checked(key, Binding(route))
+        return Checked(key, route)
     chunks = tuple(chunks)
     if body_fingerprint == "canonical":
         fingerprint = _canonical_digest(b"".join(chunks), hash_profile) or _bytes_digest(chunks)
     else:
         fingerprint = _bytes_digest(chunks)
-    return Checked(key, Binding(route, fingerprint), chunks, body_fingerprint, hash_profile)
+    return Checked(key, Binding(route.route, fingerprint), chunks, body_fingerprint, hash_profile)
 
 
-_ROUTES: dict[tuple[str, ...], str] = {}
+_ROUTES: dict[tuple[str, ...], Binding] = {}
 _MAX_ROUTES = 1024  # paths come from clients: the cache of their digests stays bounded
 
 
-def _route_digest(operation: tuple[str, ...]) -> str:
-    """The binding's route digest of ``operation``, computed once per distinct route."""
+def _route_binding(operation: tuple[str, ...]) -> Binding:
+    """The binding of ``operation`` alone (its route digest, no body), made once per
+    distinct route: a binding is immutable, so every request of the route shares it."""
     route = _ROUTES.get(operation)
     if route is None:
         if len(_ROUTES) >= _MAX_ROUTES:
             _ROUTES.clear()
-        route = _ROUTES[operation] = digest(" ".join(operation).encode("utf-8", "surrogatepass"))
+        text = " ".join(operation).encode("utf-8", "surrogatepass")
+        route = _ROUTES[operation] = Binding(digest(text))
     return route
 
 
@@ -552,7 +567,7 @@ def on_claimed(
     if isinstance(existing, StoreError):
         return unavailable(retry_after, str(existing))
     if existing is None:
-        return Run()
+        return _RUN
     try:
         record = decode_record(existing, key=checked.idempotency_key)
     except StoreError as exc:
@@ -684,11 +699,23 @@ def is_storable(status: int) -> bool:
 def stored_headers(raw: Iterable[tuple[bytes | str, bytes | str]]) -> tuple[tuple[str, str], ...]:
     """The answer's headers a record keeps: per-connection and credential headers dropped."""
     kept = []
+    names = _HEADER_NAMES
     for k, v in raw:
-        name = (k if isinstance(k, str) else bytes(k).decode("latin-1")).lower()
+        name = names.get(k) if type(k) is bytes else None
+        if name is None:
+            name = (k if isinstance(k, str) else bytes(k).decode("latin-1")).lower()
+            if type(k) is bytes:
+                if len(names) >= 1024:
+                    names.clear()
+                names[k] = name
         if name not in _DROP_HEADERS:
             kept.append((name, v if isinstance(v, str) else bytes(v).decode("latin-1")))
     return tuple(kept)
+
+
+# Header names as records keep them (str, lowercase): an app answers with few names, on
+# every request, so their decoded forms are kept, a bounded number of them.
+_HEADER_NAMES: dict[bytes, str] = {}
 
 
 def in_progress_retry_after(
@@ -743,7 +770,10 @@ def _parse_key(values: Sequence[bytes | str], *, opaque: bool = True) -> StepKey
         fast = _RAW_KEY.fullmatch(text)
         if fast is not None:  # the common raw form, every part validated by one match
             plan, steps, args_hash = fast.groups()
-            return StepKey._trusted(plan, tuple(map(int, steps.split("."))), args_hash)
+            index = tuple(map(int, steps.split(".")))
+            if len(text) <= MAX_KEY_LENGTH:  # then it is the key as raw_key() writes it
+                return StepKey._parsed(plan, index, args_hash, text)
+            return StepKey._trusted(plan, index, args_hash)  # raises: the key is too long
         if not opaque:
             return StepKey.parse(text)
         value = parse_sf_item(text) if text.startswith('"') else text

@@ -29,6 +29,7 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -63,6 +64,7 @@ from ._decide import (
     Unavailable,
     on_claimed,
     on_finished,
+    record_key,
     unavailable,
 )
 from ._reconcile import ReconcileContext, ReconcileHook, ask
@@ -236,9 +238,9 @@ class Lifecycle:
         key = checked.key
         return Claim(
             key=key if isinstance(key, StepKey) else None,
-            idempotency_key=checked.idempotency_key,
+            idempotency_key=key.format(),
             principal=principal,
-            record_key=checked.record_key(principal),
+            record_key=record_key(principal, key),
             owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,
@@ -510,18 +512,16 @@ class Lifecycle:
             self._unawaited_mark(claim)
         blob = None if isinstance(decision, (Release, Doubt)) or not decision.offload else _Blob()
         try:
-            await _stop_lease(claim)
+            if not claim._stopped_at_once():  # a renewal loop runs: wait for it to stop
+                await claim.stop_renewing()
+            claim.mark_settled()
             pending = await self._write(claim, decision, blob)
         except BaseException as exc:
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 raise
-
-            async def again() -> None:
-                await _stop_lease(claim)
-                left = await self._write(claim, decision, blob)
-                if left is not None:
-                    await self._until_written(claim, left, started + SETTLE_SECONDS)
-
+            # (Functions bound with partial, never closures: a closure here would give
+            # every settle its variables as cells, for the garbage collector to walk.)
+            again = partial(self._again, claim, decision, blob, started)
             await self._shielded(claim, started, again, blob)
             raise
         try:
@@ -529,17 +529,26 @@ class Lifecycle:
                 await deliver()  # after a failed write too: it is retried meanwhile
         finally:
             if pending is not None:
-                await self._shielded(
-                    claim,
-                    started,
-                    lambda: self._until_written(claim, pending, started + SETTLE_SECONDS),
-                    blob,
-                )
+                retry = partial(self._until_written, claim, pending, started + SETTLE_SECONDS)
+                await self._shielded(claim, started, retry, blob)
         if isinstance(decision, Release):
             return "released"
         if isinstance(decision, Doubt):
             return "in_doubt"
         return "claimed" if isinstance(decision, Complete) else "failed"
+
+    async def _again(
+        self,
+        claim: Claim,
+        decision: Complete | Fail | Release | Doubt,
+        blob: _Blob | None,
+        started: float,
+    ) -> None:
+        """A settle's write once more, after a cancellation interrupted the first."""
+        await _stop_lease(claim)
+        left = await self._write(claim, decision, blob)
+        if left is not None:
+            await self._until_written(claim, left, started + SETTLE_SECONDS)
 
     async def _shielded(
         self,

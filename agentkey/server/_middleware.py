@@ -60,7 +60,7 @@ from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable
 from .._keys import shown_key
 from ._blobs import BlobStore, FileBlobStore
-from ._claim import Claim, reset_current, set_current
+from ._claim import Claim, reset_current, set_current, wall_ms
 from ._decide import (
     REPLAY_HEADER,
     Conflict,
@@ -189,6 +189,10 @@ def route_path(scope: Scope) -> str:
     return path
 
 
+def _every_path(scope: Scope) -> bool:
+    return True
+
+
 class _Routes:
     """Which route paths are protected; warns once when a pattern looks misplaced."""
 
@@ -198,7 +202,7 @@ class _Routes:
         self._prefixes: tuple[str, ...] = ()
         self._warned = False
         if routes is None:
-            self._func = lambda scope: True
+            self._func = _every_path
             self._unmatched: set[str] = set()
             return
         if callable(routes):
@@ -222,6 +226,11 @@ class _Routes:
         self._exact = frozenset(r for r in routes if not r.endswith("/*"))
         self._prefixes = tuple(r[:-1] for r in routes if r.endswith("/*"))
         self._unmatched = set(routes)
+
+    @property
+    def every(self) -> bool:
+        """Every path is protected (no ``routes`` given): nothing to match."""
+        return self._func is _every_path
 
     def match(self, scope: Scope, path: str) -> bool:
         if self._func is not None:
@@ -376,7 +385,10 @@ class _Exchange:
         final = self.final
         if self.abandoned or final is None:
             return
-        await self.send_held()
+        held = self.held
+        if held is not None:
+            self.held = None
+            await self.server_send(held)
         await self.server_send(final)
 
     async def send(self, message: Message) -> None:
@@ -437,11 +449,12 @@ class _Exchange:
                 )
         elif kind == "http.response.start":
             self.status = int(message["status"])
-            self.headers = list(message.get("headers", ()))
+            self.headers = headers = list(message.get("headers", ()))
             self.started = True
             # Held with the body, so a one-body answer leaves in one go once recorded.
-            # The headers may be a one-shot iterable (ASGI allows it): keep our copy.
-            self.held = {**message, "headers": self.headers}
+            # The headers may be a one-shot iterable (ASGI allows it): keep our copy, and
+            # send another that says the route is protected.
+            self.held = {**message, "headers": [*headers, _PROTECTED]}
         else:
             await self.send_held()
             await self.server_send(message)
@@ -524,6 +537,7 @@ class IdempotencyMiddleware:
         self._principal = _principal(principal, shared_key_space)
         self.shared_key_space = shared_key_space
         self._routes = _Routes(routes)
+        self._every_route = self._routes.every
         self.methods = _methods(methods)
         self._blob_store = _blob_store(blob_store, options.result_ttl)
         self._hooks = check_hooks(hooks)
@@ -576,8 +590,19 @@ class IdempotencyMiddleware:
                 send = _advertising(send)
             await self._pass(scope, receive, send, method, path)
             return
-        values = [v for k, v in scope.get("headers", ()) if k.lower() == b"idempotency-key"]
-        if not self._routes.match(scope, path):
+        # One pass over the headers for the key and the declared body length.
+        values: list[bytes] = []
+        lengths: list[bytes] | None = None
+        for name, value in scope.get("headers", ()):
+            name = name.lower()
+            if name == b"idempotency-key":
+                values.append(value)
+            elif name == b"content-length":
+                if lengths is None:
+                    lengths = [value]
+                else:
+                    lengths.append(value)
+        if not (self._every_route or self._routes.match(scope, path)):
             if values:
                 self._routes.passed_unprotected(scope, path)
             await self._pass(scope, receive, send, method, path)
@@ -585,7 +610,8 @@ class IdempotencyMiddleware:
         if not values and not self.options.require_key:
             await self._pass(scope, receive, send, method, path)
             return
-        send = _advertising(send)
+        # From here every answer carries _PROTECTED: the middleware's own (_messages) and
+        # the app's start (_Exchange.send) add it as they are built.
         # Whose key space, before anything about the key: an unauthenticated request
         # learns nothing (no replay, no 409, no 422 saying the key exists).
         principal = SHARED_PRINCIPAL
@@ -599,7 +625,7 @@ class IdempotencyMiddleware:
         if isinstance(key, Reject):
             await self._problem(send, key, "rejected", method, path, None)
             return
-        body = await _read_body(scope, receive, self.options.max_body_bytes)
+        body = await _read_body(lengths, receive, self.options.max_body_bytes)
         if body is None:
             return  # the client went away
         if isinstance(body, int):
@@ -743,7 +769,8 @@ class IdempotencyMiddleware:
         if unavailable_inside is not None:
             await self._unavailable_inside(exchange, unavailable_inside)
             return
-        await self._conclude(exchange)
+        if exchange.settling is not None or not exchange.finished:
+            await self._conclude(exchange)
 
     async def _unavailable_inside(self, exchange: _Exchange, exc: StoreUnavailable) -> None:
         """The store failed inside the handler (its transaction) and the app raised it
@@ -779,10 +806,16 @@ class IdempotencyMiddleware:
             if nothing
             else not_finished(self.options.retry_after, str(exc))
         )
-        exchange.held, final = _messages(problem.status, problem.headers, problem.body)
+        body = problem.body
+        headers = _raw_headers(problem.headers, body)
+        exchange.held = {
+            "type": "http.response.start",
+            "status": problem.status,
+            "headers": [*headers, _PROTECTED],
+        }
         exchange.status, exchange.started = problem.status, True
-        exchange.headers = list(exchange.held["headers"])
-        return final
+        exchange.headers = headers
+        return {"type": "http.response.body", "body": body, "more_body": False}
 
     async def _conclude(self, exchange: _Exchange) -> None:
         """After the app: wait for the settle its final answer started, or, when it
@@ -858,7 +891,7 @@ class IdempotencyMiddleware:
             mutation_started=claim.mutation_started,
             may_have_started=claim._may_have_started,
             binding=claim.binding,
-            now_ms=self._life.now_ms(),
+            now_ms=wall_ms(self._clock),
             max_inline_bytes=self.options.max_inline_bytes,
             max_recorded_bytes=self.options.max_recorded_bytes,
             size=exchange.size,
@@ -867,17 +900,17 @@ class IdempotencyMiddleware:
         return self._life.settle(claim, decision, deliver)
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> list[bytes] | int | None:
-    """The whole body, in the chunks it came in; its size when over ``limit``; None when
-    the client disconnected. The chunks are never joined here: the key is checked on
-    them as they are, and the app receives them as the server gave them."""
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            try:
-                if int(value) > limit:
-                    return int(value)
-            except ValueError:
-                pass
+async def _read_body(
+    lengths: list[bytes] | None, receive: Receive, limit: int
+) -> list[bytes] | int | None:
+    """The whole body, in the chunks it came in; its size when over ``limit`` (or when a
+    ``Content-Length`` in ``lengths`` says so); None when the client disconnected. The
+    chunks are never joined here: the key is checked on them as they are, and the app
+    receives them as the server gave them."""
+    for value in lengths or ():
+        declared = _declared(value)
+        if declared is not None and declared > limit:
+            return declared
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -893,12 +926,28 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> list[bytes] 
             return chunks
 
 
+def _declared(value: bytes) -> int | None:
+    """A ``Content-Length`` value as a number; None when it is not one."""
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _raw_headers(headers: Iterable[tuple[str, str]], body: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers of a whole answer as ASGI sends them, its ``content-length`` last."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    raw.append((b"content-length", b"%d" % len(body)))
+    return raw
+
+
 def _messages(
     status: int, headers: Iterable[tuple[str, str]], body: bytes
 ) -> tuple[Message, Message]:
-    """The start and the one body message of a whole answer."""
-    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-    raw.append((b"content-length", str(len(body)).encode()))
+    """The start and the one body message of a whole answer of a protected route (it
+    says so: ``idempotency-protected: true``, last)."""
+    raw = _raw_headers(headers, body)
+    raw.append(_PROTECTED)
     return (
         {"type": "http.response.start", "status": status, "headers": raw},
         {"type": "http.response.body", "body": body, "more_body": False},

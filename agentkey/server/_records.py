@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 _OWNER = re.compile(r"[0-9a-f]{32}")
+_JSON = json.JSONDecoder()  # json.loads's own decoder (no options): built once
 _DIGEST = re.compile(r"[A-Za-z0-9_-]{22}")
 
 
@@ -88,10 +89,24 @@ class Binding:
 
     @classmethod
     def decode(cls, text: str) -> Binding:
+        known = _ROUTE_BINDINGS.get(text)
+        if known is not None:
+            return known
         route, dot, body = text.partition(".")
         if not _DIGEST.fullmatch(route) or (dot and not _DIGEST.fullmatch(body)):
             raise ValueError("bad binding")
-        return cls(route, body if dot else None)
+        if dot:
+            return cls(route, body)
+        # A route alone (every agentkey key's binding): a server sees few routes, and
+        # each on every replay, so their bindings are kept, a bounded number of them.
+        binding = cls(route)
+        if len(_ROUTE_BINDINGS) >= 1024:
+            _ROUTE_BINDINGS.clear()
+        _ROUTE_BINDINGS[text] = binding
+        return binding
+
+
+_ROUTE_BINDINGS: dict[str, Binding] = {}
 
 
 #: ``claimed``: nothing has started; ``started``: the side effect may have started;
@@ -156,8 +171,18 @@ def encode_in_progress(
     head = f"P:{owner}:{started_ms}:{lease_end_ms}:{renew_ms}:{binding.encode()}"
     if phase == "claimed" and not operation:
         return head.encode("ascii")
-    op = quote(operation, safe=" /")
+    op = _QUOTED.get(operation)
+    if op is None:
+        op = quote(operation, safe=" /")
+        if len(_QUOTED) >= 1024:
+            _QUOTED.clear()
+        _QUOTED[operation] = op
     return f"{head}:{_PHASE_CHAR[phase]}:{op}".encode("ascii")
+
+
+# The operations of claims (``POST /charges``) as records quote them: few, each on every
+# claim and renewal, so kept, a bounded number of them.
+_QUOTED: dict[str, str] = {}
 
 
 def encode_outcome(outcome: StoredOutcome) -> bytes:
@@ -168,7 +193,7 @@ def encode_outcome(outcome: StoredOutcome) -> bytes:
     directly: it is written once per request, and the generic encoder costs three
     times as much for these few fields.
     """
-    headers = ",".join(f"[{_quote(k)},{_quote(v)}]" for k, v in outcome.headers)
+    headers = ",".join([f"[{_quote(k)},{_quote(v)}]" for k, v in outcome.headers])
     extra = "" if outcome.blob_uri is None else ',"blob":' + _quote(outcome.blob_uri)
     if outcome.binding is not None:
         extra += ',"fp":' + _quote(outcome.binding.encode())
@@ -209,10 +234,15 @@ def decode_record(value: bytes, *, key: str) -> InProgress | StoredOutcome:
             )
         if value[:2] in (b"C:", b"F:"):
             head, newline, body = value[2:].partition(b"\n")
-            doc = json.loads(head)
+            # What json.loads(head) does, without its encoding detection: a head opening
+            # with "{" then a non-NUL byte is UTF-8 (what detect_encoding says of it).
+            if head[:1] == b"{" and head[1:2] != b"\x00":
+                doc = _JSON.decode(head.decode("utf-8", "surrogatepass"))
+            else:
+                doc = json.loads(head)
             if not newline:  # v2: the body base64 inside the JSON
                 body = base64.b64decode(doc["body"], validate=True)
-            headers = tuple((str(k), str(v)) for k, v in doc["headers"])
+            headers = tuple([(str(k), str(v)) for k, v in doc["headers"]])
             blob = doc.get("blob")
             fp = doc.get("fp")
             return StoredOutcome(

@@ -175,7 +175,7 @@ class MemoryStore:
         return item[0]
 
     async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
-        ttl = _check_ttl(ttl_ms)
+        ttl = ttl_ms if type(ttl_ms) is int and ttl_ms > 0 else _check_ttl(ttl_ms)
         with self._lock:
             now = self._now()
             current = self._live(key, now)
@@ -195,7 +195,7 @@ class MemoryStore:
             return True
 
     async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
-        ttl = _check_ttl(ttl_ms)
+        ttl = ttl_ms if type(ttl_ms) is int and ttl_ms > 0 else _check_ttl(ttl_ms)
         with self._lock:
             now = self._now()
             current = self._live(key, now)

@@ -1,0 +1,130 @@
+"""What a request in flight costs the server beside its answer: objects held, caches kept.
+
+At 64 connections every request in flight holds its state across the store's round trips,
+and the garbage collector, run by the others' allocations, walks it again and again. So
+the settle holds no closure cells, and the values the middleware remembers per distinct
+operation, route, header name or binding stay bounded however many a server meets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import os
+import threading
+import time
+import types
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentkey import StepKey
+from agentkey.server import IdempotencyMiddleware, MemoryStore, _decide, _records
+from agentkey.server._claim import Claim
+from agentkey.server._decide import check_body, stored_headers
+from agentkey.server._records import Binding, digest, encode_in_progress
+from tests._loopback import serve
+
+BODY = b'{"amount":100}'
+
+
+class _HeldFinish(MemoryStore):
+    """A MemoryStore whose finish waits, once written, until the test lets it answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gate: asyncio.Event | None = None
+
+    async def finish(self, key: str, owner: str, value: bytes, *, ttl_ms: int) -> bool:
+        done = await super().finish(key, owner, value, ttl_ms=ttl_ms)
+        if self.gate is None:
+            self.loop, self.gate = asyncio.get_running_loop(), asyncio.Event()
+        self.waiting += 1
+        await self.gate.wait()
+        return done
+
+    def open(self) -> None:
+        assert self.loop is not None
+        assert self.gate is not None
+        self.loop.call_soon_threadsafe(self.gate.set)
+
+
+def _cells_holding_a_claim() -> int:
+    found = 0
+    for obj in gc.get_objects():
+        if type(obj) is types.CellType:
+            try:
+                if isinstance(obj.cell_contents, Claim):
+                    found += 1
+            except ValueError:  # an empty cell
+                pass
+    return found
+
+
+def test_requests_waiting_on_the_finish_hold_no_closure_cells() -> None:
+    """16 requests held at the store's finish keep no cell holding their claim (on main: a
+    settle's closures gave each request its variables as cells, 16+ found), and each ran once."""
+    runs = 0
+
+    async def charge(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        args = await request.json()
+        return JSONResponse({"amount": args["amount"]}, status_code=201)
+
+    store = _HeldFinish()
+    tool = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
+    app = IdempotencyMiddleware(tool, store=store, shared_key_space=True)
+    digest_hex = hashlib.sha256(BODY).hexdigest()
+    plan = os.urandom(6).hex()
+    keys = [f"{plan}:step_{i:03d}:{digest_hex}" for i in range(16)]
+    answers: list[Any] = []
+
+    async def send_all(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(url + "/tools/charge", content=BODY, headers={"Idempotency-Key": k})
+                    for k in keys
+                )
+            )
+
+    with serve(app) as url:
+        sender = threading.Thread(target=lambda: answers.append(asyncio.run(send_all(url))))
+        sender.start()
+        deadline = time.monotonic() + 60
+        while store.waiting < len(keys):
+            assert time.monotonic() < deadline, f"only {store.waiting} requests reached finish"
+            time.sleep(0.01)
+        held = _cells_holding_a_claim()
+        store.open()
+        sender.join(timeout=60)
+    assert held == 0
+    assert [a.status_code for a in answers[0]] == [201] * len(keys)
+    assert runs == len(keys)
+
+
+def test_the_per_value_caches_stay_bounded() -> None:
+    """3,000 distinct operations, routes, route bindings and answer header names leave each
+    of the middleware's caches of them at 1,024 entries or fewer."""
+    owner = "0" * 32
+    digest_hex = hashlib.sha256(BODY).hexdigest()
+    key = StepKey("plan", (0,), digest_hex)
+    for i in range(3000):
+        encode_in_progress(
+            owner, 1, binding=Binding("r" * 22), phase="started", operation=f"POST /t/{i}"
+        )
+        Binding.decode(digest(b"%d" % i))
+        stored_headers([(b"x-header-%d" % i, b"v")])
+        check_body(key, ("POST", f"/t/{i}"), BODY)
+    assert 0 < len(_records._QUOTED) <= 1024
+    assert 0 < len(_records._ROUTE_BINDINGS) <= 1024
+    assert 0 < len(_decide._HEADER_NAMES) <= 1024
+    assert 0 < len(_decide._ROUTES) <= 1024
