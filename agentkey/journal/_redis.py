@@ -5,15 +5,20 @@ sorted set per plan, ``<prefix>:{<plan>}``, listing its calls by creation time,
 and one per arguments hash, ``<prefix>:{<plan>}:args:<hash>``, listing the calls
 with those arguments (what a repeat check asks: its cost does not grow with the
 plan). All carry the plan in a hash tag, so a Redis Cluster keeps a plan's
-records in one slot and every script touches one slot. A global sorted set,
+records in one slot. A global sorted set,
 ``<prefix>:calls``, lists every call by its last change (for ``agentkey
 journal``); a member whose record is gone is removed when it is listed or pruned.
 What a route showed about honouring keys is one string per route,
 ``<prefix>:{evidence}:r:<route>``, expiring 30 days after it was last seen, listed
 in ``<prefix>:{evidence}:index`` (by expiry, expiring with it).
 
-Writing a call's start is one round trip (a script that sets the record unless
-it exists, or returns it); its end is another (a compare-and-set on the owner).
+Writing a call's start is one command and one round trip: a script, run by its
+SHA1, that sets the record unless it exists (or returns it), lists it in the
+plan's indexes and the global one, and reads the route's evidence. Its end is
+another (a compare-and-set on the owner, and the global index). A server that
+refuses one script's keys of several slots (a Redis Cluster node: CROSSSLOT, run
+nothing) gets scripts that touch the plan's slot alone from then on, with the
+global index and the evidence beside them in a pipeline (the same round trips).
 Records of ended calls expire ``retention`` after their last change, and the
 plan's indexes with them; a record of a call that may have run and is not settled
 (pending, in doubt) never expires, nor does an index that lists one (each index's
