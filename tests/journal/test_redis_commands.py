@@ -218,3 +218,38 @@ def test_records_are_encoded_as_before() -> None:
         old["body64"] = None if record.body is None else base64.b64encode(record.body).decode()
         assert _encode(record) == json.dumps(old, separators=(",", ":"))
         assert _decode(_encode(record)) == record
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_client_on_either_protocol_reads_the_scripts_answers(
+    protocol: int, redis_proc: RedisServer
+) -> None:
+    """The start script answers a pair (found, evidence) whose parts may be null: on a RESP2
+    and a RESP3 client alike, a new call is written, a second start finds it, the evidence
+    learnt for its route comes back, and its end is recorded."""
+    client = redis.Redis.from_url(redis_proc.url, protocol=protocol)
+    journal = RedisJournal(client, prefix=f"cmd{uuid.uuid4().hex[:8]}")
+    now = time.time()
+    record = CallRecord(
+        key="p:step_000:" + "cd" * 32,
+        plan="p",
+        step="step_000",
+        tool="charge",
+        args_hash="cd" * 32,
+        route="POST http://tools.test/charge",
+        created_at=now,
+        updated_at=now,
+        owner="elsewhere:1:abcd:1",
+        lease_until=now + 300,
+    )
+    try:
+        first = journal.begin(record, repeats=True)
+        assert (first.existing, first.evidence, first.earlier) == (None, None, ())
+        journal.learn(record.route, "protection header")
+        again = journal.begin(record.with_(owner="elsewhere:2:abcd:1"), repeats=True)
+        assert again.existing == record
+        assert again.evidence == "protection header"
+        assert journal.finish(record.with_(state=CallState.ANSWERED, updated_at=now + 1))
+        assert journal.get(record.key) == record.with_(state=CallState.ANSWERED, updated_at=now + 1)
+    finally:
+        client.close()
