@@ -28,6 +28,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
@@ -152,16 +153,42 @@ async def async_rounds(
         return out
 
 
-def redis_round_trips(url: str, call: Callable[[], None] | Callable[[], Awaitable[None]]) -> int:
-    """Commands of one call, from the server's own statistics (each pipeline is one trip)."""
+#: What the counting client itself sends (its connection's handshake, its statistics).
+_NOT_THE_CALLS = frozenset({"HELLO", "CLIENT", "INFO"})
+
+
+def redis_round_trips(
+    url: str, call: Callable[[], None] | Callable[[], Awaitable[None]]
+) -> tuple[int, list[str]]:
+    """Commands of one call, from the server's own statistics (those its scripts ran
+    included), and the commands the client sent (MONITOR, scripts' own calls left out)."""
     client = redis.Redis.from_url(url)
+    sent: list[str] = []
+    started = threading.Event()
+
+    def watch() -> None:
+        with redis.Redis.from_url(url) as watcher, watcher.monitor() as feed:
+            started.set()
+            for each in feed.listen():
+                command = str(each["command"])
+                if command == "ECHO bench-journal-end":
+                    return
+                name = command.split()[0].upper()
+                if each.get("client_type") != "lua" and name not in _NOT_THE_CALLS:
+                    sent.append(name)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    started.wait(10)
     before = client.info("stats")["total_commands_processed"]
     result = call()
     if asyncio.iscoroutine(result):
         asyncio.run(result)
     after = client.info("stats")["total_commands_processed"]
+    client.echo("bench-journal-end")
+    thread.join(10)
     client.close()
-    return int(after - before - 1)  # minus the INFO itself
+    return int(after - before - 1), sent  # minus the INFO itself
 
 
 def main() -> None:
@@ -197,20 +224,24 @@ def main() -> None:
             def one_sync() -> None:
                 counted.invoke(second)
 
-            trips = redis_round_trips(server.url, one_sync)
+            trips, sent = redis_round_trips(server.url, one_sync)
             counted.close()
+            print(
+                f"  Redis: one fresh call sends {' '.join(sent)}"
+                f" ({trips} commands with its scripts')"
+            )
             rows.append(
                 row(
                     "Redis, sync, loopback",
                     sync_rounds(url, RedisJournal(server.url), n, rounds),
-                    {"redis_commands_per_call": trips},
+                    {"redis_commands_per_call": trips, "redis_client_commands": sent},
                 )
             )
             rows.append(
                 row(
                     "Redis, async x10, loopback",
                     asyncio.run(async_rounds(url, RedisJournal(server.url), n, rounds)),
-                    {"redis_commands_per_call": trips},
+                    {"redis_commands_per_call": trips, "redis_client_commands": sent},
                 )
             )
         else:
@@ -221,8 +252,9 @@ def main() -> None:
             {
                 "method": "ABBA rounds of fresh steps, ratio per round = journal / journal=False; "
                 "the tool is a bare uvicorn process (1 worker, loopback); client CPU from "
-                "process_time; Redis commands per call from INFO stats (pipelined: the "
-                "start of a call is one round trip, its end another)",
+                "process_time; Redis commands per call from INFO stats (those the scripts "
+                "run included) and the commands the client sends from MONITOR (the start "
+                "of a call is one round trip, its end another)",
                 "rows": rows,
             },
             ns.out,

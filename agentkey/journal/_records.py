@@ -93,9 +93,13 @@ class CallRecord:
 
     def with_(self, **changes: Any) -> CallRecord:
         """A copy with ``changes`` applied."""
-        fields = dict(zip(FIELDS, _values(self), strict=True))
-        fields.update(changes)
-        return CallRecord(**fields)
+        values = list(_values(self))
+        for name, value in changes.items():
+            index = _INDEX.get(name)
+            if index is None:
+                raise TypeError(f"CallRecord has no field {name!r}")
+            values[index] = value
+        return CallRecord(*values)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON values (the body as text when it is UTF-8, else omitted)."""
@@ -115,6 +119,8 @@ class CallRecord:
 FIELDS: tuple[str, ...] = tuple(CallRecord.__dataclass_fields__)
 #: All of a record's field values at once, in :data:`FIELDS` order.
 _values = operator.attrgetter(*FIELDS)
+#: Each field's place in :data:`FIELDS` (``with_`` builds its copy positionally).
+_INDEX = {name: index for index, name in enumerate(FIELDS)}
 
 
 def values_of(record: CallRecord) -> tuple[Any, ...]:

@@ -5,15 +5,20 @@ sorted set per plan, ``<prefix>:{<plan>}``, listing its calls by creation time,
 and one per arguments hash, ``<prefix>:{<plan>}:args:<hash>``, listing the calls
 with those arguments (what a repeat check asks: its cost does not grow with the
 plan). All carry the plan in a hash tag, so a Redis Cluster keeps a plan's
-records in one slot and every script touches one slot. A global sorted set,
+records in one slot. A global sorted set,
 ``<prefix>:calls``, lists every call by its last change (for ``agentkey
 journal``); a member whose record is gone is removed when it is listed or pruned.
 What a route showed about honouring keys is one string per route,
 ``<prefix>:{evidence}:r:<route>``, expiring 30 days after it was last seen, listed
 in ``<prefix>:{evidence}:index`` (by expiry, expiring with it).
 
-Writing a call's start is one round trip (a script that sets the record unless
-it exists, or returns it); its end is another (a compare-and-set on the owner).
+Writing a call's start is one command and one round trip: a script, run by its
+SHA1, that sets the record unless it exists (or returns it), lists it in the
+plan's indexes and the global one, and reads the route's evidence. Its end is
+another (a compare-and-set on the owner, and the global index). A server that
+refuses one script's keys of several slots (a Redis Cluster node: CROSSSLOT, run
+nothing) gets scripts that touch the plan's slot alone from then on, with the
+global index and the evidence beside them in a pipeline (the same round trips).
 Records of ended calls expire ``retention`` after their last change, and the
 plan's indexes with them; a record of a call that may have run and is not settled
 (pending, in doubt) never expires, nor does an index that lists one (each index's
@@ -29,6 +34,7 @@ Needs redis-py (``pip install 'agentkey-idempotency[redis]'``). Give it a URL
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -54,11 +60,12 @@ from ._base import (
     repeats_among,
     settle_by_take_over,
 )
+from ._records import FIELDS, values_of
 
 try:
     import redis
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
+    from redis.exceptions import NoScriptError, RedisError, ResponseError
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra("redis", "redis", exc) from exc
 
@@ -89,34 +96,49 @@ end
 #: Set the record unless its key exists (then return it), and index it under its plan
 #: (KEYS[2]) and its arguments (KEYS[3]); the record expires after ARGV[6] ms ('0': never).
 #: With ARGV[5] = '1', first list the other calls with its arguments (a table of their keys;
-#: then nothing is written) when one of them is not among the known keys, ARGV[7...].
-_BEGIN = (
-    _KEEP
-    + """
-if ARGV[5] == '1' then
-  local known = {}
-  for i = 7, #ARGV do known[ARGV[i]] = true end
-  local others, new = {}, false
-  for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    if key ~= ARGV[4] then
-      others[#others + 1] = key
-      if not known[key] then new = true end
+#: then nothing is written) when one of them is not among the known keys, ARGV[8...].
+#: (ARGV[7] is the record's last change: the global index's score, see _BEGIN_ONE.)
+_BEGIN_BODY = """
+local function begin()
+  if ARGV[5] == '1' then
+    local known = {}
+    for i = 8, #ARGV do known[ARGV[i]] = true end
+    local others, new = {}, false
+    for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+      if key ~= ARGV[4] then
+        others[#others + 1] = key
+        if not known[key] then new = true end
+      end
     end
+    if new then return others end
   end
-  if new then return others end
+  local existing = redis.call('GET', KEYS[1])
+  if existing then return existing end
+  if ARGV[6] == '0' then
+    redis.call('SET', KEYS[1], ARGV[1])
+  else
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
+  end
+  for i = 2, 3 do
+    redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
+  end
+  keep(ARGV[4])
+  return false
 end
-local existing = redis.call('GET', KEYS[1])
-if existing then return existing end
-if ARGV[6] == '0' then
-  redis.call('SET', KEYS[1], ARGV[1])
-else
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
-end
-for i = 2, 3 do
-  redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
-end
-keep(ARGV[4])
-return false
+"""
+#: The begin alone: every key in the plan's slot (a server that refuses _BEGIN_ONE's keys
+#: of three slots, a Redis Cluster node, gets this and the other two in a pipeline).
+_BEGIN = _KEEP + _BEGIN_BODY + "return begin()\n"
+#: The begin and what a call's start also needs, in one round trip and one command: unless
+#: other calls were listed (nothing was written), the call joins the global index (KEYS[6],
+#: scored ARGV[7]); returns {what begin() returned, the route's evidence (KEYS[7])}.
+_BEGIN_ONE = (
+    _KEEP
+    + _BEGIN_BODY
+    + """
+local found = begin()
+if type(found) ~= 'table' then redis.call('ZADD', KEYS[6], ARGV[7], ARGV[4]) end
+return {found, redis.call('GET', KEYS[7])}
 """
 )
 #: Replace the record when its state, owner and last change are still ARGV[3..5]
@@ -124,26 +146,37 @@ return false
 #: its call's key. The record
 #: expires after ARGV[6] ms ('0': never, a call not settled); its plan's indexes (KEYS[2],
 #: KEYS[3]) as _KEEP says.
-_SWAP = (
+_SWAP_BODY = """
+local function swap()
+  local current = redis.call('GET', KEYS[1])
+  if not current then return 0 end
+  local ok, record = pcall(cjson.decode, current)
+  if not ok then return 0 end
+  local owner = record['owner']
+  if owner == cjson.null then owner = '' end
+  if owner ~= ARGV[4] then return 0 end
+  if ARGV[3] ~= '' then
+    if record['state'] ~= ARGV[3] or record['updated_at'] ~= tonumber(ARGV[5]) then return 0 end
+  end
+  if ARGV[6] == '0' then
+    redis.call('SET', KEYS[1], ARGV[1])
+  else
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
+  end
+  keep(ARGV[7])
+  return 1
+end
+"""
+_SWAP = _KEEP + _SWAP_BODY + "return swap()\n"
+#: A finish in one command: the swap, then the call's entry in the global index (KEYS[6])
+#: scored its last change (ARGV[8]), whether the swap was made or not (as the pipeline did).
+_SWAP_ONE = (
     _KEEP
+    + _SWAP_BODY
     + """
-local current = redis.call('GET', KEYS[1])
-if not current then return 0 end
-local ok, record = pcall(cjson.decode, current)
-if not ok then return 0 end
-local owner = record['owner']
-if owner == cjson.null then owner = '' end
-if owner ~= ARGV[4] then return 0 end
-if ARGV[3] ~= '' then
-  if record['state'] ~= ARGV[3] or record['updated_at'] ~= tonumber(ARGV[5]) then return 0 end
-end
-if ARGV[6] == '0' then
-  redis.call('SET', KEYS[1], ARGV[1])
-else
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[6])
-end
-keep(ARGV[7])
-return 1
+local done = swap()
+redis.call('ZADD', KEYS[6], ARGV[8], ARGV[7])
+return done
 """
 )
 #: Delete the record if it is still ARGV[1], and its entries in its plan's indexes (which
@@ -181,11 +214,54 @@ return 1
 """
 
 
+class _Script:
+    """A Lua script run by its SHA1 (EVALSHA: the text goes to a server once, not with every
+    call). A server that does not know it (restarted, flushed, evicted) answers NOSCRIPT
+    without running anything; the text is sent then (EVAL, which also caches it)."""
+
+    __slots__ = ("sha", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()  # noqa: S324 - Redis's name for it
+
+    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.eval(self.text, len(keys), *keys, *args)
+
+    async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """The same on an asyncio client."""
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.eval(self.text, len(keys), *keys, *args)
+
+
+_RUN_BEGIN_ONE = _Script(_BEGIN_ONE)
+_RUN_SWAP = _Script(_SWAP)
+_RUN_SWAP_ONE = _Script(_SWAP_ONE)
+
+
+def _cross_slot(exc: ResponseError) -> bool:
+    """Whether a server refused a script's keys for lying in several slots (a Redis Cluster
+    node, a proxy of a sharded database): then the script did not run."""
+    text = str(exc)
+    return "CROSSSLOT" in text or "same slot" in text
+
+
+#: One encoder, built once (the same output as ``json.dumps(..., separators=(",", ":"))``).
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _encode(record: CallRecord) -> str:
-    data = record.to_dict()
-    data.pop("body", None)
-    data["body64"] = None if record.body is None else base64.b64encode(record.body).decode()
-    return json.dumps(data, separators=(",", ":"))
+    """The record as its JSON string: every field but ``body``, in order, then ``body64``."""
+    data = dict(zip(FIELDS, values_of(record), strict=True))
+    data["state"] = record.state.value
+    body = data.pop("body")
+    data["body64"] = None if body is None else base64.b64encode(body).decode()
+    return _json(data)
 
 
 def _decode(raw: bytes | str) -> CallRecord:
@@ -265,6 +341,11 @@ class RedisJournal:
             )
         self.supports_sync = self._async is None
         self.supports_async = self._sync is None
+        # A call's start and end each run one script over keys of three slots (the plan's,
+        # the global index's, the evidence's): one command per round trip. A server that
+        # refuses keys of several slots in one script makes this True for good: each script
+        # then touches the plan's slot alone, the rest goes beside it in a pipeline.
+        self._split = False
 
     def __repr__(self) -> str:
         return f"RedisJournal(prefix={self.prefix!r})"
@@ -335,6 +416,7 @@ class RedisJournal:
             record.key,
             look,
             self._record_ttl_ms(record),
+            record.updated_at,
         ]
         return self._keys_of(record), [*args, *(known or ())]
 
@@ -355,6 +437,10 @@ class RedisJournal:
                 ttl,
             ]
         return keys, [*args, record.key]
+
+    def _begin_more(self, record: CallRecord) -> tuple[str, str]:
+        """The begin script's keys beyond :meth:`_keys_of`: the global index, the evidence."""
+        return self._calls_key, self._evidence_key(record.route)
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
@@ -409,18 +495,11 @@ class RedisJournal:
         while True:
             keys, args = self._begin_args(record, repeats, seen)
             try:
-                with client.pipeline(transaction=False) as pipe:
-                    pipe.eval(_BEGIN, len(keys), *keys, *args)
-                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                    pipe.get(self._evidence_key(record.route))
-                    raw, _, evidence = pipe.execute()
+                raw, evidence = self._begin_once(client, record, keys, args)
                 if not isinstance(raw, list):
                     return self._begun(record, raw, evidence)
                 # Other calls with these arguments: nothing was written (nor is listed).
-                with client.pipeline(transaction=False) as pipe:
-                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                    pipe.zrem(self._calls_key, record.key)
-                    raws, _ = pipe.execute()
+                raws = client.mget([self._record_key(record.plan, _text(k)) for k in raw])
             except RedisError as exc:
                 raise self._wrap(exc) from None
             earlier = _repeats(record, raws, known)
@@ -430,16 +509,47 @@ class RedisJournal:
             # them, in the same atomic script (a copy that wrote meanwhile is seen).
             seen.update(map(_text, raw))
 
+    def _begin_once(
+        self, client: redis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+    ) -> tuple[Any, Any]:
+        """Run the begin script: (what it found, the route's evidence), in one round trip."""
+        if not self._split:
+            try:
+                found, evidence = _RUN_BEGIN_ONE(client, [*keys, *self._begin_more(record)], args)
+                return found, evidence
+            except ResponseError as exc:
+                if not _cross_slot(exc):
+                    raise
+                self._split = True
+        with client.pipeline(transaction=False) as pipe:
+            pipe.eval(_BEGIN, len(keys), *keys, *args)
+            pipe.zadd(self._calls_key, {record.key: record.updated_at})
+            pipe.get(self._evidence_key(record.route))
+            found, _, evidence = pipe.execute()
+        if isinstance(found, list):  # nothing was written: nor is it listed
+            client.zrem(self._calls_key, record.key)
+        return found, evidence
+
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
-        return bool(self._client().eval(_SWAP, len(keys), *keys, *args))
+        return bool(_RUN_SWAP(self._client(), keys, args))
 
     def finish(self, record: CallRecord) -> bool:
         keys, args = self._swap_args(record, None)
-        with self._client().pipeline(transaction=False) as pipe:
-            pipe.eval(_SWAP, len(keys), *keys, *args)
-            pipe.zadd(self._calls_key, {record.key: record.updated_at})
-            done, _ = pipe.execute()
+        client = self._client()
+        done = None
+        if not self._split:
+            try:
+                done = _RUN_SWAP_ONE(client, [*keys, self._calls_key], [*args, record.updated_at])
+            except ResponseError as exc:
+                if not _cross_slot(exc):
+                    raise
+                self._split = True
+        if done is None:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.eval(_SWAP, len(keys), *keys, *args)
+                pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                done, _ = pipe.execute()
         if done:
             return True
         raise finish_missed(self, record)
@@ -554,17 +664,10 @@ class RedisJournal:
         while True:
             keys, args = self._begin_args(record, repeats, seen)
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.eval(_BEGIN, len(keys), *keys, *args)
-                    pipe.zadd(self._calls_key, {record.key: record.updated_at})
-                    pipe.get(self._evidence_key(record.route))
-                    raw, _, evidence = await pipe.execute()
+                raw, evidence = await self._abegin_once(client, record, keys, args)
                 if not isinstance(raw, list):
                     return self._begun(record, raw, evidence)
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.mget([self._record_key(record.plan, _text(k)) for k in raw])
-                    pipe.zrem(self._calls_key, record.key)
-                    raws, _ = await pipe.execute()
+                raws = await client.mget([self._record_key(record.plan, _text(k)) for k in raw])
             except RedisError as exc:
                 raise self._wrap(exc) from None
             earlier = _repeats(record, raws, known)
@@ -572,16 +675,49 @@ class RedisJournal:
                 return Begun(None, self._evidence_of(evidence), False, earlier)
             seen.update(map(_text, raw))
 
+    async def _abegin_once(
+        self, client: aioredis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+    ) -> tuple[Any, Any]:
+        """:meth:`_begin_once` on the asyncio client."""
+        if not self._split:
+            try:
+                more = self._begin_more(record)
+                found, evidence = await _RUN_BEGIN_ONE.run(client, [*keys, *more], args)
+                return found, evidence
+            except ResponseError as exc:
+                if not _cross_slot(exc):
+                    raise
+                self._split = True
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.eval(_BEGIN, len(keys), *keys, *args)
+            pipe.zadd(self._calls_key, {record.key: record.updated_at})
+            pipe.get(self._evidence_key(record.route))
+            found, _, evidence = await pipe.execute()
+        if isinstance(found, list):
+            await client.zrem(self._calls_key, record.key)
+        return found, evidence
+
     async def atake_over(self, record: CallRecord, previous: CallRecord) -> bool:
         keys, args = self._swap_args(record, previous)
-        return bool(await self._aclient().eval(_SWAP, len(keys), *keys, *args))
+        return bool(await _RUN_SWAP.run(self._aclient(), keys, args))
 
     async def afinish(self, record: CallRecord) -> bool:
         keys, args = self._swap_args(record, None)
-        async with self._aclient().pipeline(transaction=False) as pipe:
-            pipe.eval(_SWAP, len(keys), *keys, *args)
-            pipe.zadd(self._calls_key, {record.key: record.updated_at})
-            done, _ = await pipe.execute()
+        client = self._aclient()
+        done = None
+        if not self._split:
+            try:
+                more = [*args, record.updated_at]
+                done = await _RUN_SWAP_ONE.run(client, [*keys, self._calls_key], more)
+            except ResponseError as exc:
+                if not _cross_slot(exc):
+                    raise
+                self._split = True
+        if done is None:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.eval(_SWAP, len(keys), *keys, *args)
+                pipe.zadd(self._calls_key, {record.key: record.updated_at})
+                done, _ = await pipe.execute()
         if done:
             return True
         raise await afinish_missed(self, record)

@@ -1,0 +1,255 @@
+"""What a call costs the Redis journal on the wire, counted by the Redis server itself.
+
+A call's start is one command (a script that looks for the same call at another step,
+writes the record, lists it in the plan's indexes and the global one, and reads the
+route's evidence) and its end is another: one round trip each. A server that refuses a
+script's keys of several slots (a Redis Cluster node) gets the one-slot scripts, with the
+rest beside them in a pipeline; a server that forgot the scripts is sent their text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
+from agentkey.journal import CallRecord, CallState, RedisJournal
+from tests._loopback import RedisServer, free_port, redis_server, serve
+from tests.journal._tools import PlainTool
+
+DRIVERS = ("sync", "async")
+
+
+class Commands:
+    """The commands clients send to a Redis server (MONITOR), scripts' own calls left out;
+    only those that name ``mark`` (a journal's prefix) are kept."""
+
+    def __init__(self, url: str, mark: str) -> None:
+        self.url, self.mark = url, mark
+        self.seen: list[str] = []
+        self._monitor = redis.Redis.from_url(url)
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        with self._monitor.monitor() as feed:  # type: ignore[no-untyped-call]
+            self._started.set()
+            for each in feed.listen():
+                command = str(each["command"])
+                if each.get("client_type") == "lua" or self.mark not in command:
+                    continue
+                if command == f"ECHO {self.mark}:end":
+                    return
+                self.seen.append(command.split()[0].upper())
+
+    def start(self) -> None:
+        self._thread.start()
+        assert self._started.wait(10)
+
+    def stop(self) -> None:
+        with redis.Redis.from_url(self.url) as client:
+            client.echo(f"{self.mark}:end")
+        self._thread.join(10)
+        self._monitor.close()
+
+
+def calls(
+    driver: str, url: str, journal: RedisJournal, steps: list[Any], between: Callable[[], None]
+) -> list[Any]:
+    """Invoke ``steps[0]`` (connects, loads), then ``between()``, then the others."""
+    options: dict[str, Any] = {"route_template": "/tools/{tool}", "journal": journal}
+    if driver == "sync":
+        try:
+            with ToolInvoker(url, **options) as tools:
+                first = [tools.invoke(steps[0])]
+                between()
+                return first + [tools.invoke(step) for step in steps[1:]]
+        finally:
+            journal.close()
+
+    async def run() -> list[Any]:
+        try:
+            async with AsyncToolInvoker(url, **options) as tools:
+                first = [await tools.invoke(steps[0])]
+                await asyncio.to_thread(between)
+                return first + [await tools.invoke(step) for step in steps[1:]]
+        finally:
+            await journal.aclose()
+
+    return asyncio.run(run())
+
+
+def listing(url: str, prefix: str) -> list[CallRecord]:
+    """Every call the journal under ``prefix`` lists, read by a journal of its own."""
+    reader = RedisJournal(url, prefix=prefix)
+    try:
+        return reader.calls(limit=100)
+    finally:
+        reader.close()
+
+
+def ten_and_a_repeat() -> list[Any]:
+    plan = PlanSession.new()
+    fresh = [plan.step(index, "charge", {"amount": index}) for index in range(11)]
+    return [*fresh, plan.step(11, "charge", {"amount": 3})]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_fresh_call_costs_the_redis_journal_one_command_per_round_trip(
+    driver: str, redis_proc: RedisServer
+) -> None:
+    """Ten fresh calls send the Redis journal two commands each (EVALSHA: its start, its
+    end; five before, in two pipelines: EVAL, ZADD, GET, EVAL, ZADD); the tool runs each
+    once, a repeat at another step is still found, and the records are whole."""
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    journal = RedisJournal(redis_proc.url, prefix=prefix)
+    plain, steps = PlainTool(), ten_and_a_repeat()
+    watch = Commands(redis_proc.url, prefix)
+    with serve(plain) as url:
+        results = calls(driver, url, journal, steps, watch.start)
+    watch.stop()
+    assert watch.seen[: 2 * 10] == ["EVALSHA", "EVALSHA"] * 10, watch.seen
+    assert results[-1].repeat_of == "step_003"
+    assert plain.executions["charge"] == 11
+    listed = listing(redis_proc.url, prefix)
+    assert len(listed) == 11
+    assert {r.state for r in listed} == {CallState.ANSWERED}
+    assert all(r.body is not None and r.status_code == 201 for r in listed)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_redis_that_forgot_the_scripts_is_sent_their_text(
+    driver: str, redis_proc: RedisServer
+) -> None:
+    """After SCRIPT FLUSH (a restarted Redis), the next start and end answer NOSCRIPT,
+    which runs nothing: each is sent again as EVAL, then EVALSHA works again."""
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    journal = RedisJournal(redis_proc.url, prefix=prefix)
+    plain, steps = PlainTool(), ten_and_a_repeat()[:3]
+
+    def flush() -> None:
+        with redis.Redis.from_url(redis_proc.url) as client:
+            client.script_flush()
+
+    with serve(plain) as url:
+        results = calls(driver, url, journal, steps, flush)
+    assert plain.executions["charge"] == 3
+    assert all(r.status_code == 201 and r.repeat_of is None for r in results)
+    listed = listing(redis_proc.url, prefix)
+    assert len(listed) == 3
+    assert {r.state for r in listed} == {CallState.ANSWERED}
+
+
+@pytest.fixture(scope="module")
+def cluster_node() -> Iterator[RedisServer]:
+    """A one-node Redis Cluster that holds every slot: it refuses a script whose keys lie in
+    several slots (CROSSSLOT), as every node of a real cluster does."""
+    options = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    # The bus port defaults to the port + 10000, past 65535 for a high free port: name one.
+    options += ["--cluster-port", str(free_port())]
+    with redis_server(*options) as node:
+        with redis.Redis.from_url(node.url) as client:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            deadline = time.monotonic() + 10
+            while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the one-node cluster did not come up"
+                time.sleep(0.05)
+        yield node
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_cluster_node_gets_scripts_of_one_slot(driver: str, cluster_node: RedisServer) -> None:
+    """On a Redis Cluster node the three-slot script is refused (it ran nothing): the
+    journal sends the one-slot scripts with the rest in a pipeline from then on, and calls,
+    repeats and the global listing work as before."""
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    journal = RedisJournal(cluster_node.url, prefix=prefix)
+    plain, steps = PlainTool(), ten_and_a_repeat()
+    watch = Commands(cluster_node.url, prefix)
+    with serve(plain) as url:
+        results = calls(driver, url, journal, steps, watch.start)
+    watch.stop()
+    assert "EVALSHA" not in watch.seen
+    assert watch.seen[:5] == ["EVAL", "ZADD", "GET", "EVAL", "ZADD"]
+    assert results[-1].repeat_of == "step_003"
+    assert plain.executions["charge"] == 11
+    listed = listing(cluster_node.url, prefix)
+    assert len(listed) == 11
+    assert {r.state for r in listed} == {CallState.ANSWERED}
+
+
+def test_records_are_encoded_as_before() -> None:
+    """The record's JSON is byte for byte what earlier versions wrote and read (every field
+    but the body, then the body in base64): records of either version read the same."""
+    from agentkey.journal._redis import _decode, _encode
+
+    now = time.time()
+    base = CallRecord(
+        key="p:step_000:" + "ab" * 32,
+        plan="p",
+        step="step_000",
+        tool="charge",
+        args_hash="ab" * 32,
+        route="POST http://tools.test/charge",
+        created_at=now,
+        updated_at=now,
+        owner="host:1:abcd:1",
+        lease_until=now + 300.25,
+    )
+    for record in (
+        base,
+        base.with_(
+            state=CallState.ANSWERED, body=b'{"ok":"\xc3\xa9"}', body_size=12, honoured=True
+        ),
+        base.with_(state=CallState.IN_DOUBT, body=b"\xff\x00", status_code=502, reason="r\u00e9"),
+        base.with_(state=CallState.FAILED, call_id="c1", context="t1", error="E", source="tool"),
+    ):
+        old = record.to_dict()
+        old.pop("body", None)
+        old["body64"] = None if record.body is None else base64.b64encode(record.body).decode()
+        assert _encode(record) == json.dumps(old, separators=(",", ":"))
+        assert _decode(_encode(record)) == record
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_client_on_either_protocol_reads_the_scripts_answers(
+    protocol: int, redis_proc: RedisServer
+) -> None:
+    """The start script answers a pair (found, evidence) whose parts may be null: on a RESP2
+    and a RESP3 client alike, a new call is written, a second start finds it, the evidence
+    learnt for its route comes back, and its end is recorded."""
+    client = redis.Redis.from_url(redis_proc.url, protocol=protocol)
+    journal = RedisJournal(client, prefix=f"cmd{uuid.uuid4().hex[:8]}")
+    now = time.time()
+    record = CallRecord(
+        key="p:step_000:" + "cd" * 32,
+        plan="p",
+        step="step_000",
+        tool="charge",
+        args_hash="cd" * 32,
+        route="POST http://tools.test/charge",
+        created_at=now,
+        updated_at=now,
+        owner="elsewhere:1:abcd:1",
+        lease_until=now + 300,
+    )
+    try:
+        first = journal.begin(record, repeats=True)
+        assert (first.existing, first.evidence, first.earlier) == (None, None, ())
+        journal.learn(record.route, "protection header")
+        again = journal.begin(record.with_(owner="elsewhere:2:abcd:1"), repeats=True)
+        assert again.existing == record
+        assert again.evidence == "protection header"
+        assert journal.finish(record.with_(state=CallState.ANSWERED, updated_at=now + 1))
+        assert journal.get(record.key) == record.with_(state=CallState.ANSWERED, updated_at=now + 1)
+    finally:
+        client.close()
