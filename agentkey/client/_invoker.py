@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from .._clock import Clock, default_clock
 from .._exceptions import AgentKeyError, ConfigurationError, InsecureTransport, JournalError
-from .._keys import HEADER_STYLES, HeaderStyle, StepKey, shown_key
+from .._keys import HEADER_STYLES, HeaderStyle, StepKey, header_value, shown_key
 from .._plan import Step
 from ._policies import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_REPLAY_HEADERS, PollPolicy, RetryPolicy
 
@@ -496,8 +496,13 @@ class _InvokerBase:
             )
         if not isinstance(method, str) or not method.isalpha():
             raise ConfigurationError(f"method must be an HTTP method name, got {method!r}")
-        key = step.key if idempotency_key is None else StepKey.parse(idempotency_key)
-        label = key.label
+        if idempotency_key is None:  # the step's own key: its parts are known, no StepKey
+            raw, label, plan = step.idempotency_key, step.label, step.plan_session_id
+            sent = header_value(raw, self._style)
+        else:
+            key = StepKey.parse(idempotency_key)
+            raw, label, plan = key.format(), key.label, key.plan_session_id
+            sent = key.header_value(self._style)
         if path is not None:
             url = self._url(path)
         elif step.tool in self._routes:
@@ -509,9 +514,12 @@ class _InvokerBase:
                 f"no route for tool {step.tool!r} at {label}: pass path=, or set "
                 "routes={tool: path} or route_template='/tools/{tool}' on the invoker"
             )
-        for name, value in (("call_id", call_id), ("context", context)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigurationError(f"{name} must be a non-empty str or None, got {value!r}")
+        if call_id is not None or context is not None:
+            for name, value in (("call_id", call_id), ("context", context)):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ConfigurationError(
+                        f"{name} must be a non-empty str or None, got {value!r}"
+                    )
         extra = _check_headers(headers)
         reconcile = self._reconcile
         if isinstance(reconcile, Mapping):
@@ -520,16 +528,18 @@ class _InvokerBase:
             url,
             method.upper(),
             extra,
-            key.format(),
+            raw,
             label,
-            key.header_value(self._style),
+            sent,
             step.body,
             step.tool,
-            key.plan_session_id,
-            step.key.args_hash,  # what is sent: the journal refuses other args under a key
+            plan,
+            # What is sent (the step's own key's hash): the journal refuses other args under
+            # a key.
+            step.idempotency_key.rpartition(":")[2],
             call_id,
             context,
-            current_owner(),
+            current_owner() if self._journal is not None else "",  # the journal's alone
             step.repeat_of,
             reconcile,
             step.on_repeat if idempotency_key is None else "allow",  # your key is yours
