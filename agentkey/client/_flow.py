@@ -159,7 +159,7 @@ _FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # 
 Reconciler: TypeAlias = "HttpLookup | Callable[[InDoubt], Any]"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class Call:
     """Everything one logical call needs, computed once before the first send."""
 
@@ -249,7 +249,7 @@ class Settings:
         object.__setattr__(self, "in_flight", waits)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class Finished:
     """The answer that ends a flow, and how the flow got there.
 
@@ -466,7 +466,14 @@ class _Run:
 
         The drivers throw their own failures (a cancellation, a request that cannot be
         built, a hook that raised) into the flow, so the CallEndEvent names those too.
+        When no hook listens to either event, ``flow`` itself: there is nothing to add.
         """
+        events = self.s.events
+        if CallStartEvent not in events and CallEndEvent not in events:
+            return flow
+        return self._observing(flow)
+
+    def _observing(self, flow: Flow) -> Flow:
         call, ends = self.call, CallEndEvent in self.s.events
         if CallStartEvent in self.s.events:
             yield Emit(CallStartEvent(call.key, call.label, call.method, call.url, call.tool))
@@ -945,6 +952,14 @@ class _Run:
     # --- the step --------------------------------------------------------------------------
 
     def step(self) -> Flow:
+        """The step's flow: announced when it repeats an earlier step, recorded in the
+        journal first. Without either, :meth:`send_step` itself (a generator less)."""
+        call = self.call
+        if not self.s.journal and (call.repeat_of is None or RepeatEvent not in self.s.events):
+            return self.send_step()  # no record to close: what _step adds is a no-op
+        return self._step()
+
+    def _step(self) -> Flow:
         call = self.call
         if call.repeat_of is not None and RepeatEvent in self.s.events:  # the plan's repeat
             yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))

@@ -107,7 +107,7 @@ class ProtocolConfig:
         return origin_of(url) == self.base_origin
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class CallContext:
     """Who an error concerns: the key, the step label and the attempts made so far.
 
