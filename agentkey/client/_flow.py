@@ -40,7 +40,7 @@ Three rules carry the weight:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
@@ -652,12 +652,14 @@ class _Run:
         self.declared = self.s.declared(url)
         self.recall()
 
-    def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
+    def learn(self, answer: Answer) -> Iterable[Effect]:
         """Remember what ``answer`` shows about its route honouring keys (that method and
-        that route only: a redirect's evidence is the redirecting route's)."""
+        that route only: a redirect's evidence is the redirecting route's). Most answers
+        show nothing: then no generator is made."""
         found = key_evidence(answer, self.s.protocol)
-        if found is None:
-            return
+        return () if found is None else self._learnt(answer, found)
+
+    def _learnt(self, answer: Answer, found: str) -> Generator[Effect, Any, None]:
         route, now = route_of(self.call.method, answer.url), self.s.clock()
         if route == self.route():
             self.evidence = _stronger(self.evidence, found)
@@ -671,12 +673,18 @@ class _Run:
     def close_record(
         self, state: CallState, *, answer: Answer | None = None, error: BaseException | None = None,
         outcome: str | None = None, status_url: str | None = None, source: str = "tool",
-    ) -> Generator[Effect, Any, None]:  # fmt: skip
-        """Write how the call ended over its pending record."""
+    ) -> Iterable[Effect]:  # fmt: skip
+        """Write how the call ended over its pending record (none: nothing, no generator)."""
         record = self.record
         if record is None:
-            return
+            return ()
         self.record = None
+        return self._closing(record, state, answer, error, outcome, status_url, source)
+
+    def _closing(
+        self, record: CallRecord, state: CallState, answer: Answer | None,
+        error: BaseException | None, outcome: str | None, status_url: str | None, source: str,
+    ) -> Generator[Effect, Any, None]:  # fmt: skip
         fields: dict[str, Any] = {
             "state": state,
             "updated_at": self.s.wall(),
