@@ -340,7 +340,10 @@ class _InvokerBase:
         if not all(callable(h) for h in hooks):
             raise ConfigurationError(f"hooks must be callables taking one event, got {hooks!r}")
         declared, declarations = honours_option(honours_keys)
-        self._reconcile = _check_reconcile(reconcile)
+        checked = _check_reconcile(reconcile)
+        #: The reconcile hook of every tool (or none), or None and a hook per tool name.
+        self._reconcile = None if isinstance(checked, Mapping) else checked
+        self._reconcile_by_tool = checked if isinstance(checked, Mapping) else None
         self._base_url = base_url.rstrip("/")
         self._auth = auth
         self._timeout = make_timeout(timeout)
@@ -496,8 +499,12 @@ class _InvokerBase:
             )
         if not isinstance(method, str) or not method.isalpha():
             raise ConfigurationError(f"method must be an HTTP method name, got {method!r}")
-        if idempotency_key is None:  # the step's own key: its parts are known, no StepKey
-            raw, label, plan = step.idempotency_key, step.label, step.plan_session_id
+        # The step's own key, ``<plan>:<label>:<args hash>``: what was sent is always its
+        # arguments, whichever key is sent with them (the journal refuses others under a key).
+        own = step.idempotency_key
+        args_hash = own.rpartition(":")[2]
+        if idempotency_key is None:  # its parts are known: no StepKey to build
+            raw, label, plan = own, own.rsplit(":", 2)[1], step.plan_session_id
             sent = header_value(raw, self._style)
         else:
             key = StepKey.parse(idempotency_key)
@@ -521,9 +528,8 @@ class _InvokerBase:
                         f"{name} must be a non-empty str or None, got {value!r}"
                     )
         extra = _check_headers(headers)
-        reconcile = self._reconcile
-        if isinstance(reconcile, Mapping):
-            reconcile = reconcile.get(step.tool)
+        by_tool = self._reconcile_by_tool
+        reconcile = self._reconcile if by_tool is None else by_tool.get(step.tool)
         return Call(
             url,
             method.upper(),
@@ -534,9 +540,7 @@ class _InvokerBase:
             step.body,
             step.tool,
             plan,
-            # What is sent (the step's own key's hash): the journal refuses other args under
-            # a key.
-            step.idempotency_key.rpartition(":")[2],
+            args_hash,
             call_id,
             context,
             current_owner() if self._journal is not None else "",  # the journal's alone
@@ -816,6 +820,8 @@ class ToolInvoker(_InvokerBase):
         return self._drive(self._resume(status_url, key, headers))
 
     def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
+        if not owner:  # no journal: no record of this call for in_flight to vouch for
+            return self._result(run_sync(flow, self._carry))
         with in_flight(owner):
             return self._result(run_sync(flow, self._carry))
 
@@ -909,6 +915,8 @@ class AsyncToolInvoker(_InvokerBase):
         return await self._drive(self._resume(status_url, key, headers))
 
     async def _drive(self, flow: Flow, owner: str | None = None) -> ToolResult:
+        if not owner:  # no journal: no record of this call for in_flight to vouch for
+            return self._result(await run_async(flow, self._carry))
         with in_flight(owner):
             return self._result(await run_async(flow, self._carry))
 
