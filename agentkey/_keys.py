@@ -32,6 +32,7 @@ __all__ = [
     "StepIndex",
     "StepKey",
     "format_step",
+    "header_value",
     "key_prefix",
     "normalize_step",
     "parse_sf_item",
@@ -308,18 +309,26 @@ class StepKey:
 
     def header_value(self, style: HeaderStyle = "raw") -> str:
         """The ``Idempotency-Key`` header value in ``raw``, ``sf-string`` or ``uuid`` style."""
-        if style == "raw":
-            return self._raw
-        if style == "sf-string":
-            return f'"{self._raw}"'  # the key's alphabet needs no escaping
-        if style == "uuid":
-            return uuid_key(self._raw)
-        raise ConfigurationError(
-            f"unknown key header style {style!r}; use 'raw', 'sf-string' or 'uuid'"
-        )
+        return header_value(self._raw, style)
 
     def __str__(self) -> str:
         return self._raw
+
+
+def header_value(raw: str, style: HeaderStyle = "raw") -> str:
+    """The ``Idempotency-Key`` header value of the raw key ``raw`` in ``style``.
+
+    For a key already formatted (a step's ``idempotency_key``): no :class:`StepKey` needed.
+    """
+    if style == "raw":
+        return raw
+    if style == "sf-string":
+        return f'"{raw}"'  # the key's alphabet needs no escaping
+    if style == "uuid":
+        return uuid_key(raw)
+    raise ConfigurationError(
+        f"unknown key header style {style!r}; use 'raw', 'sf-string' or 'uuid'"
+    )
 
 
 def raw_key(plan_session_id: str, index: tuple[int, ...], args_hash: str) -> str:

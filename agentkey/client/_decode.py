@@ -9,6 +9,7 @@ out of whatever the server says.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import httpx
@@ -115,7 +116,7 @@ class Body:
             url,
             oversize=oversize,
             unreadable=unreadable or None,
-            sent_secrets=_sent_secrets(self._response),
+            secrets=functools.partial(_sent_secrets, self._response),  # found if quoted
         )
 
     def _take(self, pieces: list[bytes] | None) -> bool:

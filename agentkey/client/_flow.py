@@ -40,7 +40,7 @@ Three rules carry the weight:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias, TypeVar
 
@@ -159,7 +159,7 @@ _FIELD_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?")  # 
 Reconciler: TypeAlias = "HttpLookup | Callable[[InDoubt], Any]"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class Call:
     """Everything one logical call needs, computed once before the first send."""
 
@@ -249,7 +249,7 @@ class Settings:
         object.__setattr__(self, "in_flight", waits)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class Finished:
     """The answer that ends a flow, and how the flow got there.
 
@@ -466,7 +466,14 @@ class _Run:
 
         The drivers throw their own failures (a cancellation, a request that cannot be
         built, a hook that raised) into the flow, so the CallEndEvent names those too.
+        When no hook listens to either event, ``flow`` itself: there is nothing to add.
         """
+        events = self.s.events
+        if CallStartEvent not in events and CallEndEvent not in events:
+            return flow
+        return self._observing(flow)
+
+    def _observing(self, flow: Flow) -> Flow:
         call, ends = self.call, CallEndEvent in self.s.events
         if CallStartEvent in self.s.events:
             yield Emit(CallStartEvent(call.key, call.label, call.method, call.url, call.tool))
@@ -645,12 +652,14 @@ class _Run:
         self.declared = self.s.declared(url)
         self.recall()
 
-    def learn(self, answer: Answer) -> Generator[Effect, Any, None]:
+    def learn(self, answer: Answer) -> Iterable[Effect]:
         """Remember what ``answer`` shows about its route honouring keys (that method and
-        that route only: a redirect's evidence is the redirecting route's)."""
+        that route only: a redirect's evidence is the redirecting route's). Most answers
+        show nothing: then no generator is made."""
         found = key_evidence(answer, self.s.protocol)
-        if found is None:
-            return
+        return () if found is None else self._learnt(answer, found)
+
+    def _learnt(self, answer: Answer, found: str) -> Generator[Effect, Any, None]:
         route, now = route_of(self.call.method, answer.url), self.s.clock()
         if route == self.route():
             self.evidence = _stronger(self.evidence, found)
@@ -664,12 +673,18 @@ class _Run:
     def close_record(
         self, state: CallState, *, answer: Answer | None = None, error: BaseException | None = None,
         outcome: str | None = None, status_url: str | None = None, source: str = "tool",
-    ) -> Generator[Effect, Any, None]:  # fmt: skip
-        """Write how the call ended over its pending record."""
+    ) -> Iterable[Effect]:  # fmt: skip
+        """Write how the call ended over its pending record (none: nothing, no generator)."""
         record = self.record
         if record is None:
-            return
+            return ()
         self.record = None
+        return self._closing(record, state, answer, error, outcome, status_url, source)
+
+    def _closing(
+        self, record: CallRecord, state: CallState, answer: Answer | None,
+        error: BaseException | None, outcome: str | None, status_url: str | None, source: str,
+    ) -> Generator[Effect, Any, None]:  # fmt: skip
         fields: dict[str, Any] = {
             "state": state,
             "updated_at": self.s.wall(),
@@ -945,6 +960,14 @@ class _Run:
     # --- the step --------------------------------------------------------------------------
 
     def step(self) -> Flow:
+        """The step's flow: announced when it repeats an earlier step, recorded in the
+        journal first. Without either, :meth:`send_step` itself (a generator less)."""
+        call = self.call
+        if not self.s.journal and (call.repeat_of is None or RepeatEvent not in self.s.events):
+            return self.send_step()  # no record to close: what _step adds is a no-op
+        return self._step()
+
+    def _step(self) -> Flow:
         call = self.call
         if call.repeat_of is not None and RepeatEvent in self.s.events:  # the plan's repeat
             yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))

@@ -20,7 +20,10 @@ client, that error is turned into the same typed failure (:func:`_bad_location`)
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -234,6 +237,20 @@ def send_sync(
             watchdog.stop()
 
 
+if sys.version_info >= (3, 11):
+    #: The whole exchange within ``seconds`` (None: unbounded), else TimeoutError. asyncio's
+    #: own, a third of ``anyio.fail_after``'s CPU (5 µs against 15 µs a call), which it
+    #: replaces where it exists; AsyncToolInvoker runs on asyncio.
+    _bounded = asyncio.timeout
+else:
+
+    @asynccontextmanager
+    async def _bounded(seconds: float | None) -> AsyncIterator[None]:
+        """Python 3.10 has no ``asyncio.timeout``: anyio's cancel scope bounds the exchange."""
+        with anyio.fail_after(seconds) if seconds is not None else nullcontext():
+            yield
+
+
 async def send_async(
     client: httpx.AsyncClient,
     out: Outgoing,
@@ -258,7 +275,7 @@ async def send_async(
         return request
     left = seconds_left(deadline)
     try:
-        with anyio.fail_after(max(0.0, left)) if left is not None else nullcontext():
+        async with _bounded(None if left is None else max(0.0, left)):
             response = await target.send(request, **_sending(lib, auth, out))
             try:
                 body = Body(response, max_bytes, deadline)
@@ -268,8 +285,9 @@ async def send_async(
                             break
                 return body.finish()
             finally:
-                with anyio.CancelScope(shield=True):
-                    await response.aclose()
+                if not response.is_closed:  # a body read to its end was closed by httpx
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
     except TimeoutError:
         return Failure(FailureKind.IN_DOUBT, DEADLINE_PASSED)
     except lib.RequestError as exc:

@@ -98,16 +98,19 @@ class ProtocolConfig:
     allowed_poll_origins: frozenset[Origin] = frozenset()
     strategies: tuple[StatusUrlStrategy, ...] = field(default=())
     has_auth: bool = True  # the invoker sends credentials (auth=) to the tool's origin
+    #: ``replay_markers(replay_headers)``, parsed once: every answer is read against them.
+    markers: tuple[tuple[str, str, str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.strategies:
             object.__setattr__(self, "strategies", DEFAULT_STATUS_URL_STRATEGIES)
+        object.__setattr__(self, "markers", replay_markers(tuple(self.replay_headers)))
 
     def same_origin(self, url: str) -> bool:
         return origin_of(url) == self.base_origin
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every call (see _effects.Outgoing)
 class CallContext:
     """Who an error concerns: the key, the step label and the attempts made so far.
 
@@ -223,8 +226,13 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 def replay_header(answer: Answer, names: Sequence[str]) -> str | None:
     """The first entry of ``names`` (see :data:`DEFAULT_REPLAY_HEADERS`) that marks
     ``answer`` as a replay, or None."""
+    return _marked(answer, replay_markers(names if type(names) is tuple else tuple(names)))
+
+
+def _marked(answer: Answer, markers: tuple[tuple[str, str, str], ...]) -> str | None:
+    """:func:`replay_header` of markers parsed already (``ProtocolConfig.markers``)."""
     headers = answer.headers
-    for name, value, entry in replay_markers(names if type(names) is tuple else tuple(names)):
+    for name, value, entry in markers:
         got = headers.get(name)
         if got is not None and got.strip().lower() == value:
             return entry
@@ -529,7 +537,7 @@ def classify(reply: Received, ctx: CallContext, cfg: ProtocolConfig) -> Decision
     if reply.oversize or reply.unreadable:
         return _unread(reply, ctx, "the tool")
     status = reply.status_code
-    replayed = replay_header(reply, cfg.replay_headers) is not None
+    replayed = _marked(reply, cfg.markers) is not None
     if 200 <= status < 300:
         if status == 202:
             url = find_status_url(reply, cfg.strategies)
@@ -1072,7 +1080,7 @@ def ran_marker(answer: Answer, cfg: ProtocolConfig) -> bool:
     if not cfg.replay_headers:
         return False
     headers, present = answer.headers, False
-    for name, value, _ in replay_markers(cfg.replay_headers):  # one pass over the markers
+    for name, value, _ in cfg.markers:  # one pass over the markers
         got = headers.get(name)
         if got is not None:
             if got.strip().lower() == value:
@@ -1092,7 +1100,7 @@ def key_evidence(answer: Answer, cfg: ProtocolConfig) -> str | None:
     """
     if _protected(answer):
         return "protection header"
-    if replay_header(answer, cfg.replay_headers) is not None:
+    if _marked(answer, cfg.markers) is not None:
         return "replay marker"
     if answer.status_code >= 400 and answer.status_code != 401:
         code = dialect_marker(parse_json(answer.content))

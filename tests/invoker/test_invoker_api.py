@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +22,7 @@ from agentkey import (
     ToolInvoker,
     ToolResult,
 )
+from agentkey.journal import SQLiteJournal
 
 from ._support import BASE, DRIVERS, Bearer, Driver, Script, make_step, run_invoke
 
@@ -265,6 +268,68 @@ def test_result_model() -> None:
     assert "step" not in result.model_dump()  # one name for the label: .label
     with pytest.raises(Exception, match="frozen"):
         result.status_code = 500  # type: ignore[misc]
+
+
+def _fields(result: ToolResult) -> dict[str, Any]:
+    return {name: getattr(result, name) for name in ToolResult.model_fields}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_result_is_the_validated_model(driver: Driver) -> None:
+    """A tool's answer, built without validating it again, is the ToolResult validation gives:
+    equal, same repr, dump, JSON and set fields, frozen, copyable and picklable."""
+    answer = httpx.Response(201, json={"id": 7}, headers={"X-Trace": "t1", "Retry-After": "3"})
+    result = run_invoke(driver, Script([answer]), make_step())
+    validated = ToolResult(**_fields(result))
+    assert result == validated
+    assert validated == result
+    assert repr(result) == repr(validated)
+    assert result.model_dump() == validated.model_dump()
+    assert result.model_dump_json() == validated.model_dump_json()
+    assert result.model_fields_set == validated.model_fields_set == set(ToolResult.model_fields)
+    assert ToolResult.model_validate(result.model_dump(exclude={"replayed"})) == result
+    assert result.headers == {
+        "x-trace": "t1",
+        "retry-after": "3",
+        "content-length": "8",
+        "content-type": "application/json",
+    }
+    assert result.body == {"id": 7}
+    assert result.outcome is Outcome.ANSWERED
+    copied = result.model_copy(update={"status_code": 200})
+    assert copied.status_code == 200
+    assert result.status_code == 201
+    assert pickle.loads(pickle.dumps(result)) == result  # noqa: S301 - bytes made just here
+    with pytest.raises(Exception, match="frozen"):
+        result.body = None  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_only_answers_from_storage_are_validated(
+    driver: Driver, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A tool's answer becomes its ToolResult without a second validation (the flow built its
+    parts from httpx's); the journal's copy of an earlier answer is validated: 1 and 1 on
+    main, 0 and 1 now."""
+    validated: list[dict[str, Any]] = []
+    real_init = ToolResult.__init__
+
+    def counting(self: ToolResult, **data: Any) -> None:
+        validated.append(data)
+        real_init(self, **data)
+
+    monkeypatch.setattr(ToolResult, "__init__", counting)
+    step = make_step()
+    journal = SQLiteJournal(tmp_path / "journal.sqlite3")
+    # The tool marks no replays: a second call of the step is the journal's to answer.
+    options: dict[str, Any] = {"journal": journal, "honours_keys": False, "replay_headers": ()}
+    first = run_invoke(driver, Script([ok()]), step, **options)
+    assert first.source == "tool"
+    assert validated == []
+    again = run_invoke(driver, Script([]), step, **options)
+    assert again.source == "journal"
+    assert len(validated) == 1
+    assert again.body == first.body == {"ok": True}
 
 
 @given(
