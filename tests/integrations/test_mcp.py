@@ -41,6 +41,7 @@ from agentkey.client._hooks import CallEndEvent, InvokeEvent
 from agentkey.integrations.mcp import IdempotentSession, MCPToolResult, connect
 from agentkey.integrations.mcp._wire import KEY_FIELD, PROTECTED_FIELD, REPLAYED_FIELD
 from agentkey.server import MemoryStore, RedisStore, Store
+from agentkey.testing import FakeClock
 from tests._loopback import RedisServer
 from tests.integrations._mcp_app import Lab, running
 from tests.server._util import FailingFinish
@@ -274,7 +275,11 @@ async def test_key_in_flight_past_the_budget_raises_step_in_progress() -> None:
             try:
                 await anyio.to_thread.run_sync(lab.holding.wait, 30.0)
                 short = FAST.replace(deadline=1.0, initial_backoff=0.1, max_backoff=0.2)
-                waiter = IdempotentSession(second, PlanSession(id=plan_id), policy=short)
+                # The budget runs on a FakeClock that only its waits move: the attempts
+                # that fit in it do not depend on how fast a loaded machine answers.
+                waiter = IdempotentSession(
+                    second, PlanSession(id=plan_id), policy=short, clock=FakeClock()
+                )
                 with pytest.raises(StepInProgress) as caught:
                     await waiter.call_tool("hold_charge", {"amount": 9}, step=2)
             finally:
