@@ -576,7 +576,7 @@ class _InvokerBase:
             "label": done.label,
             "attempts": done.attempts,
             "polls": done.polls,
-            "elapsed": done.elapsed,
+            "elapsed": float(done.elapsed),  # a clock may answer ints; validation made floats
             "status_url": done.status_url,
             "source": done.source,
             "repeat_of": done.repeat_of,

@@ -65,7 +65,7 @@ from ._records import FIELDS, values_of
 try:
     import redis
     import redis.asyncio as aioredis
-    from redis.exceptions import NoScriptError, RedisError, ResponseError
+    from redis.exceptions import NoPermissionError, NoScriptError, RedisError, ResponseError
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise missing_extra("redis", "redis", exc) from exc
 
@@ -217,7 +217,8 @@ return 1
 class _Script:
     """A Lua script run by its SHA1 (EVALSHA: the text goes to a server once, not with every
     call). A server that does not know it (restarted, flushed, evicted) answers NOSCRIPT
-    without running anything; the text is sent then (EVAL, which also caches it)."""
+    without running anything; the text is sent then (EVAL, which also caches it). So is it
+    to a user whose ACL refuses EVALSHA but allows EVAL (NOPERM: nothing ran either)."""
 
     __slots__ = ("sha", "text")
 
@@ -228,14 +229,14 @@ class _Script:
     def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
+        except (NoScriptError, NoPermissionError):  # nothing ran: send the text
             return client.eval(self.text, len(keys), *keys, *args)
 
     async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """The same on an asyncio client."""
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
+        except (NoScriptError, NoPermissionError):
             return await client.eval(self.text, len(keys), *keys, *args)
 
 
@@ -522,12 +523,13 @@ class RedisJournal:
                     raise
                 self._split = True
         with client.pipeline(transaction=False) as pipe:
+            pipe.zscore(self._calls_key, record.key)
             pipe.eval(_BEGIN, len(keys), *keys, *args)
             pipe.zadd(self._calls_key, {record.key: record.updated_at})
             pipe.get(self._evidence_key(record.route))
-            found, _, evidence = pipe.execute()
-        if isinstance(found, list):  # nothing was written: nor is it listed
-            client.zrem(self._calls_key, record.key)
+            listed, found, _, evidence = pipe.execute()
+        if isinstance(found, list) and listed is None:  # nothing written: nor is it listed
+            client.zrem(self._calls_key, record.key)  # (a record listed before stays so)
         return found, evidence
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
@@ -689,11 +691,12 @@ class RedisJournal:
                     raise
                 self._split = True
         async with client.pipeline(transaction=False) as pipe:
+            pipe.zscore(self._calls_key, record.key)
             pipe.eval(_BEGIN, len(keys), *keys, *args)
             pipe.zadd(self._calls_key, {record.key: record.updated_at})
             pipe.get(self._evidence_key(record.route))
-            found, _, evidence = await pipe.execute()
-        if isinstance(found, list):
+            listed, found, _, evidence = await pipe.execute()
+        if isinstance(found, list) and listed is None:
             await client.zrem(self._calls_key, record.key)
         return found, evidence
 

@@ -179,12 +179,64 @@ def test_a_cluster_node_gets_scripts_of_one_slot(driver: str, cluster_node: Redi
         results = calls(driver, url, journal, steps, watch.start)
     watch.stop()
     assert "EVALSHA" not in watch.seen
-    assert watch.seen[:5] == ["EVAL", "ZADD", "GET", "EVAL", "ZADD"]
+    assert watch.seen[:6] == ["ZSCORE", "EVAL", "ZADD", "GET", "EVAL", "ZADD"]
     assert results[-1].repeat_of == "step_003"
     assert plain.executions["charge"] == 11
     listed = listing(cluster_node.url, prefix)
     assert len(listed) == 11
     assert {r.state for r in listed} == {CallState.ANSWERED}
+
+
+def _pending(key: str) -> CallRecord:
+    """A pending call of another host whose lease has ended, at ``key``'s step."""
+    now = time.time()
+    return CallRecord(
+        key=key, plan="p", step=key.split(":")[1], tool="t", args_hash="ab" * 32,
+        route="POST http://tool.test/t", state=CallState.PENDING, created_at=now,
+        updated_at=now, owner="otherhost:1:n:1", lease_until=now - 1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("server", ["plain", "cluster"])
+def test_a_start_that_finds_repeats_keeps_a_listed_call_listed(
+    server: str, redis_proc: RedisServer, cluster_node: RedisServer
+) -> None:
+    """Two pending calls of the same arguments at steps 1 and 2; starting step 1 again finds
+    step 2's: both stay in the global listing (`agentkey journal`), on one server and on a
+    Cluster node (whose one-slot path took step 1 out of the listing before)."""
+    url = redis_proc.url if server == "plain" else cluster_node.url
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    journal = RedisJournal(url, prefix=prefix)
+    first, second = ("p:step_001:" + "ab" * 32, "p:step_002:" + "ab" * 32)
+    try:
+        journal.begin(_pending(first))
+        journal.begin(_pending(second))
+        begun = journal.begin(_pending(first), repeats=True)
+    finally:
+        journal.close()
+    assert [r.key for r in begun.earlier] == [second]
+    assert sorted(r.key for r in listing(url, prefix)) == [first, second]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_user_refused_evalsha_is_sent_the_scripts_text(
+    driver: str, redis_proc: RedisServer
+) -> None:
+    """A Redis user whose ACL refuses EVALSHA but allows EVAL (NOPERM ran nothing): calls
+    are recorded through EVAL, each runs once, and none is refused."""
+    user = f"u{uuid.uuid4().hex[:8]}"
+    with redis.Redis.from_url(redis_proc.url) as admin:
+        admin.acl_setuser(
+            user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-evalsha"]
+        )
+    url = redis_proc.url.replace("redis://", f"redis://{user}:pw@")
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    plain, steps = PlainTool(), ten_and_a_repeat()[:3]
+    with serve(plain) as tool:
+        results = calls(driver, tool, RedisJournal(url, prefix=prefix), steps, lambda: None)
+    assert plain.executions["charge"] == 3
+    assert all(r.status_code == 201 for r in results)
+    assert {r.state for r in listing(url, prefix)} == {CallState.ANSWERED}
 
 
 def test_records_are_encoded_as_before() -> None:
