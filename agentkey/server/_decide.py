@@ -457,7 +457,8 @@ def check_body(
 
 
 _ROUTES: dict[tuple[str, ...], Binding] = {}
-_MAX_ROUTES = 1024  # paths come from clients: the cache of their digests stays bounded
+_MAX_ROUTES = 1024  # paths come from clients: the cache of their digests stays bounded,
+_CACHED_ROUTE = 512  # and so does each entry's size (bytes of the operation)
 
 
 def _route_binding(operation: tuple[str, ...]) -> Binding:
@@ -465,10 +466,12 @@ def _route_binding(operation: tuple[str, ...]) -> Binding:
     distinct route: a binding is immutable, so every request of the route shares it."""
     route = _ROUTES.get(operation)
     if route is None:
-        if len(_ROUTES) >= _MAX_ROUTES:
-            _ROUTES.clear()
         text = " ".join(operation).encode("utf-8", "surrogatepass")
-        route = _ROUTES[operation] = Binding(digest(text))
+        route = Binding(digest(text))
+        if len(text) <= _CACHED_ROUTE:  # a client's long path is not kept
+            if len(_ROUTES) >= _MAX_ROUTES:
+                _ROUTES.clear()
+            _ROUTES[operation] = route
     return route
 
 

@@ -174,15 +174,18 @@ def encode_in_progress(
     op = _QUOTED.get(operation)
     if op is None:
         op = quote(operation, safe=" /")
-        if len(_QUOTED) >= 1024:
-            _QUOTED.clear()
-        _QUOTED[operation] = op
+        if len(operation) <= _CACHED_OPERATION:  # a client's long path is quoted each time
+            if len(_QUOTED) >= 1024:
+                _QUOTED.clear()
+            _QUOTED[operation] = op
     return f"{head}:{_PHASE_CHAR[phase]}:{op}".encode("ascii")
 
 
 # The operations of claims (``POST /charges``) as records quote them: few, each on every
-# claim and renewal, so kept, a bounded number of them.
+# claim and renewal, so kept, a bounded number of them, each short (operations come from
+# clients: a long one, quoted up to 9 bytes a character, would make the cache a client's).
 _QUOTED: dict[str, str] = {}
+_CACHED_OPERATION = 256
 
 
 def encode_outcome(outcome: StoredOutcome) -> bytes:

@@ -56,12 +56,14 @@ class _HeldFinish(MemoryStore):
         self.loop.call_soon_threadsafe(self.gate.set)
 
 
-def _cells_holding_a_claim() -> int:
+def _cells_holding_a_claim(plan: str) -> int:
+    """Closure cells holding a claim of ``plan`` (another test's leftovers are not counted)."""
     found = 0
     for obj in gc.get_objects():
         if type(obj) is types.CellType:
             try:
-                if isinstance(obj.cell_contents, Claim):
+                held = obj.cell_contents
+                if isinstance(held, Claim) and held.idempotency_key.startswith(plan + ":"):
                     found += 1
             except ValueError:  # an empty cell
                 pass
@@ -103,7 +105,7 @@ def test_requests_waiting_on_the_finish_hold_no_closure_cells() -> None:
         while store.waiting < len(keys):
             assert time.monotonic() < deadline, f"only {store.waiting} requests reached finish"
             time.sleep(0.01)
-        held = _cells_holding_a_claim()
+        held = _cells_holding_a_claim(plan)
         store.open()
         sender.join(timeout=60)
     assert held == 0
@@ -128,3 +130,22 @@ def test_the_per_value_caches_stay_bounded() -> None:
     assert 0 < len(_records._ROUTE_BINDINGS) <= 1024
     assert 0 < len(_decide._HEADER_NAMES) <= 1024
     assert 0 < len(_decide._ROUTES) <= 1024
+
+
+def test_a_clients_long_operation_is_not_kept() -> None:
+    """Operations come from clients: a long path (20,000 CJK characters, 180 KB once
+    quoted) is neither quoted into the record cache nor kept as a route binding, so 1,024
+    of them cannot make the caches hold hundreds of megabytes; its record and binding are
+    what they would have been."""
+    owner, long = "0" * 32, "POST /" + "漢" * 20_000
+    record = encode_in_progress(
+        owner, 1, binding=Binding("r" * 22), phase="started", operation=long
+    )
+    key = StepKey("plan", (0,), hashlib.sha256(BODY).hexdigest())
+    checked = check_body(key, ("POST", long[5:]), BODY)
+    assert long not in _records._QUOTED
+    assert ("POST", long[5:]) not in _decide._ROUTES
+    assert record == encode_in_progress(
+        owner, 1, binding=Binding("r" * 22), phase="started", operation=long
+    )
+    assert checked == check_body(key, ("POST", long[5:]), BODY)
