@@ -291,7 +291,7 @@ def test_result_is_the_validated_model(driver: Driver) -> None:
     assert result.headers == {
         "x-trace": "t1",
         "retry-after": "3",
-        "content-length": "8",
+        "content-length": str(len(answer.content)),  # httpx < 0.28 puts spaces in its JSON
         "content-type": "application/json",
     }
     assert result.body == {"id": 7}
