@@ -116,7 +116,7 @@ def write_results(
     path = out or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
-        "bench": f"bench/bench_{name}.py",
+        "bench": f"bench/bench_{name.split('-')[0]}.py",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": at_start.get("commit", "unknown"),
         "machine": dict(at_start),

@@ -37,10 +37,7 @@ from source on every run: a developer's figure, not a user's).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -51,7 +48,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "import.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
+
+from bench._harness import machine, write_results
 
 PYTHON = "python -c pass"
 LIBRARIES = "import httpx, pydantic"
@@ -125,13 +124,13 @@ def main() -> None:
         default="cached",
         help="cached: .pyc files as an install has them (default); none: as the env says",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    parser.add_argument("--out", type=Path, help="results JSON path")
     opts = parser.parse_args()
     rounds = opts.rounds or (2 if opts.smoke else 20)
     if not opts.smoke and rounds < 10:
         parser.error("a full run needs --rounds >= 10")
 
-    load_start = list(os.getloadavg())
+    at_start = machine()
     with tempfile.TemporaryDirectory(prefix="bench-import-pyc-") as cache:
         times = measure(rounds, child_env(opts.bytecode, cache))
     rows: list[dict[str, Any]] = []
@@ -163,17 +162,7 @@ def main() -> None:
         print(f"{line}  {baseline if baseline != name else ''}")
     if opts.smoke:
         return
-    doc = {
-        "bench": "bench/bench_import.py",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "loadavg_at_start": load_start,
-            "loadavg_at_end": list(os.getloadavg()),
-        },
+    payload = {
         "bytecode": opts.bytecode,
         "method": "wall time and CPU time (user + system, from getrusage of the child) of "
         "`python -c STATEMENT` in a fresh subprocess; rows interleaved in rounds (order "
@@ -181,9 +170,8 @@ def main() -> None:
         "the per-round difference between the row and its baseline row",
         "rows": rows,
     }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {opts.out}")
+    name = "import" if opts.bytecode == "cached" else "import-source"
+    print(f"\nwrote {write_results(name, payload, opts.out, at_start)}")
 
 
 if __name__ == "__main__":

@@ -39,13 +39,10 @@ refuses integers beyond 64 bits), so it is not a drop-in accelerator.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import hashlib
 import importlib
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -53,15 +50,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
+
 from agentkey import PlanSession, args_hash
+from bench._harness import machine, write_results
 
 orjson: Any
 try:
     orjson = importlib.import_module("orjson")
 except ImportError:  # optional, informational only
     orjson = None
-
-RESULTS = Path(__file__).parent / "results" / "keys.json"
 
 
 def _record(i: int) -> dict[str, Any]:
@@ -206,13 +204,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI; no JSON")
     parser.add_argument("--rounds", type=int, default=None, help="ABBA rounds per row (>= 10)")
     parser.add_argument("--slot", type=float, default=None, help="seconds per timed slot")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON path")
+    parser.add_argument("--out", type=Path, help="results JSON path")
     opts = parser.parse_args()
     rounds = opts.rounds or (3 if opts.smoke else 15)
     slot = opts.slot or (0.002 if opts.smoke else 0.05)
     if not opts.smoke and rounds < 10:
         parser.error("a full run needs --rounds >= 10")
 
+    at_start = machine()
     for shape, args in SHAPES.items():  # same bytes as the baseline, or the bench is void
         size = len(json.dumps(args, sort_keys=True, separators=(",", ":")))
         assert args_hash(args) == baseline_hash(args), shape
@@ -244,17 +243,7 @@ def main() -> None:
         )
     if opts.smoke:
         return
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    doc = {
-        "bench": "bench/bench_keys.py",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "loadavg_at_end": load,
-        },
+    payload = {
         "method": "ABBA rounds timed in thread CPU time; ratio per round = (B1+B2)/(A1+A2); "
         "A = baseline, B = agentkey",
         "baseline": "sha256(json.dumps(args, sort_keys=True, separators=(',', ':'), "
@@ -264,9 +253,7 @@ def main() -> None:
         },
         "rows": rows,
     }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {opts.out}")
+    print(f"\nwrote {write_results('keys', payload, opts.out, at_start)}")
 
 
 if __name__ == "__main__":

@@ -181,7 +181,17 @@ def server_table(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+#: Client CPU added per call, by bench and row: issue 39's plain path of the invoker (hooks
+#: off, no journal) and issue 28's default hook.
+ADDED_US_TARGETS = {
+    ("bench/bench_invoker.py", "sync, in-process"): 15.0,
+    ("bench/bench_hooks.py", "sync, in-process"): 5.0,
+    ("bench/bench_hooks.py", "async, in-process"): 5.0,
+}
+
+
 def invoker_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_invoker.py and bench_hooks.py: client CPU per call, agentkey against its baseline."""
     lines = [
         "| what | agentkey | baseline | client CPU/call agentkey | baseline | added "
         "| CPU ratio | throughput ratio | N | target |",
@@ -189,7 +199,15 @@ def invoker_table(data: Mapping[str, Any]) -> list[str]:
     ]
     for r in data["rows"]:
         added = r["added_client_cpu_us"]
-        target = "≤ 30 µs added" if r["what"].startswith("sync, in-process") else ""
+        bound = next(
+            (
+                us
+                for (bench, what), us in ADDED_US_TARGETS.items()
+                if bench == data.get("bench") and r["what"].startswith(what)
+            ),
+            None,
+        )
+        target = _verdict(added["median"], bound, " µs added")
         lines.append(
             f"| {r['what']} | `{r['agentkey']}` | `{r['baseline']}` "
             f"| {r['agentkey_client_cpu_us']:.0f} µs | {r['baseline_client_cpu_us']:.0f} µs "
@@ -264,6 +282,79 @@ def driver_table(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _verdict(value: float, bound: float | None, unit: str = "×") -> str:
+    if bound is None:
+        return ""
+    return f"≤ {bound:g}{unit}: " + ("met" if value <= bound else "**not met**")
+
+
+def keys_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_keys.py: each key function against the bare hash, by shape of arguments."""
+    lines = [
+        "| what | shape | ratio | baseline µs | agentkey µs | N | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines.extend(
+        f"| `{r['row']}` | {r['shape']} | {r['ratio_median']:.2f}× "
+        f"({r['ratio_iqr'][0]:.2f}–{r['ratio_iqr'][1]:.2f}) "
+        f"| {r['baseline_us_median']:.1f} | {r['agentkey_us_median']:.1f} | {r['rounds']} "
+        f"| {_verdict(r['ratio_median'], r.get('target'))} |"
+        for r in data["rows"]
+    )
+    return lines
+
+
+#: bench_import.py's targets: CPU over the row's baseline, in ms.
+IMPORT_TARGETS = {"from agentkey import ToolInvoker, PlanSession": 60.0, "import agentkey": 50.0}
+
+
+def import_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_import.py: CPU of each import in a fresh interpreter, over its baseline row."""
+    lines = [
+        f"Bytecode: {data.get('bytecode', '?')}.",
+        "",
+        "| statement | baseline | CPU over baseline | IQR | CPU | wall | N | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        over, iqr = r["cpu_over_baseline"], r["cpu_over_baseline"]["iqr_ms"]
+        if over["baseline"] == r["row"]:
+            continue  # a baseline of its own (python -c pass)
+        lines.append(
+            f"| `{r['row']}` | `{over['baseline']}` | {over['median_ms']:.1f} ms "
+            f"| {iqr[0]:.1f}–{iqr[1]:.1f} ms | {r['cpu']['median_ms']:.1f} ms "
+            f"| {r['wall']['median_ms']:.1f} ms | {r['rounds']} "
+            f"| {_verdict(over['median_ms'], IMPORT_TARGETS.get(r['row']), ' ms')} |"
+        )
+    return lines
+
+
+#: bench_body.py's target: middleware / bare CPU for an agentkey key's canonical 1 MB body.
+BODY_TARGETS = {("agentkey key, canonical body", "1MB"): 1.6}
+
+
+def body_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_body.py: server CPU per request, middleware / bare, by body size and kind."""
+    lines = [
+        "| body | row | middleware / bare CPU | middleware / bare per request | added | N "
+        "| target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def per(us: float) -> str:
+        return f"{us / 1000:.1f} ms" if abs(us) >= 1000 else f"{us:.0f} µs"
+
+    for r in data["rows"]:
+        added = r["added_cpu_us"]["median"]
+        target = _verdict(r["cpu_ratio"]["median"], BODY_TARGETS.get((r["what"], r["size"])))
+        lines.append(
+            f"| {r['size']} | {r['what']} | {ratio(r['cpu_ratio'])} "
+            f"| {per(r['middleware_cpu_us'])} / {per(r['bare_cpu_us'])} | {per(added)} "
+            f"| {r['N']} | {target} |"
+        )
+    return lines
+
+
 def generic_table(data: Mapping[str, Any]) -> list[str]:
     """Any results file with rows: each row's name and its medians (IQR), and N."""
     rows = [r for r in data.get("rows", []) if isinstance(r, Mapping)]
@@ -285,7 +376,12 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "postgres": server_table,
     "pg_driver": driver_table,
     "invoker": invoker_table,
+    "hooks": invoker_table,
     "inflight": inflight_table,
+    "keys": keys_table,
+    "import": import_table,
+    "import-source": import_table,
+    "body": body_table,
 }
 
 
