@@ -124,6 +124,7 @@ def write_results(
     }
     data["machine"]["loadavg_at_end"] = list(os.getloadavg())
     path.write_text(json.dumps(data, indent=2) + "\n", "utf-8")
+    print(load_line(at_start))
     return path
 
 

@@ -29,6 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.auth._idp
 
 from agentkey.auth import ClientCredentials
+from bench._harness import load_line, machine
 from tests._loopback import serve
 from tests.auth._idp import IdP
 
@@ -100,10 +101,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a quick run for CI")
     n = 50 if parser.parse_args().smoke else 1000
+    at_start = machine()
     idp = IdP(clients={CLIENT_ID: CLIENT_SECRET})
     with serve(idp.app()) as url:
         idp.url = url
         asyncio.run(run(idp, n))
+    print(load_line(at_start))
 
 
 if __name__ == "__main__":

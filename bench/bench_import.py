@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
-from bench._harness import machine, write_results
+from bench._harness import load_line, machine, write_results
 
 PYTHON = "python -c pass"
 LIBRARIES = "import httpx, pydantic"
@@ -161,6 +161,7 @@ def main() -> None:
         line += f" {row['cpu_over_baseline']['median_ms']:8.1f} ({iqr[0]:5.1f}-{iqr[1]:5.1f})"
         print(f"{line}  {baseline if baseline != name else ''}")
     if opts.smoke:
+        print(load_line(at_start))
         return
     payload = {
         "bytecode": opts.bytecode,

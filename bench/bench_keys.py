@@ -53,7 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._harness
 
 from agentkey import PlanSession, args_hash
-from bench._harness import machine, write_results
+from bench._harness import load_line, machine, write_results
 
 orjson: Any
 try:
@@ -242,6 +242,7 @@ def main() -> None:
             f"  {result['rounds']}  {verdict}"
         )
     if opts.smoke:
+        print(load_line(at_start))
         return
     payload = {
         "method": "ABBA rounds timed in thread CPU time; ratio per round = (B1+B2)/(A1+A2); "

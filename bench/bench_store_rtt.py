@@ -42,6 +42,7 @@ import redis
 from redis.asyncio import Redis
 
 from agentkey.server import RedisStore
+from bench._harness import load_line, machine
 from tests._loopback import redis_server
 
 Pair = Callable[[str], Awaitable[None]]
@@ -168,6 +169,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=400, help="request pairs per slot")
     args = parser.parse_args()
     rounds, pairs = (1, 64) if args.smoke else (args.rounds, args.pairs)
+    at_start = machine()
     with redis_server() as server, replica_of(server.port):
         for width in (1, 64):
             out = asyncio.run(run(server.url, rounds, pairs, width))
@@ -175,6 +177,7 @@ def main() -> None:
                 print(f"bench_store_rtt: {rounds} rounds, {pairs} pairs a slot; sides "
                       "against naive with the same parser")  # fmt: skip
             report(out, width)
+    print(load_line(at_start))
 
 
 if __name__ == "__main__":
