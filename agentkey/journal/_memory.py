@@ -26,6 +26,7 @@ from ._base import (
     repeats_among,
     settle_by_take_over,
 )
+from ._records import recorded
 
 __all__ = ["MemoryJournal", "SyncJournal", "unchanged"]
 
@@ -157,7 +158,8 @@ class MemoryJournal(SyncJournal):
             existing = self._records.get(record.key)
             if existing is None:
                 self._records[record.key] = record
-            live = existing is not None and is_live(existing, self._clock.time())
+                return recorded(self._evidence_of(record.route))
+            live = is_live(existing, self._clock.time())
             return Begun(existing, self._evidence_of(record.route), live)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:

@@ -47,7 +47,7 @@ from ._base import (
     repeats_among,
 )
 from ._memory import SyncJournal
-from ._records import FIELDS, values_of
+from ._records import FIELDS, recorded, values_of
 
 __all__ = [
     "COLUMNS",
@@ -487,7 +487,7 @@ class SQLiteJournal(SyncJournal):
             first = _FIRST if known is None else _FIRST_OF_ALL
             look = (record.plan, record.args_hash, record.key)
             if conn.execute(first, (*row_of_record(record), *look)).rowcount == 1:
-                return Begun(None, self._evidence(conn, record.route), False)
+                return recorded(self._evidence(conn, record.route))
             # Look and write in one write transaction: another process sending the same
             # call at another step then finds this one, or this one finds it.
             conn.execute("BEGIN IMMEDIATE")
@@ -508,9 +508,9 @@ class SQLiteJournal(SyncJournal):
 
     def _begin(self, conn: sqlite3.Connection, record: CallRecord) -> Begun:
         inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
-        existing = None
-        if not inserted:
-            existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
+        if inserted:
+            return recorded(self._evidence(conn, record.route))
+        existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
         live = existing is not None and is_live(existing, self._clock.time())
         return Begun(existing, self._evidence(conn, record.route), live)
 
