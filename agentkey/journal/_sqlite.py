@@ -16,6 +16,7 @@ the checks on the path use ``lstat`` and the file is created by SQLite itself.
 
 from __future__ import annotations
 
+import operator
 import os
 import sqlite3
 import stat
@@ -138,6 +139,20 @@ _TAKE_OVER = (
     "WHERE key = ? AND state = ? AND owner IS ? AND updated_at = ?"
 )
 _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
+#: The columns of the repeat index (and the key): a record keeps them from its begin.
+_KEPT = ("key", "plan", "args_hash", "created_at")
+_ENDING = tuple(i for i, c in enumerate(COLUMNS) if c not in _KEPT)
+_ending_values = operator.itemgetter(*_ENDING)
+_WHOSE = ("key", "owner", "plan", "args_hash", "created_at")
+_ending_where = operator.itemgetter(*(COLUMNS.index(c) for c in _WHOSE))
+#: ``_FINISH`` as the usual finish runs it: the row its begin wrote (the same key, owner,
+#: plan, arguments and creation) gets every other column. Setting an indexed column rewrites
+#: its index entry and one more page of the log at each commit, even to the same value; a
+#: row that does not match in full goes to ``_FINISH`` itself (:meth:`SQLiteJournal.finish`).
+_FINISH_ENDING = (
+    f"UPDATE agentkey_calls SET {', '.join(f'{COLUMNS[i]} = ?' for i in _ENDING)} "  # noqa: S608
+    "WHERE key = ? AND owner IS ? AND plan = ? AND args_hash IS ? AND created_at = ?"
+)  # (the order of _WHOSE)
 _REPEATS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ? AND call_id IS NULL"
 #: The same, whatever the runtime's call id (a begin with ``known=``).
 _SAME_CALLS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ?"
@@ -529,12 +544,15 @@ class SQLiteJournal(SyncJournal):
             return cursor.rowcount == 1
 
     def finish(self, record: CallRecord) -> bool:
-        params = (*row_of_record(record)[1:], record.key, record.owner)
+        values = row_of_record(record)
+        ending = (*_ending_values(values), *_ending_where(values))
         with self._lock:
             conn = self._connection()
-            if conn.execute(_FINISH, params).rowcount == 1:
+            if conn.execute(_FINISH_ENDING, ending).rowcount == 1:
                 return True  # one statement, one commit: the usual case
-            # Its owner no longer holds it: look, and write what happened, in one transaction.
+            # Its owner no longer holds it (or the row is not its begin's): look, and write
+            # what happened, in one transaction.
+            params = (*values[1:], record.key, record.owner)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 error = None
