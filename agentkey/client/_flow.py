@@ -760,7 +760,7 @@ class _Run:
             if not journal:
                 return None
             record = self.new_record()
-            known = tuple(r.key for r in earlier)
+            known = tuple([r.key for r in earlier]) if earlier else ()
             begun: Begun = yield Journaled("begin", (record,), {"repeats": True, "known": known})
             if begun.earlier:  # an identical call it has not seen: choose again, seeing all
                 earlier, looked = (yield from self.identical()), True
