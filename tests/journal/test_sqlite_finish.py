@@ -35,7 +35,7 @@ def _rows(path: Path) -> list[tuple[object, ...]]:
 
 def test_a_usual_finish_appends_one_page_to_the_log(tmp_path: Path) -> None:
     """A finish leaves the repeat index alone: one page written to the WAL, not two (main: 2)."""
-    journal = SQLiteJournal(tmp_path / "j.sqlite3", clock=FakeClock(start=NOW))
+    journal = SQLiteJournal(tmp_path / "j.sqlite3", clock=FakeClock(wall=NOW))
     for n in range(200):  # a table and an index of several pages each
         journal.begin(_pending(n), repeats=True)
     wal = tmp_path / "j.sqlite3-wal"
@@ -54,8 +54,8 @@ def test_a_finish_writes_the_row_main_writes(tmp_path: Path) -> None:
     also for a finish whose record's identity differs from its row's (a caller's own)."""
     from agentkey.journal._sqlite import _FINISH, row_of_record
 
-    ours = SQLiteJournal(tmp_path / "ours.sqlite3", clock=FakeClock(start=NOW))
-    theirs = SQLiteJournal(tmp_path / "theirs.sqlite3", clock=FakeClock(start=NOW))
+    ours = SQLiteJournal(tmp_path / "ours.sqlite3", clock=FakeClock(wall=NOW))
+    theirs = SQLiteJournal(tmp_path / "theirs.sqlite3", clock=FakeClock(wall=NOW))
     done = [
         _answered(_pending(0)),
         _answered(_pending(1)).with_(created_at=NOW - 5, args_hash=None, plan="plan-g"),
