@@ -85,7 +85,7 @@ class Emit:
     event: Any
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: two or more on every journaled call (see Outgoing)
 class Journaled:
     """Call ``op`` on the journal with ``args`` and ``kwargs`` (``a`` + ``op`` when async)."""
 

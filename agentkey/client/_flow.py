@@ -58,7 +58,7 @@ from .._exceptions import (
 )
 from .._keys import StepKey, shown_key
 from .._schedule import Backoff
-from ..journal._records import Begun, CallRecord, CallState, route_of
+from ..journal._records import Begun, CallRecord, CallState, ended, pending, route_of
 from ..journal._verify import HttpLookup, InDoubt, Verdict, not_run_after, not_yet
 from ._effects import (
     Answer,
@@ -361,7 +361,7 @@ def identified(call: Call, settings: Settings) -> Generator[Effect, Any, Finishe
     return (yield from run.observed(run.step()))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one a journaled call (see _effects.Outgoing)
 class _PlanRepeats:
     """Your own loop's identity rule, for a call without a runtime call id: an identical call
     (same tool and arguments) of the plan at another step, made without a runtime call id,
@@ -612,21 +612,11 @@ class _Run:
 
     def new_record(self) -> CallRecord:
         call, now = self.call, self.s.wall()
-        return CallRecord(
-            key=call.key,
-            plan=call.plan,
-            step=call.label,
-            tool=call.tool,
-            args_hash=call.args_hash,
-            route=route_of(call.method, call.url),
-            state=CallState.PENDING,
-            call_id=call.call_id,
-            context=call.context,
-            created_at=now,
-            updated_at=now,
-            owner=call.owner,
-            lease_until=now + self.s.retry.deadline + LEASE_SLACK,
-        )
+        return pending(
+            call.key, call.plan, call.label, call.tool, call.args_hash,
+            route_of(call.method, call.url), call.call_id, call.context, now, call.owner,
+            now + self.s.retry.deadline + LEASE_SLACK,
+        )  # fmt: skip
 
     def taken_from(self, earlier: CallRecord) -> CallRecord:
         """This flow's pending record in place of ``earlier``: the call keeps its identity
@@ -685,25 +675,21 @@ class _Run:
         self, record: CallRecord, state: CallState, answer: Answer | None,
         error: BaseException | None, outcome: str | None, status_url: str | None, source: str,
     ) -> Generator[Effect, Any, None]:  # fmt: skip
-        fields: dict[str, Any] = {
-            "state": state,
-            "updated_at": self.s.wall(),
-            "attempts": self.attempts,
-            "outcome": outcome,
-            "source": source,
-            "honoured": self.honoured(),
-            "status_url": status_url,
-        }
+        status, size, body = record.status_code, record.body_size, record.body
+        failed, reason = record.error, record.reason
         if answer is not None:
             size = len(answer.content)
-            fields["status_code"] = answer.status_code
-            fields["body_size"] = size
-            fields["body"] = answer.content if size <= self.s.journal_max_body else None
+            status = answer.status_code
+            body = answer.content if size <= self.s.journal_max_body else None
         if isinstance(error, BaseException):
-            fields["error"] = type(error).__name__
-            fields["status_code"] = getattr(error, "status_code", None)
-            fields["reason"] = getattr(error, "reason", None)
-        yield Journaled("finish", (record.with_(**fields),))
+            failed = type(error).__name__
+            status = getattr(error, "status_code", None)
+            reason = getattr(error, "reason", None)
+        closed = ended(
+            record, state, self.s.wall(), self.attempts, status, outcome, source, failed, reason,
+            self.honoured(), body, size, status_url,
+        )  # fmt: skip
+        yield Journaled("finish", (closed,))
 
     def looks_for_repeats(self) -> bool:
         """Whether the journal is asked for this call at another step of the plan.
@@ -774,7 +760,7 @@ class _Run:
             if not journal:
                 return None
             record = self.new_record()
-            known = tuple(r.key for r in earlier)
+            known = tuple([r.key for r in earlier]) if earlier else ()
             begun: Begun = yield Journaled("begin", (record,), {"repeats": True, "known": known})
             if begun.earlier:  # an identical call it has not seen: choose again, seeing all
                 earlier, looked = (yield from self.identical()), True
@@ -972,9 +958,17 @@ class _Run:
         if call.repeat_of is not None and RepeatEvent in self.s.events:  # the plan's repeat
             yield Emit(RepeatEvent(call.key, call.label, call.repeat_of, call.tool))
         if self.s.journal:
-            known = yield from self.begin()
-            if known is not None:
-                return known
+            begun = self.begun
+            if begun is not None and begun[1].existing is None:
+                # The identity rule's begin recorded the call: the usual fresh call, and
+                # all that judging it does (no generator for it).
+                self.begun = None
+                self.evidence = _stronger(self.evidence, begun[1].evidence)
+                self.record = begun[0]
+            else:
+                known = yield from self.begin()
+                if known is not None:
+                    return known
         try:
             done = yield from self.send_step()
         except InvokeError as error:

@@ -26,6 +26,7 @@ from ._base import (
     repeats_among,
     settle_by_take_over,
 )
+from ._records import recorded
 
 __all__ = ["MemoryJournal", "SyncJournal", "unchanged"]
 
@@ -135,11 +136,38 @@ class MemoryJournal(SyncJournal):
         self.max_body_bytes, self.retention = check_journal_options(max_body_bytes, retention)
         self._clock = journal_clock(clock)
         self._records: dict[str, CallRecord] = {}
+        # (plan, args_hash) -> the keys of its records: what a begin that looks for repeats
+        # reads, instead of every record of the journal (a long run made each begin slower).
+        self._by_args: dict[tuple[str, str | None], dict[str, None]] = {}
         self._evidence: dict[str, Evidence] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"MemoryJournal(records={len(self._records)})"
+
+    def _put(self, record: CallRecord) -> None:
+        """Keep ``record`` under its key (in place of the one there), and in the index."""
+        previous = self._records.get(record.key)
+        if previous is not None and (previous.plan, previous.args_hash) != (
+            record.plan,
+            record.args_hash,
+        ):
+            self._unindex(previous)
+        self._records[record.key] = record
+        self._by_args.setdefault((record.plan, record.args_hash), {})[record.key] = None
+
+    def _same_args(self, record: CallRecord) -> list[CallRecord]:
+        """The records of ``record``'s plan and arguments (``repeats_among`` picks its repeats)."""
+        keys = self._by_args.get((record.plan, record.args_hash), ())
+        return [self._records[key] for key in keys]
+
+    def _unindex(self, record: CallRecord) -> None:
+        where = (record.plan, record.args_hash)
+        keys = self._by_args.get(where)
+        if keys is not None:
+            keys.pop(record.key, None)
+            if not keys:
+                del self._by_args[where]
 
     def _evidence_of(self, route: str) -> str | None:
         found = self._evidence.get(route)
@@ -151,13 +179,13 @@ class MemoryJournal(SyncJournal):
         self, record: CallRecord, *, repeats: bool = False, known: Collection[str] | None = None
     ) -> Begun:
         with self._lock:
-            found = self._records.values()
-            if repeats and (earlier := repeats_among(record, found, known=known)):
+            if repeats and (earlier := repeats_among(record, self._same_args(record), known=known)):
                 return Begun(None, self._evidence_of(record.route), False, earlier)
             existing = self._records.get(record.key)
             if existing is None:
-                self._records[record.key] = record
-            live = existing is not None and is_live(existing, self._clock.time())
+                self._put(record)
+                return recorded(self._evidence_of(record.route))
+            live = is_live(existing, self._clock.time())
             return Begun(existing, self._evidence_of(record.route), live)
 
     def take_over(self, record: CallRecord, previous: CallRecord) -> bool:
@@ -165,18 +193,18 @@ class MemoryJournal(SyncJournal):
             current = self._records.get(record.key)
             if current is None or not unchanged(current, previous):
                 return False
-            self._records[record.key] = record
+            self._put(record)
             return True
 
     def finish(self, record: CallRecord) -> bool:
         with self._lock:
             current = self._records.get(record.key)
             if current is not None and current.owner == record.owner:
-                self._records[record.key] = record
+                self._put(record)
                 return True
             written, error = missed_finish(record, current)
             if written is not None:
-                self._records[record.key] = written
+                self._put(written)
         raise error
 
     def get(self, key: str) -> CallRecord | None:
@@ -247,7 +275,7 @@ class MemoryJournal(SyncJournal):
                 if prunable(r, cutoff, include_unsettled=include_unsettled, now=now)
             ]
             for key in old:
-                del self._records[key]
+                self._unindex(self._records.pop(key))
             return len(old)
 
     def close(self) -> None:

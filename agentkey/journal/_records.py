@@ -32,6 +32,10 @@ __all__ = [
     "CallRecord",
     "CallState",
     "Evidence",
+    "ended",
+    "pending",
+    "record_of",
+    "recorded",
     "repeats_among",
     "route_of",
     "values_of",
@@ -99,7 +103,7 @@ class CallRecord:
             if index is None:
                 raise TypeError(f"CallRecord has no field {name!r}")
             values[index] = value
-        return CallRecord(*values)
+        return record_of(values)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON values (the body as text when it is UTF-8, else omitted)."""
@@ -121,12 +125,60 @@ FIELDS: tuple[str, ...] = tuple(CallRecord.__dataclass_fields__)
 _values = operator.attrgetter(*FIELDS)
 #: Each field's place in :data:`FIELDS` (``with_`` builds its copy positionally).
 _INDEX = {name: index for index, name in enumerate(FIELDS)}
+# ``pending`` and ``ended`` below build records positionally: they hold this order.
+assert FIELDS[6:14] == ("state", "call_id", "context", "created_at", "updated_at", "owner",
+                        "lease_until", "attempts")  # fmt: skip
+assert FIELDS[14:] == ("status_code", "outcome", "source", "error", "reason", "honoured",
+                       "body", "body_size", "status_url")  # fmt: skip
 
 
 def values_of(record: CallRecord) -> tuple[Any, ...]:
     """The record's field values, in :data:`FIELDS` order."""
     values: tuple[Any, ...] = _values(record)
     return values
+
+
+#: Each field's slot, set directly by :func:`record_of` (the frozen ``__init__`` goes through
+#: ``object.__setattr__`` for each of the 23 fields, twice what setting the slot costs).
+_SLOTS = tuple(CallRecord.__dict__[name].__set__ for name in FIELDS)
+_new = object.__new__
+
+
+def record_of(values: Iterable[Any]) -> CallRecord:
+    """The record of ``values`` (every field, in :data:`FIELDS` order): what
+    ``CallRecord(*values)`` builds, made without the frozen ``__init__``. The client
+    builds two records a journaled call; their values come from a record or from the
+    flow's own call, never from outside."""
+    record: CallRecord = _new(CallRecord)
+    for put, value in zip(_SLOTS, values, strict=True):
+        put(record, value)
+    return record
+
+
+def pending(
+    key: str, plan: str, step: str | None, tool: str | None, args_hash: str | None, route: str,
+    call_id: str | None, context: str | None, now: float, owner: str | None, lease_until: float,
+) -> CallRecord:  # fmt: skip
+    """A new call's ``PENDING`` record, made at ``now`` (nothing sent, no answer yet)."""
+    return record_of(
+        (key, plan, step, tool, args_hash, route, CallState.PENDING, call_id, context, now, now,
+         owner, lease_until, 0, None, None, None, None, None, None, None, None, None)
+    )  # fmt: skip
+
+
+def ended(
+    record: CallRecord, state: CallState, updated_at: float, attempts: int,
+    status_code: int | None, outcome: str | None, source: str | None, error: str | None,
+    reason: str | None, honoured: bool | None, body: bytes | None, body_size: int | None,
+    status_url: str | None,
+) -> CallRecord:  # fmt: skip
+    """``record`` as its call ended: ``state`` and how (every field from ``attempts`` on is
+    the call's end's); the call's identity, owner and lease are ``record``'s."""
+    values = _values(record)
+    return record_of(
+        (*values[:6], state, *values[7:10], updated_at, values[11], values[12], attempts,
+         status_code, outcome, source, error, reason, honoured, body, body_size, status_url)
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +196,21 @@ class Begun:
     evidence: str | None
     live: bool = False
     earlier: tuple[CallRecord, ...] = ()
+
+
+#: The Begun of a call whose record ``begin`` wrote, one per evidence (a Begun is frozen).
+_RECORDED: dict[str | None, Begun] = {}
+
+
+def recorded(evidence: str | None) -> Begun:
+    """What ``begin`` found when it wrote the call's record: no other record, ``evidence``
+    for the route. The usual begin of every fresh call: one shared value per evidence."""
+    found = _RECORDED.get(evidence)
+    if found is None:
+        found = Begun(None, evidence)
+        if len(_RECORDED) < 64:  # evidence names a marker; a journal's rows could hold more
+            _RECORDED[evidence] = found
+    return found
 
 
 @dataclass(frozen=True, slots=True)

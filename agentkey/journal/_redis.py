@@ -60,7 +60,7 @@ from ._base import (
     repeats_among,
     settle_by_take_over,
 )
-from ._records import FIELDS, values_of
+from ._records import FIELDS, recorded, values_of
 
 try:
     import redis
@@ -445,8 +445,9 @@ class RedisJournal:
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
-        live = existing is not None and is_live(existing, self._clock.time())
-        return Begun(existing, self._evidence_of(evidence), live)
+        if existing is None:
+            return recorded(self._evidence_of(evidence))
+        return Begun(existing, self._evidence_of(evidence), is_live(existing, self._clock.time()))
 
     def _evidence_data(self, route: str, raw: Any) -> Evidence | None:
         """The evidence ``raw`` holds, if it is well formed and in force."""

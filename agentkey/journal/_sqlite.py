@@ -16,6 +16,7 @@ the checks on the path use ``lstat`` and the file is created by SQLite itself.
 
 from __future__ import annotations
 
+import operator
 import os
 import sqlite3
 import stat
@@ -47,7 +48,7 @@ from ._base import (
     repeats_among,
 )
 from ._memory import SyncJournal
-from ._records import FIELDS, values_of
+from ._records import FIELDS, recorded, values_of
 
 __all__ = [
     "COLUMNS",
@@ -138,6 +139,20 @@ _TAKE_OVER = (
     "WHERE key = ? AND state = ? AND owner IS ? AND updated_at = ?"
 )
 _FINISH = f"UPDATE agentkey_calls SET {_SET} WHERE key = ? AND owner IS ?"  # noqa: S608
+#: The columns of the repeat index (and the key): a record keeps them from its begin.
+_KEPT = ("key", "plan", "args_hash", "created_at")
+_ENDING = tuple(i for i, c in enumerate(COLUMNS) if c not in _KEPT)
+_ending_values = operator.itemgetter(*_ENDING)
+_WHOSE = ("key", "owner", "plan", "args_hash", "created_at")
+_ending_where = operator.itemgetter(*(COLUMNS.index(c) for c in _WHOSE))
+#: ``_FINISH`` as the usual finish runs it: the row its begin wrote (the same key, owner,
+#: plan, arguments and creation) gets every other column. Setting an indexed column rewrites
+#: its index entry and one more page of the log at each commit, even to the same value; a
+#: row that does not match in full goes to ``_FINISH`` itself (:meth:`SQLiteJournal.finish`).
+_FINISH_ENDING = (
+    f"UPDATE agentkey_calls SET {', '.join(f'{COLUMNS[i]} = ?' for i in _ENDING)} "  # noqa: S608
+    "WHERE key = ? AND owner IS ? AND plan = ? AND args_hash IS ? AND created_at = ?"
+)  # (the order of _WHOSE)
 _REPEATS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ? AND call_id IS NULL"
 #: The same, whatever the runtime's call id (a begin with ``known=``).
 _SAME_CALLS = f"{_SELECT} WHERE plan = ? AND args_hash = ? AND key != ?"
@@ -487,7 +502,7 @@ class SQLiteJournal(SyncJournal):
             first = _FIRST if known is None else _FIRST_OF_ALL
             look = (record.plan, record.args_hash, record.key)
             if conn.execute(first, (*row_of_record(record), *look)).rowcount == 1:
-                return Begun(None, self._evidence(conn, record.route), False)
+                return recorded(self._evidence(conn, record.route))
             # Look and write in one write transaction: another process sending the same
             # call at another step then finds this one, or this one finds it.
             conn.execute("BEGIN IMMEDIATE")
@@ -508,9 +523,9 @@ class SQLiteJournal(SyncJournal):
 
     def _begin(self, conn: sqlite3.Connection, record: CallRecord) -> Begun:
         inserted = conn.execute(_INSERT, row_of_record(record)).rowcount == 1
-        existing = None
-        if not inserted:
-            existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
+        if inserted:
+            return recorded(self._evidence(conn, record.route))
+        existing = one_record(conn.execute(_BY_KEY, (record.key,)).fetchone(), repr(self))
         live = existing is not None and is_live(existing, self._clock.time())
         return Begun(existing, self._evidence(conn, record.route), live)
 
@@ -529,12 +544,15 @@ class SQLiteJournal(SyncJournal):
             return cursor.rowcount == 1
 
     def finish(self, record: CallRecord) -> bool:
-        params = (*row_of_record(record)[1:], record.key, record.owner)
+        values = row_of_record(record)
+        ending = (*_ending_values(values), *_ending_where(values))
         with self._lock:
             conn = self._connection()
-            if conn.execute(_FINISH, params).rowcount == 1:
+            if conn.execute(_FINISH_ENDING, ending).rowcount == 1:
                 return True  # one statement, one commit: the usual case
-            # Its owner no longer holds it: look, and write what happened, in one transaction.
+            # Its owner no longer holds it (or the row is not its begin's): look, and write
+            # what happened, in one transaction.
+            params = (*values[1:], record.key, record.owner)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 error = None
