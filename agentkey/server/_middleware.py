@@ -117,6 +117,10 @@ _PROTECTED = (b"idempotency-protected", b"true")
 _ASKED_METHOD = b"access-control-request-method"
 
 
+#: The hooks' event of each problem a claim can meet (a Reject: "mismatch").
+_EVENTS: dict[type, str] = {Conflict: "conflict", Unavailable: "unavailable", InDoubt: "in_doubt"}
+
+
 def _asked_method(scope: Scope) -> str | None:
     """The method an OPTIONS request asks about (``Access-Control-Request-Method``)."""
     for name, value in scope.get("headers", ()):
@@ -645,8 +649,19 @@ class IdempotencyMiddleware:
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
-        claim = self._life.new_claim(checked, principal, body, " ".join(operation))
-        decision = await self._life.claim(claim, checked, hold=self.options.hold_in_flight)
+        # The Claim is built only when the request goes on with one (it runs, is held, or
+        # meets a key in doubt): a replay or a refusal is answered from the record alone.
+        decision, claim = await self._life.open(
+            checked, principal, body, " ".join(operation), hold=self.options.hold_in_flight
+        )
+        if claim is None:
+            if isinstance(decision, Replay):
+                await self._replay(send, decision, method, path, checked.idempotency_key)
+            else:
+                assert not isinstance(decision, Run)
+                event = _EVENTS.get(type(decision), "mismatch")
+                await self._problem(send, decision, event, method, path, checked.idempotency_key)
+            return
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
                 claim.idempotency_key,
@@ -673,11 +688,7 @@ class IdempotencyMiddleware:
         elif isinstance(decision, Replay):
             await self._replay(send, decision, method, path, claim.idempotency_key)
         else:
-            event = {
-                Conflict: "conflict",
-                Unavailable: "unavailable",
-                InDoubt: "in_doubt",
-            }.get(type(decision), "mismatch")
+            event = _EVENTS.get(type(decision), "mismatch")
             await self._problem(send, decision, event, method, path, claim.idempotency_key)
 
     def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
