@@ -731,7 +731,15 @@ class IdempotencyMiddleware:
                 problem = unavailable(self.options.retry_after, reading=True)
                 await self._problem(send, problem, "unavailable", method, path, key)
                 return
-        await _send(send, replay.status, replay_headers(replay, self._replay_header), body)
+        # The start and the body, straight from the record: _messages' shape, in one go.
+        raw = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in replay_headers(replay, self._replay_header)
+        ]
+        raw.append((b"content-length", b"%d" % len(body)))
+        raw.append(_PROTECTED)
+        await send({"type": "http.response.start", "status": replay.status, "headers": raw})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
         if self._hooks:
             self._emit("replay", method, path, key, replay.status)
 
