@@ -7,6 +7,8 @@ decisions of :mod:`agentkey.server._decide`, and it lives here, once::
     resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
     Lifecycle.new_claim(checked, principal) -> Claim
     Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
+    Lifecycle.open(checked, principal, hold=) -> (the same decision, Claim or None)
+        (both at once, as HTTP does: a replay or a refusal builds no Claim)
         ... the tool runs, its lease renewed ...
     Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
 
