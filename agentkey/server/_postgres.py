@@ -670,8 +670,10 @@ class PostgresStore:
             for attempt in (1, 2):
                 conn = await self._checkout()
                 try:
-                    cur = await conn.run(query, params)
-                    return await cur.fetchall() if cur.description else []
+                    # Every statement run here returns rows (a SELECT or a RETURNING):
+                    # fetched without asking for cur.description, which builds a Column
+                    # object per column on every call.
+                    return await (await conn.run(query, params)).fetchall()
                 except Exception as exc:
                     if attempt == 2 or not _lost_connection(conn, exc):
                         raise
