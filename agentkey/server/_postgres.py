@@ -207,7 +207,9 @@ class _Connection(psycopg.AsyncConnection[Any]):
         cur = self._agentkey_cursor
         if cur is None or cur.closed:
             cur = self._agentkey_cursor = self.cursor()
-        await cur.execute(query, params)
+        # Rows come back in binary: a record's bytea is its bytes as they are (no hex text
+        # to decode), and every column loads to the same Python value as in text.
+        await cur.execute(query, params, binary=True)
         return cur
 
 
