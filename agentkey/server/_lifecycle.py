@@ -7,6 +7,8 @@ decisions of :mod:`agentkey.server._decide`, and it lives here, once::
     resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
     Lifecycle.new_claim(checked, principal) -> Claim
     Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
+    Lifecycle.open(checked, principal, hold=) -> (the same decision, Claim or None)
+        (both at once, as HTTP does: a replay or a refusal builds no Claim)
         ... the tool runs, its lease renewed ...
     Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
 
@@ -64,9 +66,9 @@ from ._decide import (
     Unavailable,
     on_claimed,
     on_finished,
-    record_key,
     unavailable,
 )
+from ._decide import record_key as _record_key
 from ._reconcile import ReconcileContext, ReconcileHook, ask
 from ._records import StoredOutcome, encode_in_progress, encode_outcome
 from ._stores import SETTLE_SECONDS, Store
@@ -230,18 +232,25 @@ class Lifecycle:
         principal: str,
         body: Sequence[bytes] | None = None,
         operation: str = "",
+        *,
+        owner: str | None = None,
+        record_key: str | None = None,
+        started_ms: int | None = None,
     ) -> Claim:
         """The claim of ``checked`` for ``principal``; ``body``: the HTTP request's chunks,
         which :meth:`Claim.json` parses for the handler if it asks.
         ``operation`` (``"POST /charges"``, ``"tools/call charge"``) is kept in the record
-        for operators who list the keys in doubt."""
+        for operators who list the keys in doubt. ``owner``, ``record_key`` and
+        ``started_ms``: those of a claim already sent to the store (:meth:`open`)."""
         key = checked.key
         return Claim(
             key=key if isinstance(key, StepKey) else None,
             idempotency_key=key.format(),
             principal=principal,
-            record_key=record_key(principal, key),
-            owner=os.urandom(16).hex(),  # what secrets.token_hex(16) does, in one call
+            record_key=_record_key(principal, key) if record_key is None else record_key,
+            # What secrets.token_hex(16) does, in one call.
+            owner=os.urandom(16).hex() if owner is None else owner,
+            started_ms=started_ms,
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,
             auto_renew=self.auto_renew,
@@ -279,29 +288,96 @@ class Lifecycle:
             return await self._hold(claim, checked, decision, until)
         return decision
 
-    async def _claim_once(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
-        existing: bytes | StoreError | None
+    async def open(
+        self,
+        checked: Checked,
+        principal: str,
+        body: Sequence[bytes] | None = None,
+        operation: str = "",
+        *,
+        hold: float = 0.0,
+    ) -> tuple[Problem | Run | Replay, Claim | None]:
+        """:meth:`new_claim` then :meth:`claim`, the :class:`Claim` built only when the
+        request goes on with one: it runs (``Run``), it is held (``hold``), or its key is
+        in doubt (for a reconcile hook). A replay, a refusal, a 409 or a 503 is answered
+        from the key and the record met alone (the claim is None): the same store write
+        and the same decision (:func:`on_claimed`), without the object.
+        """
+        key = checked.key
+        store_key = _record_key(principal, key)
+        owner = os.urandom(16).hex()  # what secrets.token_hex(16) does, in one call
+        until = self.clock.monotonic() + hold if hold else 0.0
         now = wall_ms(self.clock)  # the lease's start; a 409's Retry-After counts from it
+        started = self.mutation_starts == "on_run"
+        # What Claim.in_progress_record(now) of the claim new_claim() would build writes.
+        value = encode_in_progress(
+            owner,
+            now,
+            lease_end_ms=now + self.lock_ttl_ms,
+            renew_ms=max(1, self.lock_ttl_ms // 3) if self.auto_renew else 0,
+            binding=checked.binding,
+            phase="started" if started else "claimed",
+            operation=operation,
+        )
+        ttl = self.result_ttl_ms if started else self.lock_ttl_ms
+        decision = await self._ask(store_key, value, ttl, owner, checked, now)
+        if isinstance(decision, Unavailable):
+            self._log_unavailable(key.format(), decision)
+            return decision, None
+        if isinstance(decision, (Replay, Reject)) or (isinstance(decision, Conflict) and not hold):
+            return decision, None
+        claim = self.new_claim(
+            checked, principal, body, operation, owner=owner, record_key=store_key, started_ms=now
+        )
+        if isinstance(decision, Run):
+            if decision.renew:
+                decision = await self._renewed(claim, decision)
+        elif isinstance(decision, Conflict):
+            decision = await self._hold(claim, checked, decision, until)
+        return decision, claim
+
+    async def _ask(
+        self, store_key: str, value: bytes, ttl_ms: int, owner: str, checked: Checked, now: int
+    ) -> Problem | Run | Replay:
+        """Write the claim ``value`` under ``store_key`` if free; decide on what is there."""
+        existing: bytes | StoreError | None
         try:
-            existing = await self.store.claim(
-                claim.record_key, claim.in_progress_record(now), ttl_ms=claim._record_ttl_ms
-            )
+            existing = await self.store.claim(store_key, value, ttl_ms=ttl_ms)
         except StoreError as exc:
             existing = exc
-        decision = on_claimed(
-            existing, checked, owner=claim.owner, now_ms=now, retry_after=self.retry_after
+        return on_claimed(existing, checked, owner=owner, now_ms=now, retry_after=self.retry_after)
+
+    async def _renewed(self, claim: Claim, decision: Run) -> Problem | Run | Replay:
+        """``decision`` once our own claim, read back (``Run(renew=True)``), is renewed."""
+        if not decision.renew:
+            return decision
+        try:
+            await claim.renew()
+        except StoreError as exc:
+            failed = unavailable(self.retry_after, str(exc))
+            self._log_unavailable(claim.idempotency_key, failed)
+            return failed
+        return decision
+
+    def _log_unavailable(self, key: str, decision: Unavailable) -> None:
+        _logger.error(
+            "idempotency store failed while claiming %s: %s", shown_key(key), decision.cause
         )
-        if isinstance(decision, Run) and decision.renew:
-            try:
-                await claim.renew()
-            except StoreError as exc:
-                decision = unavailable(self.retry_after, str(exc))
+
+    async def _claim_once(self, claim: Claim, checked: Checked) -> Problem | Run | Replay:
+        now = wall_ms(self.clock)  # the lease's start; a 409's Retry-After counts from it
+        decision = await self._ask(
+            claim.record_key,
+            claim.in_progress_record(now),
+            claim._record_ttl_ms,
+            claim.owner,
+            checked,
+            now,
+        )
+        if isinstance(decision, Run):
+            return await self._renewed(claim, decision)
         if isinstance(decision, Unavailable):
-            _logger.error(
-                "idempotency store failed while claiming %s: %s",
-                shown_key(claim.idempotency_key),
-                decision.cause,
-            )
+            self._log_unavailable(claim.idempotency_key, decision)
         return decision
 
     async def _hold(

@@ -117,6 +117,10 @@ _PROTECTED = (b"idempotency-protected", b"true")
 _ASKED_METHOD = b"access-control-request-method"
 
 
+#: The hooks' event of each problem a claim can meet (a Reject: "mismatch").
+_EVENTS: dict[type, str] = {Conflict: "conflict", Unavailable: "unavailable", InDoubt: "in_doubt"}
+
+
 def _asked_method(scope: Scope) -> str | None:
     """The method an OPTIONS request asks about (``Access-Control-Request-Method``)."""
     for name, value in scope.get("headers", ()):
@@ -645,8 +649,19 @@ class IdempotencyMiddleware:
         if isinstance(checked, Reject):
             await self._problem(send, checked, "rejected", method, path, key.format())
             return
-        claim = self._life.new_claim(checked, principal, body, " ".join(operation))
-        decision = await self._life.claim(claim, checked, hold=self.options.hold_in_flight)
+        # The Claim is built only when the request goes on with one (it runs, is held, or
+        # meets a key in doubt): a replay or a refusal is answered from the record alone.
+        decision, claim = await self._life.open(
+            checked, principal, body, " ".join(operation), hold=self.options.hold_in_flight
+        )
+        if claim is None:
+            if isinstance(decision, Replay):
+                await self._replay(send, decision, method, path, checked.idempotency_key)
+            else:
+                assert not isinstance(decision, Run)
+                event = _EVENTS.get(type(decision), "mismatch")
+                await self._problem(send, decision, event, method, path, checked.idempotency_key)
+            return
         if isinstance(decision, InDoubt) and self._reconcile is not None:
             context = context_for(
                 claim.idempotency_key,
@@ -673,11 +688,7 @@ class IdempotencyMiddleware:
         elif isinstance(decision, Replay):
             await self._replay(send, decision, method, path, claim.idempotency_key)
         else:
-            event = {
-                Conflict: "conflict",
-                Unavailable: "unavailable",
-                InDoubt: "in_doubt",
-            }.get(type(decision), "mismatch")
+            event = _EVENTS.get(type(decision), "mismatch")
             await self._problem(send, decision, event, method, path, claim.idempotency_key)
 
     def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
@@ -720,7 +731,15 @@ class IdempotencyMiddleware:
                 problem = unavailable(self.options.retry_after, reading=True)
                 await self._problem(send, problem, "unavailable", method, path, key)
                 return
-        await _send(send, replay.status, replay_headers(replay, self._replay_header), body)
+        # The start and the body, straight from the record: _messages' shape, in one go.
+        raw = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in replay_headers(replay, self._replay_header)
+        ]
+        raw.append((b"content-length", b"%d" % len(body)))
+        raw.append(_PROTECTED)
+        await send({"type": "http.response.start", "status": replay.status, "headers": raw})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
         if self._hooks:
             self._emit("replay", method, path, key, replay.status)
 

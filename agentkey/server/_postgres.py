@@ -49,7 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._clock import Clock, real_deadline
+from .._clock import Clock
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
@@ -200,13 +200,16 @@ class _Connection(psycopg.AsyncConnection[Any]):
     """
 
     _agentkey_cursor: psycopg.AsyncCursor[Any] | None = None
+    _agentkey_poller: Any = None  # a select.poll() with this connection's socket registered
 
     async def run(self, query: bytes, params: Mapping[str, Any]) -> psycopg.AsyncCursor[Any]:
         """Execute ``query`` on the kept cursor (made on first use) and return it."""
         cur = self._agentkey_cursor
         if cur is None or cur.closed:
             cur = self._agentkey_cursor = self.cursor()
-        await cur.execute(query, params)
+        # Rows come back in binary: a record's bytea is its bytes as they are (no hex text
+        # to decode), and every column loads to the same Python value as in text.
+        await cur.execute(query, params, binary=True)
         return cur
 
 
@@ -267,7 +270,7 @@ def _lost_connection(conn: psycopg.AsyncConnection[Any], exc: BaseException) -> 
     return conn.closed or state is None or state.startswith("08") or state in _GONE
 
 
-def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:
+def _alive(conn: _Connection) -> bool:
     """Whether an idle pooled connection can still be used, told without a round trip.
 
     Between statements the server sends nothing, so a socket with something to read
@@ -279,7 +282,7 @@ def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:
         return False
     fd = conn.fileno()
     for _ in range(3):
-        if not _readable(fd):
+        if not _readable(conn, fd):
             return True
         try:
             conn.pgconn.consume_input()
@@ -288,11 +291,14 @@ def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:
     return False
 
 
-def _readable(fd: int) -> bool:
+def _readable(conn: _Connection, fd: int) -> bool:
     if _POLL is None:  # pragma: no cover - Windows has no poll()
         return bool(select.select([fd], [], [], 0)[0])
-    poller = _POLL()
-    poller.register(fd, select.POLLIN)
+    # One poller per connection, made on first use: an open connection keeps its socket.
+    poller = conn._agentkey_poller
+    if poller is None:
+        poller = conn._agentkey_poller = _POLL()
+        poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
 
 
@@ -600,8 +606,7 @@ class PostgresStore:
         """
         timeout = self._pool.timeout
         # A deadline on the real clock: the pool waits for a connection in real time.
-        deadline = real_deadline(self._clock, self._clock.monotonic() + timeout)
-        assert deadline is not None
+        deadline = time.monotonic() + timeout
         await self._slots.acquire(timeout)
         try:
             return await self._live(deadline)
@@ -670,8 +675,10 @@ class PostgresStore:
             for attempt in (1, 2):
                 conn = await self._checkout()
                 try:
-                    cur = await conn.run(query, params)
-                    return await cur.fetchall() if cur.description else []
+                    # Every statement run here returns rows (a SELECT or a RETURNING):
+                    # fetched without asking for cur.description, which builds a Column
+                    # object per column on every call.
+                    return await (await conn.run(query, params)).fetchall()
                 except Exception as exc:
                     if attempt == 2 or not _lost_connection(conn, exc):
                         raise

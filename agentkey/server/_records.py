@@ -59,6 +59,7 @@ __all__ = [
 
 _OWNER = re.compile(r"[0-9a-f]{32}")
 _JSON = json.JSONDecoder()  # json.loads's own decoder (no options): built once
+_RAW_DECODE = _JSON.raw_decode  # documented: the object at the start, and its end
 _DIGEST = re.compile(r"[A-Za-z0-9_-]{22}")
 
 
@@ -240,7 +241,12 @@ def decode_record(value: bytes, *, key: str) -> InProgress | StoredOutcome:
             # What json.loads(head) does, without its encoding detection: a head opening
             # with "{" then a non-NUL byte is UTF-8 (what detect_encoding says of it).
             if head[:1] == b"{" and head[1:2] != b"\x00":
-                doc = _JSON.decode(head.decode("utf-8", "surrogatepass"))
+                text = head.decode("utf-8", "surrogatepass")
+                # What _JSON.decode does for a head with nothing after its object (as
+                # every writer of records writes it), without its two whitespace matches.
+                doc, end = _RAW_DECODE(text)
+                if end != len(text):
+                    doc = _JSON.decode(text)  # raises ValueError, or reads trailing spaces
             else:
                 doc = json.loads(head)
             if not newline:  # v2: the body base64 inside the JSON

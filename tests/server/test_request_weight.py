@@ -149,3 +149,64 @@ def test_a_clients_long_operation_is_not_kept() -> None:
         owner, 1, binding=Binding("r" * 22), phase="started", operation=long
     )
     assert checked == check_body(key, ("POST", long[5:]), BODY)
+
+
+def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
+    """Over uvicorn, one run then 6 replays, a 422 (other body) and a 409 (in flight) build 2
+    claims, the runs' (on main: 10, one per request); the handler ran twice, once per key."""
+    built: list[str] = []
+    init = Claim.__init__
+
+    def counting(self: Claim, **kwargs: Any) -> None:
+        built.append(kwargs["idempotency_key"])
+        init(self, **kwargs)
+
+    monkeypatch.setattr(Claim, "__init__", counting)
+    runs = 0
+    release = threading.Event()
+
+    async def charge(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        args = await request.json()
+        if args.get("slow"):
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        return JSONResponse({"amount": args["amount"]}, status_code=201)
+
+    tool = Starlette(routes=[Route("/tools/charge", charge, methods=["POST"])])
+    app = IdempotencyMiddleware(tool, store=MemoryStore(), shared_key_space=True)
+    key = f"{os.urandom(6).hex()}:step_000:{hashlib.sha256(BODY).hexdigest()}"
+    opaque = f"ik_{os.urandom(8).hex()}"
+    slow = b'{"amount":1,"slow":true}'
+    with serve(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        first = client.post("/tools/charge", content=BODY, headers={"Idempotency-Key": key})
+        replays = [
+            client.post("/tools/charge", content=BODY, headers={"Idempotency-Key": key})
+            for _ in range(6)
+        ]
+        with httpx.Client(base_url=url, timeout=60) as other:
+            sender = threading.Thread(
+                target=lambda: other.post(
+                    "/tools/charge", content=slow, headers={"Idempotency-Key": opaque}
+                )
+            )
+            sender.start()
+            deadline = time.monotonic() + 60
+            while runs < 2:
+                assert time.monotonic() < deadline, "the slow request never ran"
+                time.sleep(0.01)
+            busy = client.post("/tools/charge", content=slow, headers={"Idempotency-Key": opaque})
+            mismatch = client.post(
+                "/tools/charge", content=BODY, headers={"Idempotency-Key": opaque}
+            )
+            release.set()
+            sender.join(timeout=60)
+    assert first.status_code == 201
+    assert [(r.status_code, r.headers.get("idempotent-replayed")) for r in replays] == [
+        (201, "true")
+    ] * 6
+    assert {r.content for r in replays} == {first.content}
+    assert (busy.status_code, busy.json()["error"]) == (409, "in_progress")
+    assert (mismatch.status_code, mismatch.json()["error"]) == (422, "payload_mismatch")
+    assert runs == 2
+    assert built == [key, opaque]
