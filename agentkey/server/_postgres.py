@@ -49,7 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._clock import Clock
+from .._clock import Clock, real_deadline
 from .._exceptions import ConfigurationError, StoreError, StoreUnavailable, missing_extra
 from .._keys import shown_key
 from ._decide import is_storable, stored_headers
@@ -606,7 +606,8 @@ class PostgresStore:
         """
         timeout = self._pool.timeout
         # A deadline on the real clock: the pool waits for a connection in real time.
-        deadline = time.monotonic() + timeout
+        deadline = real_deadline(self._clock, self._clock.monotonic() + timeout)
+        assert deadline is not None
         await self._slots.acquire(timeout)
         try:
             return await self._live(deadline)
