@@ -102,6 +102,18 @@ class OutOfTime(Exception):
     """A retry loop of a settle found its budget spent on the clock (caught by the settle)."""
 
 
+def renew_every_ms(lease_ms: int) -> int:
+    """How often a lease of ``lease_ms`` is renewed: every third of it (at least every ms)."""
+    return max(1, lease_ms // 3)
+
+
+def kept_ms(phase: str, lease_ms: int, result_ttl_ms: int) -> int:
+    """How long the store keeps a record in ``phase``: one lease while ``claimed``, as long
+    as a result once the side effect may have started (so a lapsed lease is remembered as
+    in doubt, never forgotten)."""
+    return result_ttl_ms if phase == "started" else lease_ms
+
+
 class Claim:
     """The lease on one ``Idempotency-Key`` held by the running handler.
 
@@ -183,7 +195,7 @@ class Claim:
         self._owner = owner
         self._store = store
         self._lease_ms = lock_ttl_ms
-        self._renew_ms = max(1, lock_ttl_ms // 3)
+        self._renew_ms = renew_every_ms(lock_ttl_ms)
         self._binding = binding
         self._clock = clock if clock is not None else SYSTEM
         self._started_ms = wall_ms(self._clock) if started_ms is None else started_ms
@@ -242,7 +254,7 @@ class Claim:
         """How long the store keeps this claim's record: one lease while ``claimed``, as
         long as a result once the side effect may have started (so a lapsed lease is
         remembered as in doubt, never forgotten)."""
-        return self._result_ttl_ms if self._phase == "started" else self._lease_ms
+        return kept_ms(self._phase, self._lease_ms, self._result_ttl_ms)
 
     def nothing_started(self) -> None:
         """Say that this request's side effect has not started and will not: if the

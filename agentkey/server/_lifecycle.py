@@ -44,9 +44,11 @@ from ._blobs import BlobStore
 from ._claim import (
     Claim,
     OutOfTime,
+    kept_ms,
     record_outcome,
     record_until_stored,
     release_until_done,
+    renew_every_ms,
     until_answered,
     wait_for_event,
     wall_ms,
@@ -257,10 +259,14 @@ class Lifecycle:
             binding=checked.binding,
             clock=self.clock,
             body=body,
-            phase="started" if self.mutation_starts == "on_run" else "claimed",
+            phase=self.first_phase(),
             result_ttl_ms=self.result_ttl_ms,
             operation=operation,
         )
+
+    def first_phase(self) -> Literal["started", "claimed"]:
+        """A new claim's phase: ``started`` when the side effect starts with the run."""
+        return "started" if self.mutation_starts == "on_run" else "claimed"
 
     def now_ms(self) -> int:
         """The clock's wall time in Unix milliseconds."""
@@ -308,18 +314,19 @@ class Lifecycle:
         owner = os.urandom(16).hex()  # what secrets.token_hex(16) does, in one call
         until = self.clock.monotonic() + hold if hold else 0.0
         now = wall_ms(self.clock)  # the lease's start; a 409's Retry-After counts from it
-        started = self.mutation_starts == "on_run"
-        # What Claim.in_progress_record(now) of the claim new_claim() would build writes.
+        phase = self.first_phase()
+        # What Claim.in_progress_record(now) of the claim new_claim() would build writes
+        # (tests/server/test_request_weight.py compares the two writes).
         value = encode_in_progress(
             owner,
             now,
             lease_end_ms=now + self.lock_ttl_ms,
-            renew_ms=max(1, self.lock_ttl_ms // 3) if self.auto_renew else 0,
+            renew_ms=renew_every_ms(self.lock_ttl_ms) if self.auto_renew else 0,
             binding=checked.binding,
-            phase="started" if started else "claimed",
+            phase=phase,
             operation=operation,
         )
-        ttl = self.result_ttl_ms if started else self.lock_ttl_ms
+        ttl = kept_ms(phase, self.lock_ttl_ms, self.result_ttl_ms)
         decision = await self._ask(store_key, value, ttl, owner, checked, now)
         if isinstance(decision, Unavailable):
             self._log_unavailable(key.format(), decision)

@@ -332,11 +332,12 @@ class PostgresTransaction:
         self.connection: psycopg.AsyncConnection[Any] = connection
 
     def __repr__(self) -> str:
-        return f"PostgresTransaction(key={self._claim.idempotency_key!r})"
+        return f"PostgresTransaction(key={shown_key(self._claim.idempotency_key)!r})"
 
     @property
     def _key(self) -> str:
-        return self._claim.idempotency_key
+        """The record's key, what :meth:`PostgresStore._map` shows (as a digest)."""
+        return self._claim.record_key
 
     def _params(self, **extra: Any) -> dict[str, Any]:
         prefix = owner_prefix(self._claim.owner)
@@ -344,9 +345,9 @@ class PostgresTransaction:
 
     def _lost(self, what: str) -> StoreError:
         return StoreError(
-            f"the lease on {self._claim.idempotency_key} was lost before {what} (it expired and "
-            "another request may hold the key), so this transaction is rolled back and none "
-            "of its writes happen; the client retries with the same key"
+            f"the lease on {shown_key(self._claim.idempotency_key)} was lost before {what} "
+            "(it expired and another request may hold the key), so this transaction is rolled "
+            "back and none of its writes happen; the client retries with the same key"
         )
 
     async def recovery_point(self) -> RecoveryPoint | None:
@@ -817,7 +818,7 @@ class PostgresStore:
         prefix = owner_prefix(claim.owner)
         params = {"k": claim.record_key, "p": prefix, "n": len(prefix)}
         try:
-            rows = await self._one("recovery", claim.idempotency_key, params)
+            rows = await self._one("recovery", claim.record_key, params)
         except StoreUnavailable as exc:
             raise claim._note_unavailable(exc) from None
         if not rows:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentkey import ConfigurationError, PlanSession, StoreError, StoreUnavailable
+from agentkey._keys import shown_key
 from agentkey.server import IdempotencyMiddleware, current_claim
 from agentkey.server._postgres import PostgresStore, PostgresTransaction, RecoveryPoint
 from agentkey.server._records import (
@@ -213,12 +214,12 @@ async def test_leaving_the_block_without_complete_rolls_back(
         await store.aclose()
 
 
-def _claim(store: PostgresStore, record_key: str) -> Any:
+def _claim(store: PostgresStore, record_key: str, idempotency_key: str | None = None) -> Any:
     from agentkey.server import Claim
 
     return Claim(
         key=None,
-        idempotency_key=record_key,
+        idempotency_key=record_key if idempotency_key is None else idempotency_key,
         principal="p",
         record_key=record_key,
         owner=_owner(),
@@ -245,9 +246,31 @@ async def test_a_lost_lease_rolls_the_side_effect_back(
                 assert await store.claim(claim.record_key, taken, ttl_ms=5000) is None
                 await tx.complete(JSONResponse({}, status_code=201))
 
-        with pytest.raises(StoreError, match="lease"):
+        with pytest.raises(StoreError, match="lease") as lost:
             await attempt()
         assert await _charges(charges_table) == 0
+        assert claim.idempotency_key not in str(lost.value)  # a key is a bearer secret
+    finally:
+        await store.aclose()
+
+
+async def test_a_transaction_never_shows_its_whole_key(postgres_store_factory: Factory) -> None:
+    """A transaction's repr and a lease lost inside it show the key as a digest, not whole."""
+    store = postgres_store_factory()
+    claim = _claim(store, "p:secret-key", "ik_live_SECRET_5f2a9c81d7e04b3a")
+    await store.claim(claim.record_key, encode_in_progress(claim.owner, 1), ttl_ms=5000)
+    try:
+
+        async def attempt() -> None:
+            async with store.transaction(claim) as tx:
+                assert claim.idempotency_key not in repr(tx)
+                assert await store.release(claim.record_key, claim.owner)
+                await tx.recovery_point()
+
+        with pytest.raises(StoreError) as lost:
+            await attempt()
+        assert "SECRET" not in str(lost.value)
+        assert shown_key(claim.idempotency_key) in str(lost.value)
     finally:
         await store.aclose()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -27,7 +28,9 @@ from agentkey import StepKey
 from agentkey.server import IdempotencyMiddleware, MemoryStore, _decide, _records
 from agentkey.server._claim import Claim
 from agentkey.server._decide import check_body, stored_headers
+from agentkey.server._lifecycle import Lifecycle
 from agentkey.server._records import Binding, digest, encode_in_progress
+from agentkey.testing import FakeClock
 from tests._loopback import serve
 
 BODY = b'{"amount":100}'
@@ -152,8 +155,7 @@ def test_a_clients_long_operation_is_not_kept() -> None:
 
 
 def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
-    """Over uvicorn, one run then 6 replays, a 422 (other body) and a 409 (in flight) build 2
-    claims, the runs' (on main: 10, one per request); the handler ran twice, once per key."""
+    """Over uvicorn, 2 runs, 6 replays, a 422 and a 409 build 2 claims (one per request before)."""
     built: list[str] = []
     init = Claim.__init__
 
@@ -210,3 +212,46 @@ def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
     assert (mismatch.status_code, mismatch.json()["error"]) == (422, "payload_mismatch")
     assert runs == 2
     assert built == [key, opaque]
+
+
+def test_the_first_write_of_open_is_the_first_write_of_a_claim(monkeypatch: Any) -> None:
+    """Lifecycle.open writes what new_claim() then claim() write: the same record, the same TTL."""
+
+    class Recording(MemoryStore):
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self.writes: list[tuple[str, bytes, int]] = []
+
+        async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> Any:
+            self.writes.append((key, value, ttl_ms))
+            return await super().claim(key, value, ttl_ms=ttl_ms)
+
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x01" * n)  # one owner for both ways
+    key = _decide.parse_key([b"ik_same"], key_format="any")
+    assert not isinstance(key, _decide.Reject)
+    checked = check_body(key, ("POST", "/a"), [b"{}"], body_fingerprint="bytes")
+    assert isinstance(checked, _decide.Checked)
+    combinations = itertools.product(
+        ("on_run", "on_mark"), (True, False), (1, 2, 3, 15_000, 10**9), ("", "POST /a", "x" * 5000)
+    )
+    for starts, renew, lease, operation in combinations:
+        writes = []
+        for way in ("open", "claim"):
+            clock = FakeClock()
+            store = Recording(clock=clock)
+            life = Lifecycle(
+                store,
+                lock_ttl_ms=lease,
+                result_ttl_ms=86_400_000,
+                retry_after=1,
+                auto_renew=renew,
+                clock=clock,
+                mutation_starts=starts,  # type: ignore[arg-type]
+            )
+            if way == "open":
+                asyncio.run(life.open(checked, "p", [b"{}"], operation))
+            else:
+                claim = life.new_claim(checked, "p", [b"{}"], operation)
+                asyncio.run(life.claim(claim, checked))
+            writes.append(store.writes)
+        assert writes[0] == writes[1], (starts, renew, lease, operation)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from dataclasses import replace
 from typing import Any
@@ -133,6 +134,16 @@ def test_records_round_trip() -> None:
     for junk in (b"", b"hello", b"P:short:1", b"C:{not json", b'C:{"status":1}', deep, overflow):
         with pytest.raises(StoreError, match=f"'{shown_key('k')}'"):  # a key is a secret
             decode_record(junk, key="k")
+
+
+@pytest.mark.parametrize("value", ["\u0100", "\ud800", "x\r\ny: z", "a\nb", "nul\x00"])
+@pytest.mark.parametrize("where", ["name", "value"])
+def test_a_stored_header_that_is_not_field_text_is_not_ours(value: str, where: str) -> None:
+    """A stored header a server cannot send (not latin-1, CR, LF, NUL) is a typed StoreError."""
+    header = json.dumps([value, "v"] if where == "name" else ["x-h", value])
+    record = b'C:{"v":3,"status":200,"headers":[' + header.encode() + b'],"finished_ms":1}\nb'
+    with pytest.raises(StoreError, match="not an agentkey record"):
+        decode_record(record, key="k")
 
 
 async def test_redis_keys_carry_a_cluster_hash_tag(redis_proc: RedisServer) -> None:
