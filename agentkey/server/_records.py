@@ -60,9 +60,9 @@ __all__ = [
 _OWNER = re.compile(r"[0-9a-f]{32}")
 _JSON = json.JSONDecoder()  # json.loads's own decoder (no options): built once
 _RAW_DECODE = _JSON.raw_decode  # documented: the object at the start, and its end
-#: What a stored header's name and value may hold: HTTP field text (visible ASCII, space,
-#: tab, obs-text), which the server can send as latin-1 bytes.
-_FIELD_TEXT = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+#: What a stored header's name and value may hold: latin-1 text (what the app's header
+#: bytes decode to) without CR, LF or NUL, which would split or end the answer's head.
+_FIELD_TEXT = re.compile(r"[^\r\n\x00\u0100-\U0010ffff]*")
 _DIGEST = re.compile(r"[A-Za-z0-9_-]{22}")
 
 
@@ -256,8 +256,8 @@ def decode_record(value: bytes, *, key: str) -> InProgress | StoredOutcome:
                 body = base64.b64decode(doc["body"], validate=True)
             headers = tuple([(str(k), str(v)) for k, v in doc["headers"]])
             if not _FIELD_TEXT.fullmatch("".join([k + v for k, v in headers])):
-                # Not latin-1, or CR, LF, NUL: no agentkey writer stores such a header
-                # (the app's came as bytes), and it cannot be sent as one.
+                # Not latin-1 (the app's headers come as bytes), or CR, LF, NUL: not
+                # written by agentkey from an answer a server could send.
                 raise ValueError("a stored header is not HTTP field text")
             blob = doc.get("blob")
             fp = doc.get("fp")

@@ -310,7 +310,11 @@ def test_the_one_match_key_parser_agrees_with_stepkey_parse(text: str) -> None:
         assert isinstance(got, str)  # too long for any key
 
 
-_HEADER_TEXT = st.text(st.characters(max_codepoint=0xFF), max_size=20)
+#: What an app's header bytes decode to, without CR, LF and NUL (a record holding them is
+#: refused: tests/server/test_stores.py).
+_HEADER_TEXT = st.text(
+    st.characters(max_codepoint=0xFF, exclude_characters="\r\n\x00"), max_size=20
+)
 
 
 @given(
