@@ -288,6 +288,31 @@ def driver_table(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+#: Issue 39's targets for the journal: client CPU per call with it / without it.
+JOURNAL_TARGETS = {"SQLite": 1.25, "Redis": 1.5}
+
+
+def journal_table(data: Mapping[str, Any]) -> list[str]:
+    """bench_journal.py: client CPU and wall time per call, with the journal / without."""
+    lines = [
+        "| journal | with / without: client CPU | added CPU | with / without: wall "
+        "| added wall | N | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        cpu, cpu_iqr = (
+            r["client_cpu_per_call_ratio"]["median"],
+            r["client_cpu_per_call_ratio"]["iqr"],
+        )
+        target = _verdict(cpu, JOURNAL_TARGETS.get(r["what"].split(",")[0]))
+        lines.append(
+            f"| {r['what']} | {cpu:.3f}× ({cpu_iqr[0]:.2f}–{cpu_iqr[1]:.2f}) "
+            f"| {r['added_cpu_us']['median']:+.0f} µs | {ratio(r['wall_per_call_ratio'])} "
+            f"| {r['added_wall_us']['median']:+.0f} µs | {r['N']} | {target} |"
+        )
+    return lines
+
+
 def _verdict(value: float, bound: float | None, unit: str = "×") -> str:
     if bound is None:
         return ""
@@ -382,6 +407,7 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     "pg_driver": driver_table,
     "invoker": invoker_table,
     "hooks": invoker_table,
+    "journal": journal_table,
     "inflight": inflight_table,
     "keys": keys_table,
     "import": import_table,
