@@ -150,12 +150,26 @@ def header(name: str, data: Mapping[str, Any], root: Path = ROOT) -> str:
     return line
 
 
+def _head(*columns: str) -> list[str]:
+    """A table's header row and its rule."""
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
 def server_table(data: Mapping[str, Any]) -> list[str]:
-    lines = [
-        "| what | keys | conc. | agentkey req/s | baseline req/s | throughput ratio "
-        "| server CPU/req agentkey | baseline | CPU ratio | server / load CPU | N | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _head(
+        "what",
+        "keys",
+        "conc.",
+        "agentkey req/s",
+        "baseline req/s",
+        "throughput ratio",
+        "server CPU/req agentkey",
+        "baseline",
+        "CPU ratio",
+        "server / load CPU",
+        "N",
+        "target",
+    )
     for r in data["rows"]:
         if r["what"].startswith("loadgen"):
             target = "≈ 1.0×"
@@ -294,11 +308,15 @@ JOURNAL_TARGETS = {"SQLite": 1.25, "Redis": 1.5}
 
 def journal_table(data: Mapping[str, Any]) -> list[str]:
     """bench_journal.py: client CPU and wall time per call, with the journal / without."""
-    lines = [
-        "| journal | with / without: client CPU | added CPU | with / without: wall "
-        "| added wall | N | target |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _head(
+        "journal",
+        "with / without: client CPU",
+        "added CPU",
+        "with / without: wall",
+        "added wall",
+        "N",
+        "target",
+    )
     for r in data["rows"]:
         cpu, cpu_iqr = (
             r["client_cpu_per_call_ratio"]["median"],
@@ -321,10 +339,7 @@ def _verdict(value: float, bound: float | None, unit: str = "×") -> str:
 
 def keys_table(data: Mapping[str, Any]) -> list[str]:
     """bench_keys.py: each key function against the bare hash, by shape of arguments."""
-    lines = [
-        "| what | shape | ratio | baseline µs | agentkey µs | N | target |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _head("what", "shape", "ratio", "baseline µs", "agentkey µs", "N", "target")
     lines.extend(
         f"| `{r['row']}` | {r['shape']} | {r['ratio_median']:.2f}× "
         f"({r['ratio_iqr'][0]:.2f}–{r['ratio_iqr'][1]:.2f}) "
@@ -344,8 +359,7 @@ def import_table(data: Mapping[str, Any]) -> list[str]:
     lines = [
         f"Bytecode: {data.get('bytecode', '?')}.",
         "",
-        "| statement | baseline | CPU over baseline | IQR | CPU | wall | N | target |",
-        "|---|---|---|---|---|---|---|---|",
+        *_head("statement", "baseline", "CPU over baseline", "IQR", "CPU", "wall", "N", "target"),
     ]
     for r in data["rows"]:
         over, iqr = r["cpu_over_baseline"], r["cpu_over_baseline"]["iqr_ms"]
@@ -366,11 +380,15 @@ BODY_TARGETS = {("agentkey key, canonical body", "1MB"): 1.6}
 
 def body_table(data: Mapping[str, Any]) -> list[str]:
     """bench_body.py: server CPU per request, middleware / bare, by body size and kind."""
-    lines = [
-        "| body | row | middleware / bare CPU | middleware / bare per request | added | N "
-        "| target |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = _head(
+        "body",
+        "row",
+        "middleware / bare CPU",
+        "middleware / bare per request",
+        "added",
+        "N",
+        "target",
+    )
 
     def per(us: float) -> str:
         return f"{us / 1000:.1f} ms" if abs(us) >= 1000 else f"{us:.0f} µs"
