@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 from agentkey.journal import CallRecord, CallState, SQLiteJournal
@@ -29,7 +30,7 @@ def _answered(record: CallRecord) -> CallRecord:
 
 
 def _rows(path: Path) -> list[tuple[object, ...]]:
-    with sqlite3.connect(path) as conn:
+    with closing(sqlite3.connect(path)) as conn:
         return conn.execute("SELECT * FROM agentkey_calls ORDER BY key").fetchall()
 
 
@@ -39,7 +40,7 @@ def test_a_usual_finish_appends_one_page_to_the_log(tmp_path: Path) -> None:
     for n in range(200):  # a table and an index of several pages each
         journal.begin(_pending(n), repeats=True)
     wal = tmp_path / "j.sqlite3-wal"
-    with sqlite3.connect(tmp_path / "j.sqlite3") as conn:
+    with closing(sqlite3.connect(tmp_path / "j.sqlite3")) as conn:
         page = conn.execute("PRAGMA page_size").fetchone()[0]
     for n in (1, 100, 199):
         before = wal.stat().st_size
@@ -66,7 +67,8 @@ def test_a_finish_writes_the_row_main_writes(tmp_path: Path) -> None:
             journal.begin(_pending(n), repeats=True)
     for record in done:
         assert ours.finish(record)
-    with sqlite3.connect(tmp_path / "theirs.sqlite3") as conn:  # main's one statement
+    # main's one statement (closed: sqlite3's own context manager only commits)
+    with closing(sqlite3.connect(tmp_path / "theirs.sqlite3")) as conn, conn:
         for record in done:
             values = (*row_of_record(record)[1:], record.key, record.owner)
             assert conn.execute(_FINISH, values).rowcount == 1
