@@ -582,6 +582,20 @@ class RedisJournal:
         states: Sequence[CallState] | None = None,
         limit: int = 100,
     ) -> list[CallRecord]:
+        try:
+            found = self._listed(plan, limit)
+        except RedisError as exc:
+            raise JournalError(
+                f"the Redis journal failed ({type(exc).__name__}) while listing calls; "
+                "no record was changed. Check that Redis is reachable, or pass another journal",
+                sent=False,
+            ) from None
+        wanted = set(states) if states is not None else None
+        found = [r for r in found if wanted is None or r.state in wanted]
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+
+    def _listed(self, plan: str | None, limit: int) -> list[CallRecord]:
+        """The records :meth:`calls` chooses from: a plan's, or the newest of the index."""
         if plan is not None:
             found = self.find(plan)
         else:
@@ -595,9 +609,7 @@ class RedisJournal:
             if gone:  # their records expired: the index forgets them too
                 client.zrem(self._calls_key, *gone)
             found = _decoded(raws, repr(self))
-        wanted = set(states) if states is not None else None
-        found = [r for r in found if wanted is None or r.state in wanted]
-        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+        return found
 
     def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         keys, args = self._learn_args(route, evidence, ttl)

@@ -305,3 +305,25 @@ def test_a_client_on_either_protocol_reads_the_scripts_answers(
         assert journal.get(record.key) == record.with_(state=CallState.ANSWERED, updated_at=now + 1)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("plan", [None, "p"])
+def test_listing_calls_of_a_stopped_redis_is_a_typed_error(plan: str | None) -> None:
+    """``calls()`` on a Redis that is gone raises JournalError (sent=False) naming the
+    listing and what to check, not redis-py's ConnectionError."""
+    from agentkey import JournalError
+
+    with redis_server() as server:
+        journal = RedisJournal(server.url, prefix=f"cmd{uuid.uuid4().hex[:8]}")
+        assert journal.calls(plan=plan) == []  # connected while it ran
+        server.process.terminate()
+        server.process.wait(10)
+        try:
+            with pytest.raises(JournalError) as caught:
+                journal.calls(plan=plan)
+        finally:
+            journal.close()
+    assert "while listing calls" in str(caught.value)
+    assert "Check that Redis is reachable" in str(caught.value)
+    assert caught.value.sent is False
+    assert not isinstance(caught.value, redis.RedisError)
