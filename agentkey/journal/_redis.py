@@ -226,13 +226,17 @@ class _Script:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()  # noqa: S324 - Redis's name for it
 
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def __call__(
+        self, client: redis.Redis, keys: Sequence[str | bytes], args: Sequence[Any]
+    ) -> Any:
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except (NoScriptError, NoPermissionError):  # nothing ran: send the text
             return client.eval(self.text, len(keys), *keys, *args)
 
-    async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def run(
+        self, client: aioredis.Redis, keys: Sequence[str | bytes], args: Sequence[Any]
+    ) -> Any:
         """The same on an asyncio client."""
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
@@ -254,6 +258,20 @@ def _cross_slot(exc: ResponseError) -> bool:
 
 #: One encoder, built once (the same output as ``json.dumps(..., separators=(",", ":"))``).
 _json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _number(value: Any) -> Any:
+    """A float as the bytes redis-py sends for it (``repr(value).encode()``), made here so
+    that one value sent twice is written out once; anything else as it is."""
+    return repr(value).encode() if type(value) is float else value
+
+
+def _sends_utf8(encoder: Any) -> bool:
+    """Whether a client's encoder (``get_encoder()``) sends a str as its UTF-8 bytes (the
+    default): then the journal hands it those bytes itself, the same on the wire, and
+    redis-py skips its type checks and codec look-up for each of a script's arguments."""
+    name = str(getattr(encoder, "encoding", "")).lower().replace("_", "-")
+    return name in ("utf-8", "utf8") and getattr(encoder, "encoding_errors", None) == "strict"
 
 
 def _encode(record: CallRecord) -> str:
@@ -340,6 +358,11 @@ class RedisJournal:
                 "RedisJournal takes a redis:// URL, a redis.Redis or a redis.asyncio.Redis, "
                 f"got {type(redis_).__name__}"
             )
+        client = self._sync if self._sync is not None else self._async
+        self._utf8 = client is None or _sends_utf8(client.get_encoder())
+        #: A call's script keys (begin and finish use the same ones), as sent: by
+        #: (prefix, plan, key, args_hash); cleared when full.
+        self._names: dict[tuple[str, str, str, str | None], tuple[str | bytes, ...]] = {}
         self.supports_sync = self._async is None
         self.supports_async = self._sync is None
         # A call's start and end each run one script over keys of three slots (the plan's,
@@ -398,50 +421,70 @@ class RedisJournal:
         """How long a record lasts: ``retention`` once its call ended; 0 (for ever) before."""
         return self._ttl_ms() if record.state in SETTLED else 0
 
-    def _keys_of(self, record: CallRecord) -> list[str]:
-        indexes = [
-            self._plan_key(record.plan),
-            self._index_key(record.plan, record.args_hash),  # the plan's again when None
-        ]
-        unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
-        return [self._record_key(record.plan, record.key), *indexes, *unsettled]
+    def _wire(self, text: str) -> str | bytes:
+        """``text`` as the script's argument: its UTF-8 bytes when the client would send
+        exactly those (:func:`_sends_utf8`), else the str for the client to encode."""
+        return text.encode() if self._utf8 else text
+
+    def _keys_of(self, record: CallRecord) -> tuple[str | bytes, ...]:
+        name = (self.prefix, record.plan, record.key, record.args_hash)
+        keys = self._names.get(name)
+        if keys is None:
+            indexes = [
+                self._plan_key(record.plan),
+                self._index_key(record.plan, record.args_hash),  # the plan's again when None
+            ]
+            unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
+            texts = [self._record_key(record.plan, record.key), *indexes, *unsettled]
+            keys = tuple(self._wire(k) for k in texts)
+            if len(self._names) >= 1024:
+                self._names.clear()
+            self._names[name] = keys
+        return keys
 
     def _begin_args(
         self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[tuple[str | bytes, ...], list[Any]]:
+        wire = self._wire
         look = "1" if repeats and record.args_hash is not None else "0"
+        created = _number(record.created_at)
+        updated = created if record.updated_at is record.created_at else record.updated_at
         args = [
-            _encode(record),
+            wire(_encode(record)),
             self._ttl_ms(),
-            record.created_at,
-            record.key,
-            look,
+            created,
+            wire(record.key),
+            wire(look),
             self._record_ttl_ms(record),
-            record.updated_at,
+            _number(updated),
         ]
-        return self._keys_of(record), [*args, *(known or ())]
+        return self._keys_of(record), [*args, *(wire(k) for k in known or ())]
 
     def _swap_args(
         self, record: CallRecord, previous: CallRecord | None
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[tuple[str | bytes, ...], list[Any]]:
+        wire = self._wire
         keys = self._keys_of(record)
         ttl = self._record_ttl_ms(record)
         if previous is None:  # finish: the owner must still be this record's
-            args = [_encode(record), self._ttl_ms(), "", record.owner or "", "", ttl]
+            empty = wire("")
+            args = [
+                wire(_encode(record)), self._ttl_ms(), empty, wire(record.owner or ""), empty, ttl
+            ]  # fmt: skip
         else:
             args = [
-                _encode(record),
+                wire(_encode(record)),
                 self._ttl_ms(),
-                previous.state.value,
-                previous.owner or "",
-                repr(float(previous.updated_at)),
+                wire(previous.state.value),
+                wire(previous.owner or ""),
+                wire(repr(float(previous.updated_at))),
                 ttl,
             ]
-        return keys, [*args, record.key]
+        return keys, [*args, wire(record.key)]
 
-    def _begin_more(self, record: CallRecord) -> tuple[str, str]:
+    def _begin_more(self, record: CallRecord) -> tuple[str | bytes, str | bytes]:
         """The begin script's keys beyond :meth:`_keys_of`: the global index, the evidence."""
-        return self._calls_key, self._evidence_key(record.route)
+        return self._wire(self._calls_key), self._wire(self._evidence_key(record.route))
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
@@ -512,7 +555,11 @@ class RedisJournal:
             seen.update(map(_text, raw))
 
     def _begin_once(
-        self, client: redis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+        self,
+        client: redis.Redis,
+        record: CallRecord,
+        keys: Sequence[str | bytes],
+        args: list[Any],
     ) -> tuple[Any, Any]:
         """Run the begin script: (what it found, the route's evidence), in one round trip."""
         if not self._split:
@@ -543,7 +590,8 @@ class RedisJournal:
         done = None
         if not self._split:
             try:
-                done = _RUN_SWAP_ONE(client, [*keys, self._calls_key], [*args, record.updated_at])
+                more = [*args, _number(record.updated_at)]
+                done = _RUN_SWAP_ONE(client, [*keys, self._wire(self._calls_key)], more)
             except ResponseError as exc:
                 if not _cross_slot(exc):
                     raise
@@ -691,7 +739,11 @@ class RedisJournal:
             seen.update(map(_text, raw))
 
     async def _abegin_once(
-        self, client: aioredis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+        self,
+        client: aioredis.Redis,
+        record: CallRecord,
+        keys: Sequence[str | bytes],
+        args: list[Any],
     ) -> tuple[Any, Any]:
         """:meth:`_begin_once` on the asyncio client."""
         if not self._split:
@@ -723,8 +775,8 @@ class RedisJournal:
         done = None
         if not self._split:
             try:
-                more = [*args, record.updated_at]
-                done = await _RUN_SWAP_ONE.run(client, [*keys, self._calls_key], more)
+                more = [*args, _number(record.updated_at)]
+                done = await _RUN_SWAP_ONE.run(client, [*keys, self._wire(self._calls_key)], more)
             except ResponseError as exc:
                 if not _cross_slot(exc):
                     raise

@@ -23,6 +23,7 @@ import redis
 
 from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
 from agentkey.journal import CallRecord, CallState, RedisJournal
+from agentkey.journal._redis import _number
 from tests._loopback import RedisServer, free_port, redis_server, serve
 from tests.journal._tools import PlainTool
 
@@ -327,3 +328,59 @@ def test_listing_calls_of_a_stopped_redis_is_a_typed_error(plan: str | None) -> 
     assert "Check that Redis is reachable" in str(caught.value)
     assert caught.value.sent is False
     assert not isinstance(caught.value, redis.RedisError)
+
+
+def _main_wire(journal: RedisJournal, record: CallRecord, op: str) -> list[Any]:
+    """The keys and arguments main's journal gave redis-py for ``op`` (as str and numbers)."""
+    from agentkey.journal._redis import _encode
+
+    p = journal.prefix
+    record_key = f"{p}:{{{record.plan}}}:{record.key}"
+    plan_key = f"{p}:{{{record.plan}}}"
+    index = plan_key if record.args_hash is None else f"{plan_key}:args:{record.args_hash}"
+    keys = [record_key, plan_key, index, f"{plan_key}~unsettled", f"{index}~unsettled"]
+    ttl = int(journal.retention * 1000)
+    kept = ttl if record.state is not CallState.PENDING else 0
+    calls = f"{p}:calls"
+    if op == "begin":
+        look = "1" if record.args_hash is not None else "0"
+        args = [_encode(record), ttl, record.created_at, record.key, look, kept, record.updated_at]
+        evidence = f"{p}:{{evidence}}:r:{record.route}"
+        return [*keys, calls, evidence, *args, "p:k1", "p:k2"]
+    args = [_encode(record), ttl, "", record.owner or "", "", kept, record.key]
+    return [*keys, calls, *args, record.updated_at]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1", "utf-16"])
+def test_a_begin_and_a_finish_send_the_bytes_main_sent(encoding: str) -> None:
+    """The start and end scripts' keys and arguments reach the wire byte for byte as
+    main's did (the journal now hands a UTF-8 client bytes, and a float written once),
+    whatever the client's encoding, for a prefix and route outside ASCII."""
+    from agentkey.journal._records import ended, pending
+
+    client = redis.Redis(encoding=encoding)  # never connects: commands are only packed
+    connection: Any = client.connection_pool.make_connection()  # its stubs are untyped
+    journal = RedisJournal(client, prefix="jé")
+    now = time.time()
+    for args_hash, created in (("ab" * 32, now), (None, 1_700_000_000)):
+        record = pending(
+            "p:step_000:" + "cd" * 32, "p", "step_000", "charge", args_hash,
+            "POST http://tools.test/chargé", None, None, created, "host:1:é:1", now + 300,
+        )  # fmt: skip
+        done = ended(
+            record, CallState.ANSWERED, now + 1.25, 1, 201, "ok", "tool", None, None, None,
+            b"{}", 2, None,
+        )  # fmt: skip
+        keys, args = journal._begin_args(record, True, ["p:k1", "p:k2"])
+        sent = [*keys, *journal._begin_more(record), *args]
+        main = _main_wire(journal, record, "begin")
+        assert connection.pack_command("EVALSHA", "x", 7, *sent) == connection.pack_command(
+            "EVALSHA", "x", 7, *main
+        )
+        keys, args = journal._swap_args(done, None)
+        sent = [*keys, journal._wire(journal._calls_key), *args, _number(done.updated_at)]
+        main = _main_wire(journal, done, "finish")
+        assert connection.pack_command("EVALSHA", "x", 6, *sent) == connection.pack_command(
+            "EVALSHA", "x", 6, *main
+        )
+    connection.disconnect()
