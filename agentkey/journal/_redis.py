@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -260,10 +261,29 @@ def _cross_slot(exc: ResponseError) -> bool:
 _json = json.JSONEncoder(separators=(",", ":")).encode
 
 
+#: The text of recent floats: a call's times recur (``created_at``, ``updated_at`` and
+#: ``lease_until`` in both its records and in its scripts' arguments), and a float's
+#: shortest ``repr`` is the dearest part of writing them. Bounded; zero is never kept
+#: (0.0 and -0.0 are one key and two texts).
+_FLOATS: dict[float, str] = {}
+
+
+def _float_text(value: float) -> str:
+    """``repr(value)`` of a float, remembered."""
+    text = _FLOATS.get(value)
+    if text is None:
+        text = repr(value)
+        if value:
+            if len(_FLOATS) >= 256:
+                _FLOATS.clear()
+            _FLOATS[value] = text
+    return text
+
+
 def _number(value: Any) -> Any:
     """A float as the bytes redis-py sends for it (``repr(value).encode()``), made here so
     that one value sent twice is written out once; anything else as it is."""
-    return repr(value).encode() if type(value) is float else value
+    return _float_text(value).encode() if type(value) is float else value
 
 
 def _sends_utf8(encoder: Any) -> bool:
@@ -274,8 +294,56 @@ def _sends_utf8(encoder: Any) -> bool:
     return name in ("utf-8", "utf8") and getattr(encoder, "encoding_errors", None) == "strict"
 
 
+#: Each field's ``"name":`` (with the separator before it), in :data:`FIELDS` order
+#: without ``body``; the record's JSON writes them in that order, then ``body64``.
+_HEADS = tuple(
+    ("{" if not i else ",") + _json(name) + ":"
+    for i, name in enumerate(name for name in FIELDS if name != "body")
+)
+_BODY_AT, _STATE_AT = FIELDS.index("body"), FIELDS.index("state")
+
+
+def _value_text(value: Any) -> str | None:
+    """``value``'s JSON text as ``json.dumps`` writes it, for the types a record's fields
+    hold (str, None, int, finite float, bool); None for anything else."""
+    kind = type(value)
+    if kind is str:
+        return _json(value)  # the encoder's own escaping (ASCII), as for any str
+    if value is None:
+        return "null"
+    if kind is float:
+        return _float_text(value) if math.isfinite(value) else None
+    if kind is int:
+        return repr(value)
+    if kind is bool:
+        return "true" if value else "false"
+    return None
+
+
 def _encode(record: CallRecord) -> str:
-    """The record as its JSON string: every field but ``body``, in order, then ``body64``."""
+    """The record as its JSON string: every field but ``body``, in order, then ``body64``.
+
+    Written field by field (the same text as :func:`_encode_data`, which writes any
+    record whose values are of other types), so that each float's text comes from
+    :func:`_float_text`."""
+    values = list(values_of(record))
+    body = values.pop(_BODY_AT)
+    values[_STATE_AT] = record.state.value
+    parts = []
+    for head, value in zip(_HEADS, values, strict=True):
+        text = _value_text(value)
+        if text is None:
+            return _encode_data(record)
+        parts.append(head + text)
+    if body is not None:
+        parts.append(',"body64":"' + base64.b64encode(body).decode() + '"}')
+    else:
+        parts.append(',"body64":null}')
+    return "".join(parts)
+
+
+def _encode_data(record: CallRecord) -> str:
+    """:func:`_encode` through ``json`` (a dict of the fields), for any value."""
     data = dict(zip(FIELDS, values_of(record), strict=True))
     data["state"] = record.state.value
     body = data.pop("body")

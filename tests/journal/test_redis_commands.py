@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
 from agentkey.journal import CallRecord, CallState, RedisJournal
@@ -384,3 +386,41 @@ def test_a_begin_and_a_finish_send_the_bytes_main_sent(encoding: str) -> None:
             "EVALSHA", "x", 6, *main
         )
     connection.disconnect()
+
+
+class _Text(str):
+    """A str of another type: the record goes through json whole."""
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e16, 1e-7, 5e-324, 1796616920.8233626]),
+    st.text(),
+    st.text().map(_Text),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_ANY, min_size=23, max_size=23), body=st.none() | st.binary())
+def test_records_are_written_field_by_field_as_json_writes_them(
+    values: list[Any], body: bytes | None
+) -> None:
+    """The record's JSON written field by field (floats' texts remembered) is the text
+    json.dumps writes for the same fields, whatever the values' types: floats (zero and
+    minus zero, NaN, infinities), big ints, bools, any text, str subclasses."""
+    from agentkey.journal._records import FIELDS, record_of
+    from agentkey.journal._redis import _encode, _encode_data
+
+    for name in ("state", "body"):
+        values[FIELDS.index(name)] = None
+    record = record_of(values)
+    object.__setattr__(record, "state", CallState.ANSWERED)
+    object.__setattr__(record, "body", body)
+    twice = record_of([v if type(v) is not float else -v for v in values])  # signs flipped
+    object.__setattr__(twice, "state", CallState.PENDING)
+    object.__setattr__(twice, "body", body)
+    for each in (record, twice, record):
+        assert _encode(each) == _encode_data(each)
