@@ -210,11 +210,11 @@ def cg_worker(journal: str, driver: str, calls: int, total: int, redis_url: str)
     warm, measured = steps[:20], steps[20 : 20 + calls]
     options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
     with tempfile.TemporaryDirectory() as folder:
-        chosen: Any = {
-            "none": lambda: False,
-            "sqlite": lambda: SQLiteJournal(Path(folder) / "journal.sqlite3"),
-            "redis": lambda: RedisJournal(redis_url),
-        }[journal]()
+        chosen: Any = False
+        if journal == "sqlite":
+            chosen = SQLiteJournal(Path(folder) / "journal.sqlite3")
+        elif journal == "redis":
+            chosen = RedisJournal(redis_url)
         if driver == "sync":
             with (
                 httpx.Client(transport=mock()) as client,
