@@ -23,6 +23,15 @@ agentkey), ratio per round = B / A; each row prints its baseline and the load av
 
     python bench/bench_invoker.py            # about 2 minutes, writes bench/results/invoker.json
     python bench/bench_invoker.py --smoke    # a few seconds, for CI (writes nothing)
+    python bench/bench_invoker.py --instructions   # instructions per call (cachegrind)
+
+``--instructions`` counts instead of timing (the figure that does not move with load):
+the sync in-process row (``httpx.MockTransport``), each side run in a process of its own
+under ``valgrind --tool=cachegrind --cache-sim=no``, once with ``n`` calls and once with
+``2n`` (the same ``2n`` steps built in both), so instructions per call = the difference
+over ``n`` (start-up, imports and warm-up cancel out). It prints each side's
+instructions per call and the invoker's added instructions against the target (issue
+39: <= 15 us added, about 25k instructions on the machine it was set on). Writes nothing.
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ import asyncio
 import importlib.util
 import itertools
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -326,6 +337,92 @@ def failed_import_us(n: int = 2000) -> float:
         return (time.perf_counter() - started) / n * 1e6
 
 
+# --------------------------------------------------------------------------- instructions
+
+#: Issue 39's plain-path target (<= 15 us added in process) by instruction count: the
+#: plain path measured +19.7 us and +38.5k instructions in the same stop (about 1.9k/us).
+ADDED_INSTRUCTIONS_TARGET = 25_000
+
+
+def cachegrind_instructions(argv: Sequence[str]) -> int:
+    """Instructions the command ``python argv...`` executes, from a cachegrind run of its
+    own (``--cache-sim=no``: the count only), with a fixed hash seed."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "cachegrind.out"
+        command = [
+            "valgrind",
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            f"--cachegrind-out-file={out}",
+            sys.executable,
+            *argv,
+        ]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        subprocess.run(command, check=True, capture_output=True, env=env)  # noqa: S603
+        for line in out.read_text().splitlines():
+            if line.startswith("summary:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no summary line in cachegrind's output for {argv}")
+
+
+def instructions_per_call(argv: Sequence[str], n: int) -> float:
+    """Instructions per call of a worker that takes ``--cg-calls k`` (and builds the same
+    inputs whatever ``k``): (count at 2n - count at n) / n."""
+    once = cachegrind_instructions([*argv, "--cg-calls", str(n)])
+    twice = cachegrind_instructions([*argv, "--cg-calls", str(2 * n)])
+    return (twice - once) / n
+
+
+def cg_worker(side: str, calls: int, total: int) -> None:
+    """One side of the in-process row, run under cachegrind: ``total`` steps built, a
+    warm-up of 20 calls, then ``calls`` calls."""
+    steps = make_steps(total + 20)
+    with (
+        httpx.Client(base_url="https://tool.test", transport=mock()) as client,
+        httpx.Client(transport=mock()) as inner,
+        ToolInvoker(
+            "https://tool.test", client=inner, route_template="/tools/{tool}", **PLAIN_PATH
+        ) as invoker,
+    ):
+        if side == "httpx":
+
+            def call(step: Step) -> None:
+                response = client.post(PATH, headers=headers(step), content=step.body)
+                assert response.status_code == 201
+                response.json()
+
+        else:
+
+            def call(step: Step) -> None:
+                assert invoker.invoke(step).status_code == 201
+
+        for step in steps[:20]:
+            call(step)
+        for step in steps[20 : 20 + calls]:
+            call(step)
+
+
+def instructions_main(n: int) -> None:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (cachegrind) on PATH")
+    print(
+        f"bench_invoker --instructions: sync in-process (MockTransport), {n} and {2 * n} "
+        f"calls per side under cachegrind; load {os.getloadavg()[0]:.1f} (counts do not "
+        "move with it)"
+    )
+    me = [str(Path(__file__).resolve()), "--cg-total", str(2 * n)]
+    base = instructions_per_call([*me, "--cg-side", "httpx"], n)
+    ours = instructions_per_call([*me, "--cg-side", "invoker"], n)
+    added = ours - base
+    met = "met" if added <= ADDED_INSTRUCTIONS_TARGET else "NOT met"
+    print(
+        f"  httpx.Client.post + .json(): {base:,.0f} instructions per call\n"
+        f"  ToolInvoker.invoke (journal=False, hooks=()): {ours:,.0f} per call\n"
+        f"  added: {added:+,.0f} ({ours / base:.3f}x); target <= "
+        f"{ADDED_INSTRUCTIONS_TARGET:,} added: {met}"
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -335,7 +432,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per row")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one async slot")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions (cachegrind) instead"
+    )
+    parser.add_argument("--calls", type=int, default=300, help="n for --instructions")
+    parser.add_argument("--cg-side", choices=("httpx", "invoker"), help=argparse.SUPPRESS)
+    parser.add_argument("--cg-calls", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cg-total", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.cg_side is not None:
+        cg_worker(ns.cg_side, ns.cg_calls, ns.cg_total)
+        return
+    if ns.instructions:
+        instructions_main(ns.calls)
+        return
     at_start = machine()
     smoke = ns.smoke
     rounds, seconds = (1, 0.1) if smoke else (ns.rounds, ns.seconds)

@@ -16,6 +16,16 @@ SQLite, 1.5x on Redis.
 
     python bench/bench_journal.py            # about a minute, writes bench/results/journal.json
     python bench/bench_journal.py --smoke    # a few seconds, for CI (writes nothing)
+    python bench/bench_journal.py --instructions   # instructions per call (cachegrind)
+
+``--instructions`` counts instead of timing (the figure that does not move with load):
+each journal (none, SQLite, Redis), sync and async x10, invoked over an
+``httpx.MockTransport`` in a process of its own under ``valgrind --tool=cachegrind
+--cache-sim=no``, with ``n`` and ``2n`` calls (the same ``2n`` steps built in both), so
+instructions per call = the difference over ``n``. It prints each journal's instructions
+per call, what it adds over ``journal=False`` and the ratio. The issue's targets are
+ratios of a loopback call's CPU (kernel time included), which the timed rows measure:
+these counts show where the client's own instructions go. Writes nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from argparse import SUPPRESS
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -43,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._ha
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
 from agentkey.journal import RedisJournal, SQLiteJournal
 from bench._harness import machine, palindrome, servers, spread, write_results
+from bench.bench_invoker import instructions_per_call
 from tests._loopback import redis_server
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -191,12 +203,99 @@ def redis_round_trips(
     return int(after - before - 1), sent  # minus the INFO itself
 
 
+def cg_worker(journal: str, driver: str, calls: int, total: int, redis_url: str) -> None:
+    """One journal's side, run under cachegrind: ``total`` + 20 fresh steps built, 20
+    calls of warm-up (connections, scripts), then ``calls`` calls over a MockTransport."""
+    steps = fresh_steps(total + 20)
+    warm, measured = steps[:20], steps[20 : 20 + calls]
+    options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
+    with tempfile.TemporaryDirectory() as folder:
+        chosen: Any = False
+        if journal == "sqlite":
+            chosen = SQLiteJournal(Path(folder) / "journal.sqlite3")
+        elif journal == "redis":
+            chosen = RedisJournal(redis_url)
+        if driver == "sync":
+            with (
+                httpx.Client(transport=mock()) as client,
+                ToolInvoker(URL, client=client, journal=chosen, **options) as invoker,
+            ):
+                for step in [*warm, *measured]:
+                    assert invoker.invoke(step).status_code == 201
+            return
+
+        async def run() -> None:
+            async with (
+                httpx.AsyncClient(transport=mock()) as client,
+                AsyncToolInvoker(URL, client=client, journal=chosen, **options) as invoker,
+            ):
+
+                async def worker(mine: list[Step]) -> None:
+                    for step in mine:
+                        assert (await invoker.invoke(step)).status_code == 201
+
+                for batch in (warm, measured):
+                    await asyncio.gather(*(worker(batch[i::10]) for i in range(10)))
+
+        asyncio.run(run())
+
+
+URL = "https://tool.test"
+
+
+def mock() -> httpx.MockTransport:
+    return httpx.MockTransport(lambda r: httpx.Response(201, json={"charge_id": "ch_1"}))
+
+
+def instructions_main(n: int) -> None:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (cachegrind) on PATH")
+    print(
+        f"bench_journal --instructions: MockTransport, {n} and {2 * n} calls per side under "
+        f"cachegrind; load {os.getloadavg()[0]:.1f} (counts do not move with it)"
+    )
+    with ExitStack() as stack:
+        url = ""
+        journals = ["none", "sqlite"]
+        if shutil.which("redis-server"):
+            url = stack.enter_context(redis_server()).url
+            journals.append("redis")
+        me = [str(Path(__file__).resolve()), "--cg-total", str(2 * n), "--cg-redis", url]
+        for driver in ("sync", "async"):
+            per = {
+                j: instructions_per_call([*me, "--cg-journal", j, "--cg-driver", driver], n)
+                for j in journals
+            }
+            label = "sync" if driver == "sync" else "async x10"
+            print(f"  {label}: journal=False {per['none']:,.0f} instructions per call")
+            for j in journals[1:]:
+                print(
+                    f"    {j}: {per[j]:,.0f} per call, added {per[j] - per['none']:+,.0f} "
+                    f"({per[j] / per['none']:.3f}x)"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per row")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions (cachegrind) instead"
+    )
+    parser.add_argument("--calls", type=int, default=200, help="n for --instructions")
+    parser.add_argument("--cg-journal", choices=("none", "sqlite", "redis"), help=SUPPRESS)
+    parser.add_argument("--cg-driver", choices=("sync", "async"), help=SUPPRESS)
+    parser.add_argument("--cg-calls", type=int, help=SUPPRESS)
+    parser.add_argument("--cg-total", type=int, help=SUPPRESS)
+    parser.add_argument("--cg-redis", default="", help=SUPPRESS)
     ns = parser.parse_args()
+    if ns.cg_journal is not None:
+        cg_worker(ns.cg_journal, ns.cg_driver, ns.cg_calls, ns.cg_total, ns.cg_redis)
+        return
+    if ns.instructions:
+        instructions_main(ns.calls)
+        return
     at_start = machine()
     rounds, n = (1, 20) if ns.smoke else (ns.rounds, 300)
     print(f"bench_journal: {rounds} ABBA rounds per row; ratio = with journal / journal=False")

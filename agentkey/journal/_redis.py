@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -226,13 +227,17 @@ class _Script:
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()  # noqa: S324 - Redis's name for it
 
-    def __call__(self, client: redis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def __call__(
+        self, client: redis.Redis, keys: Sequence[str | bytes], args: Sequence[Any]
+    ) -> Any:
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except (NoScriptError, NoPermissionError):  # nothing ran: send the text
             return client.eval(self.text, len(keys), *keys, *args)
 
-    async def run(self, client: aioredis.Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def run(
+        self, client: aioredis.Redis, keys: Sequence[str | bytes], args: Sequence[Any]
+    ) -> Any:
         """The same on an asyncio client."""
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
@@ -256,8 +261,89 @@ def _cross_slot(exc: ResponseError) -> bool:
 _json = json.JSONEncoder(separators=(",", ":")).encode
 
 
+#: The text of recent floats: a call's times recur (``created_at``, ``updated_at`` and
+#: ``lease_until`` in both its records and in its scripts' arguments), and a float's
+#: shortest ``repr`` is the dearest part of writing them. Bounded; zero is never kept
+#: (0.0 and -0.0 are one key and two texts).
+_FLOATS: dict[float, str] = {}
+
+
+def _float_text(value: float) -> str:
+    """``repr(value)`` of a float, remembered."""
+    text = _FLOATS.get(value)
+    if text is None:
+        text = repr(value)
+        if value:
+            if len(_FLOATS) >= 256:
+                _FLOATS.clear()
+            _FLOATS[value] = text
+    return text
+
+
+def _number(value: Any) -> Any:
+    """A float as the bytes redis-py sends for it (``repr(value).encode()``), made here so
+    that one value sent twice is written out once; anything else as it is."""
+    return _float_text(value).encode() if type(value) is float else value
+
+
+def _sends_utf8(encoder: Any) -> bool:
+    """Whether a client's encoder (``get_encoder()``) sends a str as its UTF-8 bytes (the
+    default): then the journal hands it those bytes itself, the same on the wire, and
+    redis-py skips its type checks and codec look-up for each of a script's arguments."""
+    name = str(getattr(encoder, "encoding", "")).lower().replace("_", "-")
+    return name in ("utf-8", "utf8") and getattr(encoder, "encoding_errors", None) == "strict"
+
+
+#: Each field's ``"name":`` (with the separator before it), in :data:`FIELDS` order
+#: without ``body``; the record's JSON writes them in that order, then ``body64``.
+_HEADS = tuple(
+    ("{" if not i else ",") + _json(name) + ":"
+    for i, name in enumerate(name for name in FIELDS if name != "body")
+)
+_BODY_AT, _STATE_AT = FIELDS.index("body"), FIELDS.index("state")
+
+
+def _value_text(value: Any) -> str | None:
+    """``value``'s JSON text as ``json.dumps`` writes it, for the types a record's fields
+    hold (str, None, int, finite float, bool); None for anything else."""
+    kind = type(value)
+    if kind is str:
+        return _json(value)  # the encoder's own escaping (ASCII), as for any str
+    if value is None:
+        return "null"
+    if kind is float:
+        return _float_text(value) if math.isfinite(value) else None
+    if kind is int:
+        return repr(value)
+    if kind is bool:
+        return "true" if value else "false"
+    return None
+
+
 def _encode(record: CallRecord) -> str:
-    """The record as its JSON string: every field but ``body``, in order, then ``body64``."""
+    """The record as its JSON string: every field but ``body``, in order, then ``body64``.
+
+    Written field by field (the same text as :func:`_encode_data`, which writes any
+    record whose values are of other types), so that each float's text comes from
+    :func:`_float_text`."""
+    values = list(values_of(record))
+    body = values.pop(_BODY_AT)
+    values[_STATE_AT] = record.state.value
+    parts = []
+    for head, value in zip(_HEADS, values, strict=True):
+        text = _value_text(value)
+        if text is None:
+            return _encode_data(record)
+        parts.append(head + text)
+    if body is not None:
+        parts.append(',"body64":"' + base64.b64encode(body).decode() + '"}')
+    else:
+        parts.append(',"body64":null}')
+    return "".join(parts)
+
+
+def _encode_data(record: CallRecord) -> str:
+    """:func:`_encode` through ``json`` (a dict of the fields), for any value."""
     data = dict(zip(FIELDS, values_of(record), strict=True))
     data["state"] = record.state.value
     body = data.pop("body")
@@ -340,6 +426,11 @@ class RedisJournal:
                 "RedisJournal takes a redis:// URL, a redis.Redis or a redis.asyncio.Redis, "
                 f"got {type(redis_).__name__}"
             )
+        client = self._sync if self._sync is not None else self._async
+        self._utf8 = client is None or _sends_utf8(client.get_encoder())
+        #: A call's script keys (begin and finish use the same ones), as sent: by
+        #: (prefix, plan, key, args_hash); cleared when full.
+        self._names: dict[tuple[str, str, str, str | None], tuple[str | bytes, ...]] = {}
         self.supports_sync = self._async is None
         self.supports_async = self._sync is None
         # A call's start and end each run one script over keys of three slots (the plan's,
@@ -398,50 +489,70 @@ class RedisJournal:
         """How long a record lasts: ``retention`` once its call ended; 0 (for ever) before."""
         return self._ttl_ms() if record.state in SETTLED else 0
 
-    def _keys_of(self, record: CallRecord) -> list[str]:
-        indexes = [
-            self._plan_key(record.plan),
-            self._index_key(record.plan, record.args_hash),  # the plan's again when None
-        ]
-        unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
-        return [self._record_key(record.plan, record.key), *indexes, *unsettled]
+    def _wire(self, text: str) -> str | bytes:
+        """``text`` as the script's argument: its UTF-8 bytes when the client would send
+        exactly those (:func:`_sends_utf8`), else the str for the client to encode."""
+        return text.encode() if self._utf8 else text
+
+    def _keys_of(self, record: CallRecord) -> tuple[str | bytes, ...]:
+        name = (self.prefix, record.plan, record.key, record.args_hash)
+        keys = self._names.get(name)
+        if keys is None:
+            indexes = [
+                self._plan_key(record.plan),
+                self._index_key(record.plan, record.args_hash),  # the plan's again when None
+            ]
+            unsettled = [f"{index}~unsettled" for index in indexes]  # same slot: {plan}
+            texts = [self._record_key(record.plan, record.key), *indexes, *unsettled]
+            keys = tuple(self._wire(k) for k in texts)
+            if len(self._names) >= 1024:
+                self._names.clear()
+            self._names[name] = keys
+        return keys
 
     def _begin_args(
         self, record: CallRecord, repeats: bool, known: Collection[str] | None = None
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[tuple[str | bytes, ...], list[Any]]:
+        wire = self._wire
         look = "1" if repeats and record.args_hash is not None else "0"
+        created = _number(record.created_at)
+        updated = created if record.updated_at is record.created_at else record.updated_at
         args = [
-            _encode(record),
+            wire(_encode(record)),
             self._ttl_ms(),
-            record.created_at,
-            record.key,
-            look,
+            created,
+            wire(record.key),
+            wire(look),
             self._record_ttl_ms(record),
-            record.updated_at,
+            _number(updated),
         ]
-        return self._keys_of(record), [*args, *(known or ())]
+        return self._keys_of(record), [*args, *(wire(k) for k in known or ())]
 
     def _swap_args(
         self, record: CallRecord, previous: CallRecord | None
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[tuple[str | bytes, ...], list[Any]]:
+        wire = self._wire
         keys = self._keys_of(record)
         ttl = self._record_ttl_ms(record)
         if previous is None:  # finish: the owner must still be this record's
-            args = [_encode(record), self._ttl_ms(), "", record.owner or "", "", ttl]
+            empty = wire("")
+            args = [
+                wire(_encode(record)), self._ttl_ms(), empty, wire(record.owner or ""), empty, ttl
+            ]  # fmt: skip
         else:
             args = [
-                _encode(record),
+                wire(_encode(record)),
                 self._ttl_ms(),
-                previous.state.value,
-                previous.owner or "",
-                repr(float(previous.updated_at)),
+                wire(previous.state.value),
+                wire(previous.owner or ""),
+                wire(repr(float(previous.updated_at))),
                 ttl,
             ]
-        return keys, [*args, record.key]
+        return keys, [*args, wire(record.key)]
 
-    def _begin_more(self, record: CallRecord) -> tuple[str, str]:
+    def _begin_more(self, record: CallRecord) -> tuple[str | bytes, str | bytes]:
         """The begin script's keys beyond :meth:`_keys_of`: the global index, the evidence."""
-        return self._calls_key, self._evidence_key(record.route)
+        return self._wire(self._calls_key), self._wire(self._evidence_key(record.route))
 
     def _begun(self, record: CallRecord, raw: Any, evidence: Any) -> Begun:
         existing = _one(raw, record.key, repr(self))
@@ -512,7 +623,11 @@ class RedisJournal:
             seen.update(map(_text, raw))
 
     def _begin_once(
-        self, client: redis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+        self,
+        client: redis.Redis,
+        record: CallRecord,
+        keys: Sequence[str | bytes],
+        args: list[Any],
     ) -> tuple[Any, Any]:
         """Run the begin script: (what it found, the route's evidence), in one round trip."""
         if not self._split:
@@ -543,7 +658,8 @@ class RedisJournal:
         done = None
         if not self._split:
             try:
-                done = _RUN_SWAP_ONE(client, [*keys, self._calls_key], [*args, record.updated_at])
+                more = [*args, _number(record.updated_at)]
+                done = _RUN_SWAP_ONE(client, [*keys, self._wire(self._calls_key)], more)
             except ResponseError as exc:
                 if not _cross_slot(exc):
                     raise
@@ -582,6 +698,20 @@ class RedisJournal:
         states: Sequence[CallState] | None = None,
         limit: int = 100,
     ) -> list[CallRecord]:
+        try:
+            found = self._listed(plan, limit)
+        except RedisError as exc:
+            raise JournalError(
+                f"the Redis journal failed ({type(exc).__name__}) while listing calls; "
+                "no record was changed. Check that Redis is reachable, or pass another journal",
+                sent=False,
+            ) from None
+        wanted = set(states) if states is not None else None
+        found = [r for r in found if wanted is None or r.state in wanted]
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+
+    def _listed(self, plan: str | None, limit: int) -> list[CallRecord]:
+        """The records :meth:`calls` chooses from: a plan's, or the newest of the index."""
         if plan is not None:
             found = self.find(plan)
         else:
@@ -595,9 +725,7 @@ class RedisJournal:
             if gone:  # their records expired: the index forgets them too
                 client.zrem(self._calls_key, *gone)
             found = _decoded(raws, repr(self))
-        wanted = set(states) if states is not None else None
-        found = [r for r in found if wanted is None or r.state in wanted]
-        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+        return found
 
     def learn(self, route: str, evidence: str, *, ttl: float | None = None) -> None:
         keys, args = self._learn_args(route, evidence, ttl)
@@ -679,7 +807,11 @@ class RedisJournal:
             seen.update(map(_text, raw))
 
     async def _abegin_once(
-        self, client: aioredis.Redis, record: CallRecord, keys: list[str], args: list[Any]
+        self,
+        client: aioredis.Redis,
+        record: CallRecord,
+        keys: Sequence[str | bytes],
+        args: list[Any],
     ) -> tuple[Any, Any]:
         """:meth:`_begin_once` on the asyncio client."""
         if not self._split:
@@ -711,8 +843,8 @@ class RedisJournal:
         done = None
         if not self._split:
             try:
-                more = [*args, record.updated_at]
-                done = await _RUN_SWAP_ONE.run(client, [*keys, self._calls_key], more)
+                more = [*args, _number(record.updated_at)]
+                done = await _RUN_SWAP_ONE.run(client, [*keys, self._wire(self._calls_key)], more)
             except ResponseError as exc:
                 if not _cross_slot(exc):
                     raise

@@ -20,9 +20,12 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkey import AsyncToolInvoker, PlanSession, ToolInvoker
 from agentkey.journal import CallRecord, CallState, RedisJournal
+from agentkey.journal._redis import _number
 from tests._loopback import RedisServer, free_port, redis_server, serve
 from tests.journal._tools import PlainTool
 
@@ -305,3 +308,119 @@ def test_a_client_on_either_protocol_reads_the_scripts_answers(
         assert journal.get(record.key) == record.with_(state=CallState.ANSWERED, updated_at=now + 1)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("plan", [None, "p"])
+def test_listing_calls_of_a_stopped_redis_is_a_typed_error(plan: str | None) -> None:
+    """``calls()`` on a Redis that is gone raises JournalError (sent=False) naming the
+    listing and what to check, not redis-py's ConnectionError."""
+    from agentkey import JournalError
+
+    with redis_server() as server:
+        journal = RedisJournal(server.url, prefix=f"cmd{uuid.uuid4().hex[:8]}")
+        assert journal.calls(plan=plan) == []  # connected while it ran
+        server.process.terminate()
+        server.process.wait(10)
+        try:
+            with pytest.raises(JournalError) as caught:
+                journal.calls(plan=plan)
+        finally:
+            journal.close()
+    assert "while listing calls" in str(caught.value)
+    assert "Check that Redis is reachable" in str(caught.value)
+    assert caught.value.sent is False
+    assert not isinstance(caught.value, redis.RedisError)
+
+
+def _main_wire(journal: RedisJournal, record: CallRecord, op: str) -> list[Any]:
+    """The keys and arguments main's journal gave redis-py for ``op`` (as str and numbers)."""
+    from agentkey.journal._redis import _encode
+
+    p = journal.prefix
+    record_key = f"{p}:{{{record.plan}}}:{record.key}"
+    plan_key = f"{p}:{{{record.plan}}}"
+    index = plan_key if record.args_hash is None else f"{plan_key}:args:{record.args_hash}"
+    keys = [record_key, plan_key, index, f"{plan_key}~unsettled", f"{index}~unsettled"]
+    ttl = int(journal.retention * 1000)
+    kept = ttl if record.state is not CallState.PENDING else 0
+    calls = f"{p}:calls"
+    if op == "begin":
+        look = "1" if record.args_hash is not None else "0"
+        args = [_encode(record), ttl, record.created_at, record.key, look, kept, record.updated_at]
+        evidence = f"{p}:{{evidence}}:r:{record.route}"
+        return [*keys, calls, evidence, *args, "p:k1", "p:k2"]
+    args = [_encode(record), ttl, "", record.owner or "", "", kept, record.key]
+    return [*keys, calls, *args, record.updated_at]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1", "utf-16"])
+def test_a_begin_and_a_finish_send_the_bytes_main_sent(encoding: str) -> None:
+    """The start and end scripts' keys and arguments reach the wire byte for byte as
+    main's did (the journal now hands a UTF-8 client bytes, and a float written once),
+    whatever the client's encoding, for a prefix and route outside ASCII."""
+    from agentkey.journal._records import ended, pending
+
+    client = redis.Redis(encoding=encoding)  # never connects: commands are only packed
+    connection: Any = client.connection_pool.make_connection()  # its stubs are untyped
+    journal = RedisJournal(client, prefix="jé")
+    now = time.time()
+    for args_hash, created in (("ab" * 32, now), (None, 1_700_000_000)):
+        record = pending(
+            "p:step_000:" + "cd" * 32, "p", "step_000", "charge", args_hash,
+            "POST http://tools.test/chargé", None, None, created, "host:1:é:1", now + 300,
+        )  # fmt: skip
+        done = ended(
+            record, CallState.ANSWERED, now + 1.25, 1, 201, "ok", "tool", None, None, None,
+            b"{}", 2, None,
+        )  # fmt: skip
+        keys, args = journal._begin_args(record, True, ["p:k1", "p:k2"])
+        sent = [*keys, *journal._begin_more(record), *args]
+        main = _main_wire(journal, record, "begin")
+        assert connection.pack_command("EVALSHA", "x", 7, *sent) == connection.pack_command(
+            "EVALSHA", "x", 7, *main
+        )
+        keys, args = journal._swap_args(done, None)
+        sent = [*keys, journal._wire(journal._calls_key), *args, _number(done.updated_at)]
+        main = _main_wire(journal, done, "finish")
+        assert connection.pack_command("EVALSHA", "x", 6, *sent) == connection.pack_command(
+            "EVALSHA", "x", 6, *main
+        )
+    connection.disconnect()
+
+
+class _Text(str):
+    """A str of another type: the record goes through json whole."""
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e16, 1e-7, 5e-324, 1796616920.8233626]),
+    st.text(),
+    st.text().map(_Text),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_ANY, min_size=23, max_size=23), body=st.none() | st.binary())
+def test_records_are_written_field_by_field_as_json_writes_them(
+    values: list[Any], body: bytes | None
+) -> None:
+    """The record's JSON written field by field (floats' texts remembered) is the text
+    json.dumps writes for the same fields, whatever the values' types: floats (zero and
+    minus zero, NaN, infinities), big ints, bools, any text, str subclasses."""
+    from agentkey.journal._records import FIELDS, record_of
+    from agentkey.journal._redis import _encode, _encode_data
+
+    for name in ("state", "body"):
+        values[FIELDS.index(name)] = None
+    record = record_of(values)
+    object.__setattr__(record, "state", CallState.ANSWERED)
+    object.__setattr__(record, "body", body)
+    twice = record_of([v if type(v) is not float else -v for v in values])  # signs flipped
+    object.__setattr__(twice, "state", CallState.PENDING)
+    object.__setattr__(twice, "body", body)
+    for each in (record, twice, record):
+        assert _encode(each) == _encode_data(each)
