@@ -23,6 +23,7 @@ from ..._canonical import canonical_json
 from ..._clock import Clock
 from ..._exceptions import ConfigurationError, InvalidArguments
 from ..._keys import shown_key
+from ...server import _lifecycle as lifecycle
 from ...server._claim import Claim, reset_current, set_current
 from ...server._decide import (
     Checked,
@@ -37,9 +38,7 @@ from ...server._decide import (
 )
 from ...server._lifecycle import (
     SHARED_PRINCIPAL,
-    Doubted,
     Lifecycle,
-    Running,
     check_principal_options,
     resolve_principal,
 )
@@ -253,7 +252,7 @@ class IdempotentToolsMiddleware:
             checked, principal, None, f"{_METHOD} {name}", hold=self.options.hold_in_flight
         )
         key = checked.idempotency_key
-        if isinstance(decision, Doubted):
+        if isinstance(decision, lifecycle.Doubted):
             if self._reconcile is None:
                 decision = decision.doubt
             else:
@@ -276,7 +275,7 @@ class IdempotentToolsMiddleware:
                     self.options.reconcile_timeout,
                     max_recorded_bytes=self.options.max_recorded_bytes,
                 )
-        if isinstance(decision, Running):
+        if isinstance(decision, lifecycle.Running):
             return _protected(await self._run(ctx, call_next, decision.claim, name))
         if isinstance(decision, Replay):
             self._emit("replay", name, key)
