@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -255,3 +256,33 @@ def test_the_first_write_of_open_is_the_first_write_of_a_claim(monkeypatch: Any)
                 asyncio.run(life.claim(claim, checked))
             writes.append(store.writes)
         assert writes[0] == writes[1], (starts, renew, lease, operation)
+
+
+async def test_an_mcp_replay_or_refusal_builds_no_claim(monkeypatch: Any) -> None:
+    """Over MCP streamable HTTP, 1 run, 3 replays and a payload mismatch build 1 claim (5 on
+    main, where the MCP middleware built one per call before asking the store)."""
+    from mcp.shared.exceptions import MCPError
+
+    from tests.integrations._mcp_app import running
+    from tests.integrations.test_mcp import raw_call, session
+
+    built: list[str] = []
+    init = Claim.__init__
+
+    def counting(self: Claim, **kwargs: Any) -> None:
+        built.append(kwargs["idempotency_key"])
+        init(self, **kwargs)
+
+    monkeypatch.setattr(Claim, "__init__", counting)
+    opaque = f"ik_{os.urandom(8).hex()}"
+    args = {"region": "eu-central-1", "size": 4}
+    with running(MemoryStore()) as lab:
+        async with session(lab) as s:
+            first = await raw_call(s, "create_vm", args, opaque)
+            replays = [await raw_call(s, "create_vm", args, opaque) for _ in range(3)]
+            with pytest.raises(MCPError) as refused:
+                await raw_call(s, "create_vm", {**args, "size": 8}, opaque)
+        assert lab.runs["create_vm"] == 1
+    assert {r.structured_content == first.structured_content for r in replays} == {True}
+    assert refused.value.data == {"type": "io.agentkey/payload-mismatch"}
+    assert built == [opaque]
