@@ -7,9 +7,9 @@ decisions of :mod:`agentkey.server._decide`, and it lives here, once::
     resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
     Lifecycle.new_claim(checked, principal) -> Claim
     Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
-    Lifecycle.open(checked, principal, hold=) -> Running | Doubted | Replay | Problem
-        (both at once: a replay or a refusal builds no Claim; a run carries its Claim)
-    Lifecycle.reconcile(doubted, checked, hook, ...) -> Running | Replay | Problem
+    Lifecycle.open(checked, principal, hold=) -> Claim | Doubted | Replay | Problem
+        (both at once: a replay or a refusal builds no Claim; a run is its Claim)
+    Lifecycle.reconcile(doubted, checked, hook, ...) -> Claim | Replay | Problem
         ... the tool runs, its lease renewed ...
     Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
 
@@ -98,7 +98,6 @@ __all__ = [
     "Doubted",
     "Lifecycle",
     "MutationStarts",
-    "Running",
     "check_mutation_starts",
     "check_principal_options",
     "resolve_principal",
@@ -178,17 +177,6 @@ class _Blob:
     def __init__(self) -> None:
         self.task: asyncio.Task[str] | None = None
         self.uri: str | None = None
-
-
-class Running:
-    """The request runs its handler, under ``claim``: what :meth:`Lifecycle.open` and
-    :meth:`Lifecycle.reconcile` return for a ``Run``, so a run never comes without
-    its claim."""
-
-    __slots__ = ("claim",)
-
-    def __init__(self, claim: Claim) -> None:
-        self.claim = claim
 
 
 class Doubted:
@@ -331,10 +319,11 @@ class Lifecycle:
         operation: str = "",
         *,
         hold: float = 0.0,
-    ) -> Running | Doubted | Replay | Problem:
+    ) -> Claim | Doubted | Replay | Problem:
         """:meth:`new_claim` then :meth:`claim`, the :class:`Claim` built only when the
-        request goes on with one: it runs (:class:`Running`), it is held (``hold``), or
-        its key is in doubt (:class:`Doubted`, for a reconcile hook). A replay, a
+        request goes on with one: it runs (the answer is the claim it runs under: a run
+        never comes without one), it is held (``hold``), or its key is in doubt
+        (:class:`Doubted`, for a reconcile hook). A replay, a
         refusal, a 409 or a 503 is answered from the key and the record met alone: the
         same store write and the same decision (:func:`on_claimed`), without the object.
         """
@@ -371,7 +360,7 @@ class Lifecycle:
         elif isinstance(decision, Conflict):
             decision = await self._hold(claim, checked, decision, until)
         if isinstance(decision, Run):
-            return Running(claim)
+            return claim
         if isinstance(decision, InDoubt):
             return Doubted(claim, decision)
         return decision
@@ -496,9 +485,9 @@ class Lifecycle:
         *,
         max_inline_bytes: int = 1 << 62,
         max_recorded_bytes: int | None = None,
-    ) -> Running | Replay | Problem:
+    ) -> Claim | Replay | Problem:
         """Ask ``hook`` about the key in doubt, and act on its answer: a run under
-        ``doubted.claim`` (:class:`Running`), a replay, or a problem (the doubt itself,
+        ``doubted.claim`` (the claim), a replay, or a problem (the doubt itself,
         when it stays in doubt)."""
         claim = doubted.claim
         decision = await self._reconciled(
@@ -511,7 +500,7 @@ class Lifecycle:
             max_inline_bytes=max_inline_bytes,
             max_recorded_bytes=max_recorded_bytes,
         )
-        return Running(claim) if isinstance(decision, Run) else decision
+        return claim if isinstance(decision, Run) else decision
 
     async def _reconciled(
         self,

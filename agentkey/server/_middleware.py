@@ -87,7 +87,6 @@ from ._lifecycle import (
     SHARED_PRINCIPAL,
     Doubted,
     Lifecycle,
-    Running,
     check_principal_options,
     resolve_principal,
 )
@@ -663,9 +662,9 @@ class IdempotencyMiddleware:
         )
         if isinstance(decision, Doubted):
             decision = await self._reconciled(decision, checked, principal, method, path, body)
-        # One dispatch from the decision to the answer (the Claim only with a run).
-        if isinstance(decision, Running):
-            await self._run(scope, receive, send, body, decision.claim, method, path)
+        # One dispatch from the decision to the answer (a run is the Claim it runs under).
+        if isinstance(decision, Claim):
+            await self._run(scope, receive, send, body, decision, method, path)
         elif isinstance(decision, Replay):
             await self._replay(send, decision, method, path, checked.idempotency_key)
         else:
@@ -680,7 +679,7 @@ class IdempotencyMiddleware:
         method: str,
         path: str,
         body: list[bytes],
-    ) -> Running | Replay | Problem:
+    ) -> Claim | Replay | Problem:
         """A key in doubt: the reconcile hook's verdict, or the doubt without a hook."""
         if self._reconcile is None:
             return doubted.doubt

@@ -155,8 +155,8 @@ def test_a_clients_long_operation_is_not_kept() -> None:
     assert checked == check_body(key, ("POST", long[5:]), BODY)
 
 
-def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
-    """Over uvicorn, 2 runs, 6 replays, a 422 and a 409 build 2 claims (one per request before)."""
+def _claims_built(monkeypatch: Any) -> list[str]:
+    """The keys of the claims built from now on, in order (Claim.__init__ watched)."""
     built: list[str] = []
     init = Claim.__init__
 
@@ -165,6 +165,12 @@ def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
         init(self, **kwargs)
 
     monkeypatch.setattr(Claim, "__init__", counting)
+    return built
+
+
+def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
+    """Over uvicorn, 2 runs, 6 replays, a 422 and a 409 build 2 claims (one per request before)."""
+    built = _claims_built(monkeypatch)
     runs = 0
     release = threading.Event()
 
@@ -266,14 +272,7 @@ async def test_an_mcp_replay_or_refusal_builds_no_claim(monkeypatch: Any) -> Non
     from tests.integrations._mcp_app import running
     from tests.integrations.test_mcp import raw_call, session
 
-    built: list[str] = []
-    init = Claim.__init__
-
-    def counting(self: Claim, **kwargs: Any) -> None:
-        built.append(kwargs["idempotency_key"])
-        init(self, **kwargs)
-
-    monkeypatch.setattr(Claim, "__init__", counting)
+    built = _claims_built(monkeypatch)
     opaque = f"ik_{os.urandom(8).hex()}"
     args = {"region": "eu-central-1", "size": 4}
     with running(MemoryStore()) as lab:

@@ -23,7 +23,6 @@ from ..._canonical import canonical_json
 from ..._clock import Clock
 from ..._exceptions import ConfigurationError, InvalidArguments
 from ..._keys import shown_key
-from ...server import _lifecycle as lifecycle
 from ...server._claim import Claim, reset_current, set_current
 from ...server._decide import (
     Checked,
@@ -38,6 +37,7 @@ from ...server._decide import (
 )
 from ...server._lifecycle import (
     SHARED_PRINCIPAL,
+    Doubted,
     Lifecycle,
     check_principal_options,
     resolve_principal,
@@ -252,7 +252,7 @@ class IdempotentToolsMiddleware:
             checked, principal, None, f"{_METHOD} {name}", hold=self.options.hold_in_flight
         )
         key = checked.idempotency_key
-        if isinstance(decision, lifecycle.Doubted):
+        if isinstance(decision, Doubted):
             if self._reconcile is None:
                 decision = decision.doubt
             else:
@@ -275,8 +275,8 @@ class IdempotentToolsMiddleware:
                     self.options.reconcile_timeout,
                     max_recorded_bytes=self.options.max_recorded_bytes,
                 )
-        if isinstance(decision, lifecycle.Running):
-            return _protected(await self._run(ctx, call_next, decision.claim, name))
+        if isinstance(decision, Claim):  # it runs, under this claim
+            return _protected(await self._run(ctx, call_next, decision, name))
         if isinstance(decision, Replay):
             self._emit("replay", name, key)
             return _replayed(decision.outcome)
