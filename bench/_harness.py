@@ -600,14 +600,17 @@ class Instructions:
 
     ``total`` is instructions executed (cachegrind's ``Ir``); ``by_function`` splits it by
     the interpreter's C functions (``file:function``), biggest first; ``gc_collections`` is
-    the garbage collector's collections (all generations), a proxy for the containers a
-    step leaves to it. All three are differences of two runs (``2n`` and ``n`` iterations,
-    after the same set-up and warm-up), so start-up, imports and set-up cancel out.
+    the garbage collector's collections (all generations); ``containers`` the objects
+    allocated that the collector tracks and counts towards its next collection (those
+    not taken from a free list): what makes it run, the more often the more requests
+    are in flight. All are differences of two runs (``2n`` and ``n`` iterations, after
+    the same set-up and warm-up), so start-up, imports and set-up cancel out.
     """
 
     total: float
     by_function: dict[str, float]
     gc_collections: float
+    containers: float = 0.0
 
 
 def instructions(
@@ -636,7 +639,39 @@ def instructions(
     }
     total = sum(by_function.values())
     ordered = dict(sorted(by_function.items(), key=lambda kv: -kv[1]))
-    return Instructions(total, ordered, (big_gc - small_gc) / iterations)
+    linked = sum(by_function.get(name, 0.0) for name in _GC_LINK)
+    per_link = _instructions_per_link() if target != _CALIBRATION else 1.0
+    return Instructions(total, ordered, (big_gc - small_gc) / iterations, linked / per_link)
+
+
+#: Where CPython (3.11-3.13) counts a new tracked container towards the next collection:
+#: its instructions per call are fixed, so they count the allocations.
+_GC_LINK = ("gcmodule.c:_PyObject_GC_Link", "pycore_pystate.h:_PyObject_GC_Link")
+_CALIBRATION = "bench._harness:_ten_containers"
+_PER_LINK: list[float] = []
+
+
+def _ten_containers(arg: str) -> Callable[[int], None]:
+    """The calibration target: ten tracked objects (no free list) per iteration."""
+
+    class Node:
+        __slots__ = ("next",)
+        next: object
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for _ in range(10):
+                Node().next = None
+
+    return run
+
+
+def _instructions_per_link() -> float:
+    """Instructions of one container's count towards a collection, measured once."""
+    if not _PER_LINK:
+        got = instructions(_CALIBRATION, 200)
+        _PER_LINK.append(sum(got.by_function.get(name, 0.0) for name in _GC_LINK) / 10 or 1.0)
+    return _PER_LINK[0]
 
 
 def _cachegrind(

@@ -37,8 +37,10 @@ not move with the machine's load: instructions per fresh (or replayed) request f
 ``bare``, ``naive``, ``memory`` and ``redis`` (a real redis-server on loopback; its own
 instructions are not counted), their ratios to ``bare`` and ``naive``, the split by
 difference (starlette + handler = bare; agentkey = memory - bare; RedisStore and
-redis-py = redis - memory), the interpreter's top C functions per request, and the
-garbage collector's collections per 1,000 requests. Nothing is written unless ``--out``.
+redis-py = redis - memory), the interpreter's top C functions per request, the
+containers allocated per request (tracked objects not from a free list: what runs the
+garbage collector, which at 64 connections walks every request in flight) and the
+collections per 1,000 requests. Nothing is written unless ``--out``.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def instruction_rows(mode: str, iterations: int, out: Path | None) -> None:
     for config, got in counts.items():
         print(
             f"  {config:<7} {got.total / 1000:8.1f}k instructions/request  "
-            f"{got.gc_collections * 1000:6.1f} GC collections per 1,000 requests"
+            f"{got.containers:6.0f} containers allocated/request  "
+            f"{got.gc_collections * 1000:5.1f} GC collections per 1,000 requests"
         )
     bare = counts["bare"].total
     print("  split by difference (instructions per request):")
@@ -206,6 +209,7 @@ def instruction_rows(mode: str, iterations: int, out: Path | None) -> None:
                 c: {
                     "instructions": round(g.total),
                     "gc_per_1000": round(g.gc_collections * 1000, 1),
+                    "containers": round(g.containers, 1),
                     "top": {n: round(v) for n, v in list(g.by_function.items())[:20]},
                 }
                 for c, g in counts.items()
