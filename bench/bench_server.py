@@ -238,7 +238,9 @@ def instruction_rows(mode: str, iterations: int, repeat: int, out: Path | None) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=10, help="ABBA rounds per block")
     parser.add_argument("--seconds", type=float, default=0.5, help="length of one slot")
