@@ -589,3 +589,158 @@ def print_row(row: Mapping[str, Any]) -> None:
         f"srv {row['agentkey_server_cpu_util']:.2f}/{row['baseline_server_cpu_util']:.2f} "
         f"load {row['load_cpu_util_max']:.2f}  N={row['N']}"
     )
+
+
+# --------------------------------------------------------------------------- instructions
+
+
+@dataclass
+class Instructions:
+    """What :func:`instructions` measured, per iteration of the target's loop.
+
+    ``total`` is instructions executed (cachegrind's ``Ir``); ``by_function`` splits it by
+    the interpreter's C functions (``file:function``), biggest first; ``gc_collections`` is
+    the garbage collector's collections (all generations); ``containers`` the objects
+    allocated that the collector tracks and counts towards its next collection (those
+    not taken from a free list): what makes it run, the more often the more requests
+    are in flight. All are differences of two runs (``2n`` and ``n`` iterations, after
+    the same set-up and warm-up), so start-up, imports and set-up cancel out.
+    """
+
+    total: float
+    by_function: dict[str, float]
+    gc_collections: float
+    containers: float = 0.0
+
+
+def instructions(
+    target: str,
+    iterations: int = 200,
+    *,
+    arg: str = "",
+    warmup: int = 20,
+    env: Mapping[str, str] | None = None,
+) -> Instructions:
+    """Instructions per iteration of ``target`` (``"module:function"``), under cachegrind.
+
+    ``function(arg)`` is called once in a child process (``valgrind --tool=cachegrind
+    --cache-sim=no``, this interpreter, this checkout first on the path) and returns
+    ``run(n)``, which must do ``n`` iterations of the work measured (an async target runs
+    its own event loop inside ``run``). The child calls ``run(warmup)`` then
+    ``run(iterations)`` or ``run(2 * iterations)``; the figures are the difference of the
+    two runs divided by ``iterations``. Instruction counts do not move with the machine's
+    load, unlike CPU time: compare two trees or two configurations by them.
+    """
+    runs = [_cachegrind(target, arg, warmup, n, env or {}) for n in (iterations, 2 * iterations)]
+    (small, small_gc), (big, big_gc) = runs
+    by_function = {
+        name: (big.get(name, 0) - small.get(name, 0)) / iterations
+        for name in big.keys() | small.keys()
+    }
+    total = sum(by_function.values())
+    ordered = dict(sorted(by_function.items(), key=lambda kv: -kv[1]))
+    linked = sum(by_function.get(name, 0.0) for name in _GC_LINK)
+    per_link = _instructions_per_link() if target != _CALIBRATION else 1.0
+    return Instructions(total, ordered, (big_gc - small_gc) / iterations, linked / per_link)
+
+
+#: Where CPython (3.11-3.13) counts a new tracked container towards the next collection:
+#: its instructions per call are fixed, so they count the allocations.
+_GC_LINK = ("gcmodule.c:_PyObject_GC_Link", "pycore_pystate.h:_PyObject_GC_Link")
+_CALIBRATION = "bench._harness:_ten_containers"
+_PER_LINK: list[float] = []
+
+
+def _ten_containers(arg: str) -> Callable[[int], None]:
+    """The calibration target: ten tracked objects (no free list) per iteration."""
+
+    class Node:
+        __slots__ = ("next",)
+        next: object
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for _ in range(10):
+                Node().next = None
+
+    return run
+
+
+def _instructions_per_link() -> float:
+    """Instructions of one container's count towards a collection, measured once."""
+    if not _PER_LINK:
+        got = instructions(_CALIBRATION, 200)
+        _PER_LINK.append(sum(got.by_function.get(name, 0.0) for name in _GC_LINK) / 10 or 1.0)
+    return _PER_LINK[0]
+
+
+def _cachegrind(
+    target: str, arg: str, warmup: int, n: int, env: Mapping[str, str]
+) -> tuple[dict[str, int], int]:
+    """One child run: ``Ir`` per ``file:function`` and the GC's collections in ``run(n)``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-cachegrind-") as tmp:
+        out, gc_file = Path(tmp) / "cachegrind.out", Path(tmp) / "gc"
+        command = [
+            "valgrind",
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            f"--cachegrind-out-file={out}",
+            sys.executable,
+            "-m",
+            "bench._harness",
+            "--instructions-child",
+            target,
+            arg,
+            str(warmup),
+            str(n),
+            str(gc_file),
+        ]
+        child_env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
+        done = subprocess.run(  # noqa: S603
+            command, env=child_env, cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{target} failed under cachegrind:\n{done.stderr[-3000:]}")
+        return _read_cachegrind(out), int(gc_file.read_text())
+
+
+def _read_cachegrind(path: Path) -> dict[str, int]:
+    """``Ir`` per ``file:function`` from a cachegrind out file (one event: ``Ir``)."""
+    counts: dict[str, int] = {}
+    file = function = "?"
+    for line in path.read_text().splitlines():
+        if line.startswith("fl="):
+            file = line[3:].rsplit("/", 1)[-1]
+        elif line.startswith("fn="):
+            function = f"{file}:{line[3:]}"
+        elif line[:1].isdigit():
+            parts = line.split()
+            if len(parts) >= 2:
+                counts[function] = counts.get(function, 0) + int(parts[1])
+    return counts
+
+
+def _instructions_child(target: str, arg: str, warmup: int, n: int, gc_file: str) -> None:
+    import gc
+    import importlib
+
+    module, _, name = target.partition(":")
+    run = getattr(importlib.import_module(module), name)(arg)
+    run(warmup)
+    collections = [0]
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections[0] += 1
+
+    gc.callbacks.append(count)
+    run(n)
+    gc.callbacks.remove(count)
+    Path(gc_file).write_text(str(collections[0]))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--instructions-child"]:
+    _target, _arg, _warmup, _n, _gc_file = sys.argv[2:7]
+    _instructions_child(_target, _arg, int(_warmup), int(_n), _gc_file)

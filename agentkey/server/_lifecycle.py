@@ -7,8 +7,9 @@ decisions of :mod:`agentkey.server._decide`, and it lives here, once::
     resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
     Lifecycle.new_claim(checked, principal) -> Claim
     Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
-    Lifecycle.open(checked, principal, hold=) -> (the same decision, Claim or None)
-        (both at once, as HTTP does: a replay or a refusal builds no Claim)
+    Lifecycle.open(checked, principal, hold=) -> Claim | Doubted | Replay | Problem
+        (both at once: a replay or a refusal builds no Claim; a run is its Claim)
+    Lifecycle.reconcile(doubted, checked, hook, ...) -> Claim | Replay | Problem
         ... the tool runs, its lease renewed ...
     Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
 
@@ -94,6 +95,7 @@ def check_mutation_starts(value: object) -> MutationStarts:
 __all__ = [
     "MAX_HELD",
     "SHARED_PRINCIPAL",
+    "Doubted",
     "Lifecycle",
     "MutationStarts",
     "check_mutation_starts",
@@ -177,6 +179,22 @@ class _Blob:
         self.uri: str | None = None
 
 
+class Doubted:
+    """The key is in doubt (``doubt``, the answer when nothing reconciles it); ``claim``
+    is this request's, for :meth:`Lifecycle.reconcile`."""
+
+    __slots__ = ("claim", "doubt")
+
+    def __init__(self, claim: Claim, doubt: InDoubt) -> None:
+        self.claim, self.doubt = claim, doubt
+
+
+def _new_owner() -> str:
+    """A claim's owner token: what ``secrets.token_hex(16)`` does, in one call. A
+    uniqueness token, not the clock's chance: two claims never share one."""
+    return os.urandom(16).hex()
+
+
 class Lifecycle:
     """The I/O of one front end's claims: claiming, holding, settling.
 
@@ -250,8 +268,7 @@ class Lifecycle:
             idempotency_key=key.format(),
             principal=principal,
             record_key=_record_key(principal, key) if record_key is None else record_key,
-            # What secrets.token_hex(16) does, in one call.
-            owner=os.urandom(16).hex() if owner is None else owner,
+            owner=_new_owner() if owner is None else owner,
             started_ms=started_ms,
             store=self.store,
             lock_ttl_ms=self.lock_ttl_ms,
@@ -302,16 +319,17 @@ class Lifecycle:
         operation: str = "",
         *,
         hold: float = 0.0,
-    ) -> tuple[Problem | Run | Replay, Claim | None]:
+    ) -> Claim | Doubted | Replay | Problem:
         """:meth:`new_claim` then :meth:`claim`, the :class:`Claim` built only when the
-        request goes on with one: it runs (``Run``), it is held (``hold``), or its key is
-        in doubt (for a reconcile hook). A replay, a refusal, a 409 or a 503 is answered
-        from the key and the record met alone (the claim is None): the same store write
-        and the same decision (:func:`on_claimed`), without the object.
+        request goes on with one: it runs (the answer is the claim it runs under: a run
+        never comes without one), it is held (``hold``), or its key is in doubt
+        (:class:`Doubted`, for a reconcile hook). A replay, a
+        refusal, a 409 or a 503 is answered from the key and the record met alone: the
+        same store write and the same decision (:func:`on_claimed`), without the object.
         """
         key = checked.key
         store_key = _record_key(principal, key)
-        owner = os.urandom(16).hex()  # what secrets.token_hex(16) does, in one call
+        owner = _new_owner()
         until = self.clock.monotonic() + hold if hold else 0.0
         now = wall_ms(self.clock)  # the lease's start; a 409's Retry-After counts from it
         phase = self.first_phase()
@@ -330,9 +348,9 @@ class Lifecycle:
         decision = await self._ask(store_key, value, ttl, owner, checked, now)
         if isinstance(decision, Unavailable):
             self._log_unavailable(key.format(), decision)
-            return decision, None
+            return decision
         if isinstance(decision, (Replay, Reject)) or (isinstance(decision, Conflict) and not hold):
-            return decision, None
+            return decision
         claim = self.new_claim(
             checked, principal, body, operation, owner=owner, record_key=store_key, started_ms=now
         )
@@ -341,7 +359,11 @@ class Lifecycle:
                 decision = await self._renewed(claim, decision)
         elif isinstance(decision, Conflict):
             decision = await self._hold(claim, checked, decision, until)
-        return decision, claim
+        if isinstance(decision, Run):
+            return claim
+        if isinstance(decision, InDoubt):
+            return Doubted(claim, decision)
+        return decision
 
     async def _ask(
         self, store_key: str, value: bytes, ttl_ms: int, owner: str, checked: Checked, now: int
@@ -455,6 +477,33 @@ class Lifecycle:
 
     async def reconcile(
         self,
+        doubted: Doubted,
+        checked: Checked,
+        hook: ReconcileHook,
+        context: ReconcileContext,
+        seconds: float,
+        *,
+        max_inline_bytes: int = 1 << 62,
+        max_recorded_bytes: int | None = None,
+    ) -> Claim | Replay | Problem:
+        """Ask ``hook`` about the key in doubt, and act on its answer: a run under
+        ``doubted.claim`` (the claim), a replay, or a problem (the doubt itself,
+        when it stays in doubt)."""
+        claim = doubted.claim
+        decision = await self._reconciled(
+            claim,
+            checked,
+            doubted.doubt,
+            hook,
+            context,
+            seconds,
+            max_inline_bytes=max_inline_bytes,
+            max_recorded_bytes=max_recorded_bytes,
+        )
+        return claim if isinstance(decision, Run) else decision
+
+    async def _reconciled(
+        self,
         claim: Claim,
         checked: Checked,
         doubt: InDoubt,
@@ -462,8 +511,8 @@ class Lifecycle:
         context: ReconcileContext,
         seconds: float,
         *,
-        max_inline_bytes: int = 1 << 62,
-        max_recorded_bytes: int | None = None,
+        max_inline_bytes: int,
+        max_recorded_bytes: int | None,
     ) -> Problem | Run | Replay:
         """Ask ``hook`` about the key in doubt, and act on its answer.
 

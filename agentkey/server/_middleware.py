@@ -63,6 +63,7 @@ from ._blobs import BlobStore, FileBlobStore
 from ._claim import Claim, reset_current, set_current, wall_ms
 from ._decide import (
     REPLAY_HEADER,
+    Checked,
     Conflict,
     DecisionEvent,
     InDoubt,
@@ -70,7 +71,6 @@ from ._decide import (
     Problem,
     Reject,
     Replay,
-    Run,
     Unavailable,
     body_too_large,
     check_body,
@@ -83,7 +83,13 @@ from ._decide import (
     unauthenticated,
     unavailable,
 )
-from ._lifecycle import SHARED_PRINCIPAL, Lifecycle, check_principal_options, resolve_principal
+from ._lifecycle import (
+    SHARED_PRINCIPAL,
+    Doubted,
+    Lifecycle,
+    check_principal_options,
+    resolve_principal,
+)
 from ._options import ServerOptions, check_hooks, check_store, options_or_default
 from ._reconcile import ReconcileHook, check_reconcile, context_for
 from ._stores import MemoryStore, Store, resolve_clock
@@ -651,45 +657,52 @@ class IdempotencyMiddleware:
             return
         # The Claim is built only when the request goes on with one (it runs, is held, or
         # meets a key in doubt): a replay or a refusal is answered from the record alone.
-        decision, claim = await self._life.open(
+        decision = await self._life.open(
             checked, principal, body, " ".join(operation), hold=self.options.hold_in_flight
         )
-        if claim is None:
-            if isinstance(decision, Replay):
-                await self._replay(send, decision, method, path, checked.idempotency_key)
-            else:
-                assert not isinstance(decision, Run)
-                event = _EVENTS.get(type(decision), "mismatch")
-                await self._problem(send, decision, event, method, path, checked.idempotency_key)
-            return
-        if isinstance(decision, InDoubt) and self._reconcile is not None:
-            context = context_for(
-                claim.idempotency_key,
-                principal,
-                method,
-                path,
-                b"".join(body),
-                decision.record,
-                self._life.now_ms(),
-                claim.key_for,
-            )
-            decision = await self._life.reconcile(
-                claim,
-                checked,
-                decision,
-                self._reconcile,
-                context,
-                self.options.reconcile_timeout,
-                max_inline_bytes=self.options.max_inline_bytes,
-                max_recorded_bytes=self.options.max_recorded_bytes,
-            )
-        if isinstance(decision, Run):
-            await self._run(scope, receive, send, body, claim, method, path)
+        if isinstance(decision, Doubted):
+            decision = await self._reconciled(decision, checked, principal, method, path, body)
+        # One dispatch from the decision to the answer (a run is the Claim it runs under).
+        if isinstance(decision, Claim):
+            await self._run(scope, receive, send, body, decision, method, path)
         elif isinstance(decision, Replay):
-            await self._replay(send, decision, method, path, claim.idempotency_key)
+            await self._replay(send, decision, method, path, checked.idempotency_key)
         else:
             event = _EVENTS.get(type(decision), "mismatch")
-            await self._problem(send, decision, event, method, path, claim.idempotency_key)
+            await self._problem(send, decision, event, method, path, checked.idempotency_key)
+
+    async def _reconciled(
+        self,
+        doubted: Doubted,
+        checked: Checked,
+        principal: str,
+        method: str,
+        path: str,
+        body: list[bytes],
+    ) -> Claim | Replay | Problem:
+        """A key in doubt: the reconcile hook's verdict, or the doubt without a hook."""
+        if self._reconcile is None:
+            return doubted.doubt
+        claim = doubted.claim
+        context = context_for(
+            claim.idempotency_key,
+            principal,
+            method,
+            path,
+            b"".join(body),
+            doubted.doubt.record,
+            self._life.now_ms(),
+            claim.key_for,
+        )
+        return await self._life.reconcile(
+            doubted,
+            checked,
+            self._reconcile,
+            context,
+            self.options.reconcile_timeout,
+            max_inline_bytes=self.options.max_inline_bytes,
+            max_recorded_bytes=self.options.max_recorded_bytes,
+        )
 
     def _emit(self, decision: str, method: str, path: str, key: str | None, status: int) -> None:
         event = DecisionEvent(decision, method, path, key, status)

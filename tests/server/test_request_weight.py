@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -154,8 +155,8 @@ def test_a_clients_long_operation_is_not_kept() -> None:
     assert checked == check_body(key, ("POST", long[5:]), BODY)
 
 
-def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
-    """Over uvicorn, 2 runs, 6 replays, a 422 and a 409 build 2 claims (one per request before)."""
+def _claims_built(monkeypatch: Any) -> list[str]:
+    """The keys of the claims built from now on, in order (Claim.__init__ watched)."""
     built: list[str] = []
     init = Claim.__init__
 
@@ -164,6 +165,12 @@ def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
         init(self, **kwargs)
 
     monkeypatch.setattr(Claim, "__init__", counting)
+    return built
+
+
+def test_a_replay_or_a_refusal_builds_no_claim(monkeypatch: Any) -> None:
+    """Over uvicorn, 2 runs, 6 replays, a 422 and a 409 build 2 claims (one per request before)."""
+    built = _claims_built(monkeypatch)
     runs = 0
     release = threading.Event()
 
@@ -255,3 +262,26 @@ def test_the_first_write_of_open_is_the_first_write_of_a_claim(monkeypatch: Any)
                 asyncio.run(life.claim(claim, checked))
             writes.append(store.writes)
         assert writes[0] == writes[1], (starts, renew, lease, operation)
+
+
+async def test_an_mcp_replay_or_refusal_builds_no_claim(monkeypatch: Any) -> None:
+    """Over MCP streamable HTTP, 1 run, 3 replays and a payload mismatch build 1 claim (5 on
+    main, where the MCP middleware built one per call before asking the store)."""
+    from mcp.shared.exceptions import MCPError
+
+    from tests.integrations._mcp_app import running
+    from tests.integrations.test_mcp import raw_call, session
+
+    built = _claims_built(monkeypatch)
+    opaque = f"ik_{os.urandom(8).hex()}"
+    args = {"region": "eu-central-1", "size": 4}
+    with running(MemoryStore()) as lab:
+        async with session(lab) as s:
+            first = await raw_call(s, "create_vm", args, opaque)
+            replays = [await raw_call(s, "create_vm", args, opaque) for _ in range(3)]
+            with pytest.raises(MCPError) as refused:
+                await raw_call(s, "create_vm", {**args, "size": 8}, opaque)
+        assert lab.runs["create_vm"] == 1
+    assert {r.structured_content == first.structured_content for r in replays} == {True}
+    assert refused.value.data == {"type": "io.agentkey/payload-mismatch"}
+    assert built == [opaque]

@@ -37,6 +37,7 @@ from ...server._decide import (
 )
 from ...server._lifecycle import (
     SHARED_PRINCIPAL,
+    Doubted,
     Lifecycle,
     check_principal_options,
     resolve_principal,
@@ -247,44 +248,49 @@ class IdempotentToolsMiddleware:
             principal = found
         arguments = without_keys(params.get("arguments"), [field for field, _ in carried])
         checked, body = self._check(value, carried, name, arguments)
-        claim = self._life.new_claim(checked, principal, operation=f"{_METHOD} {name}")
-        decision = await self._life.claim(claim, checked, hold=self.options.hold_in_flight)
+        decision = await self._life.open(
+            checked, principal, None, f"{_METHOD} {name}", hold=self.options.hold_in_flight
+        )
         key = checked.idempotency_key
-        if isinstance(decision, InDoubt) and self._reconcile is not None:
-            context = context_for(
-                key,
-                principal,
-                _METHOD,
-                name,
-                body,
-                decision.record,
-                self._life.now_ms(),
-                claim.key_for,
-            )
-            decision = await self._life.reconcile(
-                claim,
-                checked,
-                decision,
-                self._reconcile,
-                context,
-                self.options.reconcile_timeout,
-                max_recorded_bytes=self.options.max_recorded_bytes,
-            )
+        if isinstance(decision, Doubted):
+            if self._reconcile is None:
+                decision = decision.doubt
+            else:
+                claim = decision.claim
+                context = context_for(
+                    key,
+                    principal,
+                    _METHOD,
+                    name,
+                    body,
+                    decision.doubt.record,
+                    self._life.now_ms(),
+                    claim.key_for,
+                )
+                decision = await self._life.reconcile(
+                    decision,
+                    checked,
+                    self._reconcile,
+                    context,
+                    self.options.reconcile_timeout,
+                    max_recorded_bytes=self.options.max_recorded_bytes,
+                )
+        if isinstance(decision, Claim):  # it runs, under this claim
+            return _protected(await self._run(ctx, call_next, decision, name))
+        if isinstance(decision, Replay):
+            self._emit("replay", name, key)
+            return _replayed(decision.outcome)
         if isinstance(decision, InDoubt):
             self._emit("in_doubt", name, key, 409)
             raise _refusal("in-doubt", self._words(decision.detail))
         if isinstance(decision, Unavailable):
             self._emit("unavailable", name, key, 503)
             raise _refusal("unavailable", decision.detail, retry_after=decision.retry_after)
-        if isinstance(decision, Reject):
-            raise self._rejected(decision, name, key)
         if isinstance(decision, Conflict):
             self._emit("conflict", name, key, 409)
             raise _refusal("in-progress", decision.detail, retry_after=decision.retry_after)
-        if isinstance(decision, Replay):
-            self._emit("replay", name, key)
-            return _replayed(decision.outcome)
-        return _protected(await self._run(ctx, call_next, claim, name))
+        assert isinstance(decision, Reject)  # the last kind of Problem
+        raise self._rejected(decision, name, key)
 
     def _advertised(self, result: HandlerResult) -> HandlerResult:
         """``tools/list`` with each protected tool marked, so a client knows before it calls."""
