@@ -44,11 +44,10 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -59,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._ha
 
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
 from agentkey.journal import SQLiteJournal
-from bench._harness import machine, palindrome, servers, spread, write_results
+from bench._harness import instructions, machine, palindrome, servers, spread, write_results
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]  # no Nagle + delayed-ACK stalls
 PATH = "/tools/charge"
@@ -344,62 +343,35 @@ def failed_import_us(n: int = 2000) -> float:
 ADDED_INSTRUCTIONS_TARGET = 25_000
 
 
-def cachegrind_instructions(argv: Sequence[str]) -> int:
-    """Instructions the command ``python argv...`` executes, from a cachegrind run of its
-    own (``--cache-sim=no``: the count only), with a fixed hash seed."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "cachegrind.out"
-        command = [
-            "valgrind",
-            "--tool=cachegrind",
-            "--cache-sim=no",
-            f"--cachegrind-out-file={out}",
-            sys.executable,
-            *argv,
-        ]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        subprocess.run(command, check=True, capture_output=True, env=env)  # noqa: S603
-        for line in out.read_text().splitlines():
-            if line.startswith("summary:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no summary line in cachegrind's output for {argv}")
+def cg_target(arg: str) -> Callable[[int], None]:
+    """:func:`bench._harness.instructions`' target: ``arg`` is ``side:total``, the side
+    (``httpx`` or ``invoker``) and how many steps to build first, so that the runs of ``n``
+    and ``2n`` calls build the same ones."""
+    side, total = arg.split(":")
+    steps = iter(make_steps(int(total)))
+    client = httpx.Client(base_url="https://tool.test", transport=mock())
+    invoker = ToolInvoker(
+        "https://tool.test",
+        client=httpx.Client(transport=mock()),
+        route_template="/tools/{tool}",
+        **PLAIN_PATH,
+    )
 
+    def call_httpx(step: Step) -> None:
+        response = client.post(PATH, headers=headers(step), content=step.body)
+        assert response.status_code == 201
+        response.json()
 
-def instructions_per_call(argv: Sequence[str], n: int) -> float:
-    """Instructions per call of a worker that takes ``--cg-calls k`` (and builds the same
-    inputs whatever ``k``): (count at 2n - count at n) / n."""
-    once = cachegrind_instructions([*argv, "--cg-calls", str(n)])
-    twice = cachegrind_instructions([*argv, "--cg-calls", str(2 * n)])
-    return (twice - once) / n
+    def call_invoker(step: Step) -> None:
+        assert invoker.invoke(step).status_code == 201
 
+    call = call_httpx if side == "httpx" else call_invoker
 
-def cg_worker(side: str, calls: int, total: int) -> None:
-    """One side of the in-process row, run under cachegrind: ``total`` steps built, a
-    warm-up of 20 calls, then ``calls`` calls."""
-    steps = make_steps(total + 20)
-    with (
-        httpx.Client(base_url="https://tool.test", transport=mock()) as client,
-        httpx.Client(transport=mock()) as inner,
-        ToolInvoker(
-            "https://tool.test", client=inner, route_template="/tools/{tool}", **PLAIN_PATH
-        ) as invoker,
-    ):
-        if side == "httpx":
+    def run(n: int) -> None:
+        for _ in range(n):
+            call(next(steps))
 
-            def call(step: Step) -> None:
-                response = client.post(PATH, headers=headers(step), content=step.body)
-                assert response.status_code == 201
-                response.json()
-
-        else:
-
-            def call(step: Step) -> None:
-                assert invoker.invoke(step).status_code == 201
-
-        for step in steps[:20]:
-            call(step)
-        for step in steps[20 : 20 + calls]:
-            call(step)
+    return run
 
 
 def instructions_main(n: int) -> None:
@@ -410,9 +382,9 @@ def instructions_main(n: int) -> None:
         f"calls per side under cachegrind; load {os.getloadavg()[0]:.1f} (counts do not "
         "move with it)"
     )
-    me = [str(Path(__file__).resolve()), "--cg-total", str(2 * n)]
-    base = instructions_per_call([*me, "--cg-side", "httpx"], n)
-    ours = instructions_per_call([*me, "--cg-side", "invoker"], n)
+    total = WARMUP + 2 * n
+    base = instructions(CG_TARGET, n, arg=f"httpx:{total}", warmup=WARMUP).total
+    ours = instructions(CG_TARGET, n, arg=f"invoker:{total}", warmup=WARMUP).total
     added = ours - base
     met = "met" if added <= ADDED_INSTRUCTIONS_TARGET else "NOT met"
     print(
@@ -421,6 +393,10 @@ def instructions_main(n: int) -> None:
         f"  added: {added:+,.0f} ({ours / base:.3f}x); target <= "
         f"{ADDED_INSTRUCTIONS_TARGET:,} added: {met}"
     )
+
+
+CG_TARGET = "bench.bench_invoker:cg_target"
+WARMUP = 20
 
 
 # --------------------------------------------------------------------------- main
@@ -436,13 +412,7 @@ def main() -> None:
         "--instructions", action="store_true", help="count instructions (cachegrind) instead"
     )
     parser.add_argument("--calls", type=int, default=300, help="n for --instructions")
-    parser.add_argument("--cg-side", choices=("httpx", "invoker"), help=argparse.SUPPRESS)
-    parser.add_argument("--cg-calls", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--cg-total", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if ns.cg_side is not None:
-        cg_worker(ns.cg_side, ns.cg_calls, ns.cg_total)
-        return
     if ns.instructions:
         instructions_main(ns.calls)
         return

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-from argparse import SUPPRESS
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -53,8 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench._ha
 
 from agentkey import AsyncToolInvoker, PlanSession, Step, ToolInvoker
 from agentkey.journal import RedisJournal, SQLiteJournal
-from bench._harness import machine, palindrome, servers, spread, write_results
-from bench.bench_invoker import instructions_per_call
+from bench._harness import instructions, machine, palindrome, servers, spread, write_results
 from tests._loopback import redis_server
 
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -203,41 +201,45 @@ def redis_round_trips(
     return int(after - before - 1), sent  # minus the INFO itself
 
 
-def cg_worker(journal: str, driver: str, calls: int, total: int, redis_url: str) -> None:
-    """One journal's side, run under cachegrind: ``total`` + 20 fresh steps built, 20
-    calls of warm-up (connections, scripts), then ``calls`` calls over a MockTransport."""
-    steps = fresh_steps(total + 20)
-    warm, measured = steps[:20], steps[20 : 20 + calls]
+def cg_target(arg: str) -> Callable[[int], None]:
+    """:func:`bench._harness.instructions`' target: ``arg`` is
+    ``journal:driver:total:redis_url``; ``total`` fresh steps are built first (so that the
+    runs of ``n`` and ``2n`` calls build the same ones), and each ``run(n)`` makes ``n``
+    calls over a MockTransport (async: ten at a time, on one event loop)."""
+    journal, driver, total, redis_url = arg.split(":", 3)
+    steps = iter(fresh_steps(int(total)))
     options: dict[str, Any] = {"route_template": "/tools/{tool}", "hooks": ()}
-    with tempfile.TemporaryDirectory() as folder:
-        chosen: Any = False
-        if journal == "sqlite":
-            chosen = SQLiteJournal(Path(folder) / "journal.sqlite3")
-        elif journal == "redis":
-            chosen = RedisJournal(redis_url)
-        if driver == "sync":
-            with (
-                httpx.Client(transport=mock()) as client,
-                ToolInvoker(URL, client=client, journal=chosen, **options) as invoker,
-            ):
-                for step in [*warm, *measured]:
-                    assert invoker.invoke(step).status_code == 201
-            return
+    chosen: Any = False
+    if journal == "sqlite":
+        chosen = SQLiteJournal(Path(tempfile.mkdtemp(prefix="bench-journal-")) / "j.sqlite3")
+    elif journal == "redis":
+        chosen = RedisJournal(redis_url)
+    if driver == "sync":
+        invoker = ToolInvoker(URL, client=httpx.Client(transport=mock()), journal=chosen, **options)
 
-        async def run() -> None:
-            async with (
-                httpx.AsyncClient(transport=mock()) as client,
-                AsyncToolInvoker(URL, client=client, journal=chosen, **options) as invoker,
-            ):
+        def run(n: int) -> None:
+            for _ in range(n):
+                assert invoker.invoke(next(steps)).status_code == 201
 
-                async def worker(mine: list[Step]) -> None:
-                    for step in mine:
-                        assert (await invoker.invoke(step)).status_code == 201
+        return run
 
-                for batch in (warm, measured):
-                    await asyncio.gather(*(worker(batch[i::10]) for i in range(10)))
+    loop = asyncio.new_event_loop()
+    ainvoker = AsyncToolInvoker(
+        URL, client=httpx.AsyncClient(transport=mock()), journal=chosen, **options
+    )
 
-        asyncio.run(run())
+    async def worker(mine: list[Step]) -> None:
+        for step in mine:
+            assert (await ainvoker.invoke(step)).status_code == 201
+
+    async def batch(n: int) -> None:
+        mine = [next(steps) for _ in range(n)]
+        await asyncio.gather(*(worker(mine[i::10]) for i in range(10)))
+
+    def run_async(n: int) -> None:
+        loop.run_until_complete(batch(n))
+
+    return run_async
 
 
 URL = "https://tool.test"
@@ -254,16 +256,18 @@ def instructions_main(n: int) -> None:
         f"bench_journal --instructions: MockTransport, {n} and {2 * n} calls per side under "
         f"cachegrind; load {os.getloadavg()[0]:.1f} (counts do not move with it)"
     )
+    total = CG_WARMUP + 2 * n
     with ExitStack() as stack:
         url = ""
         journals = ["none", "sqlite"]
         if shutil.which("redis-server"):
             url = stack.enter_context(redis_server()).url
             journals.append("redis")
-        me = [str(Path(__file__).resolve()), "--cg-total", str(2 * n), "--cg-redis", url]
         for driver in ("sync", "async"):
             per = {
-                j: instructions_per_call([*me, "--cg-journal", j, "--cg-driver", driver], n)
+                j: instructions(
+                    CG_TARGET, n, arg=f"{j}:{driver}:{total}:{url}", warmup=CG_WARMUP
+                ).total
                 for j in journals
             }
             label = "sync" if driver == "sync" else "async x10"
@@ -275,6 +279,10 @@ def instructions_main(n: int) -> None:
                 )
 
 
+CG_TARGET = "bench.bench_journal:cg_target"
+CG_WARMUP = 20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
@@ -284,15 +292,7 @@ def main() -> None:
         "--instructions", action="store_true", help="count instructions (cachegrind) instead"
     )
     parser.add_argument("--calls", type=int, default=200, help="n for --instructions")
-    parser.add_argument("--cg-journal", choices=("none", "sqlite", "redis"), help=SUPPRESS)
-    parser.add_argument("--cg-driver", choices=("sync", "async"), help=SUPPRESS)
-    parser.add_argument("--cg-calls", type=int, help=SUPPRESS)
-    parser.add_argument("--cg-total", type=int, help=SUPPRESS)
-    parser.add_argument("--cg-redis", default="", help=SUPPRESS)
     ns = parser.parse_args()
-    if ns.cg_journal is not None:
-        cg_worker(ns.cg_journal, ns.cg_driver, ns.cg_calls, ns.cg_total, ns.cg_redis)
-        return
     if ns.instructions:
         instructions_main(ns.calls)
         return
