@@ -327,8 +327,8 @@ def _encode(record: CallRecord) -> str:
     record whose values are of other types), so that each float's text comes from
     :func:`_float_text`."""
     values = list(values_of(record))
-    body = values.pop(_BODY_AT)
     values[_STATE_AT] = record.state.value
+    body = values.pop(_BODY_AT)
     parts = []
     for head, value in zip(_HEADS, values, strict=True):
         text = _value_text(value)
@@ -426,8 +426,7 @@ class RedisJournal:
                 "RedisJournal takes a redis:// URL, a redis.Redis or a redis.asyncio.Redis, "
                 f"got {type(redis_).__name__}"
             )
-        client = self._sync if self._sync is not None else self._async
-        self._utf8 = client is None or _sends_utf8(client.get_encoder())
+        self._utf8 = _sends_utf8(self._encoder())
         #: A call's script keys (begin and finish use the same ones), as sent: by
         #: (prefix, plan, key, args_hash); cleared when full.
         self._names: dict[tuple[str, str, str, str | None], tuple[str | bytes, ...]] = {}
@@ -443,6 +442,24 @@ class RedisJournal:
         return f"RedisJournal(prefix={self.prefix!r})"
 
     # --- clients and names --------------------------------------------------------------
+
+    def _encoder(self) -> Any:
+        """The encoder of the client this journal sends through (None: not known). A URL's
+        query can set ``encoding=`` and ``encoding_errors=``: it is read from a client built
+        from the URL (which opens no connection), so that a latin-1 URL keeps its keys in
+        latin-1 like every other command; a URL redis-py refuses leaves the journal on
+        redis-py's encoding, and the error to its first command, as before."""
+        client = self._sync if self._sync is not None else self._async
+        if client is not None:
+            return client.get_encoder()
+        try:
+            probe = redis.Redis.from_url(self._url or "")
+        except Exception:  # any refusal: said again, typed, at its first command
+            return None
+        try:
+            return probe.get_encoder()
+        finally:
+            probe.close()
 
     def _client(self) -> redis.Redis:
         if self._sync is None:
@@ -701,9 +718,15 @@ class RedisJournal:
         try:
             found = self._listed(plan, limit)
         except RedisError as exc:
+            advice = (
+                "Redis refused a command: check that nothing else writes under the "
+                "journal's prefix, or give it a prefix of its own"
+                if isinstance(exc, ResponseError)
+                else "Check that Redis is reachable, or pass another journal"
+            )
             raise JournalError(
                 f"the Redis journal failed ({type(exc).__name__}) while listing calls; "
-                "no record was changed. Check that Redis is reachable, or pass another journal",
+                f"no record was changed. {advice}",
                 sent=False,
             ) from None
         wanted = set(states) if states is not None else None

@@ -424,3 +424,54 @@ def test_records_are_written_field_by_field_as_json_writes_them(
     object.__setattr__(twice, "body", body)
     for each in (record, twice, record):
         assert _encode(each) == _encode_data(each)
+
+
+@pytest.mark.parametrize("query", ["?encoding=latin-1", "?encoding_errors=replace"])
+def test_a_url_that_sets_the_encoding_keeps_every_key_in_it(
+    query: str, redis_proc: RedisServer
+) -> None:
+    """A journal built from a URL whose query sets the client's encoding writes its
+    start's keys as every other command reads them: the call it began is found by
+    ``get`` and ``calls``, under the prefix's bytes in that encoding (a UTF-8 guess sent
+    them in UTF-8, and the call ran again in a process of the previous version)."""
+    prefix = f"jé{uuid.uuid4().hex[:8]}"
+    key = "p:step_001:" + "ab" * 32
+    journal = RedisJournal(redis_proc.url + query, prefix=prefix)
+    try:
+        journal.begin(_pending(key))
+        found, listed = journal.get(key), journal.calls()
+    finally:
+        journal.close()
+    assert found is not None
+    assert found.key == key
+    assert [r.key for r in listed] == [key]
+    encoding = "latin-1" if "latin-1" in query else "utf-8"
+    client = redis.Redis.from_url(redis_proc.url)
+    try:
+        stored = [
+            bytes(k) for k in client.keys(prefix.encode(encoding) + b"*") if isinstance(k, bytes)
+        ]
+    finally:
+        client.close()
+    assert stored
+    assert all(k.startswith(prefix.encode(encoding)) for k in stored)
+
+
+def test_a_refused_listing_says_what_else_wrote_there(redis_proc: RedisServer) -> None:
+    """``calls()`` over a key of the wrong type is JournalError naming the listing and
+    the prefix's other writer, not advice to check that Redis is reachable."""
+    from agentkey import JournalError
+
+    prefix = f"cmd{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_proc.url)
+    journal = RedisJournal(redis_proc.url, prefix=prefix)
+    try:
+        client.set(journal._calls_key, "not an index")
+        with pytest.raises(JournalError) as caught:
+            journal.calls()
+    finally:
+        journal.close()
+        client.close()
+    assert "while listing calls" in str(caught.value)
+    assert "nothing else writes under the journal's prefix" in str(caught.value)
+    assert caught.value.sent is False
