@@ -356,7 +356,7 @@ class Lifecycle:
         )
         if isinstance(decision, Run):
             if decision.renew:
-                decision = await self._renewed(claim, decision)
+                decision = await self._renewed(claim, decision, checked)
         elif isinstance(decision, Conflict):
             decision = await self._hold(claim, checked, decision, until)
         if isinstance(decision, Run):
@@ -376,17 +376,34 @@ class Lifecycle:
             existing = exc
         return on_claimed(existing, checked, owner=owner, now_ms=now, retry_after=self.retry_after)
 
-    async def _renewed(self, claim: Claim, decision: Run) -> Problem | Run | Replay:
-        """``decision`` once our own claim, read back (``Run(renew=True)``), is renewed."""
+    async def _renewed(
+        self, claim: Claim, decision: Run, checked: Checked
+    ) -> Problem | Run | Replay:
+        """``decision`` once our own claim, read back (``Run(renew=True)``), is renewed.
+
+        A renewal that finds the key taken by another request (our lease lapsed between
+        the write and its read-back) runs nothing: the answer is decided again on the
+        record there now (409 in progress, a replay, in doubt...), or 503 if it is gone
+        again, so the handler never runs beside the request that holds the key."""
         if not decision.renew:
             return decision
         try:
-            await claim.renew()
+            if await claim.renew():
+                return decision
+            existing = await self.store.get(claim.record_key)
         except StoreError as exc:
             failed = unavailable(self.retry_after, str(exc))
             self._log_unavailable(claim.idempotency_key, failed)
             return failed
-        return decision
+        now = wall_ms(self.clock)
+        again = on_claimed(
+            existing, checked, owner=claim.owner, now_ms=now, retry_after=self.retry_after
+        )
+        if isinstance(again, Run):  # gone again, or (never) ours: nothing ran, try again
+            return unavailable(
+                self.retry_after, "the key changed hands while this request claimed it"
+            )
+        return again
 
     def _log_unavailable(self, key: str, decision: Unavailable) -> None:
         _logger.error(
@@ -404,7 +421,7 @@ class Lifecycle:
             now,
         )
         if isinstance(decision, Run):
-            return await self._renewed(claim, decision)
+            return await self._renewed(claim, decision, checked)
         if isinstance(decision, Unavailable):
             self._log_unavailable(claim.idempotency_key, decision)
         return decision

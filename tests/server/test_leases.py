@@ -33,7 +33,7 @@ from agentkey.server import (
     current_claim,
 )
 from agentkey.server._decide import in_progress_retry_after
-from agentkey.server._records import Binding, InProgress, digest
+from agentkey.server._records import Binding, InProgress, decode_record, digest, encode_in_progress
 from agentkey.testing import FakeClock
 from tests._loopback import RedisServer, free_port, serve
 from tests.server._util import request_for
@@ -430,3 +430,46 @@ def test_the_first_renewal_queue_lets_its_loop_go() -> None:
     gc.collect()
     assert gone() is None
     assert all(key is not None for key in claim_module._QUEUES)
+
+
+class _TakenAtReadBack(MemoryStore):
+    """Our claim lands, its answer is lost and the re-sent SET reads our own record back
+    (as redis-py's retry of ``SET ... GET`` does); before the renewal that follows,
+    our lease lapsed and another request (owner ``e...``, renewing) claimed the key."""
+
+    async def claim(self, key: str, value: bytes, *, ttl_ms: int) -> bytes | None:
+        got = await super().claim(key, value, ttl_ms=ttl_ms)
+        if got is None:
+            mine = decode_record(value, key="k")
+            assert isinstance(mine, InProgress)
+            other = encode_in_progress(
+                "e" * 32, mine.started_ms, lease_end_ms=2**50, renew_ms=5_000,
+                binding=mine.binding,
+            )  # fmt: skip
+            assert await self.finish(key, mine.owner, other, ttl_ms=3_600_000)
+            return value
+        return got
+
+
+def test_a_claim_read_back_after_another_request_took_the_key_runs_nothing() -> None:
+    """Our own claim read back, whose renewal finds another request's live lease: the
+    handler does not run beside it (it ran once, a duplicate, before); the client gets
+    the 409 in progress that request's record calls for, over uvicorn."""
+    runs: list[int] = []
+
+    async def charge(request: Request) -> JSONResponse:
+        runs.append(1)
+        return JSONResponse({"charged": len(runs)})
+
+    headers, body = request_for({"amount": 5})
+    app = IdempotencyMiddleware(
+        Starlette(routes=[Route("/charge", charge, methods=["POST"])]),
+        store=_TakenAtReadBack(),
+        shared_key_space=True,
+    )
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        answer = client.post("/charge", headers=headers, content=body)
+    assert runs == []
+    assert answer.status_code == 409
+    assert answer.json()["type"] == "urn:agentkey:problem:in_progress"
+    assert "retry-after" in answer.headers
