@@ -5,10 +5,8 @@ their own way. Between those two ends they do the same I/O around the pure
 decisions of :mod:`agentkey.server._decide`, and it lives here, once::
 
     resolve_principal(func, request)      -> str | None (None: refuse, nothing is looked up)
-    Lifecycle.new_claim(checked, principal) -> Claim
-    Lifecycle.claim(claim, checked, hold=) -> Run | Replay | Conflict | Unavailable | Reject
     Lifecycle.open(checked, principal, hold=) -> Claim | Doubted | Replay | Problem
-        (both at once: a replay or a refusal builds no Claim; a run is its Claim)
+        (a replay or a refusal builds no Claim; a run is its Claim)
     Lifecycle.reconcile(doubted, checked, hook, ...) -> Claim | Replay | Problem
         ... the tool runs, its lease renewed ...
     Lifecycle.settle(claim, on_finished(...), deliver=)  -> "claimed" | "failed" | "released"
