@@ -71,7 +71,8 @@ def _store_at(root: Path, rev: str) -> Any:
     spec = importlib.util.spec_from_file_location(
         name, package / "__init__.py", submodule_search_locations=[str(package)]
     )
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -247,9 +248,7 @@ def main() -> None:
             before = (ns.against, _store_at(root, ns.against))
         pg = stack.enter_context(postgres_server(durable=True))
         rows = asyncio.run(
-            measure(
-                pg.dsn, rounds, calls, before=before, kinds=kinds, concurrencies=concurrencies
-            )
+            measure(pg.dsn, rounds, calls, before=before, kinds=kinds, concurrencies=concurrencies)
         )
     print(f"  {load_line(at_start)}")
     partial = ns.against or ns.only or ns.concurrency
