@@ -286,6 +286,9 @@ def _alive(conn: _Connection) -> bool:
     """
     if conn.closed:
         return False
+    poller = conn._agentkey_poller
+    if poller is not None and not poller.poll(0):
+        return True  # the usual case: the socket this connection keeps has nothing to read
     fd = conn.fileno()
     for _ in range(3):
         if not _readable(conn, fd):
