@@ -223,7 +223,9 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds per row")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
