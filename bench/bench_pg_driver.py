@@ -17,6 +17,13 @@ palindromic (ABBA) rounds; a row's ratio is its CPU over psycopg's, paired by ro
 
     python bench/bench_pg_driver.py           # about a minute: writes bench/results/pg_driver.json
     python bench/bench_pg_driver.py --smoke   # a few seconds, for CI (writes nothing)
+    python bench/bench_pg_driver.py --against 1221695 --only read --concurrency 64
+        # adds the PostgresStore of that git revision, in the same process and the same
+        # rounds: a same-run before/after (its row's ratio is to psycopg, like the others)
+
+``--against`` imports the revision's ``agentkey`` package (from ``git archive``) under
+another name, ``agentkey_at_<rev>``, so both stores run on one event loop, one PostgreSQL
+and one table, slot by slot; nothing of the old tree is imported as ``agentkey``.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import secrets
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # agentkey, ben
 
 from agentkey.server._postgres import PostgresStore
 from agentkey.server._records import encode_in_progress
-from bench._harness import load_line, machine, palindrome, spread, write_results
+from bench._harness import fmt, load_line, machine, palindrome, spread, write_results
+from bench.bench_postgres import tree_at
 from tests._postgres import postgres_server
 
 TABLE = "driver_records"
@@ -53,9 +63,37 @@ def _asyncpg() -> Any:
         return None
 
 
-async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
+def _store_at(root: Path, rev: str) -> Any:
+    """``PostgresStore`` of the ``agentkey`` package under ``root`` (a tree at ``rev``),
+    imported as ``agentkey_at_<rev>``: beside this tree's, never instead of it."""
+    name = "agentkey_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    package = root / "agentkey"
+    spec = importlib.util.spec_from_file_location(
+        name, package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module(f"{name}.server._postgres").PostgresStore
+
+
+async def measure(
+    dsn: str,
+    rounds: int,
+    calls: int,
+    *,
+    before: tuple[str, Any] | None = None,
+    kinds: tuple[str, ...] = ("read", "claim"),
+    concurrencies: tuple[int, ...] = (1, 64),
+) -> list[dict[str, Any]]:
     store = PostgresStore(dsn, table=TABLE, max_size=64)
     await store.create_table()
+    old: Any = None
+    if before is not None:
+        old = before[1](dsn, table=TABLE, max_size=64)
+        await old.create_table()
     value = encode_in_progress(secrets.token_hex(16), 1)
     await store.claim("replayed", b"C:stored", ttl_ms=10**9)
     claim, get = store._sql["claim"].decode(), store._sql["get"].decode()
@@ -67,6 +105,10 @@ async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
     ops: dict[str, dict[str, Op]] = {"read": {}, "claim": {}}
     ops["read"]["PostgresStore"] = lambda t, i: store.get("replayed")
     ops["claim"]["PostgresStore"] = lambda t, i: store.claim(new_key(), value, ttl_ms=60_000)
+    if old is not None:
+        at = f"PostgresStore at {before[0]}" if before else ""
+        ops["read"][at] = lambda t, i: old.get("replayed")
+        ops["claim"][at] = lambda t, i: old.claim(new_key(), value, ttl_ms=60_000)
 
     async def psy_read(t: int, i: int) -> Any:
         return await (await conns[t].execute(get, {"k": "replayed"})).fetchall()
@@ -125,7 +167,9 @@ async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         for kind, sides in ops.items():
-            for concurrency in (1, 64):
+            if kind not in kinds:
+                continue
+            for concurrency in concurrencies:
                 for op in sides.values():  # warm-up: connections, prepared statements
                     await slot(op, concurrency)
                 got: dict[str, list[float]] = {name: [] for name in sides}
@@ -133,6 +177,16 @@ async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
                     for name in palindrome(list(sides)):
                         got[name].append(await slot(sides[name], concurrency))
                 base = got["psycopg"]
+                if before is not None:  # this tree's store over the old one's, round by round
+                    new_, old_ = got["PostgresStore"], got[f"PostgresStore at {before[0]}"]
+                    ab = [
+                        (new_[2 * r] + new_[2 * r + 1]) / (old_[2 * r] + old_[2 * r + 1])
+                        for r in range(rounds)
+                    ]
+                    print(
+                        f"  {kind:<5} c={concurrency:<3} PostgresStore, this tree / at "
+                        f"{before[0]}: {fmt(spread(ab))}"
+                    )
                 for name, values in got.items():
                     if name == batched:
                         values = [v / BATCH for v in values]
@@ -163,21 +217,44 @@ async def measure(dsn: str, rounds: int, calls: int) -> list[dict[str, Any]]:
         for aconn in aconns:
             await aconn.close()
         await store.aclose()
+        if old is not None:
+            await old.aclose()
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds per row")
     parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="also run the PostgresStore of git revision REV, in the same rounds",
+    )
+    parser.add_argument("--only", choices=("read", "claim"), help="one kind of statement")
+    parser.add_argument(
+        "--concurrency", type=int, choices=(1, 64), help="one concurrency (default: both)"
+    )
     ns = parser.parse_args()
     at_start = machine()
     rounds, calls = (1, 8) if ns.smoke else (ns.rounds, 300)
-    with postgres_server(durable=True) as pg:
-        rows = asyncio.run(measure(pg.dsn, rounds, calls))
+    kinds = (ns.only,) if ns.only else ("read", "claim")
+    concurrencies = (ns.concurrency,) if ns.concurrency else (1, 64)
+    with ExitStack() as stack:
+        before = None
+        if ns.against:
+            root = stack.enter_context(tree_at(ns.against))
+            before = (ns.against, _store_at(root, ns.against))
+        pg = stack.enter_context(postgres_server(durable=True))
+        rows = asyncio.run(
+            measure(pg.dsn, rounds, calls, before=before, kinds=kinds, concurrencies=concurrencies)
+        )
     print(f"  {load_line(at_start)}")
-    if not ns.smoke or ns.out:
+    partial = ns.against or ns.only or ns.concurrency
+    if (not ns.smoke and not partial) or ns.out:  # a partial run writes only where told
         method = (
             "one process; process CPU per statement (per key for batches); palindromic (ABBA) "
             "rounds; ratio per round = row / psycopg execute; PostgreSQL with fsync on"

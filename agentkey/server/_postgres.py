@@ -229,10 +229,16 @@ class _Slots:
         self._free = size
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    async def acquire(self, timeout: float) -> None:
-        """Take a slot, waiting at most ``timeout`` seconds (then :class:`PoolTimeout`)."""
+    def take(self) -> bool:
+        """Take a free slot if one is free and nobody waits for it (no await: no task switch)."""
         if self._free and not self._waiters:
             self._free -= 1
+            return True
+        return False
+
+    async def acquire(self, timeout: float) -> None:
+        """Take a slot, waiting at most ``timeout`` seconds (then :class:`PoolTimeout`)."""
+        if self.take():
             return
         loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = loop.create_future()
@@ -280,6 +286,9 @@ def _alive(conn: _Connection) -> bool:
     """
     if conn.closed:
         return False
+    poller = conn._agentkey_poller
+    if poller is not None and not poller.poll(0):
+        return True  # the usual case: the socket this connection keeps has nothing to read
     fd = conn.fileno()
     for _ in range(3):
         if not _readable(conn, fd):
@@ -609,9 +618,16 @@ class PostgresStore:
         # A deadline on the real clock: the pool waits for a connection in real time.
         deadline = real_deadline(self._clock, self._clock.monotonic() + timeout)
         assert deadline is not None
-        await self._slots.acquire(timeout)
+        if not self._slots.take():  # the usual case takes its slot without a coroutine
+            await self._slots.acquire(timeout)
         try:
-            return await self._live(deadline)
+            # The usual case, inline: the first connection the pool hands over is alive.
+            conn = await self._getconn(deadline)
+            if _alive(conn):
+                return conn
+            await conn.close()
+            await self._pool.putconn(conn)
+            return await self._live(deadline, looked_at=1)
         except BaseException:
             self._slots.release()
             raise
@@ -622,13 +638,14 @@ class PostgresStore:
         finally:
             self._slots.release()
 
-    async def _live(self, deadline: float) -> _Connection:
+    async def _live(self, deadline: float, looked_at: int = 0) -> _Connection:
         """A pooled connection not known to be dead; dead ones go back to be replaced.
 
         After a restart every idle connection is dead: the pool replaces each one
-        returned closed, so at most the pool's size are looked at.
+        returned closed, so at most the pool's size are looked at (``looked_at`` of them
+        already were).
         """
-        for _ in range(self._max_size):
+        for _ in range(looked_at, self._max_size):
             conn = await self._getconn(deadline)
             if _alive(conn):
                 return conn
@@ -735,7 +752,9 @@ class PostgresStore:
         for _ in range(20):
             rows = await self._one("claim", key, params)
             if rows:
-                await self._maybe_sweep()
+                self._claims += 1  # counted here: no coroutine per claim for a rare sweep
+                if self.sweep_every and self._claims % self.sweep_every == 0:
+                    await self._sweep()
                 return None if rows[0][1] else bytes(rows[0][0])
             # A concurrent claim committed between this statement's snapshot and its
             # INSERT: the record exists now, so the next attempt reads it.
@@ -799,13 +818,12 @@ class PostgresStore:
         rows = await self._one("purge", self.table, params)
         return len(rows)
 
-    async def _maybe_sweep(self) -> None:
-        self._claims += 1
-        if self.sweep_every and self._claims % self.sweep_every == 0:
-            try:
-                await self.purge(limit=self.SWEEP_LIMIT)
-            except StoreError as exc:  # a failed sweep must not fail the request
-                _logger.warning("purging expired idempotency records failed: %s", exc)
+    async def _sweep(self) -> None:
+        """The inline purge every ``sweep_every`` claims (counted by :meth:`claim`)."""
+        try:
+            await self.purge(limit=self.SWEEP_LIMIT)
+        except StoreError as exc:  # a failed sweep must not fail the request
+            _logger.warning("purging expired idempotency records failed: %s", exc)
 
     # --- transactional completion -------------------------------------------------
 
