@@ -48,8 +48,9 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def commit() -> str:
     """The checkout's commit (``git rev-parse --short HEAD``), ``+dirty`` when a tracked file
-    differs from it; ``unknown`` outside a git checkout. ``report.py`` compares it with the
-    last commit of the code a bench measures, to mark figures older than that code."""
+    outside ``bench/results`` differs from it; ``unknown`` outside a git checkout.
+    ``report.py`` compares it with the last commit of the code a bench measures, to mark
+    figures older than that code."""
 
     def git(*args: str) -> str:
         command = ["git", *args]
@@ -58,7 +59,8 @@ def commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        # Results written by an earlier bench of the same run are not code: not dirty.
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if changed else "")
