@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -633,6 +634,8 @@ def instructions(
     two runs divided by ``iterations``. Instruction counts do not move with the machine's
     load, unlike CPU time: compare two trees or two configurations by them.
     """
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (cachegrind) on PATH")
     runs = [_cachegrind(target, arg, warmup, n, env or {}) for n in (iterations, 2 * iterations)]
     (small, small_gc), (big, big_gc) = runs
     by_function = {

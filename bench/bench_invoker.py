@@ -41,7 +41,6 @@ import asyncio
 import importlib.util
 import itertools
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -375,8 +374,6 @@ def cg_target(arg: str) -> Callable[[int], None]:
 
 
 def instructions_main(n: int) -> None:
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind (cachegrind) on PATH")
     print(
         f"bench_invoker --instructions: sync in-process (MockTransport), {n} and {2 * n} "
         f"calls per side under cachegrind; load {os.getloadavg()[0]:.1f} (counts do not "

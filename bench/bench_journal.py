@@ -250,8 +250,6 @@ def mock() -> httpx.MockTransport:
 
 
 def instructions_main(n: int) -> None:
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind (cachegrind) on PATH")
     print(
         f"bench_journal --instructions: MockTransport, {n} and {2 * n} calls per side under "
         f"cachegrind; load {os.getloadavg()[0]:.1f} (counts do not move with it)"

@@ -56,6 +56,13 @@ BATCH = 16
 Op = Callable[[int, int], Awaitable[Any]]  # (task index, call index) -> one statement
 
 
+def per_round(values: list[float], base: list[float], rounds: int) -> list[float]:
+    """Each palindromic round's ratio: its two slots of ``values`` over its two of ``base``."""
+    return [
+        (values[2 * r] + values[2 * r + 1]) / (base[2 * r] + base[2 * r + 1]) for r in range(rounds)
+    ]
+
+
 def _asyncpg() -> Any:
     try:
         return importlib.import_module("asyncpg")
@@ -179,10 +186,7 @@ async def measure(
                 base = got["psycopg"]
                 if before is not None:  # this tree's store over the old one's, round by round
                     new_, old_ = got["PostgresStore"], got[f"PostgresStore at {before[0]}"]
-                    ab = [
-                        (new_[2 * r] + new_[2 * r + 1]) / (old_[2 * r] + old_[2 * r + 1])
-                        for r in range(rounds)
-                    ]
+                    ab = per_round(new_, old_, rounds)
                     print(
                         f"  {kind:<5} c={concurrency:<3} PostgresStore, this tree / at "
                         f"{before[0]}: {fmt(spread(ab))}"
@@ -190,10 +194,7 @@ async def measure(
                 for name, values in got.items():
                     if name == batched:
                         values = [v / BATCH for v in values]
-                    paired = [
-                        (values[2 * r] + values[2 * r + 1]) / (base[2 * r] + base[2 * r + 1])
-                        for r in range(rounds)
-                    ]
+                    paired = per_round(values, base, rounds)
                     print(
                         f"  {kind:<5} c={concurrency:<3} {name:<34} "
                         f"{statistics.median(values):7.1f} us  "
